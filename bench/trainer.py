@@ -1,0 +1,262 @@
+"""Training throughput of three input pipelines, same model and step:
+
+  synthetic  random normalized tensors already on the device (the model's ceiling)
+  fast       real Flowers-102 through the trainer's fast path: uint8 cache on the device,
+             batched augmentation there (random-resized crop + flip)
+  classic    torchvision Flowers102 + PIL transforms (RandomResizedCrop, flip, ToTensor,
+             Normalize) in a DataLoader with worker processes
+
+Example (CPU):
+    python bench/trainer.py --arch resnet18 --resolution 64 --batch 64 --steps 20 \\
+        --device cpu --json bench-trainer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torchvision
+from hpsearch.config import Hyperparams, validate_config
+from hpsearch.trainer import augment, data
+from hpsearch.trainer.losses import make_loss
+from hpsearch.trainer.models import build_model
+from hpsearch.trainer.optim import make_optimizer
+from hpsearch.trainer.trial import _autocast, resolve_device, resolve_precision
+from torch import Tensor
+from torchvision import transforms as T
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--arch", default="resnet18")
+    p.add_argument("--resolution", type=int, default=64, help="train image size, px")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per pipeline")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    p.add_argument("--no-channels-last", action="store_true")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="DataLoader workers for the classic pipeline",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=os.environ.get("HPSEARCH_DATA_DIR", str(REPO.parent / "shared" / "datasets")),
+    )
+    p.add_argument("--workdir", default=".hpsearch", help="the fast path's cache lives here")
+    p.add_argument("--modes", default="synthetic,fast,classic")
+    p.add_argument("--json", dest="json_path", default=None, help="write results here")
+    return p.parse_args(argv)
+
+
+def make_step(args: argparse.Namespace, device: torch.device) -> Callable[[Tensor, Tensor], Tensor]:
+    """One SGD step of the trainer's model/optimizer/loss on a normalized float batch."""
+    hp = Hyperparams(arch=args.arch, batch_size=args.batch, lr=0.01)
+    cfg = validate_config({"name": "bench", "dataset": {"name": "synthetic"}})
+    model = build_model(cfg, hp, 102)
+    fmt = torch.contiguous_format if args.no_channels_last else torch.channels_last
+    model = model.to(device, memory_format=fmt).train()
+    opt = make_optimizer(model, hp, hp.lr)
+    loss_fn = make_loss(hp)
+    amp = resolve_precision(args.precision, device)
+
+    def step(x: Tensor, y: Tensor) -> Tensor:
+        x = x.contiguous(memory_format=fmt)
+        with _autocast(device, amp):
+            logits = model(x)
+        loss = loss_fn(logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_steps(
+    batches: Iterator[tuple[Tensor, Tensor]],
+    step: Callable[[Tensor, Tensor], Tensor],
+    n: int,
+    device: torch.device,
+) -> list[tuple[int, float]]:
+    """(images, seconds) of each of n steps, input pipeline included."""
+    out = []
+    for _ in range(n):
+        sync(device)
+        start = time.perf_counter()
+        x, y = next(batches)
+        step(x, y)
+        sync(device)
+        out.append((x.shape[0], time.perf_counter() - start))
+    return out
+
+
+def synthetic_batches(
+    args: argparse.Namespace, device: torch.device
+) -> Iterator[tuple[Tensor, Tensor]]:
+    g = torch.Generator(device=device).manual_seed(0)
+    r = args.resolution
+    x = torch.randn(args.batch, 3, r, r, device=device, generator=g)
+    y = torch.randint(0, 102, (args.batch,), device=device, generator=g)
+    while True:
+        yield x, y
+
+
+def fast_batches(
+    args: argparse.Namespace, device: torch.device, info: dict[str, Any]
+) -> Iterator[tuple[Tensor, Tensor]]:
+    cfg = validate_config(
+        {
+            "name": "bench",
+            "dataset": {"name": "flowers102", "root": args.data_dir, "image_size": args.resolution},
+        }
+    )
+    src = data.get_source(cfg, "train")
+    assert src is not None
+    size = cfg.dataset.effective_cache_size
+    t0 = time.perf_counter()
+    dec = data.load_or_build_cache(src, size, Path(args.workdir))
+    info["cache_seconds"] = time.perf_counter() - t0
+    info["cache_built"] = dec.built
+    images = torch.from_numpy(dec.images).permute(0, 3, 1, 2).to(device)
+    labels = torch.from_numpy(dec.labels).to(device)
+    spec = augment.AugmentSpec("crop_flip", 0.5, args.resolution, 102)
+    gen = torch.Generator(device=device).manual_seed(0)
+    np_rng = np.random.default_rng(0)
+    while True:
+        perm = torch.randperm(len(labels), generator=gen, device=device)
+        for i in range(len(labels) // args.batch):
+            idx = perm[i * args.batch : (i + 1) * args.batch]
+            yield augment.train_batch(images[idx], labels[idx], spec, gen, np_rng)
+
+
+def classic_batches(
+    args: argparse.Namespace, device: torch.device
+) -> Iterator[tuple[Tensor, Tensor]]:
+    tf = T.Compose(
+        [
+            T.RandomResizedCrop(args.resolution, scale=(0.54, 1.0), antialias=True),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize(augment.MEAN, augment.STD),
+        ]
+    )
+    ds = torchvision.datasets.Flowers102(args.data_dir, split="train", transform=tf)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=args.batch,
+        shuffle=True,
+        drop_last=True,
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=args.workers > 0,
+    )
+    while True:
+        for x, y in loader:
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    torch.manual_seed(0)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    results: dict[str, dict[str, Any]] = {}
+    infos: dict[str, dict[str, Any]] = {}
+    pipes: dict[str, tuple[Iterator[tuple[Tensor, Tensor]], Callable[[Tensor, Tensor], Tensor]]]
+    pipes = {}
+    for mode in modes:
+        info: dict[str, Any] = {}
+        if mode == "synthetic":
+            batches = synthetic_batches(args, device)
+        elif mode == "fast":
+            batches = fast_batches(args, device, info)
+        elif mode == "classic":
+            batches = classic_batches(args, device)
+        else:
+            print(f"unknown mode {mode!r}", file=sys.stderr)
+            return 2
+        pipes[mode] = (batches, make_step(args, device))  # a fresh model per pipeline
+        infos[mode] = info
+        run_steps(*pipes[mode], args.warmup, device)
+
+    # synthetic and fast alternate step by step, so that load from other processes hits both
+    # alike; classic runs alone at the end (its workers would prefetch during other steps).
+    # Throughput uses the median step time, which ignores bursts of foreign load.
+    steps: dict[str, list[tuple[int, float]]] = {m: [] for m in modes}
+    in_process = [m for m in modes if m != "classic"]
+    for _ in range(args.steps):
+        for mode in in_process:
+            steps[mode] += run_steps(*pipes[mode], 1, device)
+    if "classic" in pipes:
+        steps["classic"] = run_steps(*pipes["classic"], args.steps, device)
+    for mode in modes:
+        times = [t for _, t in steps[mode]]
+        images = sum(n for n, _ in steps[mode])
+        median = float(np.median(times))
+        results[mode] = {
+            **infos[mode],
+            "images_per_second": args.batch / median,
+            "ms_per_step": 1000 * median,
+            "mean_images_per_second": images / sum(times),
+            "step_seconds": times,
+        }
+
+    base = results.get("synthetic", {}).get("images_per_second")
+    print(
+        f"{args.arch} {args.resolution}px batch {args.batch} on {device} "
+        f"({torch.get_num_threads()} threads), {args.steps} timed steps"
+    )
+    print(
+        f"{'pipeline':<10} {'images/s':>10} {'ms/step':>9} {'vs synthetic':>13} {'mean img/s':>11}"
+    )
+    for mode, r in results.items():
+        rel = f"{100 * (base / r['images_per_second'] - 1):+.1f}%" if base else "-"
+        print(
+            f"{mode:<10} {r['images_per_second']:>10.1f} {r['ms_per_step']:>9.1f} {rel:>13} "
+            f"{r['mean_images_per_second']:>11.1f}"
+        )
+        if base:
+            r["overhead_vs_synthetic"] = base / r["images_per_second"] - 1
+    if "fast" in results:
+        f = results["fast"]
+        print(
+            f"fast-path cache: {'built' if f['cache_built'] else 'loaded'} in "
+            f"{f['cache_seconds']:.1f}s (one time per dataset/size)"
+        )
+    if args.json_path:
+        out = {
+            "args": vars(args),
+            "device": str(device),
+            "torch": torch.__version__,
+            "torchvision": torchvision.__version__,
+            "cpu_threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "results": results,
+        }
+        Path(args.json_path).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

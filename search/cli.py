@@ -1,0 +1,596 @@
+"""The `hpsearch` command. Each command parses, calls a library function, and prints.
+
+Library errors (HpsearchError) become one line on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from hpsearch import __version__
+from hpsearch.errors import HpsearchError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _edge(fn: F) -> F:
+    """Turn library errors into click errors: one line, exit code 1, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except HpsearchError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _study_options(fn: F) -> F:
+    opts = [
+        click.option("--study", "-s", required=True, help="Study name in studies/ or a YAML path."),
+        click.option(
+            "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+            help="Override a study field, e.g. --set budget.max_epochs=2 (repeatable).",
+        ),
+        click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+                     help="Dataset root (else HPSEARCH_DATA_DIR, else the study file)."),
+        click.option("--download", is_flag=True, default=None,
+                     help="Allow downloading the dataset if it is missing."),
+        click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+                     default=Path(".hpsearch"), show_default=True, envvar="HPSEARCH_WORKDIR",
+                     help="Work folder: journal storage, data cache, checkpoints, MLflow store."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+                     show_default=True, help="Where trials train."),
+    ]  # fmt: skip
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _storage_option(fn: F) -> F:
+    return click.option(
+        "--storage", default=None, metavar="URL",
+        help="Optuna storage URL (postgresql://user@host/db); else HPSEARCH_STORAGE, "
+        "else the journal file in --workdir.",
+    )(fn)  # fmt: skip
+
+
+def _tracking_options(fn: F) -> F:
+    fn = click.option("--no-tracking", is_flag=True, help="Do not log to MLflow at all.")(fn)
+    return click.option(
+        "--tracking-uri", default=None, metavar="URI",
+        help="MLflow tracking server; else MLFLOW_TRACKING_URI, else an embedded server.",
+    )(fn)  # fmt: skip
+
+
+def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
+          trials: int | None = None) -> Any:  # fmt: skip
+    from hpsearch.config import load_config
+
+    sets = list(overrides)
+    if trials is not None:
+        sets.append(f"budget.n_trials={trials}")
+    return load_config(study, sets, data_dir=data_dir, download=download)
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            from hpsearch.errors import DeviceError
+
+            raise DeviceError("--device: 'cuda': CUDA is not available on this machine")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hpsearch")
+def cli() -> None:
+    """Hyperparameter search for image classifiers: Optuna + PostgreSQL + MLflow.
+
+    \b
+    Example:
+      hpsearch launch --study flowers102 --workers 4 --data-dir ../shared/datasets
+    """
+
+
+@cli.command()
+@_study_options
+@_storage_option
+@_tracking_options
+@click.option(
+    "--workers",
+    "-w",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes on this machine.",
+)
+@click.option(
+    "--trials",
+    "-n",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Total trials of the study (all launches together); else the study file.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Stop handing out trials after SEC seconds.",
+)
+@click.option(
+    "--gpus",
+    default=None,
+    metavar="0,1,...",
+    help="GPUs to use; workers are placed round-robin (several may share one).",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Restarts of a worker that crashed.",
+)
+@click.option(
+    "--max-retries",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Retries (resumed from checkpoint) of a trial whose worker died.",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=120.0,
+    show_default=True,
+    help="Seconds the first Ctrl-C waits for running trials to checkpoint.",
+)
+@click.option(
+    "--heartbeat",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="Trial heartbeat in seconds (PostgreSQL); stale after twice that.",
+)
+@click.option("--train-fn", default="", hidden=True, help="module:function replacing the trainer.")
+@_edge
+def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
+           workdir: Path, device: str, storage: str | None, tracking_uri: str | None,
+           no_tracking: bool, workers: int, trials: int | None, timeout: float | None,
+           gpus: str | None, max_restarts: int, max_retries: int, grace: float, heartbeat: int,
+           train_fn: str) -> None:  # fmt: skip
+    """Create or resume a study and run WORKERS supervised worker processes.
+
+    \b
+    Examples:
+      hpsearch launch --study flowers102 --workers 4 --data-dir ../shared/datasets
+      hpsearch launch --study tiny --workers 3 --trials 6 \\
+          --storage postgresql://postgres@127.0.0.1/test --set budget.max_epochs=1
+    """
+    from hpsearch.launcher import (
+        Launcher,
+        LaunchOptions,
+        Progress,
+        check_gpus,
+        format_progress,
+        parse_gpus,
+    )
+    from hpsearch.storage import resolve_storage
+    from hpsearch.tracking.server import resolve_tracking_uri
+
+    cfg = _load(study, overrides, data_dir, download, trials)
+    gpu_list = parse_gpus(gpus)
+    if gpu_list or device == "cuda":
+        import torch
+
+        check_gpus(gpu_list, torch.cuda.device_count(), device)
+    spec = resolve_storage(storage, workdir)
+    opts = LaunchOptions(
+        workers=workers,
+        workdir=workdir,
+        gpus=gpu_list,
+        device=device,
+        tracking_uri=resolve_tracking_uri(tracking_uri),
+        tracking=not no_tracking,
+        timeout_s=timeout if timeout is not None else cfg.budget.timeout_s,
+        train_fn=train_fn,
+        max_restarts=max_restarts,
+        max_retries=max_retries,
+        heartbeat_interval_s=heartbeat,
+        grace_s=grace,
+    )
+
+    def show(p: Progress) -> None:
+        click.echo(p.message if p.message else format_progress(p), err=bool(p.message) and False)
+
+    click.echo(f"study {cfg.name}: {cfg.budget.n_trials} trials, {workers} workers, "
+               f"storage {spec.display}")  # fmt: skip
+    launcher = Launcher(cfg, spec, opts, on_progress=show)
+    _on_signals(launcher.stop, "launch")
+    summary = launcher.run()
+    c = summary.counts
+    best = (
+        f"{summary.best_value:.4f} (trial {summary.best_trial})"
+        if summary.best_value is not None
+        else "-"
+    )
+    click.echo(f"done ({summary.stopped_by}): complete {c['complete']} pruned {c['pruned']} "
+               f"failed {c['fail']} waiting {c['waiting']} | best {best}")  # fmt: skip
+    if summary.tracking_uri:
+        click.echo(f"MLflow: {summary.tracking_uri} (hpsearch ui --workdir {workdir})")
+    if summary.stopped_by == "workers_failed":
+        raise click.ClickException("every worker crashed; see the messages above and "
+                                   f"{workdir}/logs/")  # fmt: skip
+    if summary.stopped_by == "interrupted":
+        sys.exit(130)
+
+
+def _on_signals(stop: Callable[[], None], what: str) -> None:
+    """First Ctrl-C/SIGTERM: graceful stop; second: immediate."""
+    count = {"n": 0}
+
+    def handler(signum: int, frame: Any) -> None:
+        count["n"] += 1
+        first = "stopping after the current epoch (Ctrl-C again to kill)"
+        click.echo(f"\n{what}: {first if count['n'] == 1 else 'killing now'}", err=True)
+        stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+@cli.command()
+@_study_options
+@_storage_option
+@_tracking_options
+@click.option("--worker-id", default="", help="Name shown in status and tags (default host:pid).")
+@click.option(
+    "--trials",
+    "-n",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Set the study's total trials (else the budget the last launch set).",
+)
+@click.option(
+    "--max-trials",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop this worker after N trials.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Stop asking for trials after SEC seconds.",
+)
+@click.option(
+    "--max-retries",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Retries of a trial whose worker died (stale heartbeat).",
+)
+@click.option(
+    "--heartbeat",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="Trial heartbeat in seconds (PostgreSQL); stale after twice that.",
+)
+@click.option("--train-fn", default="", hidden=True, help="module:function replacing the trainer.")
+@_edge
+def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
+           workdir: Path, device: str, storage: str | None, tracking_uri: str | None,
+           no_tracking: bool, worker_id: str, trials: int | None, max_trials: int | None,
+           timeout: float | None,
+           max_retries: int, heartbeat: int, train_fn: str) -> None:  # fmt: skip
+    """Join an existing study from any machine and run trials until its budget is spent.
+
+    \b
+    Example:
+      hpsearch worker --study flowers102 --storage postgresql://user@db-host/optuna \\
+          --tracking-uri http://mlflow-host:5000 --data-dir /data
+    """
+    from hpsearch.storage import resolve_storage
+    from hpsearch.tracking.server import resolve_tracking_uri
+    from hpsearch.worker import WorkerOptions, run_worker
+
+    cfg = _load(study, overrides, data_dir, download, trials)
+    _check_device(device)
+    spec = resolve_storage(storage, workdir)
+    opts = WorkerOptions(
+        workdir=workdir,
+        worker_id=worker_id,
+        device=device,
+        tracking_uri=None if no_tracking else resolve_tracking_uri(tracking_uri),
+        max_trials=max_trials,
+        timeout_s=timeout,
+        heartbeat_interval_s=heartbeat,
+        max_retries=max_retries,
+        train_fn=train_fn,
+        set_budget=trials is not None,
+    )
+    stop = threading.Event()
+    _on_signals(stop.set, "worker")
+
+    def show(number: int, outcome: str) -> None:
+        click.echo(f"trial {number}: {outcome}")
+
+    summary = run_worker(cfg, spec, opts, stop=stop, on_trial=show)
+    click.echo(f"worker {summary.worker_id}: {len(summary.trials)} trials ({summary.stopped_by})")
+    if summary.stopped_by == "errors":
+        raise click.ClickException(
+            f"worker {summary.worker_id}: stopped after repeated trial errors"
+        )
+
+
+@cli.command()
+@click.option("--study", "-s", required=True, help="Study name.")
+@_storage_option
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".hpsearch"),
+    envvar="HPSEARCH_WORKDIR",
+    help="Work folder.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_edge
+def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> None:  # fmt: skip
+    """Trial counts per state, the best trial, and running trials with their host/worker.
+
+    \b
+    Example:
+      hpsearch status --study flowers102 --storage postgresql://postgres@127.0.0.1/test
+    """
+    from dataclasses import asdict
+
+    from hpsearch.query import study_status
+
+    st = study_status(study, storage, workdir)
+    if as_json:
+        click.echo(json.dumps(asdict(st), default=str, indent=2))
+        return
+    counts = " ".join(f"{k} {v}" for k, v in st.counts.items())
+    click.echo(f"study {st.name} ({st.storage}): {counts}")
+    if st.best:
+        click.echo(f"best: trial {st.best['number']} value {st.best['value']:.6g} "
+                   f"params {_params_of(st.best)}")  # fmt: skip
+    else:
+        click.echo("best: - (no completed trial yet)")
+    for r in st.running:
+        click.echo(f"running: trial {r['number']} on {r['worker']} ({r['host']}), "
+                   f"last epoch {r['last_epoch']}")  # fmt: skip
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    """A DataFrame row as exact JSON values: NaN -> null, timestamps -> ISO strings."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if isinstance(v, float) and v != v:
+            v = None
+        elif hasattr(v, "isoformat"):
+            v = v.isoformat()
+        elif hasattr(v, "item"):  # numpy scalars
+            v = v.item()
+        out[str(k)] = v
+    return out
+
+
+def _params_of(row: dict[str, Any]) -> dict[str, Any]:
+    return {k.removeprefix("params_"): v for k, v in row.items() if k.startswith("params_")}
+
+
+@cli.command()
+@click.option("--study", "-s", required=True, help="Study name.")
+@_storage_option
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".hpsearch"),
+    envvar="HPSEARCH_WORKDIR",
+    help="Work folder.",
+)
+@click.option(
+    "-k", "k", type=click.IntRange(min=1), default=5, show_default=True, help="How many trials."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_edge
+def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) -> None:
+    """The top-k trials with their value, params and MLflow run ids.
+
+    \b
+    Example:
+      hpsearch best --study flowers102 -k 3 --json
+    """
+    from hpsearch.query import best_trials
+
+    df = best_trials(study, storage, k, workdir)
+    rows = [_jsonable(r) for r in df.to_dict(orient="records")]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no completed trials yet")
+        return
+    for r in rows:
+        run = r.get("mlflow_run_id") or "-"
+        click.echo(f"trial {r['number']}: value {r['value']:.6g} run {run} params {_params_of(r)}")
+
+
+@cli.command()
+@_storage_option
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".hpsearch"),
+    envvar="HPSEARCH_WORKDIR",
+    help="Work folder.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_edge
+def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
+    """The studies in the storage, with trial counts and best values.
+
+    \b
+    Example:
+      hpsearch studies --storage postgresql://postgres@127.0.0.1/test
+    """
+    from hpsearch.query import list_studies
+
+    rows = list_studies(storage, workdir)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no studies")
+    for r in rows:
+        best_v = (
+            f"{r['best_value']:.6g} (trial {r['best_trial']})"
+            if r["best_value"] is not None
+            else "-"
+        )
+        click.echo(f"{r['name']}: {r['n_trials']} trials, best {best_v}")
+
+
+@cli.command()
+@_study_options
+@_storage_option
+@click.option(
+    "--params",
+    "params_json",
+    default=None,
+    metavar="JSON",
+    help='Fixed hyperparameters, e.g. \'{"lr": 0.1, "batch_size": 64}\'.',
+)
+@click.option(
+    "--trial",
+    "trial_number",
+    type=int,
+    default=None,
+    help="Take the params of trial N of the study in --storage.",
+)
+@click.option("--seed", type=int, default=None, help="Seed (default: the study's).")
+@_edge
+def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
+          workdir: Path, device: str, storage: str | None, params_json: str | None,
+          trial_number: int | None, seed: int | None) -> None:  # fmt: skip
+    """One training run with fixed params, no search: for debugging and reproducing a trial.
+
+    \b
+    Examples:
+      hpsearch train --study tiny --params '{"lr": 0.05, "batch_size": 32}'
+      hpsearch train --study flowers102 --trial 7 --storage postgresql://postgres@127.0.0.1/test
+    """
+    from hpsearch.runner import run_fixed
+
+    result = run_fixed(
+        _load(study, overrides, data_dir, download), params_json, trial_number, storage,
+        workdir, device, seed,
+        on_epoch=lambda r: click.echo(
+            f"epoch {r.epoch}: train_loss {r.train_loss:.4f} train_acc {r.train_acc:.4f} "
+            + (f"val_acc {r.val_acc:.4f} " if r.val_acc is not None else "")
+            + f"lr {r.lr:.4g} {r.images_per_second:.0f} img/s"
+        ),
+    )  # fmt: skip
+    click.echo(
+        f"{result.stop_reason}: best_val_acc {result.best_val_acc} test_acc {result.test_acc} "
+        f"epochs {result.epochs_run} checkpoint {result.checkpoint_path}"
+        + (f" ({result.message})" if result.message else "")
+    )
+
+
+@cli.command()
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".hpsearch"),
+    envvar="HPSEARCH_WORKDIR",
+    help="Work folder.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--port", type=click.IntRange(1, 65535), default=5000, show_default=True, help="Port."
+)
+@_edge
+def ui(workdir: Path, host: str, port: int) -> None:
+    """Open the MLflow UI on the embedded store of a work folder.
+
+    \b
+    Example:
+      hpsearch ui --workdir .hpsearch --port 5000
+    """
+    from hpsearch.tracking.server import running_server_url, serve_ui
+
+    running = running_server_url(workdir)
+    if running is not None:
+        click.echo(f"MLflow UI: {running} (already served by a running search)")
+        return
+    server = serve_ui(workdir, host, port)
+    click.echo(f"MLflow UI: {server.url} (Ctrl-C to stop)")
+    stop = threading.Event()
+    _on_signals(stop.set, "ui")
+    try:
+        while not stop.wait(1.0):
+            if not server.is_running():
+                raise click.ClickException("the MLflow server exited")
+    finally:
+        server.stop()
+
+
+@cli.command()
+@_storage_option
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".hpsearch"),
+    envvar="HPSEARCH_WORKDIR",
+    help="Work folder.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="Port."
+)
+@_edge
+def dashboard(storage: str | None, workdir: Path, host: str, port: int) -> None:
+    """Start optuna-dashboard on the configured storage.
+
+    \b
+    Example:
+      hpsearch dashboard --storage postgresql://postgres@127.0.0.1/test --port 8080
+    """
+    from hpsearch.dashboard import run_dashboard
+
+    click.echo(f"optuna-dashboard: http://{host}:{port} (Ctrl-C to stop)")
+    run_dashboard(storage, workdir, host, port)
+
+
+def main() -> None:
+    """Console entry point: every error, click's own included, is one line and a non-zero exit."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        msg = exc.format_message()
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            msg = f"{exc.ctx.command_path}: {msg}"
+        click.echo(f"Error: {' '.join(msg.split())}", err=True)
+        sys.exit(exc.exit_code)
+    except SystemExit:
+        raise
+
+
+if __name__ == "__main__":
+    main()

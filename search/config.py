@@ -1,0 +1,485 @@
+"""Study files: `studies/*.yaml` validated into one frozen `StudyConfig`.
+
+Every error names the file, the field, the value and the rule, for example::
+
+    studies/x.yaml: search_space.lr.low: -1.0: log=True needs low > 0
+
+Nothing here touches storage; loading is pure, so a bad file writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from hpsearch.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ARCHS = (
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "mobilenet_v3_small",
+    "mobilenet_v3_large",
+    "efficientnet_b0",
+    "convnext_tiny",
+)
+DATASETS = ("flowers102", "cifar10", "cifar100", "imagefolder", "synthetic")
+LOSSES = ("ce", "label_smoothing", "focal")
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCALINGS = ("none", "linear", "sqrt")
+AUGMENTS = ("none", "flip", "crop_flip", "trivial", "randaugment")
+SCHEDULES = ("cosine", "onecycle", "plateau", "constant")
+SAMPLERS = ("tpe", "gp", "cmaes", "random", "grid", "nsga2")
+PRUNERS = ("median", "asha", "successive_halving", "hyperband", "none")
+METRICS = ("val_acc", "val_loss", "train_seconds")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Hyperparams(_Frozen):
+    """Every value the trainer reads from a trial. Searched ones come from Optuna; the rest
+    from `trainer.defaults`."""
+
+    arch: Literal[ARCHS] = "resnet18"  # type: ignore[valid-type]
+    image_size: int | None = Field(default=None, ge=8, le=1024)  # px; None = dataset.image_size
+    optimizer: Literal[OPTIMIZERS] = "sgd"  # type: ignore[valid-type]
+    lr: float = Field(default=0.1, gt=0)  # at base_batch_size, before lr_scaling
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    weight_decay: float = Field(default=5e-4, ge=0)
+    batch_size: int = Field(default=128, ge=1)
+    lr_scaling: Literal[LR_SCALINGS] = "none"  # type: ignore[valid-type]
+    loss: Literal[LOSSES] = "ce"  # type: ignore[valid-type]
+    label_smoothing: float = Field(default=0.1, ge=0, lt=1)
+    focal_gamma: float = Field(default=2.0, ge=0)
+    augment: Literal[AUGMENTS] = "crop_flip"  # type: ignore[valid-type]
+    augment_strength: float = Field(default=0.5, ge=0, le=1)  # 0..1 of each op's max magnitude
+    mixup_alpha: float = Field(default=0.0, ge=0)
+    cutmix_alpha: float = Field(default=0.0, ge=0)
+    schedule: Literal[SCHEDULES] = "cosine"  # type: ignore[valid-type]
+    warmup_epochs: float = Field(default=1.0, ge=0)
+
+
+HPARAM_NAMES = tuple(Hyperparams.model_fields)
+
+
+class DatasetConfig(_Frozen):
+    name: Literal[DATASETS]  # type: ignore[valid-type]
+    root: str | None = None  # data directory; --data-dir / HPSEARCH_DATA_DIR win
+    image_size: int = Field(default=64, ge=8, le=1024)  # px, train and eval resolution
+    # px stored; None = 8/7 x the trial's image size (one cache per size when it is searched)
+    cache_size: int | None = Field(default=None, ge=8, le=2048)
+    download: bool = False
+    fast_path: Literal["auto", "on", "off"] = "auto"  # on-device cache vs DataLoader
+    max_cache_mb: int = Field(default=8192, ge=1)  # auto picks the fast path under this
+    # Quick checks: a fixed (seed 0) random subset of N images per split, file order kept;
+    # the official Flowers-102 splits are sorted by class, so "the first N" would drop classes.
+    train_limit: int | None = Field(default=None, ge=1)
+    eval_limit: int | None = Field(default=None, ge=1)
+    on_corrupt: Literal["skip", "fail"] = "skip"
+    num_classes: int | None = Field(default=None, ge=2)  # synthetic only (imagefolder: folders)
+
+    @property
+    def effective_cache_size(self) -> int:
+        return self.cache_size if self.cache_size is not None else round(self.image_size * 8 / 7)
+
+
+class ModelConfig(_Frozen):
+    pretrained: bool = False
+    weights: str | None = None  # explicit weights file; else torchvision's cache (TORCH_HOME)
+
+
+class ObjectiveConfig(_Frozen):
+    metric: Literal[METRICS] | list[Literal[METRICS]] = "val_acc"  # type: ignore[valid-type]
+    direction: Literal["maximize", "minimize"] | list[Literal["maximize", "minimize"]] = "maximize"
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.metric,) if isinstance(self.metric, str) else tuple(self.metric)
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        if isinstance(self.direction, str):
+            return (self.direction,) * len(self.metrics)
+        return tuple(self.direction)
+
+    @property
+    def multi(self) -> bool:
+        return len(self.metrics) > 1
+
+    @model_validator(mode="after")
+    def _same_length(self) -> ObjectiveConfig:
+        if not isinstance(self.direction, str) and len(self.direction) != len(self.metrics):
+            raise ValueError("needs one direction per metric")
+        return self
+
+
+class BudgetConfig(_Frozen):
+    n_trials: int = Field(default=20, ge=1)  # counts all trials of the study, across relaunches
+    timeout_s: float | None = Field(default=None, gt=0)  # per launch, seconds
+    max_epochs: int = Field(default=10, ge=1)
+    trial_timeout_s: float | None = Field(default=None, gt=0)  # wall-clock per trial
+
+
+class SamplerConfig(_Frozen):
+    name: Literal[SAMPLERS] = "tpe"  # type: ignore[valid-type]
+    seed: int | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class PrunerConfig(_Frozen):
+    name: Literal[PRUNERS] = "median"  # type: ignore[valid-type]
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainerConfig(_Frozen):
+    eval_every: int = Field(default=1, ge=1)  # epochs between validations (and reports)
+    patience: int | None = Field(default=None, ge=1)  # evals without improvement
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    channels_last: bool = True
+    compile: bool = False
+    cudnn_benchmark: bool = True
+    max_micro_batch: int | None = Field(default=None, ge=1)  # larger batches accumulate
+    base_batch_size: int = Field(default=256, ge=1)  # reference batch for lr_scaling
+    seed: int = 0  # per-trial seed = seed + trial number
+    evaluate_test: bool = True  # test accuracy of each finished trial
+    num_workers: int = Field(default=4, ge=0)  # DataLoader workers of the streaming path
+    checkpoint: bool = True
+    defaults: Hyperparams = Field(default_factory=Hyperparams)
+
+
+class TrackingConfig(_Frozen):
+    keep_top_k: int = Field(default=3, ge=0)  # best-model checkpoints kept (disk and MLflow)
+    gpu_interval_s: float = Field(default=5.0, gt=0)  # NVML sampling period, seconds
+    input_bound_threshold: float = Field(default=50.0, ge=0, le=100)  # % GPU utilization
+    input_bound_window_s: float = Field(default=60.0, gt=0)  # seconds averaged
+    stop_input_bound: bool = False  # stop (prune) trials that stay input-bound
+    upload_checkpoints: bool = False  # resume checkpoints to MLflow each epoch (multi-host)
+    onnx: bool = True  # ONNX export of the best model at the end of a launch
+
+
+class _Param(_Frozen):
+    when: dict[str, Any | list[Any]] | None = None  # only sampled when all conditions hold
+
+
+class FloatParam(_Param):
+    type: Literal["float"]
+    low: float
+    high: float
+    log: bool = False
+    step: float | None = Field(default=None, gt=0)
+
+
+class IntParam(_Param):
+    type: Literal["int"]
+    low: int
+    high: int
+    log: bool = False
+    step: int = Field(default=1, ge=1)
+
+
+class CategoricalParam(_Param):
+    type: Literal["categorical"]
+    choices: list[str | int | float | bool | None] = Field(min_length=1)
+
+
+def _check_range(src: str, field: str, spec: FloatParam | IntParam) -> None:
+    step = spec.step if isinstance(spec, FloatParam) else (None if spec.step == 1 else spec.step)
+    if spec.low > spec.high:
+        raise ConfigError(f"{src}: {field}.low: {spec.low!r}: must be <= high ({spec.high!r})")
+    if spec.log and spec.low <= 0:
+        raise ConfigError(f"{src}: {field}.low: {spec.low!r}: log=True needs low > 0")
+    if spec.log and step is not None:
+        raise ConfigError(f"{src}: {field}.step: {step!r}: cannot be combined with log=True")
+
+
+Param = Annotated[FloatParam | IntParam | CategoricalParam, Field(discriminator="type")]
+
+
+class StudyConfig(_Frozen):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    description: str = ""
+    dataset: DatasetConfig
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    pruner: PrunerConfig = Field(default_factory=PrunerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    search_space: dict[str, Param] = Field(default_factory=dict)
+    source: str = ""  # the file it came from; set by load_config
+
+    def fixed_params(self) -> dict[str, Any]:
+        """Hyperparameter values used for everything the search space leaves out."""
+        return self.trainer.defaults.model_dump()
+
+    def resolve_params(self, sampled: Mapping[str, Any]) -> Hyperparams:
+        """Defaults overlaid with sampled values, validated."""
+        merged = {**self.fixed_params(), **dict(sampled)}
+        merged = {k: v for k, v in merged.items() if k in HPARAM_NAMES}
+        try:
+            return Hyperparams(**merged)
+        except ValidationError as exc:
+            raise ConfigError(_format_validation(self.source or self.name, exc, "params")) from exc
+
+
+def _format_validation(source: str, exc: ValidationError, prefix: str = "") -> str:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union["))]
+    # Pydantic inserts the union member name ("float", "int", ...) into the path; drop it.
+    field = ".".join(p for p in loc if p not in ("float", "int", "categorical"))
+    if prefix:
+        field = f"{prefix}.{field}" if field else prefix
+    value = err.get("input")
+    if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        tag = value.get("type") if isinstance(value, dict) else None
+        return f"{source}: {field}.type: {tag!r}: must be one of 'float', 'int', 'categorical'"
+    if isinstance(value, dict | list) and len(repr(value)) > 60:
+        value = f"{type(value).__name__}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif err["type"] == "literal_error":
+        msg = msg.replace("Input should be", "must be one of")
+    return f"{source}: {field or '<root>'}: {value!r}: {msg}"
+
+
+# --- search-space rules that need the whole file ---------------------------------------
+
+_CHOICE_SETS: dict[str, tuple[str, ...]] = {
+    "arch": ARCHS,
+    "optimizer": OPTIMIZERS,
+    "loss": LOSSES,
+    "lr_scaling": LR_SCALINGS,
+    "augment": AUGMENTS,
+    "schedule": SCHEDULES,
+}
+
+
+def _check_space(cfg: StudyConfig) -> None:
+    src = cfg.source or cfg.name
+    seen: dict[str, Any] = {}
+    numeric = {n for n, f in Hyperparams.model_fields.items() if f.annotation in (int, float)}
+    numeric |= {"image_size"}
+    for name, spec in cfg.search_space.items():
+        field = f"search_space.{name}"
+        if name not in HPARAM_NAMES:
+            raise ConfigError(
+                f"{src}: {field}: {name!r}: unknown hyperparameter; "
+                f"known: {', '.join(HPARAM_NAMES)}"
+            )
+        if isinstance(spec, CategoricalParam):
+            allowed = _CHOICE_SETS.get(name)
+            for choice in spec.choices:
+                if allowed is not None and choice not in allowed:
+                    raise ConfigError(
+                        f"{src}: {field}.choices: {choice!r}: unknown {name}; "
+                        f"must be one of {', '.join(allowed)}"
+                    )
+                if allowed is None and name in numeric and not isinstance(choice, int | float):
+                    raise ConfigError(
+                        f"{src}: {field}.choices: {choice!r}: {name} must be a number"
+                    )
+                if allowed is None and name in numeric:
+                    _check_value(src, f"{field}.choices", name, choice)
+        elif name in _CHOICE_SETS:
+            raise ConfigError(f"{src}: {field}.type: {spec.type!r}: {name} must be categorical")
+        else:
+            _check_range(src, field, spec)
+            _check_value(src, f"{field}.low", name, spec.low)
+            _check_value(src, f"{field}.high", name, spec.high)
+        for cond_name, cond_value in (spec.when or {}).items():
+            cfield = f"{field}.when.{cond_name}"
+            if cond_name not in seen:
+                raise ConfigError(
+                    f"{src}: {cfield}: {cond_name!r}: a condition must name a categorical "
+                    "parameter declared earlier in search_space"
+                )
+            wanted = cond_value if isinstance(cond_value, list) else [cond_value]
+            for w in wanted:
+                if w not in seen[cond_name]:
+                    raise ConfigError(
+                        f"{src}: {cfield}: {w!r}: not among the choices of {cond_name} "
+                        f"{seen[cond_name]}"
+                    )
+        if isinstance(spec, CategoricalParam):
+            seen[name] = list(spec.choices)
+    if cfg.sampler.name == "grid":
+        for name, spec in cfg.search_space.items():
+            if isinstance(spec, FloatParam) and spec.step is None:
+                raise ConfigError(
+                    f"{src}: search_space.{name}.type: 'float': the grid sampler needs "
+                    "categorical, int or stepped float parameters"
+                )
+    if cfg.objective.multi and cfg.pruner.name != "none":
+        raise ConfigError(
+            f"{src}: pruner.name: {cfg.pruner.name!r}: Optuna cannot prune multi-objective "
+            "studies; use 'none'"
+        )
+    if cfg.objective.multi and cfg.sampler.name in ("cmaes", "gp"):
+        raise ConfigError(
+            f"{src}: sampler.name: {cfg.sampler.name!r}: does not support multi-objective studies"
+        )
+
+
+def _check_value(src: str, field: str, name: str, value: Any) -> None:
+    try:
+        Hyperparams(**{name: value})
+    except ValidationError as exc:
+        msg = exc.errors()[0]["msg"]
+        raise ConfigError(f"{src}: {field}: {value!r}: {name}: {msg}") from exc
+
+
+def _check_components(cfg: StudyConfig) -> None:
+    """Build sampler and pruner once so that bad options fail at load time."""
+    from hpsearch.study import make_pruner, make_sampler
+
+    src = cfg.source or cfg.name
+    for section, make in (("sampler", make_sampler), ("pruner", make_pruner)):
+        try:
+            make(cfg)
+        except TypeError as exc:
+            opts = getattr(cfg, section).options
+            raise ConfigError(f"{src}: {section}.options: {opts!r}: {exc}") from exc
+        except ValueError as exc:
+            opts = getattr(cfg, section).options
+            raise ConfigError(f"{src}: {section}.options: {opts!r}: {exc}") from exc
+
+
+# --- loading ---------------------------------------------------------------------------
+
+
+def studies_dirs() -> list[Path]:
+    """Where `--study NAME` looks: ./studies, then the studies shipped with the package."""
+    dirs = [Path.cwd() / "studies"]
+    try:
+        shipped = resources.files("hpsearch.studies")
+        dirs.append(Path(str(shipped)))
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return dirs
+
+
+def available_studies() -> list[str]:
+    names: set[str] = set()
+    for d in studies_dirs():
+        if d.is_dir():
+            names |= {p.stem for p in d.glob("*.yaml")}
+    return sorted(names)
+
+
+def find_study_file(study: str) -> Path:
+    p = Path(study)
+    if p.suffix in (".yaml", ".yml") or os.sep in study or p.is_file():
+        if not p.is_file():
+            raise ConfigError(f"{study}: study file not found")
+        return p
+    for d in studies_dirs():
+        cand = d / f"{study}.yaml"
+        if cand.is_file():
+            return cand
+    known = ", ".join(available_studies()) or "none"
+    raise ConfigError(f"--study: {study!r}: no such study file; known studies: {known}")
+
+
+def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
+    """`key.sub=value` pairs; values are parsed as YAML (`2`, `1e-3`, `[a, b]`, `null`)."""
+    out = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set: {item!r}: expected key=value, e.g. budget.max_epochs=2")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set: {item!r}: value is not valid YAML: {exc}") from exc
+        out.append((key.strip(), _yaml_number(value)))
+    return out
+
+
+def _yaml_number(value: Any) -> Any:
+    # PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string; users mean a float.
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in "eE") and value[0] != "e" else value
+        except ValueError:
+            return value
+    if isinstance(value, list):
+        return [_yaml_number(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _yaml_number(v) for k, v in value.items()}
+    return value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]], src: str) -> None:
+    for key, value in overrides:
+        parts = key.split(".")
+        node: Any = raw
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part) if isinstance(node, dict) else None
+            if nxt is None:
+                nxt = {}
+                node[part] = nxt
+            if not isinstance(nxt, dict):
+                raise ConfigError(
+                    f"{src}: {'.'.join(parts[: i + 1])}: {nxt!r}: --set {key} needs a mapping here"
+                )
+            node = nxt
+        node[parts[-1]] = value
+
+
+def load_config(
+    study: str | Path,
+    overrides: Sequence[str] = (),
+    data_dir: str | None = None,
+    download: bool | None = None,
+) -> StudyConfig:
+    """Read, override and validate a study file. Raises ConfigError with one line."""
+    path = find_study_file(str(study))
+    src = str(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{src}: not valid YAML: {' '.join(str(exc).split())}") from exc
+    except OSError as exc:
+        raise ConfigError(f"{src}: cannot read: {exc.strerror}") from exc
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{src}: <root>: {type(raw).__name__}: must be a mapping")
+    raw = _yaml_number(raw)
+    raw.setdefault("name", path.stem)
+    apply_overrides(raw, parse_overrides(overrides), src)
+    env_dir = os.environ.get("HPSEARCH_DATA_DIR")
+    if isinstance(raw.get("dataset"), dict):
+        if data_dir:
+            raw["dataset"]["root"] = data_dir
+        elif env_dir and not raw["dataset"].get("root"):
+            raw["dataset"]["root"] = env_dir
+        if download is not None:
+            raw["dataset"]["download"] = download
+    raw["source"] = src
+    return validate_config(raw, src)
+
+
+def validate_config(raw: dict[str, Any], src: str = "<config>") -> StudyConfig:
+    try:
+        cfg = StudyConfig(**raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(src, exc)) from exc
+    _check_space(cfg)
+    _check_components(cfg)
+    return cfg
+
+
+def config_to_yaml(cfg: StudyConfig) -> str:
+    """The resolved study (defaults filled in), as logged next to each study."""
+    data = cfg.model_dump(mode="json", exclude={"source"})
+    return yaml.safe_dump(data, sort_keys=False)

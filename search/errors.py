@@ -1,0 +1,31 @@
+"""The library's exceptions. The CLI turns each into one line and a non-zero exit."""
+
+from __future__ import annotations
+
+
+class HpsearchError(Exception):
+    """Base class: everything hpsearch raises on purpose."""
+
+
+class ConfigError(HpsearchError):
+    """A study file, an override or a CLI value breaks a rule."""
+
+
+class StorageError(HpsearchError):
+    """The Optuna storage URL is bad or the database cannot be reached."""
+
+
+class DataError(HpsearchError):
+    """The dataset is missing, has the wrong layout or cannot be downloaded."""
+
+
+class DeviceError(HpsearchError):
+    """The requested device or GPUs are not available."""
+
+
+class TrackingError(HpsearchError):
+    """The MLflow server could not be started or reached when it was required."""
+
+
+class StudyNotFoundError(HpsearchError):
+    """The named study does not exist in the storage."""

@@ -1,0 +1,504 @@
+"""`hpsearch launch`: create or resume a study, run N supervised worker processes, report progress.
+
+The launcher never trains. It places workers on GPUs, watches them, fails and re-queues the
+trial of a worker that died, restarts the worker (bounded), and stops everything cleanly on
+Ctrl-C: first signal = finish the current epoch and checkpoint, second = kill now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import optuna
+from hpsearch.config import StudyConfig, config_to_yaml
+from hpsearch.errors import ConfigError, DeviceError
+from hpsearch.storage import StorageSpec, open_storage, with_db_retry
+from hpsearch.study import budget_counts, create_or_load, may_start_trial
+from hpsearch.worker import (
+    ATTR_HOST,
+    ATTR_MESSAGE,
+    ATTR_OUTCOME,
+    ATTR_PID,
+    ATTR_WORKER,
+    retry_callback,
+)
+from optuna.trial import FrozenTrial, TrialState
+
+# --- pure decisions ---------------------------------------------------------------------
+
+
+def parse_gpus(value: str | None) -> list[str] | None:
+    """`--gpus 0,1` -> ["0", "1"]; None keeps CUDA_VISIBLE_DEVICES as it is."""
+    if value is None or value.strip() == "":
+        return None
+    items = [v.strip() for v in value.split(",")]
+    if any(not v for v in items):
+        raise ConfigError(f"--gpus: {value!r}: expected a comma-separated list like 0,1")
+    return items
+
+
+def check_gpus(gpus: list[str] | None, available: int, device: str) -> None:
+    if device == "cpu" and gpus:
+        raise ConfigError(f"--gpus: {','.join(gpus)!r}: cannot be combined with --device cpu")
+    if device.startswith("cuda") and available == 0:
+        raise DeviceError(f"--device: {device!r}: CUDA is not available on this machine")
+    for g in gpus or []:
+        if g.isdigit() and int(g) >= available:
+            raise DeviceError(
+                f"--gpus: {g!r}: no such GPU; this machine has {available} "
+                f"(valid: {', '.join(map(str, range(available))) or 'none'})"
+            )
+
+
+def assign_gpus(n_workers: int, gpus: Sequence[str] | None) -> list[str | None]:
+    """Round-robin: worker i gets gpus[i % len(gpus)]; several workers may share one GPU."""
+    if not gpus:
+        return [None] * n_workers
+    return [gpus[i % len(gpus)] for i in range(n_workers)]
+
+
+def should_restart(exit_code: int, restarts: int, max_restarts: int, budget_left: bool) -> bool:
+    """A worker that exited with an error is restarted while it has restarts left."""
+    return exit_code != 0 and budget_left and restarts < max_restarts
+
+
+def eta_seconds(finished: int, total: int, elapsed_s: float) -> float | None:
+    if finished <= 0 or finished >= total:
+        return None
+    return elapsed_s / finished * (total - finished)
+
+
+# --- state -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    workers: int
+    workdir: Path
+    gpus: list[str] | None = None
+    device: str = "auto"
+    tracking_uri: str | None = None  # None: embedded server unless tracking is off
+    tracking: bool = True
+    timeout_s: float | None = None
+    train_fn: str = ""
+    max_restarts: int = 3  # per worker slot
+    max_retries: int = 2  # per trial
+    heartbeat_interval_s: int = 10
+    grace_s: float = 120.0  # first Ctrl-C: wait this long for epoch boundaries
+    progress_every_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    slot: int
+    pid: int | None
+    gpu: str | None
+    trial: int | None
+    state: str  # running | done | crashed | stopped
+
+
+@dataclass(frozen=True)
+class Progress:
+    counts: dict[str, int]
+    n_trials: int
+    best_value: float | None
+    best_trial: int | None
+    workers: list[WorkerView]
+    elapsed_s: float
+    eta_s: float | None
+    message: str = ""  # an event: worker died, restarted, ...
+
+
+@dataclass
+class LaunchSummary:
+    counts: dict[str, int]
+    best_value: float | None
+    best_trial: int | None
+    stopped_by: str
+    tracking_uri: str | None
+    restarts: int = 0
+    messages: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Slot:
+    index: int
+    gpu: str | None
+    proc: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = None
+    restarts: int = 0
+    state: str = "starting"
+
+    @property
+    def worker_id(self) -> str:
+        return f"{socket.gethostname()}:w{self.index}"
+
+
+def _set_pdeathsig() -> None:
+    # Workers die with the launcher even if it is SIGKILLed: no orphans.
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fail_trial(study: optuna.Study, trial: FrozenTrial, reason: str, max_retries: int) -> bool:
+    """Mark a RUNNING trial FAIL with a reason and queue its params to resume. False if it
+    had already finished (another process got there first)."""
+    storage = study._storage
+    try:
+        storage.set_trial_user_attr(trial._trial_id, ATTR_OUTCOME, "failed")
+        storage.set_trial_user_attr(trial._trial_id, ATTR_MESSAGE, reason)
+        if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+            return False
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    retry_callback(max_retries)(study, storage.get_trial(trial._trial_id))
+    return True
+
+
+def fail_orphans_on_this_host(study: optuna.Study, max_retries: int) -> list[int]:
+    """RUNNING trials whose worker process on this host is gone (a previous launcher was
+    killed). The journal storage has no heartbeat, so the launcher does this at start."""
+    host = socket.gethostname()
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        pid = t.user_attrs.get(ATTR_PID)
+        gone = t.user_attrs.get(ATTR_HOST) == host and isinstance(pid, int) and not _pid_alive(pid)
+        if gone and fail_trial(study, t, f"worker pid {pid} is gone", max_retries):
+            failed.append(t.number)
+    return failed
+
+
+def _best(study: optuna.Study) -> tuple[float | None, int | None]:
+    if len(study.directions) > 1:
+        return None, None
+    try:
+        best = study.best_trial
+    except ValueError:
+        return None, None
+    return best.value, best.number
+
+
+class Launcher:
+    """Runs one launch. `stop()` once = graceful, twice = kill now."""
+
+    def __init__(
+        self,
+        cfg: StudyConfig,
+        spec: StorageSpec,
+        opts: LaunchOptions,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> None:
+        if opts.workers < 1:
+            raise ConfigError(f"--workers: {opts.workers}: must be at least 1")
+        self.cfg = cfg
+        self.spec = spec
+        self.opts = opts
+        self.on_progress = on_progress
+        self._stop_requests = 0
+        self._lock = threading.Lock()
+        self._slots: list[_Slot] = []
+        self._messages: list[str] = []
+        self._server: Any = None
+        self._tracking_uri: str | None = None
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop_requests += 1
+            n = self._stop_requests
+        for s in self._slots:
+            if s.proc is not None and s.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    s.proc.send_signal(signal.SIGTERM if n == 1 else signal.SIGKILL)
+
+    def _event(self, msg: str) -> None:
+        self._messages.append(msg)
+        if self.on_progress is not None:
+            self.on_progress(self._progress(msg))
+
+    def run(self) -> LaunchSummary:
+        cfg, opts = self.cfg, self.opts
+        opts.workdir.mkdir(parents=True, exist_ok=True)
+        storage = open_storage(self.spec, pool_size=1)
+        self.study = with_db_retry(lambda: create_or_load(cfg, storage), what="create study")
+        for n in fail_orphans_on_this_host(self.study, opts.max_retries):
+            self._messages.append(f"trial {n}: its worker was gone; re-queued to resume")
+        resolved = opts.workdir / "run" / f"{cfg.name}.yaml"
+        resolved.parent.mkdir(parents=True, exist_ok=True)
+        resolved.write_text(config_to_yaml(cfg))
+        tracking_uri = self._start_tracking()
+        self._tracking_uri = tracking_uri
+        self._t0 = time.monotonic()
+        stopped_by = "error"
+        try:
+            for i, gpu in enumerate(assign_gpus(opts.workers, opts.gpus)):
+                slot = _Slot(i, gpu)
+                self._slots.append(slot)
+                self._spawn(slot, resolved, tracking_uri)
+            stopped_by = self._supervise(resolved, tracking_uri)
+        finally:
+            self._kill_all()
+            self._cleanup_running()
+            if tracking_uri is not None:
+                self._finish_tracking(tracking_uri, stopped_by)
+            if self._server is not None:
+                self._server.stop()
+        counts = budget_counts(self.study.get_trials(deepcopy=False))
+        best_value, best_trial = _best(self.study)
+        return LaunchSummary(
+            counts,
+            best_value,
+            best_trial,
+            stopped_by,
+            tracking_uri,
+            sum(s.restarts for s in self._slots),
+            self._messages,
+        )
+
+    def _finish_tracking(self, uri: str, stopped_by: str) -> None:
+        from hpsearch.runs import _client, finalize_study
+        from hpsearch.tracking.mlflow_logger import close_study_run, find_study_runs
+
+        if stopped_by == "budget":
+            for item in finalize_study(self.cfg, self.spec, uri, self.study, self.opts.workdir):
+                self._messages.append(f"logged {item} on the study run")
+        try:
+            client = _client(uri)
+            exp = client.get_experiment_by_name(self.cfg.name)
+            runs = find_study_runs(client, exp.experiment_id) if exp is not None else []
+        except Exception:  # best effort: the study's results are in Optuna already
+            runs = []
+        for run_id in runs[:1]:
+            close_study_run(client, run_id, "FINISHED" if stopped_by == "budget" else "KILLED")
+
+    def _start_tracking(self) -> str | None:
+        if not self.opts.tracking:
+            return None
+        if self.opts.tracking_uri:
+            uri = self.opts.tracking_uri
+        else:
+            from hpsearch.tracking.server import attach_or_start
+
+            # One writer per SQLite store: reuse a server already serving this workdir
+            # (`hpsearch ui`), and only stop the one we started.
+            uri, self._server = attach_or_start(self.opts.workdir)
+            self._event(f"MLflow UI: {uri}")
+        from hpsearch.runs import open_study_run
+
+        open_study_run(self.cfg, self.spec, uri)
+        return uri
+
+    def _spawn(self, slot: _Slot, resolved: Path, tracking_uri: str | None) -> None:
+        opts = self.opts
+        cmd = [
+            sys.executable, "-m", "hpsearch.cli", "worker",
+            "--study", str(resolved),
+            "--workdir", str(opts.workdir),
+            "--device", opts.device,
+            "--worker-id", slot.worker_id,
+            "--max-retries", str(opts.max_retries),
+            "--heartbeat", str(opts.heartbeat_interval_s),
+        ]  # fmt: skip
+        if tracking_uri:
+            cmd += ["--tracking-uri", tracking_uri]
+        else:
+            cmd += ["--no-tracking"]
+        if opts.timeout_s is not None:
+            remaining = opts.timeout_s - (time.monotonic() - self._t0)
+            cmd += ["--timeout", f"{max(remaining, 1.0):.1f}"]
+        if opts.train_fn:
+            cmd += ["--train-fn", opts.train_fn]
+        env = dict(os.environ)
+        # The storage URL may hold a password: pass it in the environment, not argv (ps).
+        env["HPSEARCH_STORAGE"] = self.spec.url
+        env["PYTHONUNBUFFERED"] = "1"
+        # GPU indices mean the same device to CUDA and to NVML (telemetry).
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        if slot.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = slot.gpu
+        if opts.device == "cpu" or slot.gpu is None:
+            # CPU trials share the cores: one thread pool per worker oversubscribes them.
+            threads = max(1, (os.cpu_count() or 1) // opts.workers)
+            env.setdefault("OMP_NUM_THREADS", str(threads))
+        log_dir = opts.workdir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if slot.log is not None:
+            slot.log.close()
+        slot.log = open(log_dir / f"worker-{slot.index}.log", "ab")  # noqa: SIM115
+        slot.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=slot.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it forwards SIGTERM
+            preexec_fn=_set_pdeathsig,
+        )
+        slot.state = "running"
+
+    def _supervise(self, resolved: Path, tracking_uri: str | None) -> str:
+        last = 0.0
+        while True:
+            alive = 0
+            for slot in self._slots:
+                if slot.proc is None or slot.state != "running":
+                    continue
+                code = slot.proc.poll()
+                if code is None:
+                    alive += 1
+                    continue
+                self._on_exit(slot, code, resolved, tracking_uri)
+                if slot.state == "running":
+                    alive += 1
+            if self._stop_requests:
+                self._wait_stopping()
+                return "interrupted"
+            now = time.monotonic()
+            if now - last >= self.opts.progress_every_s:
+                last = now
+                if self.on_progress is not None:
+                    self.on_progress(self._progress())
+            if alive == 0:
+                return "budget" if not self._all_crashed() else "workers_failed"
+            time.sleep(0.2)
+
+    def _all_crashed(self) -> bool:
+        return all(s.state == "crashed" for s in self._slots)
+
+    def _on_exit(self, slot: _Slot, code: int, resolved: Path, tracking_uri: str | None) -> None:
+        if code == 0:
+            slot.state = "done"
+            return
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        failed = self._fail_trials_of(slot.worker_id, f"worker died ({how})")
+        msg = f"worker {slot.index} died ({how})" + (
+            f"; trial {', '.join(map(str, failed))} re-queued to resume" if failed else ""
+        )
+        if self._stop_requests:
+            slot.state = "stopped"
+            return
+        counts = with_db_retry(lambda: budget_counts(self.study.get_trials(deepcopy=False)))
+        budget_left = may_start_trial(counts, self.cfg.budget.n_trials)
+        if should_restart(code, slot.restarts, self.opts.max_restarts, budget_left):
+            slot.restarts += 1
+            self._event(f"{msg}; restarting it ({slot.restarts}/{self.opts.max_restarts})")
+            self._spawn(slot, resolved, tracking_uri)
+        else:
+            slot.state = "crashed"
+            tail = self._log_tail(slot)
+            why = "no restarts left" if budget_left else "budget spent"
+            self._event(f"{msg}; not restarted ({why}). Last log line: {tail}")
+
+    def _log_tail(self, slot: _Slot) -> str:
+        path = self.opts.workdir / "logs" / f"worker-{slot.index}.log"
+        try:
+            lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "(no log)"
+        return lines[-1][:300] if lines else "(empty log)"
+
+    def _fail_trials_of(self, worker_id: str, reason: str) -> list[int]:
+        failed = []
+        running = with_db_retry(
+            lambda: self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        )
+        for t in running:
+            if t.user_attrs.get(ATTR_WORKER) == worker_id and fail_trial(
+                self.study, t, reason, self.opts.max_retries
+            ):
+                failed.append(t.number)
+                from hpsearch.runs import mark_run_failed
+
+                mark_run_failed(self._tracking_uri, t, reason)
+        return failed
+
+    def _wait_stopping(self) -> None:
+        deadline = time.monotonic() + self.opts.grace_s
+        while time.monotonic() < deadline and self._stop_requests < 2:
+            if all(s.proc is None or s.proc.poll() is not None for s in self._slots):
+                return
+            time.sleep(0.2)
+
+    def _kill_all(self) -> None:
+        for s in self._slots:
+            if s.proc is not None and s.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(s.proc.pid, signal.SIGKILL)
+            if s.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    s.proc.wait(timeout=10)
+            if s.log is not None:
+                s.log.close()
+
+    def _cleanup_running(self) -> None:
+        """After all workers are gone, none of their trials may stay RUNNING."""
+        for s in self._slots:
+            self._fail_trials_of(s.worker_id, "interrupted")
+
+    def _progress(self, message: str = "") -> Progress:
+        try:
+            trials = self.study.get_trials(deepcopy=False)
+        except Exception:  # the database may be restarting; progress is cosmetic
+            trials = []
+        counts = budget_counts(trials)
+        running = {
+            t.user_attrs.get(ATTR_WORKER): t.number for t in trials if t.state == TrialState.RUNNING
+        }
+        views = [
+            WorkerView(
+                s.index,
+                s.proc.pid if s.proc else None,
+                s.gpu,
+                running.get(s.worker_id),
+                s.state,
+            )
+            for s in self._slots
+        ]
+        best_value, best_trial = _best(self.study)
+        elapsed = time.monotonic() - getattr(self, "_t0", time.monotonic())
+        finished = counts["complete"] + counts["pruned"]
+        return Progress(
+            counts,
+            self.cfg.budget.n_trials,
+            best_value,
+            best_trial,
+            views,
+            elapsed,
+            eta_seconds(finished, self.cfg.budget.n_trials, elapsed),
+            message,
+        )
+
+
+def format_progress(p: Progress) -> str:
+    c = p.counts
+    best = f"{p.best_value:.4f} (trial {p.best_trial})" if p.best_value is not None else "-"
+    eta = f"{p.eta_s:.0f}s" if p.eta_s is not None else "-"
+    busy = " ".join(
+        f"w{w.slot}:{'t' + str(w.trial) if w.trial is not None else w.state}" for w in p.workers
+    )
+    return (
+        f"[{p.elapsed_s:6.0f}s] complete {c['complete']} pruned {c['pruned']} failed {c['fail']} "
+        f"running {c['running']} / {p.n_trials} | best {best} | eta {eta} | {busy}"
+    )

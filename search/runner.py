@@ -1,0 +1,58 @@
+"""`hpsearch train`: one run with fixed params, outside any search."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpsearch.config import StudyConfig
+from hpsearch.errors import ConfigError, HpsearchError
+
+
+def fixed_params(
+    cfg: StudyConfig, params_json: str | None, trial_number: int | None, storage: str | None,
+    workdir: Path,
+) -> dict[str, Any]:  # fmt: skip
+    if params_json is not None and trial_number is not None:
+        raise ConfigError("--params and --trial: give one of them, not both")
+    if trial_number is not None:
+        from hpsearch.query import load_study
+
+        study = load_study(cfg.name, storage, workdir)
+        matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial_number]
+        if not matches:
+            raise HpsearchError(f"--trial: {trial_number}: no such trial in study {cfg.name!r}")
+        return dict(matches[0].params)
+    if params_json is None:
+        return {}
+    try:
+        params = json.loads(params_json)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--params: {params_json!r}: not valid JSON: {exc.msg}") from exc
+    if not isinstance(params, dict):
+        raise ConfigError(f"--params: {params_json!r}: must be a JSON object")
+    cfg.resolve_params(params)  # validates names and values with the study's rules
+    unknown = sorted(set(params) - set(cfg.fixed_params()))
+    if unknown:
+        raise ConfigError(f"--params: {', '.join(unknown)}: unknown hyperparameter")
+    return params
+
+
+def run_fixed(
+    cfg: StudyConfig, params_json: str | None, trial_number: int | None, storage: str | None,
+    workdir: Path, device: str, seed: int | None,
+    on_epoch: Callable[[Any], None] | None = None,
+) -> Any:  # fmt: skip
+    from hpsearch.trainer import TrainOptions, train
+
+    params = fixed_params(cfg, params_json, trial_number, storage, workdir)
+    label = f"trial-{trial_number}" if trial_number is not None else "fixed"
+    ckpt = workdir / "train" / cfg.name / f"{label}.pt"
+    if ckpt.exists():
+        ckpt.unlink()  # a fresh run each time; resuming is the search's business
+    options = TrainOptions(
+        device=device, workdir=workdir, checkpoint_path=ckpt, seed=seed, on_epoch=on_epoch
+    )
+    return train(cfg, params, lambda epoch, value: False, options)

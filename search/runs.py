@@ -1,0 +1,365 @@
+"""Glue between the search layer and MLflow: one run per study, one child run per trial.
+
+Everything here is best effort: a tracking outage warns and never stops a trial. The
+building blocks (batched logger, GPU sampler, artifacts, server) live in hpsearch.tracking.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import optuna
+from hpsearch.config import StudyConfig, config_to_yaml
+from hpsearch.errors import HpsearchError, TrackingError
+from hpsearch.storage import StorageSpec
+from optuna.trial import FrozenTrial, TrialState
+
+logger = logging.getLogger("hpsearch.tracking")
+
+EPOCH_FIELDS = (
+    "train_loss", "train_acc", "val_loss", "val_acc", "lr", "epoch_seconds", "images_per_second",
+)  # fmt: skip
+CHECKPOINT_ARTIFACT = "checkpoint"  # artifact folder holding best.pt of a top-k trial
+
+# Trainer stop reasons -> the outcomes hpsearch.tracking maps to MLflow statuses.
+OUTCOMES = {"finished": "completed", "error": "failed"}
+
+
+def outcome_for(stop_reason: str) -> str:
+    return OUTCOMES.get(stop_reason, stop_reason)
+
+
+def epoch_metrics(record: Any) -> dict[str, float]:
+    out = {}
+    for name in EPOCH_FIELDS:
+        value = getattr(record, name, None)
+        if value is not None:
+            out[name] = float(value)
+    return out
+
+
+def _client(uri: str) -> Any:
+    from hpsearch.tracking.mlflow_logger import apply_http_policy
+    from mlflow.tracking import MlflowClient
+
+    apply_http_policy()
+    return MlflowClient(tracking_uri=uri)
+
+
+def study_run_tags(cfg: StudyConfig, spec: StorageSpec) -> dict[str, str]:
+    return {
+        "hpsearch.sampler": cfg.sampler.name,
+        "hpsearch.pruner": cfg.pruner.name,
+        "hpsearch.storage": spec.display,  # password removed
+        "hpsearch.dataset": cfg.dataset.name,
+    }
+
+
+def open_study_run(cfg: StudyConfig, spec: StorageSpec, uri: str) -> str:
+    """The parent run of the study (created, or reused on relaunch). Raises TrackingError."""
+    from hpsearch.tracking.mlflow_logger import ensure_experiment
+    from hpsearch.tracking.mlflow_logger import open_study_run as _open
+
+    client = _client(uri)
+    exp = ensure_experiment(client, cfg.name)
+    return str(_open(client, exp, cfg.name, study_run_tags(cfg, spec), config_to_yaml(cfg)))
+
+
+class TrialRun:
+    """One trial's MLflow child run plus the GPU sampler feeding it."""
+
+    def __init__(self, session: TrackingSession, tracker: Any, sampler: Any, trial: Any) -> None:
+        self.session = session
+        self.tracker = tracker
+        self.sampler = sampler
+        self.trial = trial
+        self.run_id: str | None = tracker.run_id
+
+    def log_epoch(self, record: Any) -> None:
+        self.tracker.log_epoch(int(record.epoch), epoch_metrics(record))
+        if self.sampler is not None and self.sampler.input_bound:
+            self.session.note_input_bound(self.trial.number)
+
+    def _gpu_summary(self) -> dict[str, float]:
+        if self.sampler is None:
+            return {}
+        try:
+            return dict(self.sampler.stop())
+        except Exception as exc:  # telemetry never fails a trial
+            logger.warning("GPU sampler stop failed: %s", exc)
+            return {}
+
+    def finish_result(self, result: Any) -> None:
+        summary = self._gpu_summary()
+        if result.best_val_acc is not None:
+            summary["best_val_acc"] = float(result.best_val_acc)
+        if result.test_acc is not None:
+            summary["test_acc"] = float(result.test_acc)
+        summary["train_seconds"] = float(result.train_seconds)
+        summary["setup_seconds"] = float(result.setup_seconds)
+        outcome = outcome_for(str(result.stop_reason))
+        artifacts: list[Path] = []
+        tmp = Path(tempfile.mkdtemp(prefix="hpsearch-artifacts-"))
+        try:
+            if outcome not in ("interrupted",):
+                artifacts += self._plots(result, tmp)
+            if outcome in ("completed", "early_stopped", "time_limit"):
+                ckpt = self.session.checkpoint_to_upload(self.trial, result)
+                if ckpt is not None:
+                    folder = tmp / CHECKPOINT_ARTIFACT
+                    folder.mkdir()
+                    (folder / "best.pt").symlink_to(Path(ckpt).resolve())
+                    artifacts.append(folder)
+            self.tracker.finish(
+                outcome,
+                result.pruned_at_epoch,
+                summary,
+                artifacts,
+                None,
+                reason=str(result.message) or None,
+            )
+        finally:
+            _rmtree(tmp)
+
+    def _plots(self, result: Any, tmp: Path) -> list[Path]:
+        from hpsearch.tracking import artifacts as art
+
+        out: list[Path] = []
+        try:
+            history = [dict(vars(r)) for r in result.history]
+            if history:
+                out.append(art.learning_curve_png(history, tmp / "learning_curve.png",
+                                                  title=f"trial {self.trial.number}"))  # fmt: skip
+            if result.confusion:
+                names = list(result.class_names) or [str(i) for i in range(len(result.confusion))]
+                out.append(art.confusion_matrix_png(result.confusion, names,
+                                                    tmp / "confusion_matrix.png"))  # fmt: skip
+                out.append(art.per_class_accuracy_csv(result.confusion, names,
+                                                      tmp / "per_class_accuracy.csv"))  # fmt: skip
+        except Exception as exc:  # a plotting problem must not lose the run's metrics
+            logger.warning("trial %s: artifacts failed: %s", self.trial.number, exc)
+        return out
+
+    def finish_failed(self, outcome: str, message: str, tb: str | None) -> None:
+        summary = self._gpu_summary()
+        self.tracker.finish(outcome_for(outcome), None, summary, [], tb, reason=message)
+
+
+class TrackingSession:
+    """A worker's connection to MLflow: experiment, parent run, and a TrialRun per trial."""
+
+    def __init__(self, cfg: StudyConfig, spec: StorageSpec, uri: str, worker_id: str) -> None:
+        self.cfg = cfg
+        self.spec = spec
+        self.uri = uri
+        self.worker_id = worker_id
+        self.client = _client(uri)
+        self.experiment_id: str | None = None
+        self.parent_run_id: str | None = None
+        self._input_bound: set[int] = set()
+        self._connect()
+
+    def _connect(self) -> bool:
+        if self.parent_run_id is not None:
+            return True
+        from hpsearch.tracking.mlflow_logger import ensure_experiment, find_study_runs
+
+        try:
+            self.experiment_id = ensure_experiment(self.client, self.cfg.name)
+            runs = find_study_runs(self.client, self.experiment_id)
+            self.parent_run_id = runs[0] if runs else open_study_run(self.cfg, self.spec, self.uri)
+        except (TrackingError, HpsearchError) as exc:
+            logger.warning("MLflow at %s unreachable, trials go on without it: %s", self.uri, exc)
+            return False
+        return True
+
+    def note_input_bound(self, number: int) -> None:
+        self._input_bound.add(number)
+
+    def start_trial(
+        self, trial: optuna.Trial, params: Mapping[str, Any], root: int, ckpt: Path
+    ) -> TrialRun | None:
+        from hpsearch.tracking.gpu import sampler_for_tracker
+        from hpsearch.tracking.mlflow_logger import TrialTracker, trial_params
+
+        if not self._connect():
+            return None
+        assert self.experiment_id is not None and self.parent_run_id is not None
+        hp = self.cfg.resolve_params(params)
+        eff_lr, eff_batch = derived_values(self.cfg, hp)
+        sampled = dict(params)
+        fixed = {k: v for k, v in hp.model_dump().items() if k not in sampled}
+        tracker = TrialTracker(
+            self.client,
+            self.experiment_id,
+            self.parent_run_id,
+            trial_number=trial.number,
+            study_name=self.cfg.name,
+            params=trial_params(
+                sampled,
+                effective_lr=eff_lr,
+                effective_batch_size=eff_batch,
+                dataset=self.cfg.dataset.name,
+                arch=hp.arch,
+                image_size=hp.image_size or self.cfg.dataset.image_size,
+                extra=fixed,
+            ),
+            worker=self.worker_id,
+            host=socket.gethostname(),
+            tags={"hpsearch.root_trial": str(root)} if root != trial.number else None,
+        )
+        if not tracker.enabled:
+            return None
+        t = self.cfg.tracking
+        sampler = sampler_for_tracker(
+            tracker,
+            interval_s=t.gpu_interval_s,
+            window_s=t.input_bound_window_s,
+            threshold_pct=t.input_bound_threshold,
+            stop_when_input_bound=t.stop_input_bound,
+        )
+        try:
+            sampler.start()
+        except Exception as exc:  # telemetry never fails a trial
+            logger.warning("GPU sampler failed to start: %s", exc)
+            sampler = None
+        return TrialRun(self, tracker, sampler, trial)
+
+    def checkpoint_to_upload(self, trial: Any, result: Any) -> Path | None:
+        """The best-model file of a finished trial if it ranks in the study's top k."""
+        path = result.best_model_path
+        if path is None or not Path(path).exists() or self.cfg.tracking.keep_top_k == 0:
+            return None
+        value = result.best_val_acc
+        if value is None:
+            return None
+        study = trial.study
+        done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+        better = [
+            t
+            for t in done
+            if t.value is not None and (t.value > value if maximize else t.value < value)
+        ]
+        return Path(path) if len(better) < self.cfg.tracking.keep_top_k else None
+
+    def close(self) -> None:
+        pass
+
+
+def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:
+    from hpsearch.trainer.optim import scaled_lr
+
+    return (
+        float(scaled_lr(hp.lr, hp.batch_size, cfg.trainer.base_batch_size, hp.lr_scaling)),
+        int(hp.batch_size),
+    )
+
+
+def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
+    """The MLflow run of a trial whose worker died (FAILED) or was stopped (KILLED)."""
+    run_id = trial.user_attrs.get("mlflow_run_id")
+    if not uri or not run_id:
+        return
+    from hpsearch.tracking.mlflow_logger import terminal_status, terminal_tags
+
+    outcome = "interrupted" if reason == "interrupted" else "failed"
+    try:
+        client = _client(uri)
+        run = client.get_run(run_id)
+        if run.info.status != "RUNNING":
+            return
+        for k, v in terminal_tags(outcome, None, reason).items():
+            client.set_tag(run_id, k, v)
+        client.set_terminated(run_id, status=terminal_status(outcome))
+    except Exception as exc:  # best effort: the Optuna state is what counts
+        logger.warning("could not mark MLflow run %s: %s", run_id, exc)
+
+
+def finalize_study(cfg: StudyConfig, spec: StorageSpec, uri: str, study: optuna.Study,
+                   workdir: Path) -> list[str]:  # fmt: skip
+    """Study-level artifacts on the parent run: plots, a trials CSV, the best model in ONNX.
+    Returns what was logged; problems are warned about, never raised."""
+    from hpsearch.tracking import artifacts as art
+    from hpsearch.tracking.mlflow_logger import ensure_experiment, find_study_runs
+
+    logged: list[str] = []
+    try:
+        client = _client(uri)
+        runs = find_study_runs(client, ensure_experiment(client, cfg.name))
+        if not runs:
+            return logged
+        parent = runs[0]
+        out = Path(tempfile.mkdtemp(prefix="hpsearch-study-"))
+        try:
+            art.trials_csv(study, out / "trials.csv")
+            client.log_artifact(parent, str(out / "trials.csv"))
+            logged.append("trials.csv")
+            plots = out / "plots"
+            art.study_plots(study, plots)
+            if plots.exists() and any(plots.iterdir()):
+                client.log_artifacts(parent, str(plots), "plots")
+                logged.append("plots")
+            if cfg.tracking.onnx and not cfg.objective.multi:
+                onnx = _export_best_onnx(cfg, study, out)
+                if onnx is not None:
+                    client.log_artifact(parent, str(onnx), "model")
+                    client.set_tag(parent, "hpsearch.best_trial", str(study.best_trial.number))
+                    logged.append("model/best_model.onnx")
+        finally:
+            _rmtree(out)
+    except Exception as exc:  # best effort at the end of a launch
+        logger.warning("study artifacts failed: %s", exc)
+    return logged
+
+
+def _export_best_onnx(cfg: StudyConfig, study: optuna.Study, out: Path) -> Path | None:
+    import torch
+    from hpsearch.tracking.artifacts import export_onnx
+    from hpsearch.trainer import load_trained_model
+
+    try:
+        best = study.best_trial
+    except ValueError:
+        return None
+    path = best.user_attrs.get("best_model")
+    if not path or not Path(str(path)).exists():
+        return None
+    model = load_trained_model(cfg, best.params, Path(str(path)), device="cpu")
+    hp = cfg.resolve_params(best.params)
+    size = hp.image_size or cfg.dataset.image_size
+    example = torch.randn(2, 3, size, size)
+    return Path(export_onnx(model, example, out / "best_model.onnx"))
+
+
+def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: Path) -> Path:
+    """The best-model checkpoint of a trial, fetched from its MLflow run."""
+    from hpsearch.tracking.server import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    run_id = trial.user_attrs.get("mlflow_run_id")
+    if not uri or not run_id:
+        raise HpsearchError(
+            f"trial {trial.number}: its checkpoint is not on this machine and no MLflow run "
+            "holds it; pass tracking_uri= (or MLFLOW_TRACKING_URI)"
+        )
+    dest = workdir / "downloads" / str(run_id)
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        local = _client(uri).download_artifacts(run_id, f"{CHECKPOINT_ARTIFACT}/best.pt", str(dest))
+    except Exception as exc:
+        raise TrackingError(
+            f"trial {trial.number}: cannot download its checkpoint from {uri}: {exc}"
+        ) from exc
+    return Path(local)
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,236 @@
+"""Where studies live: an Optuna journal file by default, PostgreSQL for teams.
+
+Precedence: `--storage`, then `HPSEARCH_STORAGE`, then `<workdir>/optuna.journal`.
+Optuna owns its schema; we only build the storage object and a lock around `ask`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import optuna
+import sqlalchemy as sa
+from hpsearch.errors import StorageError
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+
+JOURNAL_NAME = "optuna.journal"
+SUPPORTED = "postgresql://, postgresql+psycopg2://, sqlite:/// or a journal file path"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """A resolved storage location. `url` may hold a password: print `display` instead."""
+
+    kind: str  # "journal" | "rdb"
+    url: str  # journal: absolute file path; rdb: SQLAlchemy URL with driver
+    display: str  # password removed
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.kind == "rdb" and self.url.startswith("postgresql")
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced by ***; anything unparsable is returned bare."""
+    if "://" not in url:
+        return url
+    try:
+        u = make_url(url)
+    except ArgumentError:
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://{rest.rpartition('@')[2]}" if "@" in rest else url
+    return u.render_as_string(hide_password=True)
+
+
+def postgres_driver() -> str:
+    """psycopg2 when installed, else psycopg 3. A plain postgresql:// URL means this driver.
+
+    SQLAlchemy 2.1 maps a bare `postgresql://` to psycopg 3; with only psycopg2-binary
+    installed Optuna would then fail with "Failed to import DB access module".
+    """
+    if importlib.util.find_spec("psycopg2") is not None:
+        return "psycopg2"
+    if importlib.util.find_spec("psycopg") is not None:
+        return "psycopg"
+    raise StorageError("PostgreSQL storage needs psycopg2-binary: pip install psycopg2-binary")
+
+
+def normalize_url(url: str) -> str:
+    """Give bare postgres URLs an installed driver; leave everything else as it is."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return f"postgresql+{postgres_driver()}://" + url[len(prefix) :]
+    return url
+
+
+def resolve_storage(cli_value: str | None, workdir: Path) -> StorageSpec:
+    value = cli_value or os.environ.get("HPSEARCH_STORAGE") or ""
+    origin = "--storage" if cli_value else "HPSEARCH_STORAGE"
+    if not value:
+        path = (workdir / JOURNAL_NAME).resolve()
+        return StorageSpec("journal", str(path), f"journal:{path}")
+    if "://" not in value:
+        if value.endswith((".journal", ".log")):
+            path = Path(value).resolve()
+            return StorageSpec("journal", str(path), f"journal:{path}")
+        raise StorageError(f"{origin}: {value!r}: not a storage URL; use {SUPPORTED}")
+    scheme = value.split("://", 1)[0]
+    if scheme.startswith("journal"):
+        path = Path(value.split("://", 1)[1]).resolve()
+        return StorageSpec("journal", str(path), f"journal:{path}")
+    if not (scheme.startswith(("postgresql", "postgres")) or scheme.startswith("sqlite")):
+        raise StorageError(
+            f"{origin}: {redact(value)!r}: unsupported scheme {scheme!r}; use {SUPPORTED}"
+        )
+    url = normalize_url(value)
+    try:
+        make_url(url)
+    except ArgumentError as exc:
+        raise StorageError(f"{origin}: {redact(value)!r}: malformed URL: {exc}") from exc
+    return StorageSpec("rdb", url, redact(url))
+
+
+def _one_line(exc: BaseException) -> str:
+    while getattr(exc, "orig", None) is None and exc.__cause__ is not None:
+        exc = exc.__cause__
+    orig = getattr(exc, "orig", None) or exc
+    text = " ".join(str(orig).split())
+    return text[:300]
+
+
+def open_storage(
+    spec: StorageSpec,
+    *,
+    pool_size: int = 2,
+    heartbeat_interval: float | None = None,
+    grace_period: float | None = None,
+    failed_trial_callback: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
+) -> BaseStorage:
+    """Open the storage, checking the connection so that a bad URL fails with one line."""
+    if spec.kind == "journal":
+        path = Path(spec.url)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(
+                f"storage {spec.display}: cannot create folder: {exc.strerror}"
+            ) from exc
+        backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
+        return JournalStorage(backend)
+    engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if spec.is_postgres:
+        # Each worker process keeps a small pool: 16 workers x (2 + 2) stay far below
+        # PostgreSQL's default max_connections=100.
+        engine_kwargs.update(
+            pool_size=pool_size,
+            max_overflow=2,
+            pool_recycle=300,  # seconds
+            connect_args={"connect_timeout": 10},  # seconds
+        )
+    try:
+        return RDBStorage(
+            spec.url,
+            engine_kwargs=engine_kwargs,
+            heartbeat_interval=heartbeat_interval,  # type: ignore[arg-type]
+            grace_period=grace_period,  # type: ignore[arg-type]
+            heartbeat_stale_trial_callback=failed_trial_callback,
+        )
+    except (SQLAlchemyError, NoSuchModuleError) as exc:
+        raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
+    except ImportError as exc:
+        raise StorageError(f"storage {spec.display}: driver missing: {exc}") from exc
+
+
+def is_connection_error(exc: BaseException | None) -> bool:
+    """True for errors a database restart causes; those are retried, others are not.
+
+    Optuna wraps SQLAlchemy errors in StorageInternalError, so the cause chain is followed.
+    """
+    for _ in range(5):
+        if exc is None:
+            return False
+        if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+            return True
+        if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def with_db_retry(
+    fn: Callable[[], T], *, give_up_after_s: float = 120.0, what: str = "storage"
+) -> T:
+    """Run `fn`, retrying connection errors with backoff (0.5 s doubling to 8 s) for up to
+    `give_up_after_s` seconds, then StorageError. Other errors pass through."""
+    deadline = time.monotonic() + give_up_after_s
+    delay = 0.5
+    while True:
+        try:
+            return fn()
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+            if not is_connection_error(exc):
+                raise
+            if time.monotonic() + delay > deadline:
+                raise StorageError(
+                    f"{what}: database unreachable for {give_up_after_s:.0f}s: {_one_line(exc)}"
+                ) from exc
+            warnings.warn(
+                f"{what}: database connection lost, retrying in {delay:.1f}s", stacklevel=2
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
+
+
+def _lock_key(study_name: str) -> int:
+    # pg_advisory_lock takes a signed 64-bit key.
+    return int.from_bytes(
+        hashlib.sha1(f"hpsearch:{study_name}".encode()).digest()[:8], "big", signed=True
+    )
+
+
+@contextlib.contextmanager
+def study_lock(
+    spec: StorageSpec, study_name: str, engine: sa.Engine | None = None
+) -> Iterator[None]:
+    """Serializes "count trials, then ask" across processes so the budget is never overshot.
+
+    PostgreSQL: a session-level advisory lock. Journal file: flock on a sibling lock file.
+    """
+    if spec.is_postgres:
+        eng = (
+            engine if engine is not None else sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
+        )
+        with eng.connect() as conn:
+            key = _lock_key(study_name)
+            conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            try:
+                yield
+            finally:
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                conn.commit()
+        return
+    lock_path = Path(spec.url + ".lock") if spec.kind == "journal" else None
+    if lock_path is None:
+        yield
+        return
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,202 @@
+"""Optuna pieces built from a StudyConfig: sampler, pruner, study, and parameter suggestion."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optuna
+from hpsearch.config import (
+    CategoricalParam,
+    FloatParam,
+    IntParam,
+    StudyConfig,
+    config_to_yaml,
+)
+from hpsearch.errors import ConfigError, StudyNotFoundError
+from optuna.storages import BaseStorage
+from optuna.trial import FrozenTrial, TrialState
+
+# Study user attribute holding the resolved study YAML (for load_best_model and reproducing).
+CONFIG_ATTR = "hpsearch.config"
+# Optuna constraint set on every trial: > 0 (infeasible) for out-of-memory trials, so that
+# constrained samplers (TPE, NSGA-II, GP) learn the memory boundary.
+MEMORY_CONSTRAINT = "memory"
+
+
+def _kwargs_for(cls: type, options: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    accepted = inspect.signature(cls.__init__).parameters  # type: ignore[misc]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"unknown option(s) {', '.join(unknown)} for {cls.__name__}; "
+            f"accepted: {', '.join(p for p in accepted if p != 'self')}"
+        )
+    kwargs = {k: v for k, v in extra.items() if k in accepted}
+    kwargs.update(options)
+    return kwargs
+
+
+def grid_space(cfg: StudyConfig) -> dict[str, list[Any]]:
+    space: dict[str, list[Any]] = {}
+    for name, spec in cfg.search_space.items():
+        if isinstance(spec, CategoricalParam):
+            space[name] = list(spec.choices)
+        elif isinstance(spec, IntParam):
+            space[name] = list(range(spec.low, spec.high + 1, spec.step))
+        elif spec.step is not None:
+            n = round((spec.high - spec.low) / spec.step)
+            space[name] = [spec.low + i * spec.step for i in range(n + 1)]
+    return space
+
+
+def make_sampler(cfg: StudyConfig) -> optuna.samplers.BaseSampler:
+    s = cfg.sampler
+    classes: dict[str, type] = {
+        "tpe": optuna.samplers.TPESampler,
+        "gp": optuna.samplers.GPSampler,
+        "cmaes": optuna.samplers.CmaEsSampler,
+        "random": optuna.samplers.RandomSampler,
+        "grid": optuna.samplers.GridSampler,
+        "nsga2": optuna.samplers.NSGAIISampler,
+    }
+    cls = classes[s.name]
+    extra: dict[str, Any] = {"seed": s.seed}
+    if s.name == "grid":
+        extra["search_space"] = grid_space(cfg)
+    if s.name == "cmaes":
+        # Conditional and categorical params fall back to this, quietly.
+        extra["warn_independent_sampling"] = False
+    return cls(**_kwargs_for(cls, dict(s.options), extra))  # type: ignore[no-any-return]
+
+
+def make_pruner(cfg: StudyConfig) -> optuna.pruners.BasePruner:
+    p = cfg.pruner
+    epochs = cfg.budget.max_epochs
+    if p.name == "none":
+        if p.options:
+            raise TypeError("pruner 'none' takes no options")
+        return optuna.pruners.NopPruner()
+    if p.name == "median":
+        cls: type = optuna.pruners.MedianPruner
+        extra: dict[str, Any] = {"n_startup_trials": 3, "n_warmup_steps": 1}
+    elif p.name in ("asha", "successive_halving"):
+        cls = optuna.pruners.SuccessiveHalvingPruner
+        extra = {"min_resource": 1, "reduction_factor": 3}
+    else:
+        cls = optuna.pruners.HyperbandPruner
+        extra = {"min_resource": 1, "max_resource": epochs, "reduction_factor": 3}
+    return cls(**_kwargs_for(cls, dict(p.options), extra))  # type: ignore[no-any-return]
+
+
+N_TRIALS_ATTR = "hpsearch.n_trials"  # study user attribute: the budget workers obey
+
+
+def study_budget(study: optuna.Study, cfg: StudyConfig) -> int:
+    """The study's n_trials as the last launch set it; the config's when none did."""
+    return int(study.user_attrs.get(N_TRIALS_ATTR, cfg.budget.n_trials))
+
+
+def create_or_load(
+    cfg: StudyConfig, storage: BaseStorage | str, owner: bool = True
+) -> optuna.Study:
+    """The study named in the config; created on first launch, resumed after.
+
+    The owner (`launch`, or a worker given --trials) records the resolved config and the
+    budget on the study; other workers only fill them in when missing.
+    """
+    kwargs: dict[str, Any] = {"study_name": cfg.name, "storage": storage, "load_if_exists": True}
+    kwargs["sampler"] = make_sampler(cfg)
+    kwargs["pruner"] = make_pruner(cfg)
+    if cfg.objective.multi:
+        kwargs["directions"] = list(cfg.objective.directions)
+    else:
+        kwargs["direction"] = cfg.objective.directions[0]
+    study = optuna.create_study(**kwargs)
+    attrs = study.user_attrs
+    if owner or CONFIG_ATTR not in attrs:
+        resolved = config_to_yaml(cfg)
+        if attrs.get(CONFIG_ATTR) != resolved:
+            study.set_user_attr(CONFIG_ATTR, resolved)
+        if attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
+            study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
+    existing = [d.name.lower() for d in study.directions]
+    if existing != [d.lower() for d in cfg.objective.directions]:
+        raise ConfigError(
+            f"{cfg.source or cfg.name}: objective.direction: {list(cfg.objective.directions)}: "
+            f"study {cfg.name!r} already exists with directions {existing}"
+        )
+    return study
+
+
+def load_existing(
+    name: str, storage: BaseStorage | str, cfg: StudyConfig | None = None
+) -> optuna.Study:
+    sampler = make_sampler(cfg) if cfg is not None else None
+    pruner = make_pruner(cfg) if cfg is not None else None
+    try:
+        return optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+    except KeyError as exc:
+        raise StudyNotFoundError(
+            f"study {name!r} not found in the storage; "
+            f"create it with `hpsearch launch --study {name}`"
+        ) from exc
+
+
+def suggest(trial: optuna.Trial, cfg: StudyConfig) -> dict[str, Any]:
+    """Sample the search space in file order; conditional params only when their `when` holds."""
+    params: dict[str, Any] = {}
+    for name, spec in cfg.search_space.items():
+        if spec.when and not all(
+            params.get(k) in (v if isinstance(v, list) else [v]) for k, v in spec.when.items()
+        ):
+            continue
+        if isinstance(spec, FloatParam):
+            params[name] = trial.suggest_float(
+                name, spec.low, spec.high, log=spec.log, step=spec.step
+            )
+        elif isinstance(spec, IntParam):
+            params[name] = trial.suggest_int(
+                name, spec.low, spec.high, step=spec.step, log=spec.log
+            )
+        else:
+            params[name] = trial.suggest_categorical(name, spec.choices)
+    return params
+
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def budget_counts(trials: Sequence[FrozenTrial]) -> dict[str, int]:
+    counts = {s.name.lower(): 0 for s in TrialState}
+    for t in trials:
+        counts[t.state.name.lower()] += 1
+    return counts
+
+
+def may_start_trial(counts: dict[str, int], n_trials: int) -> bool:
+    """True if a worker may ask for another trial.
+
+    A WAITING trial (an enqueued retry) is always taken: it replaces a failed one. Otherwise
+    finished and running trials together must stay under the study's `n_trials`; failed
+    trials do not count, since their retries take their place.
+    """
+    if counts.get("waiting", 0) > 0:
+        return True
+    used = counts.get("complete", 0) + counts.get("pruned", 0) + counts.get("running", 0)
+    return used < n_trials
+
+
+def objective_values(
+    cfg: StudyConfig, best_val_acc: float | None, best_val_loss: float | None, train_seconds: float
+) -> list[float] | None:
+    """The values told to Optuna, one per objective metric; None when one is missing."""
+    table = {"val_acc": best_val_acc, "val_loss": best_val_loss, "train_seconds": train_seconds}
+    values = [table[m] for m in cfg.objective.metrics]
+    if any(v is None for v in values):
+        return None
+    return [float(v) for v in values if v is not None]
+
+
+Callback = Callable[[optuna.Study, FrozenTrial], None]

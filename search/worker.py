@@ -1,0 +1,430 @@
+"""One worker process: ask a trial, train it, tell the result; repeat until the budget is spent.
+
+Workers started by `hpsearch launch` and workers started by hand (`hpsearch worker` on other
+machines) run this same loop against the same storage.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import optuna
+from hpsearch.config import StudyConfig
+from hpsearch.errors import HpsearchError, StorageError
+from hpsearch.storage import StorageSpec, open_storage, study_lock, with_db_retry
+from hpsearch.study import (
+    MEMORY_CONSTRAINT,
+    budget_counts,
+    create_or_load,
+    may_start_trial,
+    objective_values,
+    study_budget,
+    suggest,
+)
+from optuna.storages import BaseStorage, RetryFailedTrialCallback
+from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
+from optuna.trial import TrialState
+
+# Optuna user attributes a trial carries (read by `status`, the launcher and the query API).
+ATTR_WORKER = "worker"
+ATTR_HOST = "host"
+ATTR_PID = "pid"
+ATTR_OUTCOME = "outcome"
+ATTR_MESSAGE = "message"
+ATTR_RUN_ID = "mlflow_run_id"
+ATTR_CHECKPOINT = "checkpoint"
+ATTR_BEST_MODEL = "best_model"
+ATTR_HISTORY = "history"
+ATTR_TEST_ACC = "test_acc"
+ATTR_RESUMED_FROM = "resumed_from_epoch"
+
+
+class TrainFn(Protocol):
+    def __call__(
+        self,
+        config: StudyConfig,
+        params: Mapping[str, Any],
+        report: Callable[[int, float], bool],
+        options: Any,
+    ) -> Any: ...
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    workdir: Path
+    worker_id: str = ""
+    device: str = "auto"
+    tracking_uri: str | None = None
+    max_trials: int | None = None  # this worker stops after so many trials
+    timeout_s: float | None = None  # stop asking after this many seconds
+    heartbeat_interval_s: int = 10  # PostgreSQL only; stale after 2x
+    max_retries: int = 2  # retries of a trial whose worker died or was interrupted
+    max_errors: int = 3  # trials failing with an exception before the worker gives up
+    db_outage_limit_s: float = 120.0
+    train_fn: str = ""  # "module:function"; empty = hpsearch.trainer.train
+    set_budget: bool = False  # record config.budget.n_trials on the study (worker --trials)
+
+    def resolved_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class WorkerSummary:
+    worker_id: str
+    trials: list[int] = field(default_factory=list)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    stopped_by: str = "budget"
+
+
+def load_train_fn(spec: str) -> TrainFn:
+    if not spec:
+        from hpsearch.trainer import train
+
+        return train  # type: ignore[return-value]
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise HpsearchError(f"--train-fn: {spec!r}: cannot import: {exc}") from exc
+    return fn  # type: ignore[no-any-return]
+
+
+def checkpoint_path(workdir: Path, study: str, root_trial: int) -> Path:
+    """Checkpoints are keyed by the first trial of a retry chain, so a retry finds them."""
+    return workdir / "checkpoints" / study / f"trial-{root_trial:05d}.pt"
+
+
+def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
+    """The first trial of a retry chain (Optuna's RetryFailedTrialCallback records it)."""
+    if isinstance(trial, optuna.Trial):
+        trial = trial.study._storage.get_trial(trial._trial_id)
+    root = RetryFailedTrialCallback.retried_trial_number(trial)
+    return int(root) if root is not None else trial.number
+
+
+def retry_callback(max_retries: int) -> RetryFailedTrialCallback:
+    return RetryFailedTrialCallback(max_retry=max_retries, inherit_intermediate_values=True)
+
+
+def heartbeat_timing(interval_s: float) -> tuple[float, float, float]:
+    """(beat period, grace period, stale-check period) in seconds for a heartbeat interval H.
+
+    Beats every H/2 and a check every H/4 with a grace of 1.75 H detect a dead worker
+    within 2 H of its death, while a live worker may miss a beat by 1.25 H before it is
+    wrongly declared stale.
+    """
+    return interval_s / 2, interval_s * 1.75, interval_s / 4
+
+
+class _Heartbeat:
+    """Optuna records heartbeats only inside study.optimize; ask/tell needs its own."""
+
+    def __init__(self, storage: BaseStorage, trial_id: int) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
+            period = heartbeat_timing(float(storage.get_heartbeat_interval() or 10))[0]
+            self._thread = threading.Thread(
+                target=self._beat, args=(storage, trial_id, period), daemon=True
+            )
+            self._thread.start()
+
+    def _beat(self, storage: BaseHeartbeat, trial_id: int, period: float) -> None:
+        while not self._stop.is_set():
+            try:
+                storage.record_heartbeat(trial_id)
+            except Exception as exc:  # best effort: a missed beat only risks a retry
+                warnings.warn(f"heartbeat failed: {exc}", stacklevel=1)
+            self._stop.wait(period)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class _StaleWatcher:
+    """Fails and re-queues trials whose heartbeat stopped, even while this worker trains."""
+
+    def __init__(self, study: optuna.Study, period_s: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(study, period_s), daemon=True)
+        self._thread.start()
+
+    def _run(self, study: optuna.Study, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            try:
+                optuna.storages.fail_stale_trials(study)
+            except Exception as exc:  # best effort: the next check or worker will retry
+                warnings.warn(f"stale-trial check failed: {exc}", stacklevel=1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.Study:
+    rdb = spec.kind == "rdb"
+    _, grace, _ = heartbeat_timing(opts.heartbeat_interval_s)
+    storage = open_storage(
+        spec,
+        heartbeat_interval=opts.heartbeat_interval_s if rdb else None,
+        grace_period=grace if rdb else None,  # type: ignore[arg-type]
+        failed_trial_callback=retry_callback(opts.max_retries),
+    )
+    return with_db_retry(
+        lambda: create_or_load(cfg, storage, owner=opts.set_budget), what="create study"
+    )
+
+
+def run_worker(
+    cfg: StudyConfig,
+    spec: StorageSpec,
+    opts: WorkerOptions,
+    stop: threading.Event | None = None,
+    on_trial: Callable[[int, str], None] | None = None,
+) -> WorkerSummary:
+    """Run trials until the study's budget is spent, `stop` is set, or limits are hit."""
+    stop = stop or threading.Event()
+    wid = opts.resolved_id()
+    summary = WorkerSummary(wid)
+    train_fn = load_train_fn(opts.train_fn)
+    study = connect(cfg, spec, opts)
+    lock_engine = getattr(study._storage, "engine", None)
+    tracking = _open_tracking(cfg, spec, opts)
+    watcher = None
+    if spec.kind == "rdb":
+        watcher = _StaleWatcher(study, heartbeat_timing(opts.heartbeat_interval_s)[2])
+    warm = _new_warm_cache()
+    deadline = time.monotonic() + opts.timeout_s if opts.timeout_s else None
+    errors = 0
+    while not stop.is_set():
+        if opts.max_trials is not None and len(summary.trials) >= opts.max_trials:
+            summary.stopped_by = "max_trials"
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            summary.stopped_by = "timeout"
+            break
+        trial = with_db_retry(
+            lambda: _next_trial(study, cfg, spec, lock_engine),
+            give_up_after_s=opts.db_outage_limit_s,
+            what="ask",
+        )
+        if trial is None:
+            break
+        if trial == "wait":
+            # Budget fully handed out but trials still run elsewhere; one may fail and be
+            # retried, so stay until they finish. Poll at half the heartbeat interval.
+            stop.wait(max(1.0, opts.heartbeat_interval_s / 2))
+            continue
+        assert isinstance(trial, optuna.Trial)
+        outcome = run_trial(study, trial, cfg, opts, train_fn, tracking, warm, stop)
+        summary.trials.append(trial.number)
+        summary.outcomes[outcome] = summary.outcomes.get(outcome, 0) + 1
+        if on_trial is not None:
+            on_trial(trial.number, outcome)
+        if outcome == "error":
+            errors += 1
+            if errors >= opts.max_errors:
+                summary.stopped_by = "errors"
+                break
+    else:
+        summary.stopped_by = "interrupted"
+    if watcher is not None:
+        watcher.stop()
+    if tracking is not None:
+        tracking.close()
+    return summary
+
+
+def _next_trial(
+    study: optuna.Study, cfg: StudyConfig, spec: StorageSpec, engine: Any
+) -> optuna.Trial | str | None:
+    """Ask under the study lock, so concurrent workers never overshoot `n_trials`."""
+    with study_lock(spec, cfg.name, engine):
+        optuna.storages.fail_stale_trials(study)
+        counts = budget_counts(study.get_trials(deepcopy=False))
+        if may_start_trial(counts, study_budget(study, cfg)):
+            return study.ask()
+    return "wait" if counts.get("running", 0) > 0 else None
+
+
+def run_trial(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    cfg: StudyConfig,
+    opts: WorkerOptions,
+    train_fn: TrainFn,
+    tracking: Any,
+    warm: Any,
+    stop: threading.Event,
+) -> str:
+    """Train one trial and tell Optuna. Returns the outcome; never raises for a trial's fault."""
+    from hpsearch.trainer import TrainOptions
+
+    def db(fn: Callable[[], Any], what: str = "storage") -> Any:
+        return with_db_retry(fn, give_up_after_s=opts.db_outage_limit_s, what=what)
+
+    heartbeat = _Heartbeat(study._storage, trial._trial_id)
+    run = None
+    try:
+        params = db(lambda: suggest(trial, cfg), "suggest")
+        root = root_trial_number(trial)
+        ckpt = checkpoint_path(opts.workdir, cfg.name, root)
+        attrs = {
+            ATTR_WORKER: opts.resolved_id(),
+            ATTR_HOST: socket.gethostname(),
+            ATTR_PID: os.getpid(),
+            ATTR_CHECKPOINT: str(ckpt),
+        }
+        for k, v in attrs.items():
+            db(lambda k=k, v=v: trial.set_user_attr(k, v), "set_user_attr")
+        if tracking is not None:
+            run = tracking.start_trial(trial, params, root, ckpt)
+            if run is not None and run.run_id:
+                db(lambda: trial.set_user_attr(ATTR_RUN_ID, run.run_id), "set_user_attr")
+        first_epoch: list[int] = []
+
+        def on_epoch(record: Any) -> None:
+            if not first_epoch:
+                first_epoch.append(int(record.epoch))
+            if run is not None:
+                run.log_epoch(record)
+
+        def report(epoch: int, value: float) -> bool:
+            db(lambda: trial.report(value, epoch), "report")
+            return bool(db(trial.should_prune, "should_prune"))
+
+        options = TrainOptions(
+            device=opts.device,
+            workdir=opts.workdir,
+            checkpoint_path=ckpt if cfg.trainer.checkpoint else None,
+            seed=cfg.trainer.seed + root,
+            on_epoch=on_epoch,
+            warm=warm,
+            should_interrupt=stop.is_set,
+        )
+        try:
+            result = train_fn(cfg, params, report, options)
+        except StorageError:
+            raise  # the database stayed down past the limit: stop the worker, not the trial
+        except HpsearchError as exc:
+            _fail(study, trial, "error", str(exc), run, traceback.format_exc(), db)
+            return "error"
+        except Exception as exc:  # a trial's bug must not kill the worker; it is recorded
+            tb = traceback.format_exc()
+            _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run, tb, db)
+            return "error"
+        if first_epoch:
+            db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, first_epoch[0]), "set_user_attr")
+        return _tell(study, trial, cfg, opts, result, run, db)
+    finally:
+        heartbeat.stop()
+
+
+Db = Callable[[Callable[[], Any], str], Any]
+
+
+def _safe_tell(db: Db, fn: Callable[[], Any]) -> None:
+    """tell, tolerating a trial that was already finished elsewhere (stale-failed)."""
+    try:
+        db(fn, "tell")
+    except optuna.exceptions.UpdateFinishedTrialError as exc:
+        warnings.warn(f"trial was already finished elsewhere: {exc}", stacklevel=2)
+
+
+def _fail(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    outcome: str,
+    message: str,
+    run: Any,
+    tb: str | None,
+    db: Db,
+) -> None:
+    db(lambda: trial.set_user_attr(ATTR_OUTCOME, outcome), "set_user_attr")
+    db(lambda: trial.set_user_attr(ATTR_MESSAGE, message[:500]), "set_user_attr")
+    _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
+    if run is not None:
+        run.finish_failed(outcome, message, tb)
+
+
+def _tell(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    cfg: StudyConfig,
+    opts: WorkerOptions,
+    result: Any,
+    run: Any,
+    db: Db,
+) -> str:
+    reason = str(result.stop_reason)
+    attrs: dict[str, Any] = {
+        ATTR_OUTCOME: reason,
+        ATTR_HISTORY: [_record_dict(r) for r in result.history],
+        "effective_lr": float(result.effective_lr),
+        "effective_batch_size": int(result.effective_batch_size),
+    }
+    if result.message:
+        attrs[ATTR_MESSAGE] = str(result.message)[:500]
+    if result.test_acc is not None:
+        attrs[ATTR_TEST_ACC] = float(result.test_acc)
+    if result.best_model_path is not None:
+        attrs[ATTR_BEST_MODEL] = str(result.best_model_path)
+    for k, v in attrs.items():
+        db(lambda k=k, v=v: trial.set_user_attr(k, v), "set_user_attr")
+    if reason == "interrupted":
+        # Checkpointed at an epoch boundary: fail now, and queue the same params to resume.
+        _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
+        frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
+        db(lambda: retry_callback(opts.max_retries)(study, frozen), "enqueue retry")
+        if run is not None:
+            run.finish_result(result)
+        return reason
+    infeasible = 1.0 if reason == "out_of_memory" else 0.0
+    db(lambda: trial.set_constraint(MEMORY_CONSTRAINT, infeasible), "set_constraint")
+    values = objective_values(cfg, result.best_val_acc, result.best_val_loss, result.train_seconds)
+    if reason in ("pruned", "diverged", "out_of_memory") or values is None:
+        # Pruned, diverged and OOM trials teach the sampler that region is bad; a FAIL
+        # would hide it. Optuna uses the last reported value for a PRUNED trial.
+        _safe_tell(db, lambda: study.tell(trial, state=TrialState.PRUNED))
+    else:
+        told = values if cfg.objective.multi else values[0]
+        _safe_tell(db, lambda: study.tell(trial, told))
+    if run is not None:
+        run.finish_result(result)
+    return reason
+
+
+def _record_dict(record: Any) -> dict[str, Any]:
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(record) and not isinstance(record, type):
+        return {k: v for k, v in asdict(record).items()}
+    return dict(record)
+
+
+def _new_warm_cache() -> Any:
+    try:
+        from hpsearch.trainer import WarmCache
+    except ImportError:
+        return None
+    return WarmCache()
+
+
+def _open_tracking(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> Any:
+    if not opts.tracking_uri:
+        return None
+    from hpsearch.runs import TrackingSession
+
+    return TrackingSession(cfg, spec, opts.tracking_uri, opts.resolved_id())

@@ -1,0 +1,86 @@
+"""A fast stand-in for hpsearch.trainer.train with the same signature and result type.
+
+Used where the thing under test is the search layer (budgets, concurrency, crashes), not
+training. It reports a deterministic curve from the params, checkpoints each epoch as JSON
+and resumes from it, and honours report/should_interrupt like the real trainer.
+Environment knobs (for crash tests): HPSEARCH_DUMMY_EPOCH_S (seconds per epoch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hpsearch.trainer import EpochRecord, TrainOptions, TrialResult
+
+
+def score(params: Mapping[str, Any], epoch: int) -> float:
+    lr = float(params.get("lr", 0.1))
+    bs = float(params.get("batch_size", 64))
+    base = 0.9 - 0.1 * abs(math.log10(lr) + 1.5) - 0.0005 * abs(bs - 64)
+    return max(0.0, min(1.0, base * (1 - 0.5**epoch)))
+
+
+def train(
+    config: Any,
+    params: Mapping[str, Any],
+    report: Callable[[int, float], bool],
+    options: TrainOptions | None = None,
+) -> TrialResult:
+    options = options or TrainOptions()
+    epoch_s = float(os.environ.get("HPSEARCH_DUMMY_EPOCH_S", "0.01"))
+    ckpt = options.checkpoint_path
+    history: list[EpochRecord] = []
+    start = 1
+    if ckpt is not None and ckpt.exists():
+        state = json.loads(ckpt.read_text())
+        history = [EpochRecord(**r) for r in state["history"]]
+        start = state["epoch"] + 1
+    t0 = time.monotonic()
+    reason = "finished"
+    pruned_at = None
+    for epoch in range(start, config.budget.max_epochs + 1):
+        time.sleep(epoch_s)
+        acc = score(params, epoch)
+        rec = EpochRecord(epoch, 1 - acc, acc, 1 - acc, acc, float(params.get("lr", 0.1)),
+                          epoch_s, 1000.0)  # fmt: skip
+        history.append(rec)
+        if options.on_epoch is not None:
+            options.on_epoch(rec)
+        if ckpt is not None:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            tmp = ckpt.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"epoch": epoch, "history": [r.__dict__ for r in history]}))
+            os.replace(tmp, ckpt)
+        if report(epoch, acc):
+            reason, pruned_at = "pruned", epoch
+            break
+        if options.should_interrupt is not None and options.should_interrupt():
+            reason = "interrupted"
+            break
+    best = max((r.val_acc for r in history if r.val_acc is not None), default=None)
+    return TrialResult(
+        history=history,
+        best_val_acc=best,
+        best_val_loss=None if best is None else 1 - best,
+        final_val_acc=history[-1].val_acc if history else None,
+        test_acc=best,
+        stop_reason=reason,  # type: ignore[arg-type]
+        epochs_run=len(history),
+        pruned_at_epoch=pruned_at,
+        checkpoint_path=ckpt,
+        best_model_path=None,
+        effective_lr=float(params.get("lr", 0.1)),
+        effective_batch_size=int(params.get("batch_size", 64)),
+        micro_batch_size=int(params.get("batch_size", 64)),
+        train_seconds=time.monotonic() - t0,
+        setup_seconds=0.0,
+        confusion=None,
+        message="",
+        num_classes=2,
+        class_names=["a", "b"],
+    )

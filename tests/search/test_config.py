@@ -1,0 +1,155 @@
+"""Study files: every class of mistake gets one line naming file, field, value and rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hpsearch.config import available_studies, load_config, parse_overrides
+from hpsearch.errors import ConfigError
+from pydantic import ValidationError
+
+GOOD = {
+    "name": "t",
+    "dataset": {"name": "flowers102", "image_size": 32},
+    "budget": {"n_trials": 3, "max_epochs": 2},
+    "search_space": {
+        "lr": {"type": "float", "low": 1.0e-3, "high": 0.5, "log": True},
+        "loss": {"type": "categorical", "choices": ["ce", "focal"]},
+        "focal_gamma": {"type": "float", "low": 0.5, "high": 3, "when": {"loss": "focal"}},
+    },
+}
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    p = tmp_path / "study.yaml"
+    p.write_text(yaml.safe_dump(data, sort_keys=False))
+    return p
+
+
+def load_with(tmp_path: Path, *sets: str) -> None:
+    load_config(write(tmp_path, GOOD), list(sets))
+
+
+def test_shipped_studies_load() -> None:
+    names = available_studies()
+    assert {"flowers102", "cifar10", "tiny"} <= set(names)
+    for name in names:
+        cfg = load_config(name)
+        assert cfg.name == name
+    flowers = load_config("flowers102")
+    space = flowers.search_space
+    assert space["lr"].log and space["focal_gamma"].when == {"loss": "focal"}
+    assert set(space["loss"].choices) == {"ce", "label_smoothing", "focal"}
+    assert set(space["optimizer"].choices) == {"sgd", "adamw"}
+    assert set(space["lr_scaling"].choices) == {"none", "linear", "sqrt"}
+    assert all(b & (b - 1) == 0 for b in space["batch_size"].choices)  # powers of two
+
+
+def test_good_file_and_overrides(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, GOOD), ["budget.max_epochs=5", "dataset.image_size=48",
+                                              "search_space.lr.high=1e-1"])  # fmt: skip
+    assert cfg.budget.max_epochs == 5 and cfg.dataset.image_size == 48
+    assert cfg.search_space["lr"].high == pytest.approx(0.1)
+    with pytest.raises(ValidationError):  # frozen
+        cfg.budget.max_epochs = 3  # type: ignore[misc]
+
+
+def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = write(tmp_path, {**GOOD, "dataset": {**GOOD["dataset"], "root": "/from/file"}})
+    assert load_config(p).dataset.root == "/from/file"
+    monkeypatch.setenv("HPSEARCH_DATA_DIR", "/from/env")
+    assert load_config(p).dataset.root == "/from/file"  # the file names it explicitly
+    assert load_config(write(tmp_path, GOOD)).dataset.root == "/from/env"
+    assert load_config(p, data_dir="/from/cli").dataset.root == "/from/cli"
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (["budget.bogus=1"], "budget.bogus: 1: unknown key"),
+        (["colour=red"], "colour: 'red': unknown key"),
+        (["budget.max_epochs=abc"], "budget.max_epochs: 'abc': Input should be a valid integer"),
+        (["budget.n_trials=0"], "budget.n_trials: 0: Input should be greater than or equal to 1"),
+        (["search_space.lr.low=1"], "search_space.lr.low: 1.0: must be <= high (0.5)"),
+        (["search_space.lr.low=-1"], "search_space.lr.low: -1.0: log=True needs low > 0"),
+        (["search_space.lr.type=floaty"], "search_space.lr.type: 'floaty'"),
+        (
+            ["search_space.loss.choices=[]"],
+            "search_space.loss.choices: []: List should have at least 1 item",
+        ),
+        (
+            ["search_space.loss.choices=[ce, hinge]"],
+            "search_space.loss.choices: 'hinge': unknown loss; must be one of ce, label_smoothing, focal",
+        ),
+        (
+            ["search_space.arch={type: categorical, choices: [resnet9]}"],
+            "search_space.arch.choices: 'resnet9': unknown arch",
+        ),
+        (
+            ["search_space.colour={type: float, low: 0, high: 1}"],
+            "search_space.colour: 'colour': unknown hyperparameter",
+        ),
+        (
+            ["search_space.focal_gamma.when={optimizer: sgd}"],
+            "search_space.focal_gamma.when.optimizer: 'optimizer': a condition must name a categorical parameter declared earlier",
+        ),
+        (
+            ["search_space.focal_gamma.when={loss: hinge}"],
+            "search_space.focal_gamma.when.loss: 'hinge': not among the choices of loss",
+        ),
+        (["dataset.name=mnist"], "dataset.name: 'mnist': must be one of 'flowers102'"),
+        (["sampler.name=bayes"], "sampler.name: 'bayes': must be one of 'tpe'"),
+        (["pruner.name=magic"], "pruner.name: 'magic': must be one of 'median'"),
+        (
+            ["sampler.options={n_startup: 3}"],
+            "sampler.options: {'n_startup': 3}: unknown option(s) n_startup for TPESampler",
+        ),
+        (
+            ["pruner.options={warmup: 3}"],
+            "pruner.options: {'warmup': 3}: unknown option(s) warmup for MedianPruner",
+        ),
+        (["trainer.defaults.loss=hinge"], "trainer.defaults.loss: 'hinge': must be one of 'ce'"),
+        (
+            ["search_space.lr.high=2e1", "search_space.lr.low=3e1"],
+            "search_space.lr.low: 30.0: must be <= high (20.0)",
+        ),
+        (
+            ["search_space.batch_size={type: int, low: 0, high: 8}"],
+            "search_space.batch_size.low: 0: batch_size: Input should be greater than or equal to 1",
+        ),
+        (
+            ["sampler.name=grid"],
+            "search_space.lr.type: 'float': the grid sampler needs categorical",
+        ),
+    ],
+)
+def test_bad_study_files(tmp_path: Path, sets: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_with(tmp_path, *sets)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(str(tmp_path / "study.yaml") + ": "), msg
+    assert expected in msg, msg
+
+
+def test_unreadable_and_unknown_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dataset: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: not valid YAML"):
+        load_config(bad)
+    with pytest.raises(
+        ConfigError, match=r"--study: 'nosuch': no such study file; known studies: .*flowers102"
+    ):
+        load_config("nosuch")
+    with pytest.raises(ConfigError, match=r"missing.yaml: study file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_parse_overrides_types() -> None:
+    assert parse_overrides(["a.b=2", "c=1e-3", "d=[x, y]", "e=null", "f=true"]) == [
+        ("a.b", 2), ("c", 0.001), ("d", ["x", "y"]), ("e", None), ("f", True)
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_overrides(["novalue"])

@@ -1,0 +1,113 @@
+"""Pure decision functions: budget, GPU placement, restarts, storage URLs, sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+from hpsearch.config import load_config
+from hpsearch.errors import ConfigError, DeviceError, StorageError
+from hpsearch.launcher import assign_gpus, check_gpus, eta_seconds, parse_gpus, should_restart
+from hpsearch.storage import normalize_url, redact, resolve_storage
+from hpsearch.study import grid_space, make_pruner, make_sampler, may_start_trial, suggest
+
+
+def test_may_start_trial_counts_finished_and_running_but_not_failed() -> None:
+    assert may_start_trial({"complete": 2, "pruned": 1, "running": 1}, 5)
+    assert not may_start_trial({"complete": 2, "pruned": 1, "running": 2}, 5)
+    assert may_start_trial({"complete": 4, "fail": 3}, 5)
+    assert may_start_trial({"complete": 5, "waiting": 1}, 5)  # a queued retry is always run
+
+
+def test_assign_gpus_round_robin() -> None:
+    assert assign_gpus(4, ["0", "1"]) == ["0", "1", "0", "1"]
+    assert assign_gpus(3, ["1"]) == ["1", "1", "1"]
+    assert assign_gpus(2, None) == [None, None]
+
+
+def test_gpu_and_device_checks() -> None:
+    assert parse_gpus("0, 1") == ["0", "1"]
+    assert parse_gpus(None) is None
+    with pytest.raises(ConfigError, match="comma-separated"):
+        parse_gpus("0,,1")
+    with pytest.raises(DeviceError, match=r"--gpus: '7': no such GPU; this machine has 1"):
+        check_gpus(["7"], 1, "auto")
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        check_gpus(None, 0, "cuda")
+    check_gpus(["0", "GPU-abc"], 1, "auto")
+
+
+def test_should_restart_is_bounded() -> None:
+    assert should_restart(-9, 0, 3, True)
+    assert not should_restart(-9, 3, 3, True)
+    assert not should_restart(0, 0, 3, True)
+    assert not should_restart(1, 0, 3, False)
+
+
+def test_eta() -> None:
+    assert eta_seconds(2, 10, 20.0) == pytest.approx(80.0)
+    assert eta_seconds(0, 10, 5.0) is None
+
+
+def test_storage_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HPSEARCH_STORAGE", raising=False)
+    # psycopg2 is what we install; a plain postgresql:// URL must map to it.
+    assert normalize_url("postgresql://u:p@h/db") == "postgresql+psycopg2://u:p@h/db"
+    assert normalize_url("postgres://h/db") == "postgresql+psycopg2://h/db"
+    assert normalize_url("postgresql+psycopg2://h/db") == "postgresql+psycopg2://h/db"
+    assert redact("postgresql://u:s3cret@h:5432/db") == "postgresql://u:***@h:5432/db"
+    assert "s3cret" not in resolve_storage("postgresql://u:s3cret@h/db", tmp_path).display
+    spec = resolve_storage(None, tmp_path)
+    assert spec.kind == "journal" and spec.url == str(tmp_path.resolve() / "optuna.journal")
+    monkeypatch.setenv("HPSEARCH_STORAGE", "postgresql://env@h/db")
+    assert resolve_storage(None, tmp_path).url == "postgresql+psycopg2://env@h/db"
+    assert resolve_storage("postgresql://cli@h/db", tmp_path).url.endswith("cli@h/db")
+    with pytest.raises(
+        StorageError, match=r"--storage: 'mysql://u:\*\*\*@h/db': unsupported scheme"
+    ):
+        resolve_storage("mysql://u:pw@h/db", tmp_path)
+    with pytest.raises(StorageError, match="not a storage URL"):
+        resolve_storage("localhost:5432", tmp_path)
+
+
+def test_samplers_and_pruners_build() -> None:
+    for name in ("tpe", "random", "gp", "cmaes", "nsga2"):
+        cfg = load_config("tiny", [f"sampler.name={name}", "sampler.options={}"] + (
+            ["pruner.name=none", "pruner.options={}", "objective.metric=[val_acc, train_seconds]",
+             "objective.direction=[maximize, minimize]"] if name == "nsga2" else []))  # fmt: skip
+        assert make_sampler(cfg) is not None
+    for name, cls in (("median", optuna.pruners.MedianPruner),
+                      ("asha", optuna.pruners.SuccessiveHalvingPruner),
+                      ("hyperband", optuna.pruners.HyperbandPruner),
+                      ("none", optuna.pruners.NopPruner)):  # fmt: skip
+        opts = ["pruner.options={}"]
+        assert isinstance(make_pruner(load_config("tiny", [f"pruner.name={name}", *opts])), cls)
+
+
+def test_grid_space() -> None:
+    cfg = load_config("tiny", [
+        "sampler.name=grid", "sampler.options={}",
+        "search_space={lr: {type: float, low: 0.1, high: 0.3, step: 0.1}, "
+        "batch_size: {type: categorical, choices: [32, 64]}}",
+    ])  # fmt: skip
+    space = grid_space(cfg)
+    assert space["lr"] == pytest.approx([0.1, 0.2, 0.3])
+    assert space["batch_size"] == [32, 64]
+
+
+def test_suggest_conditional_params() -> None:
+    cfg = load_config("tiny")
+    # Sampling, not storage: an in-memory study is the right tool here.
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    seen = set()
+    for _ in range(30):
+        t = study.ask()
+        params = suggest(t, cfg)
+        seen.add(params["loss"])
+        assert ("focal_gamma" in params) == (params["loss"] == "focal")
+        assert ("label_smoothing" in params) == (params["loss"] == "label_smoothing")
+        study.tell(t, 0.0)
+    assert seen == {"ce", "label_smoothing", "focal"}
+    hp = cfg.resolve_params({"lr": 0.01})
+    assert hp.lr == 0.01 and hp.arch == "resnet18" and hp.augment == "flip"

@@ -1,0 +1,232 @@
+"""`hpsearch launch` / `worker` / `status` / `best` / `studies` end to end, as subprocesses,
+on the real PostgreSQL (and the embedded journal default)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import hpsearch as hps
+from cli_util import DUMMY, hpsearch, popen
+from optuna.trial import TrialState
+
+
+def finished(study) -> list:  # type: ignore[no-untyped-def]
+    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+
+
+def test_launch_three_workers_real_flowers_on_postgres(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str], flowers_root: Path
+) -> None:
+    r = hpsearch(
+        [
+            "launch",
+            "--study",
+            "tiny",
+            "--workers",
+            "3",
+            "--trials",
+            "3",
+            "--storage",
+            pg_url,
+            "--workdir",
+            str(tmp_path / "w"),
+            "--no-tracking",
+            "--device",
+            "cpu",
+            "--data-dir",
+            str(flowers_root),
+            "--set",
+            "budget.max_epochs=1",
+        ],
+        subprocess_env,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    study = hps.load_study("tiny", storage=pg_url)
+    trials = study.get_trials(deepcopy=False)
+    assert len(finished(study)) == 3
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    assert len({t.user_attrs["pid"] for t in trials}) == 3, "trials must come from 3 processes"
+    for t in finished(study):
+        assert t.user_attrs["outcome"] in ("finished", "pruned")
+        assert len(t.user_attrs["history"]) == 1
+    assert "done (budget): complete" in r.stdout
+
+
+def test_relaunch_resumes_and_independent_worker_joins(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    work = str(tmp_path / "w")
+    common = [
+        "--study",
+        "tiny",
+        "--storage",
+        pg_url,
+        "--workdir",
+        work,
+        "--no-tracking",
+        "--train-fn",
+        DUMMY,
+        "--set",
+        "budget.max_epochs=3",
+    ]
+    r = hpsearch(["launch", *common, "--workers", "2", "--trials", "4"], subprocess_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    study = hps.load_study("tiny", storage=pg_url)
+    first = {t.number: t.params for t in study.get_trials()}
+    assert sorted(first) == [0, 1, 2, 3]
+
+    # Relaunch with a larger budget; a separately started worker joins while it runs.
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "1.0"}
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", "launch", *common, "--workers", "2", "--trials", "12"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    joiner = popen(["worker", *common, "--worker-id", "joiner"], env, tmp_path / "joiner.log")
+    try:
+        out, _ = launch.communicate(timeout=300)
+        assert launch.returncode == 0, out
+        assert joiner.wait(timeout=120) == 0, (tmp_path / "joiner.log").read_text()
+    finally:
+        launch.kill()
+        joiner.kill()
+    study = hps.load_study("tiny", storage=pg_url)
+    trials = study.get_trials()
+    assert sorted(t.number for t in trials) == list(range(12)), "no duplicate or lost numbers"
+    assert len(finished(study)) == 12
+    for n, params in first.items():
+        assert trials[n].params == params, "earlier trials are kept, not redone"
+    workers = {t.user_attrs["worker"] for t in trials[4:]}
+    assert "joiner" in workers and len(workers) == 3, workers
+
+    # status, best (text and JSON), studies and the Python API agree on the best trial.
+    api = hps.best_trials("tiny", storage=pg_url, k=3)
+    best_n, best_v = int(api.iloc[0]["number"]), float(api.iloc[0]["value"])
+    assert best_v == study.best_value and best_n == study.best_trial.number
+    assert list(api["value"]) == sorted(api["value"], reverse=True)
+    js = json.loads(
+        hpsearch(
+            ["best", "--study", "tiny", "--storage", pg_url, "-k", "3", "--json"], subprocess_env
+        ).stdout
+    )
+    assert js[0]["number"] == best_n and js[0]["value"] == best_v and len(js) == len(api)
+    text = hpsearch(["best", "--study", "tiny", "--storage", pg_url], subprocess_env).stdout
+    assert text.splitlines()[0].startswith(f"trial {best_n}: value {best_v:.6g}")
+    st = hpsearch(["status", "--study", "tiny", "--storage", pg_url], subprocess_env).stdout
+    assert "complete" in st and f"best: trial {best_n} value {best_v:.6g}" in st
+    assert hps.study_status("tiny", storage=pg_url).counts["running"] == 0
+    ls = json.loads(hpsearch(["studies", "--storage", pg_url, "--json"], subprocess_env).stdout)
+    assert ls == [
+        {
+            "name": "tiny",
+            "n_trials": 12,
+            "directions": ["maximize"],
+            "best_value": best_v,
+            "best_trial": best_n,
+        }
+    ]
+
+
+def test_embedded_default_several_workers(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
+    """No --storage, no tracking URI: the journal file and launch's own MLflow server."""
+    work = tmp_path / "w"
+    r = hpsearch(
+        [
+            "launch",
+            "--study",
+            "tiny",
+            "--workers",
+            "3",
+            "--trials",
+            "6",
+            "--workdir",
+            str(work),
+            "--train-fn",
+            DUMMY,
+            "--set",
+            "budget.max_epochs=2",
+        ],
+        subprocess_env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (work / "optuna.journal").exists()
+    study = hps.load_study("tiny", workdir=work)
+    assert len(finished(study)) == 6
+    assert len({t.user_attrs["pid"] for t in study.get_trials()}) >= 2
+    assert "MLflow UI: http://127.0.0.1:" in r.stdout
+    assert (work / "mlflow" / "mlflow.db").exists()
+
+
+def test_bad_inputs_one_line_nonzero_nothing_written(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    work = tmp_path / "w"
+    cases = [
+        (["launch", "--study", "tiny", "--workers", "0"], "Invalid value for '--workers'"),
+        (
+            ["launch", "--study", "tiny", "--device", "cuda", "--no-tracking"],
+            "CUDA is not available",
+        ),
+        (["launch", "--study", "tiny", "--gpus", "7", "--no-tracking"], "--gpus: '7': no such GPU"),
+        (["launch", "--study", "tiny", "--storage", "mysql://u:pw@h/db"], "unsupported scheme"),
+        (
+            [
+                "launch",
+                "--study",
+                "tiny",
+                "--storage",
+                "postgresql://postgres@127.0.0.1:1/x",
+                "--no-tracking",
+            ],
+            "cannot connect",
+        ),
+        (
+            [
+                "launch",
+                "--study",
+                "tiny",
+                "--storage",
+                pg_url.rsplit("/", 1)[0] + "/nosuchdb",
+                "--no-tracking",
+            ],
+            'database "nosuchdb" does not exist',
+        ),
+        (
+            ["launch", "--study", "tiny", "--set", "budget.max_epochs=-1", "--storage", pg_url],
+            "budget.max_epochs: -1: Input should be greater than or equal to 1",
+        ),
+        (["launch", "--study", "nosuch"], "no such study file"),
+        (["status", "--study", "ghost", "--storage", pg_url], "study 'ghost' not found"),
+        (
+            ["train", "--study", "tiny", "--params", "{bad json"],
+            "--params: '{bad json': not valid JSON",
+        ),
+    ]
+    for args, expected in cases:
+        r = hpsearch(
+            [*args, "--workdir", str(work)] if args[0] != "status" else args, subprocess_env
+        )
+        assert r.returncode != 0, args
+        err = r.stderr.strip()
+        assert expected in err, (args, err)
+        assert len(err.splitlines()) == 1, err
+        assert "Traceback" not in err
+    assert (
+        hpsearch(["studies", "--storage", pg_url, "--json"], subprocess_env).stdout.strip() == "[]"
+    )
+    assert not (work / "optuna.journal").exists()
+
+
+def test_every_command_has_help_with_an_example() -> None:
+    from hpsearch.cli import cli
+
+    assert cli.help and "Example" in cli.help
+    for name, cmd in cli.commands.items():
+        assert cmd.help and "Example" in cmd.help, name
+        for p in cmd.params:
+            if getattr(p, "hidden", False) or p.name == "help":
+                continue
+            assert getattr(p, "help", None), f"{name} --{p.name} has no help"

@@ -1,0 +1,281 @@
+"""Fault injection with real processes and the real PostgreSQL: killed workers, Ctrl-C,
+a database restart, and 16 concurrent workers. The trainer is the fast dummy; what is under
+test is the search layer's bookkeeping."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import hpsearch as hps
+import optuna
+from cli_util import DUMMY, hpsearch
+from optuna.trial import TrialState
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def wait_for(cond: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def running_with_epochs(url: str, name: str, epochs: int) -> optuna.trial.FrozenTrial | None:
+    try:
+        study = optuna.load_study(study_name=name, storage=url_for_optuna(url))
+    except KeyError:
+        return None
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if len(t.intermediate_values) >= epochs:
+            return t
+    return None
+
+
+def url_for_optuna(url: str) -> str:
+    from hpsearch.storage import normalize_url
+
+    return normalize_url(url)
+
+
+def launch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hpsearch.cli", "launch", *args]
+
+
+def test_kill_9_worker_mid_trial_resumes_from_checkpoint(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.5"}
+    proc = subprocess.Popen(
+        launch_cmd("--study", "tiny", "--workers", "2", "--trials", "4", "--storage", pg_url,
+                   "--workdir", str(tmp_path / "w"), "--no-tracking", "--train-fn", DUMMY,
+                   "--set", "budget.max_epochs=5", "--set", "pruner.name=none",
+                   "--set", "pruner.options={}"),
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        victim = wait_for(
+            lambda: running_with_epochs(pg_url, "tiny", 2), 120, "a trial 2 epochs in"
+        )
+        assert isinstance(victim, optuna.trial.FrozenTrial)
+        pid = victim.user_attrs["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed_at = len(victim.intermediate_values)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    study = hps.load_study("tiny", storage=pg_url)
+    trials = study.get_trials()
+    assert len([t for t in trials if t.state in FINISHED]) == 4
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    dead = trials[victim.number]
+    assert dead.state == TrialState.FAIL and "worker died (signal 9)" in dead.user_attrs["message"]
+    retry = [t for t in trials if t.system_attrs.get("failed_trial") == victim.number]
+    assert len(retry) == 1 and retry[0].state in FINISHED and retry[0].params == victim.params
+    resumed_from = retry[0].user_attrs["resumed_from_epoch"]
+    # The retry trains from the epoch after the last checkpoint: at most the epoch in flight
+    # when the worker died is lost.
+    assert resumed_from in (killed_at + 1, killed_at + 2), (resumed_from, killed_at)
+    assert sorted(retry[0].intermediate_values) == list(range(1, 6))
+    assert "worker 0 died (signal 9)" in out or "worker 1 died (signal 9)" in out
+    print(f"killed after epoch {killed_at}; retry resumed at epoch {resumed_from}")
+
+
+def test_independent_worker_killed_is_detected_stale_and_retried(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    heartbeat = 2  # seconds; detection must come within 2x
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.5"}
+    common = ["--study", "tiny", "--storage", pg_url, "--no-tracking", "--train-fn", DUMMY,
+              "--heartbeat", str(heartbeat), "--trials", "3",
+              "--set", "budget.max_epochs=6", "--set", "pruner.name=none",
+              "--set", "pruner.options={}"]  # fmt: skip
+    victim_p = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", "worker", *common, "--worker-id", "victim",
+         "--workdir", str(tmp_path / "shared")],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        victim = wait_for(lambda: running_with_epochs(pg_url, "tiny", 2), 120, "victim 2 epochs in")
+        assert isinstance(victim, optuna.trial.FrozenTrial)
+        survivor = subprocess.Popen(
+            [sys.executable, "-m", "hpsearch.cli", "worker", *common, "--worker-id", "survivor",
+             "--workdir", str(tmp_path / "shared")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        time.sleep(3)  # the survivor is up and busy with a trial of its own
+        victim_p.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        storage = url_for_optuna(pg_url)
+
+        def failed() -> bool:
+            st = optuna.load_study(study_name="tiny", storage=storage)
+            return st.get_trials(deepcopy=False)[victim.number].state == TrialState.FAIL
+
+        wait_for(failed, 4 * heartbeat, "stale detection")
+        detected_s = time.monotonic() - killed
+        out, _ = survivor.communicate(timeout=180)
+        assert survivor.returncode == 0, out
+    finally:
+        victim_p.kill()
+    assert detected_s <= 2 * heartbeat + 0.5, detected_s  # 0.5 s: this test's polling
+    study = hps.load_study("tiny", storage=pg_url)
+    trials = study.get_trials()
+    retry = [t for t in trials if t.system_attrs.get("failed_trial") == victim.number]
+    assert len(retry) == 1 and retry[0].state in FINISHED
+    assert retry[0].user_attrs["worker"] == "survivor"
+    assert retry[0].user_attrs["resumed_from_epoch"] > 1
+    assert len([t for t in trials if t.state in FINISHED]) == 3
+    print(f"stale trial detected {detected_s:.2f}s after kill -9 (heartbeat {heartbeat}s)")
+
+
+def _descendants(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid,ppid,pgid"], capture_output=True, text=True).stdout
+    rows = [tuple(map(int, ln.split())) for ln in out.splitlines()[1:]]
+    found, frontier = set(), {pid}
+    while frontier:
+        nxt = {p for p, pp, _ in rows if pp in frontier} - found
+        found |= nxt
+        frontier = nxt
+    return found
+
+
+def test_sigint_launch_stops_cleanly_and_relaunch_resumes(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.5"}
+    args = ["--study", "tiny", "--workers", "2", "--trials", "4", "--storage", pg_url,
+            "--workdir", str(tmp_path / "w"), "--no-tracking", "--train-fn", DUMMY,
+            "--set", "budget.max_epochs=6", "--set", "pruner.name=none",
+            "--set", "pruner.options={}"]  # fmt: skip
+    proc = subprocess.Popen(launch_cmd(*args), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_for(lambda: running_with_epochs(pg_url, "tiny", 2), 120, "trials 2 epochs in")
+        children = _descendants(proc.pid)
+        assert len(children) >= 2
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    time.sleep(0.5)
+    alive = [p for p in children if Path(f"/proc/{p}").exists()]
+    assert not alive, f"processes left behind: {alive}"
+    study = hps.load_study("tiny", storage=pg_url)
+    trials = study.get_trials()
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    interrupted = [t for t in trials if t.user_attrs.get("outcome") == "interrupted"]
+    assert interrupted and all(t.state == TrialState.FAIL for t in interrupted)
+    waiting = [t for t in trials if t.state == TrialState.WAITING]
+    assert len(waiting) == len(interrupted)
+
+    r = hpsearch(["launch", *args], env, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    trials = hps.load_study("tiny", storage=pg_url).get_trials()
+    assert len([t for t in trials if t.state in FINISHED]) == 4
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    for t in interrupted:
+        retry = [x for x in trials if x.system_attrs.get("failed_trial") == t.number]
+        assert len(retry) == 1 and retry[0].state in FINISHED
+        last = max(t.intermediate_values)
+        assert retry[0].user_attrs["resumed_from_epoch"] == last + 1
+
+
+def _pg(action: str) -> None:
+    version = os.listdir("/etc/postgresql")[0]
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", action],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+
+def _pg_ready() -> bool:
+    return subprocess.run(["pg_isready", "-h", "127.0.0.1", "-q"]).returncode == 0
+
+
+def test_postgres_restart_mid_study_loses_nothing(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.3"}
+    proc = subprocess.Popen(
+        launch_cmd("--study", "tiny", "--workers", "2", "--trials", "8", "--storage", pg_url,
+                   "--workdir", str(tmp_path / "w"), "--no-tracking", "--train-fn", DUMMY,
+                   "--set", "budget.max_epochs=4"),
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: running_with_epochs(pg_url, "tiny", 1), 120, "a running trial")
+        _pg("stop")
+        time.sleep(4)
+    finally:
+        if not _pg_ready():
+            _pg("start")
+        wait_for(_pg_ready, 30, "PostgreSQL back")
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    trials = hps.load_study("tiny", storage=pg_url).get_trials()
+    numbers = [t.number for t in trials]
+    assert len(numbers) == len(set(numbers))
+    assert len([t for t in trials if t.state in FINISHED]) == 8
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+
+
+def test_sixteen_concurrent_workers(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    n_trials = 48
+    common = ["--study", "tiny", "--storage", pg_url, "--no-tracking", "--train-fn", DUMMY,
+              "--workdir", str(tmp_path / "w"), "--set", "budget.max_epochs=2"]  # fmt: skip
+    # Create the study once, so that 16 processes race on trials, not on table creation.
+    assert (
+        hpsearch(["launch", *common, "--workers", "1", "--trials", "1"], subprocess_env).returncode
+        == 0
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hpsearch.cli",
+                "worker",
+                *common,
+                "--worker-id",
+                f"w{i}",
+                "--trials",
+                str(n_trials),
+            ],
+            env=subprocess_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(16)
+    ]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=400)
+        outs.append(out)
+        assert p.returncode == 0, out
+    joined = "\n".join(outs)
+    for bad in ("Traceback", "too many clients", "deadlock", "Error"):
+        assert bad not in joined, joined[-3000:]
+    trials = hps.load_study("tiny", storage=pg_url).get_trials()
+    numbers = [t.number for t in trials]
+    assert sorted(numbers) == list(range(len(numbers)))
+    assert len([t for t in trials if t.state in FINISHED]) == n_trials
+    assert len(trials) == n_trials
+    assert len({t.user_attrs["worker"] for t in trials}) >= 8

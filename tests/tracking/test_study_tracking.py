@@ -1,0 +1,114 @@
+"""A real study, end to end: `hpsearch launch` on PostgreSQL with its embedded MLflow server,
+real Flowers-102 training, then everything checked through MlflowClient only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hpsearch as hps
+import numpy as np
+import pytest
+from cli_util import hpsearch
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+
+
+def test_study_in_mlflow_and_best_model(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str], flowers_root: Path
+) -> None:
+    from hpsearch.tracking.server import start_local_server
+    from mlflow.tracking import MlflowClient
+
+    work = tmp_path / "w"
+    r = hpsearch(
+        ["launch", "--study", "tiny", "--workers", "2", "--trials", "4", "--storage", pg_url,
+         "--workdir", str(work), "--device", "cpu", "--data-dir", str(flowers_root),
+         "--set", "budget.max_epochs=2", "--set", "pruner.options={n_startup_trials: 1, n_warmup_steps: 0}",
+         "--set", "search_space.lr={type: float, low: 0.001, high: 0.5, log: true}",
+         "--set", "trainer.evaluate_test=true"],
+        subprocess_env, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "MLflow UI: http://127.0.0.1:" in r.stdout
+    study = hps.load_study("tiny", storage=pg_url)
+    trials = study.get_trials()
+    assert len(trials) == 4
+
+    # launch stopped its server; a new one on the same store shows the runs again.
+    with start_local_server(work) as server:
+        client = MlflowClient(server.url)
+        exp = client.get_experiment_by_name("tiny")
+        assert exp is not None
+        runs = client.search_runs([exp.experiment_id], max_results=100)
+        parents = [r for r in runs if r.data.tags.get("hpsearch.role") == "study"]
+        children = [r for r in runs if r.data.tags.get("hpsearch.role") == "trial"]
+        assert len(parents) == 1 and len(children) == 4
+        parent = parents[0]
+        assert parent.data.tags["hpsearch.sampler"] == "tpe"
+        assert "hpsearch.version" in parent.data.tags
+        assert parent.info.status == "FINISHED"
+        parent_files = {a.path for a in client.list_artifacts(parent.info.run_id)}
+        assert {"study.yaml", "trials.csv"} <= parent_files
+
+        by_number = {int(c.data.tags["optuna.trial_number"]): c for c in children}
+        for t in trials:
+            run = by_number[t.number]
+            # Cross-links both ways.
+            assert t.user_attrs["mlflow_run_id"] == run.info.run_id
+            assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+            assert run.info.run_name == f"trial-{t.number}"
+            for name, value in t.params.items():
+                assert run.data.params[name] == str(value)
+            for derived in ("effective_lr", "effective_batch_size", "dataset", "arch", "image_size"):
+                assert derived in run.data.params
+            assert run.data.tags["hpsearch.worker"] == t.user_attrs["worker"]
+            steps = client.get_metric_history(run.info.run_id, "val_acc")
+            assert [m.step for m in steps] == sorted(t.intermediate_values)
+            outcome = t.user_attrs["outcome"]
+            expected = {"finished": "FINISHED", "pruned": "KILLED"}.get(outcome, "FAILED")
+            assert run.info.status == expected, (t.number, outcome)
+            if outcome == "pruned":
+                assert run.data.tags["hpsearch.pruned_at_epoch"] == str(len(steps))
+            files = {a.path for a in client.list_artifacts(run.info.run_id)}
+            assert "learning_curve.png" in files
+            if outcome == "finished":
+                assert {"confusion_matrix.png", "per_class_accuracy.csv"} <= files
+                assert "best_val_acc" in run.data.metrics
+                png = client.download_artifacts(run.info.run_id, "confusion_matrix.png", str(tmp_path))
+                with Image.open(png) as im:
+                    im.load()
+                    assert im.size[0] > 100
+        finished = [t for t in trials if t.user_attrs["outcome"] == "finished"]
+        assert finished, "at least one trial must finish"
+
+        # The best model: ONNX on the parent run runs in onnxruntime.
+        best = study.best_trial
+        model_files = {a.path for a in client.list_artifacts(parent.info.run_id, "model")}
+        assert "model/best_model.onnx" in model_files
+        import onnxruntime as ort
+
+        onnx_path = client.download_artifacts(parent.info.run_id, "model/best_model.onnx", str(tmp_path))
+        sess = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+        x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+        (logits,) = sess.run(None, {sess.get_inputs()[0].name: x})
+        assert logits.shape == (2, 102)
+
+        # best_trials carries the run ids; load_best_model gives the logged accuracy back.
+        df = hps.best_trials("tiny", storage=pg_url, k=2)
+        assert df.iloc[0]["mlflow_run_id"] == by_number[best.number].info.run_id
+        assert df.iloc[0]["checkpoint_uri"]
+        model = hps.load_best_model("tiny", storage=pg_url, workdir=work)
+        from hpsearch.trainer import evaluate_model
+
+        cfg = hps.load_config("tiny", ["budget.max_epochs=2"], data_dir=str(flowers_root))
+        acc, _ = evaluate_model(cfg, best.params, model, "val", work, "cpu")
+        logged = by_number[best.number].data.metrics["best_val_acc"]
+        assert acc == pytest.approx(logged, abs=1e-6)
+        assert acc == pytest.approx(best.value, abs=1e-6)
+        summary = json.loads(json.dumps(dict(by_number[best.number].data.metrics)))
+        assert summary["best_val_acc"] > 1 / 102
+    # Also reachable from the CLI.
+    out = hpsearch(["best", "--study", "tiny", "--storage", pg_url, "--json"], subprocess_env).stdout
+    assert json.loads(out)[0]["mlflow_run_id"] == df.iloc[0]["mlflow_run_id"]

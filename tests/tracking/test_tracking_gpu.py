@@ -1,0 +1,416 @@
+"""GPU telemetry with a FAKE of the few NVML functions the sampler uses."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hpsearch.tracking import gpu
+from hpsearch.tracking.gpu import (
+    GpuSampler,
+    device_labels,
+    integrate_power,
+    is_input_bound,
+    resolve_visible_devices,
+    sampler_for_tracker,
+)
+
+UUIDS = [f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}" for i in range(4)]
+MIG = "MIG-11111111-2222-3333-4444-555555555555"
+PID = 4242
+
+
+class FakeNVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    util: float = 90.0
+    mem_used: int = 1024 * 1024 * 1024  # 1 GiB
+    power_mw: int = 250_000
+    temp: int = 60
+    sm_clock: int = 1980
+    energy_mj: float | None = 1_000_000.0  # None = not supported
+    proc_util: dict[int, float] | None = field(default_factory=dict)  # None = not supported
+    proc_mem: dict[int, int] = field(default_factory=dict)
+    ts: int = 0
+
+
+class FakeNVML:
+    """The NVML calls GpuSampler makes, over a list of fake GPUs."""
+
+    NVMLError = FakeNVMLError
+
+    def __init__(self, gpus: list[FakeGpu], *, init_error: bool = False) -> None:
+        self.gpus = gpus
+        self.init_error = init_error
+        self.initialized = False
+        self.shutdowns = 0
+        self.queried: set[int] = set()
+
+    def nvmlInit(self) -> None:
+        if self.init_error:
+            raise FakeNVMLError(12)  # library not found
+        self.initialized = True
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        for i, g in enumerate(self.gpus):
+            if g.uuid == uuid:
+                return i
+        raise FakeNVMLError(13)
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return self.gpus[h].uuid
+
+    def _q(self, h: int) -> FakeGpu:
+        self.queried.add(h)
+        return self.gpus[h]
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+        return SimpleNamespace(gpu=self._q(h).util, memory=10)
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return SimpleNamespace(used=self._q(h).mem_used, total=80 * 1024**3)
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        return self._q(h).power_mw
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        assert sensor == 0
+        return self._q(h).temp
+
+    def nvmlDeviceGetClockInfo(self, h: int, clock: int) -> int:
+        assert clock == 1
+        return self._q(h).sm_clock
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: int) -> float:
+        g = self._q(h)
+        if g.energy_mj is None:
+            raise FakeNVMLError(3)
+        return g.energy_mj
+
+    def nvmlDeviceGetProcessUtilization(self, h: int, last_seen: int) -> list[Any]:
+        g = self._q(h)
+        if g.proc_util is None:
+            raise FakeNVMLError(3)
+        g.ts += 1_000_000
+        if not g.proc_util:
+            raise FakeNVMLError(6)  # NOT_FOUND: no sample
+        return [
+            SimpleNamespace(pid=pid, smUtil=u, memUtil=0, timeStamp=g.ts)
+            for pid, u in g.proc_util.items()
+        ]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        g = self._q(h)
+        return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in g.proc_mem.items()]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings() -> None:
+    gpu.reset_warnings()
+
+
+def fleet(n: int = 4) -> list[FakeGpu]:
+    return [FakeGpu(uuid=u) for u in UUIDS[:n]]
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, [0, 1, 2, 3]),
+        ("", []),
+        ("2", [2]),
+        ("3,1", [3, 1]),
+        (" 1 , 2 ", [1, 2]),
+        ("0,-1,1", [0]),  # CUDA stops at the first invalid entry
+        ("-1", []),
+        ("7", []),  # out of range
+        ("1,1", [1]),  # repeated
+        (UUIDS[2], [2]),
+        (UUIDS[3][:10], [3]),  # unique prefix
+        ("GPU-", []),  # ambiguous prefix
+        (f"{UUIDS[1]},0", [1, 0]),
+        (MIG, [MIG]),
+        ("GPU-ffffffff", []),  # unknown uuid
+        ("abc,0", []),
+    ],
+)
+def test_resolve_visible_devices(value: str | None, expected: list[int | str]) -> None:
+    assert resolve_visible_devices(value, UUIDS) == expected
+
+
+def test_device_labels() -> None:
+    assert device_labels([3]) == [""]
+    assert device_labels([]) == []
+    assert device_labels([2, 0, MIG]) == ["_2", "_0", "_mig0"]
+
+
+def test_is_input_bound() -> None:
+    samples = [(float(t), 30.0) for t in range(0, 61, 5)]
+    assert is_input_bound(samples, 60.0, 60.0, 50.0, history_start=0.0) == (True, 30.0)
+    assert is_input_bound(samples, 59.0, 60.0, 50.0, history_start=0.0) == (False, None)
+    busy = [(t, 80.0) for t, _ in samples]
+    assert is_input_bound(busy, 60.0, 60.0, 50.0, history_start=0.0) == (False, 80.0)
+    assert is_input_bound([], 100.0, 60.0, 50.0, history_start=0.0) == (False, None)
+
+
+def test_integrate_power() -> None:
+    assert integrate_power([(0.0, 100.0), (10.0, 200.0)]) == pytest.approx(1500.0)
+    assert integrate_power([(0.0, 100.0)]) == 0.0
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+def test_samples_only_the_visible_gpus_and_summarises() -> None:
+    nvml = FakeNVML(fleet())
+    nvml.gpus[2].proc_util = {PID: 70.0, 999: 20.0}
+    nvml.gpus[2].proc_mem = {PID: 512 * 1024 * 1024, 999: 1}
+    clock = Clock()
+    sent: list[Mapping[str, float]] = []
+    s = GpuSampler(sent.append, visible_devices="2", nvml=nvml, pid=PID, clock=clock)
+    assert s.open() and s.device_refs == [2]
+    for i in range(3):
+        nvml.gpus[2].mem_used = (1 + i) * 1024**3
+        nvml.gpus[2].energy_mj = 1_000_000.0 + 5_000.0 * (i + 1)
+        s.sample_once()
+        clock.t += 5
+    assert nvml.queried == {2}
+    assert sent[0] == {
+        "system/gpu_utilization": 90.0,
+        "system/gpu_process_utilization": 70.0,
+        "system/gpu_memory_mib": 1024.0,
+        "system/gpu_process_memory_mib": 512.0,
+        "system/gpu_power_w": 250.0,
+        "system/gpu_temperature_c": 60.0,
+        "system/gpu_sm_clock_mhz": 1980.0,
+    }
+    summary = s.stop()
+    assert summary == {
+        "system/gpu_utilization_mean": 90.0,
+        "system/gpu_process_utilization_mean": 70.0,
+        "system/gpu_memory_peak_mib": 3072.0,
+        "system/gpu_process_memory_peak_mib": 512.0,
+        "system/gpu_energy_j": 15.0,  # NVML counter: 15000 mJ
+    }
+    assert nvml.shutdowns == 1
+
+
+def test_several_gpus_get_suffixes_and_energy_falls_back_to_power() -> None:
+    nvml = FakeNVML(fleet())
+    for g in nvml.gpus:
+        g.energy_mj = None  # counter not supported
+        g.proc_util = None  # per-process utilization not supported
+    nvml.gpus[3].util = 50.0
+    clock = Clock()
+    sent: list[Mapping[str, float]] = []
+    s = GpuSampler(sent.append, visible_devices="3,1", nvml=nvml, pid=PID, clock=clock)
+    assert s.open()
+    s.sample_once()
+    clock.t += 10
+    nvml.gpus[3].power_mw = 350_000
+    s.sample_once()
+    assert {"system/gpu_utilization_3", "system/gpu_utilization_1"} <= set(sent[0])
+    assert not any("process_utilization" in k for k in sent[0])
+    summary = s.summary()
+    assert summary["system/gpu_utilization_mean_3"] == 50.0
+    assert summary["system/gpu_utilization_mean_1"] == 90.0
+    assert summary["system/gpu_utilization_mean"] == 70.0
+    assert summary["system/gpu_energy_j_3"] == pytest.approx(10 * (250 + 350) / 2)
+    assert summary["system/gpu_energy_j_1"] == pytest.approx(2500.0)
+    assert summary["system/gpu_energy_j"] == pytest.approx(3000.0 + 2500.0)
+    assert summary["system/gpu_memory_peak_mib"] == 2048.0
+    s.stop()
+
+
+def test_input_bound_fires_once_and_can_request_stop(caplog: pytest.LogCaptureFixture) -> None:
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].util = 95.0  # the device is busy ...
+    nvml.gpus[0].proc_util = {PID: 20.0}  # ... but not with this worker
+    clock = Clock()
+    fired: list[float] = []
+    s = GpuSampler(
+        None,
+        visible_devices="0",
+        nvml=nvml,
+        pid=PID,
+        clock=clock,
+        window_s=60.0,
+        warmup_s=10.0,
+        threshold_pct=50.0,
+        stop_when_input_bound=True,
+        on_input_bound=fired.append,
+    )
+    assert s.open()
+    for _ in range(14):  # 0..65 s: warm-up, then 55 s of history: no decision yet
+        s.sample_once()
+        clock.t += 5
+    assert not s.input_bound and not s.should_stop() and fired == []
+    for _ in range(5):
+        s.sample_once()
+        clock.t += 5
+    assert s.input_bound and s.should_stop()
+    assert fired == [20.0]
+    assert caplog.text.count("looks input-bound") == 1
+    assert s.summary()["system/gpu_input_bound_utilization"] == 20.0
+
+
+def test_busy_gpu_is_not_input_bound_and_policy_off_never_stops() -> None:
+    nvml = FakeNVML(fleet(1))
+    clock = Clock()
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock, warmup_s=0)
+    nvml.gpus[0].proc_util = {PID: 88.0}
+    assert s.open()
+    for _ in range(30):
+        s.sample_once()
+        clock.t += 5
+    assert not s.input_bound and not s.should_stop()
+    nvml.gpus[0].proc_util = {}  # this worker stops using the GPU (no samples)
+    for _ in range(30):
+        s.sample_once()
+        clock.t += 5
+    assert s.input_bound and not s.should_stop()  # flagged, but stopping is not requested
+
+
+def test_pid_never_seen_falls_back_to_device_utilization() -> None:
+    # In a container NVML reports host PIDs: this worker's PID is never listed.
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].util = 85.0
+    nvml.gpus[0].proc_util = {99999: 85.0}
+    nvml.gpus[0].proc_mem = {99999: 1024**3}
+    clock = Clock()
+    sent: list[Mapping[str, float]] = []
+    s = GpuSampler(sent.append, visible_devices="0", nvml=nvml, pid=PID, clock=clock, warmup_s=0)
+    assert s.open()
+    for _ in range(20):
+        s.sample_once()
+        clock.t += 5
+    assert not any("process" in k for m in sent for k in m)
+    assert not s.input_bound  # device utilization 85 % is used, not a fake 0 %
+    summary = s.stop()
+    assert "system/gpu_process_utilization_mean" not in summary
+    assert summary["system/gpu_utilization_mean"] == 85.0
+
+
+def test_without_nvml_nothing_is_logged_and_it_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sent: list[Mapping[str, float]] = []
+    for _ in range(3):
+        s = GpuSampler(sent.append, nvml=FakeNVML(fleet(), init_error=True))
+        assert s.start() is False and not s.available
+        assert s.sample_once() == {}
+        assert s.stop() == {}
+        assert not s.should_stop()
+    assert sent == []
+    assert caplog.text.count("NVML is not available") == 1
+
+
+def test_no_visible_gpu_is_silent_after_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    sent: list[Mapping[str, float]] = []
+    for value in ("", "-1"):
+        s = GpuSampler(sent.append, visible_devices=value, nvml=FakeNVML(fleet()))
+        assert s.start() is False
+        assert s.stop() == {}
+    assert sent == [] and caplog.text.count("no visible GPU") == 1
+
+
+def test_real_pynvml_on_this_machine_never_raises() -> None:
+    s = GpuSampler(lambda m: None, interval_s=0.05)
+    s.start()
+    summary = s.stop()
+    if not s.available:
+        assert summary == {}
+
+
+def test_env_and_background_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", UUIDS[1])
+    nvml = FakeNVML(fleet())
+    sent: list[Mapping[str, float]] = []
+    s = GpuSampler(sent.append, interval_s=0.01, nvml=nvml, pid=os.getpid())
+    with s:
+        assert s.device_refs == [1]
+        deadline = 200
+        while len(sent) < 3 and deadline:
+            time.sleep(0.01)
+            deadline -= 1
+    assert len(sent) >= 3 and nvml.queried == {1}
+
+
+def test_a_failing_sink_does_not_stop_sampling(caplog: pytest.LogCaptureFixture) -> None:
+    def bad_sink(metrics: Mapping[str, float]) -> None:
+        raise RuntimeError("sink down")
+
+    s = GpuSampler(bad_sink, visible_devices="0", nvml=FakeNVML(fleet(1)), clock=Clock())
+    assert s.open()
+    assert s.sample_once() and s.sample_once()
+    assert s.samples_taken == 2 and caplog.text.count("sink failed") == 1
+
+
+class FakeTracker:
+    def __init__(self) -> None:
+        self.system: list[Mapping[str, float]] = []
+        self.tags: dict[str, str] = {}
+
+    def log_system(self, metrics: Mapping[str, float], timestamp_ms: int | None = None) -> None:
+        self.system.append(metrics)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        self.tags.update(tags)
+
+
+def test_sampler_for_tracker_tags_input_bound() -> None:
+    tracker = FakeTracker()
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].proc_util = {PID: 10.0}
+    clock = Clock()
+    seen: list[float] = []
+    s = sampler_for_tracker(
+        tracker,
+        visible_devices="0",
+        nvml=nvml,
+        pid=PID,
+        clock=clock,
+        warmup_s=0,
+        window_s=20,
+        on_input_bound=seen.append,
+    )
+    assert s.open()
+    for _ in range(6):
+        s.sample_once()
+        clock.t += 5
+    assert tracker.tags == {
+        "hpsearch.input_bound": "true",
+        "hpsearch.input_bound_utilization": "10.0",
+    }
+    assert seen == [10.0] and len(tracker.system) == 6

@@ -1,0 +1,424 @@
+"""MLflow layout (experiment, study run, trial runs), batching, status mapping and outages,
+against real ``mlflow server`` subprocesses; everything asserted through MlflowClient."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+from hpsearch.errors import TrackingError
+from hpsearch.tracking.mlflow_logger import (
+    HTTP_POLICY,
+    INCOMPLETE_TAG,
+    OUTCOME_STATUS,
+    TrialTracker,
+    apply_http_policy,
+    backoff_delays,
+    chunk_batch,
+    ensure_experiment,
+    find_study_runs,
+    is_permanent_error,
+    open_study_run,
+    param_value,
+    study_tags,
+    terminal_status,
+    terminal_tags,
+    trial_params,
+)
+from hpsearch.tracking.server import LocalServer, free_port, start_local_server
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException, RestException
+from tracking_helpers import CountingClient
+
+EPOCH = {
+    "train_loss": 1.0,
+    "train_acc": 0.5,
+    "val_loss": 1.1,
+    "val_acc": 0.45,
+    "lr": 0.1,
+    "epoch_seconds": 2.0,
+    "images_per_second": 1000.0,
+}
+
+
+def epoch_metrics(e: int) -> dict[str, float]:
+    return {k: v + e / 100 for k, v in EPOCH.items()}
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status"),
+    [
+        ("completed", "FINISHED"),
+        ("early_stopped", "FINISHED"),
+        ("time_limit", "FINISHED"),
+        ("pruned", "KILLED"),
+        ("interrupted", "KILLED"),
+        ("failed", "FAILED"),
+        ("diverged", "FAILED"),
+        ("out_of_memory", "FAILED"),
+    ],
+)
+def test_terminal_status(outcome: str, status: str) -> None:
+    assert terminal_status(outcome) == status
+
+
+def test_terminal_status_unknown() -> None:
+    with pytest.raises(ValueError, match="unknown trial outcome 'exploded'"):
+        terminal_status("exploded")
+
+
+def test_terminal_tags() -> None:
+    assert terminal_tags("completed") == {"hpsearch.outcome": "completed"}
+    assert terminal_tags("pruned", pruned_at_epoch=3) == {
+        "hpsearch.outcome": "pruned",
+        "hpsearch.pruned_at_epoch": "3",
+    }
+    assert terminal_tags("diverged")["hpsearch.reason"] == "diverged"
+    assert terminal_tags("failed", reason="CUDA error")["hpsearch.reason"] == "CUDA error"
+    assert terminal_tags("time_limit", reason="budget")["hpsearch.reason"] == "budget"
+    assert len(terminal_tags("failed", reason="x" * 10000)["hpsearch.reason"]) == 8000
+
+
+def test_chunk_batch_respects_mlflow_limits() -> None:
+    m = [Metric(f"m{i}", 1.0, 0, 0) for i in range(2500)]
+    p = [Param(f"p{i}", "v") for i in range(150)]
+    t = [RunTag(f"t{i}", "v") for i in range(30)]
+    chunks = chunk_batch(m, p, t)
+    for cm, cp, ct in chunks:
+        assert len(cm) <= 1000 and len(cp) <= 100 and len(ct) <= 100
+        assert len(cm) + len(cp) + len(ct) <= 1000
+    assert sum(len(c[0]) for c in chunks) == 2500
+    assert sum(len(c[1]) for c in chunks) == 150
+    assert sum(len(c[2]) for c in chunks) == 30
+    assert len(chunks) == 3
+    assert chunk_batch(m[:7], [], []) == [(m[:7], [], [])]  # one epoch = one request
+    assert chunk_batch([], [], []) == [([], [], [])]
+
+
+def test_is_permanent_error() -> None:
+    assert is_permanent_error(MlflowException.invalid_parameter_value("bad"))
+    assert is_permanent_error(
+        RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "no run"})
+    )
+    assert not is_permanent_error(MlflowException("down"))  # INTERNAL_ERROR -> 500
+    assert not is_permanent_error(ConnectionError("refused"))
+
+
+def test_backoff_delays() -> None:
+    it = backoff_delays(0.5, 2.0, 4.0)
+    assert [next(it) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+
+
+def test_apply_http_policy_keeps_user_values() -> None:
+    env = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "9"}
+    apply_http_policy(env)
+    assert env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "9"
+    assert env["MLFLOW_HTTP_REQUEST_TIMEOUT"] == HTTP_POLICY["MLFLOW_HTTP_REQUEST_TIMEOUT"]
+
+
+def test_trial_params_and_param_value() -> None:
+    params = trial_params(
+        {"lr": 0.1, "batch_size": 64, "optimizer": "sgd", "image_size": None},
+        effective_lr=0.05,
+        effective_batch_size=64,
+        dataset="cifar10",
+        arch="resnet18",
+        image_size=32,
+    )
+    assert params == {
+        "lr": "0.1",
+        "batch_size": "64",
+        "optimizer": "sgd",
+        "effective_lr": "0.05",
+        "effective_batch_size": "64",
+        "dataset": "cifar10",
+        "arch": "resnet18",
+        "image_size": "32",
+    }
+    assert param_value(1 / 3) == repr(1 / 3)
+    assert len(param_value("x" * 7000)) == 6000
+
+
+def test_study_tags_redacts_storage() -> None:
+    tags = study_tags("tpe", "median", "postgresql://u:pw@db/optuna")
+    assert tags["hpsearch.storage"] == "postgresql://u:***@db/optuna"
+    assert tags["hpsearch.sampler"] == "tpe" and tags["hpsearch.pruner"] == "median"
+    assert tags["hpsearch.version"]
+
+
+# --------------------------------------------------------------------------- study level
+
+
+@pytest.mark.slow
+def test_ensure_experiment_and_study_run_reused(client: CountingClient, tmp_path: Path) -> None:
+    exp = ensure_experiment(client, "study-a")
+    assert ensure_experiment(client, "study-a") == exp
+    experiment = client.get_experiment(exp)
+    assert experiment.name == "study-a"
+    tags = {
+        "hpsearch.sampler": "tpe",
+        "hpsearch.pruner": "asha",
+        "hpsearch.storage": "postgresql://optuna:hunter2@db:5432/optuna",
+    }
+    run_id = open_study_run(client, exp, "study-a", tags, "study: a\nlr: 0.1\n")
+    run = client.get_run(run_id)
+    assert run.data.tags["hpsearch.role"] == "study"
+    assert run.data.tags["hpsearch.storage"] == "postgresql://optuna:***@db:5432/optuna"
+    assert "hunter2" not in str(run.data.tags)
+    assert run.data.tags["hpsearch.sampler"] == "tpe"
+    assert run.data.tags["hpsearch.version"]
+    assert run.info.run_name == "study-a"
+    yaml_path = client.download_artifacts(run_id, "study.yaml", str(tmp_path))
+    assert Path(yaml_path).read_text() == "study: a\nlr: 0.1\n"
+
+    client.set_terminated(run_id, "FINISHED")
+    again = open_study_run(client, exp, "study-a", {**tags, "hpsearch.sampler": "gp"}, "v2\n")
+    assert again == run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING"
+    assert run.data.tags["hpsearch.sampler"] == "gp"
+    assert find_study_runs(client, exp) == [run_id]
+
+
+def test_study_level_errors_are_tracking_errors() -> None:
+    dead = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")
+    t0 = time.monotonic()
+    with pytest.raises(TrackingError, match="MLflow: cannot get or create experiment"):
+        ensure_experiment(dead, "x")
+    assert time.monotonic() - t0 < 30
+
+
+# --------------------------------------------------------------------------- trial level
+
+
+def make_tracker(
+    client: MlflowClient, exp: str, parent: str, number: int, **kw: object
+) -> TrialTracker:
+    return TrialTracker(
+        client,
+        exp,
+        parent,
+        trial_number=number,
+        study_name="s",
+        params=trial_params({"lr": 0.1, "batch_size": 32}, effective_lr=0.025, arch="resnet18"),
+        worker="w0",
+        host="node1",
+        gpu="0",
+        **kw,
+    )
+
+
+@pytest.mark.slow
+def test_trial_run_layout_metrics_and_batching(
+    client: CountingClient, experiment_id: str, tmp_path: Path
+) -> None:
+    parent = open_study_run(client, experiment_id, "s", {}, "x: 1\n")
+    client.batches.clear()
+    tracker = make_tracker(client, experiment_id, parent, 7)
+    assert tracker.run_id is not None
+    epochs = 5
+    for e in range(epochs):
+        tracker.log_epoch(e, epoch_metrics(e))
+        if e == 2:
+            tracker.log_system({"system/gpu_utilization": 80.0})
+    ckpt = tmp_path / "best.pt"
+    ckpt.write_bytes(b"weights")
+    assert tracker.finish(
+        "completed", summary_metrics={"best_val_acc": 0.49, "test_acc": 0.47}, artifacts=[ckpt]
+    )
+    # enqueue cost on the training thread: target <= 5 ms (GIL hand-offs to the sender thread
+    # can stretch single calls on a loaded 2-core CI box, hence the looser max)
+    assert statistics.median(tracker.stats.enqueue_s) < 0.005
+    assert max(tracker.stats.enqueue_s) < 0.05
+
+    run = client.get_run(tracker.run_id)
+    assert run.info.run_name == "trial-7"
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert tags["mlflow.parentRunId"] == parent
+    assert tags["optuna.trial_number"] == "7"
+    assert tags["hpsearch.study"] == "s"
+    assert tags["hpsearch.worker"] == "w0"
+    assert tags["hpsearch.host"] == "node1"
+    assert tags["hpsearch.gpu"] == "0"
+    assert tags["hpsearch.outcome"] == "completed"
+    assert INCOMPLETE_TAG not in tags
+    assert run.data.params == {
+        "lr": "0.1",
+        "batch_size": "32",
+        "effective_lr": "0.025",
+        "arch": "resnet18",
+    }
+    for key in EPOCH:
+        hist = client.get_metric_history(tracker.run_id, key)
+        assert sorted(m.step for m in hist) == list(range(epochs)), key
+    val = {m.step: m.value for m in client.get_metric_history(tracker.run_id, "val_acc")}
+    assert val[4] == pytest.approx(0.49)
+    assert run.data.metrics["best_val_acc"] == pytest.approx(0.49)
+    assert run.data.metrics["test_acc"] == pytest.approx(0.47)
+    assert len(client.get_metric_history(tracker.run_id, "system/gpu_utilization")) == 1
+    assert [a.path for a in client.list_artifacts(tracker.run_id)] == ["best.pt"]
+
+    # Batching: 1 request for the params, exactly 1 per epoch, 1 final (summary + tags).
+    mine = [b for b in client.batches if b[0] == tracker.run_id]
+    epoch_requests = [b for b in mine if b[1] >= len(EPOCH) and b[2] == 0]
+    assert len(epoch_requests) == epochs + 0  # summary batch has 2 metrics, not counted
+    assert len(mine) == 1 + epochs + 1
+    assert mine[0][2] == 4  # params first
+    assert tracker.stats.requests == len(mine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("outcome", "kwargs"),
+    [
+        ("pruned", {"pruned_at_epoch": 3}),
+        ("interrupted", {}),
+        ("out_of_memory", {"traceback": "Traceback...\ntorch.OutOfMemoryError: CUDA OOM\n"}),
+        ("diverged", {"reason": "val_loss is nan"}),
+    ],
+)
+def test_terminal_status_and_tags_on_the_run(
+    client: CountingClient,
+    experiment_id: str,
+    tmp_path: Path,
+    outcome: str,
+    kwargs: dict[str, object],
+) -> None:
+    parent = open_study_run(client, experiment_id, "s", {}, "")
+    tracker = make_tracker(client, experiment_id, parent, 1)
+    tracker.log_epoch(0, epoch_metrics(0))
+    tracker.finish(outcome, **kwargs)
+    assert tracker.run_id is not None
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == OUTCOME_STATUS[outcome]
+    tags = run.data.tags
+    assert tags["hpsearch.outcome"] == outcome
+    artifacts = [a.path for a in client.list_artifacts(tracker.run_id)]
+    if outcome == "pruned":
+        assert tags["hpsearch.pruned_at_epoch"] == "3"
+    if outcome == "out_of_memory":
+        assert tags["hpsearch.reason"] == "out_of_memory"
+        assert artifacts == ["traceback.txt"]
+        text = Path(client.download_artifacts(tracker.run_id, "traceback.txt", str(tmp_path)))
+        assert "CUDA OOM" in text.read_text()
+    else:
+        assert artifacts == []
+    if outcome == "diverged":
+        assert tags["hpsearch.reason"] == "val_loss is nan"
+
+
+@pytest.mark.slow
+def test_context_manager_marks_exceptions_failed(
+    client: CountingClient, experiment_id: str
+) -> None:
+    parent = open_study_run(client, experiment_id, "s", {}, "")
+    tracker = make_tracker(client, experiment_id, parent, 2)
+    with pytest.raises(RuntimeError, match="kaboom"), tracker:
+        tracker.log_epoch(0, epoch_metrics(0))
+        raise RuntimeError("kaboom")
+    assert tracker.run_id is not None
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["hpsearch.reason"] == "RuntimeError: kaboom"
+    assert [a.path for a in client.list_artifacts(tracker.run_id)] == ["traceback.txt"]
+
+
+@pytest.mark.slow
+def test_non_numeric_metrics_are_dropped_not_raised(
+    client: CountingClient, experiment_id: str, tracking_logs: pytest.LogCaptureFixture
+) -> None:
+    parent = open_study_run(client, experiment_id, "s", {}, "")
+    tracker = make_tracker(client, experiment_id, parent, 3)
+    tracker.log_epoch(0, {"val_acc": 0.5, "oops": "n/a"})
+    tracker.log_epoch(1, {"val_acc": float("nan")})
+    assert tracker.finish("completed")
+    assert tracker.run_id is not None
+    hist = client.get_metric_history(tracker.run_id, "val_acc")
+    assert sorted(m.step for m in hist) == [0, 1]
+    assert "dropped non-numeric metrics ['oops']" in tracking_logs.text
+
+
+def test_unreachable_server_disables_tracker_without_raising(
+    tracking_logs: pytest.LogCaptureFixture,
+) -> None:
+    dead = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")
+    t0 = time.monotonic()
+    tracker = make_tracker(dead, "0", "parent", 9, start_timeout_s=1.0)
+    assert tracker.run_id is None and not tracker.enabled
+    tracker.log_epoch(0, epoch_metrics(0))
+    tracker.log_system({"system/gpu_utilization": 1.0})
+    assert tracker.finish("completed") is False
+    assert time.monotonic() - t0 < 30
+    assert "tracking disabled" in tracking_logs.text
+
+
+# --------------------------------------------------------------------------- outage
+
+
+@pytest.mark.slow
+def test_outage_mid_trial_buffers_and_delivers_after_restart(
+    tmp_path: Path, tracking_logs: pytest.LogCaptureFixture
+) -> None:
+    workdir = tmp_path / "outage"
+    server: LocalServer = start_local_server(workdir)
+    port = server.port
+    client = CountingClient(tracking_uri=server.url)
+    exp = ensure_experiment(client, "outage")
+    parent = open_study_run(client, exp, "outage", {}, "")
+    survivor = make_tracker(client, exp, parent, 0, flush_timeout_s=120.0, max_backoff_s=2.0)
+    lost = make_tracker(client, exp, parent, 1, flush_timeout_s=1.0, max_backoff_s=2.0)
+    small = make_tracker(client, exp, parent, 2, max_buffer=1, max_backoff_s=2.0)
+    trackers = (survivor, lost, small)
+    for e in range(2):
+        for t in trackers:
+            t.log_epoch(e, epoch_metrics(e))
+            assert t.flush(30)
+
+    server.stop()
+    t0 = time.perf_counter()
+    for e in range(2, 5):
+        for t in trackers:
+            t.log_epoch(e, epoch_metrics(e))
+    assert time.perf_counter() - t0 < 0.05  # enqueueing never waits for the dead server
+
+    # The server is still down when `lost` finishes: bounded wait, no exception.
+    t0 = time.monotonic()
+    assert lost.finish("completed") is False
+    assert time.monotonic() - t0 < 60
+    assert lost.incomplete and lost.stats.batches_dropped >= 3
+
+    restarted = start_local_server(workdir, port=port)
+    try:
+        assert survivor.finish("completed", summary_metrics={"best_val_acc": 0.5}) is True
+        assert survivor.run_id is not None and lost.run_id is not None
+        run = client.get_run(survivor.run_id)
+        assert run.info.status == "FINISHED"
+        assert INCOMPLETE_TAG not in run.data.tags
+        hist = client.get_metric_history(survivor.run_id, "val_acc")
+        assert sorted(m.step for m in hist) == [0, 1, 2, 3, 4]
+        assert run.data.metrics["best_val_acc"] == 0.5
+        # The other run kept what was delivered before the outage and stays RUNNING
+        # (its status could not be sent) - best-effort by design.
+        lost_run = client.get_run(lost.run_id)
+        assert sorted(m.step for m in client.get_metric_history(lost.run_id, "val_acc")) == [0, 1]
+        assert lost_run.info.status == "RUNNING"
+        # A tracker whose bounded buffer overflowed during the outage tags its run.
+        assert small.finish("completed") is False and small.run_id is not None
+        small_run = client.get_run(small.run_id)
+        assert small_run.data.tags[INCOMPLETE_TAG] == "true"
+        assert small_run.info.status == "FINISHED"
+        steps = sorted(m.step for m in client.get_metric_history(small.run_id, "val_acc"))
+        # buffer 1 + 1 in flight: of epochs 2-4 and the final batch, the final one and one
+        # epoch survive
+        assert steps[:2] == [0, 1] and len(steps) == 3
+    finally:
+        restarted.stop()
+    assert "server unreachable" in tracking_logs.text
+    assert "reachable again" in tracking_logs.text

@@ -1,0 +1,228 @@
+"""The local MLflow server: pure helpers, and a real start / stop / restart cycle."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from hpsearch.errors import TrackingError
+from hpsearch.tracking import server as srv
+from hpsearch.tracking.server import (
+    allowed_hosts_for,
+    attach_or_start,
+    one_line,
+    redact_uri,
+    resolve_tracking_uri,
+    running_server_url,
+    serve_ui,
+    server_command,
+    start_local_server,
+    state_path,
+    store_paths,
+    ui_command,
+)
+from mlflow import MlflowClient
+from tracking_helpers import group_alive, group_members
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+@pytest.mark.parametrize(
+    ("cli", "env", "expected"),
+    [
+        ("http://cli:5000", {"MLFLOW_TRACKING_URI": "http://env:5000"}, "http://cli:5000"),
+        (None, {"MLFLOW_TRACKING_URI": "http://env:5000"}, "http://env:5000"),
+        ("  ", {"MLFLOW_TRACKING_URI": "http://env:5000"}, "http://env:5000"),
+        (None, {"MLFLOW_TRACKING_URI": ""}, None),
+        (None, {}, None),
+    ],
+)
+def test_resolve_tracking_uri_precedence(
+    cli: str | None, env: dict[str, str], expected: str | None
+) -> None:
+    assert resolve_tracking_uri(cli, env) == expected
+
+
+def test_resolve_tracking_uri_reads_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://from-env:1")
+    assert resolve_tracking_uri(None) == "http://from-env:1"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert resolve_tracking_uri(None) is None
+
+
+@pytest.mark.parametrize(
+    ("uri", "expected"),
+    [
+        (
+            "postgresql://optuna:s3cr%40t@db.example:5432/optuna",
+            "postgresql://optuna:***@db.example:5432/optuna",
+        ),
+        (
+            "postgresql+psycopg2://u:p@h/db?sslmode=require",
+            "postgresql+psycopg2://u:***@h/db?sslmode=require",
+        ),
+        ("http://alice:pw@mlflow:5000", "http://alice:***@mlflow:5000"),
+        ("https://token@host/api", "https://token@host/api"),  # user only: nothing to hide
+        ("postgresql://h/db?user=u&password=pw", "postgresql://h/db?user=u&password=***"),
+        ("sqlite:///abs/path/optuna.db", "sqlite:///abs/path/optuna.db"),
+        ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+        ("not a url", "not a url"),
+        ("postgresql://u:p@h:notaport/db", "postgresql://u:***@h:notaport/db"),
+    ],
+)
+def test_redact_uri(uri: str, expected: str) -> None:
+    assert redact_uri(uri) == expected
+
+
+def test_server_command_uses_sqlite_store_and_proxied_artifacts(tmp_path: Path) -> None:
+    cmd = server_command(tmp_path, "127.0.0.1", 5123)
+    db, artifacts, _ = store_paths(tmp_path)
+    assert cmd[:4] == [sys.executable, "-m", "mlflow", "server"]
+    assert cmd[cmd.index("--backend-store-uri") + 1] == f"sqlite:///{db}"
+    assert db == tmp_path.resolve() / "mlflow" / "mlflow.db"
+    assert "--serve-artifacts" in cmd
+    assert cmd[cmd.index("--artifacts-destination") + 1] == str(artifacts)
+    assert cmd[cmd.index("--port") + 1] == "5123"
+    assert "--allowed-hosts" not in cmd
+    assert "--no-access-log" in cmd[cmd.index("--uvicorn-opts") + 1]
+
+
+def test_allowed_hosts_only_for_non_loopback_binds() -> None:
+    assert allowed_hosts_for("127.0.0.1", 5000) is None
+    assert allowed_hosts_for("localhost", 5000) is None
+    value = allowed_hosts_for("0.0.0.0", 5000, ("gpubox", "gpubox.lab"))
+    assert value is not None
+    hosts = value.split(",")
+    assert {"gpubox", "gpubox:5000", "gpubox.lab:5000", "localhost:*", "10.*"} <= set(hosts)
+    assert "0.0.0.0" not in hosts
+    ui = ui_command(Path("/w"), "0.0.0.0", 5000)
+    assert "--allowed-hosts" in ui
+
+
+def test_running_server_url_ignores_stale_or_broken_state(tmp_path: Path) -> None:
+    assert running_server_url(tmp_path) is None
+    state_path(tmp_path).parent.mkdir(parents=True)
+    state_path(tmp_path).write_text("{not json")
+    assert running_server_url(tmp_path) is None
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    state_path(tmp_path).write_text(f'{{"url": "http://127.0.0.1:9", "pid": {dead}}}')
+    assert running_server_url(tmp_path) is None
+
+
+def test_one_line() -> None:
+    assert one_line("a\n\n b \nc") == "a | b | c"
+    assert one_line("x" * 50, limit=10) == "..." + "x" * 10
+
+
+# --------------------------------------------------------------------------- failures (fast)
+
+
+def test_port_in_use_is_a_tracking_error(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(TrackingError, match=f"port {port}"):
+            start_local_server(tmp_path, port=port)
+
+
+def test_server_that_dies_reports_its_stderr_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = "import sys; print('line one'); sys.stderr.write('boom: bad store\\n'); sys.exit(3)"
+    monkeypatch.setattr(srv, "server_command", lambda *a, **k: [sys.executable, "-c", script])
+    with pytest.raises(TrackingError) as info:
+        start_local_server(tmp_path, timeout_s=30)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "code 3" in msg and "boom: bad store" in msg and "line one" in msg
+
+
+def test_server_not_healthy_in_time_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A parent that never answers /health and has a child: both must be gone afterwards.
+    script = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print('starting', flush=True); time.sleep(60)"
+    )
+    spawned: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        proc = real_popen(*args, **kwargs)  # type: ignore[call-overload]
+        spawned.append(proc)
+        return proc
+
+    monkeypatch.setattr(srv, "server_command", lambda *a, **k: [sys.executable, "-c", script])
+    monkeypatch.setattr(srv.subprocess, "Popen", popen)
+    t0 = time.monotonic()
+    with pytest.raises(TrackingError, match=r"not healthy after 2 s: .*starting"):
+        start_local_server(tmp_path, timeout_s=2)
+    assert time.monotonic() - t0 < 20
+    assert spawned and not group_alive(spawned[0].pid)
+
+
+# --------------------------------------------------------------------------- real server
+
+
+@pytest.mark.slow
+def test_start_health_stop_restart_keeps_runs(tmp_path: Path) -> None:
+    workdir = tmp_path / "wd"
+    server = start_local_server(workdir)
+    try:
+        with urllib.request.urlopen(f"{server.url}/health", timeout=5) as resp:
+            assert resp.status == 200
+        db, artifacts, log = store_paths(workdir)
+        assert db.exists() and artifacts.is_dir() and log.exists()
+        client = MlflowClient(tracking_uri=server.url)
+        exp = client.create_experiment("restart-check")
+        run = client.create_run(exp, run_name="before-restart")
+        client.log_text(run.info.run_id, "hello", "hello.txt")
+        port, pgid = server.port, server.pgid
+        assert group_alive(pgid)
+        # one writer per store: a second server on the same workdir is refused
+        assert running_server_url(workdir) == server.url
+        with pytest.raises(TrackingError, match=r"already running at http://127\.0\.0\.1"):
+            start_local_server(workdir)
+        assert attach_or_start(workdir) == (server.url, None)
+        assert server.is_running()
+        children = group_members(pgid)
+        assert len(children) >= 2 and server.pid in children  # mlflow CLI + uvicorn (at least)
+    finally:
+        server.stop()
+    assert not group_alive(pgid) and group_members(pgid) == []
+    assert running_server_url(workdir) is None and not state_path(workdir).exists()
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or _zombie(pid)
+    server.stop()  # idempotent
+
+    with serve_ui(workdir, port=port) as again:  # `hpsearch ui` on the same store
+        assert again.url == server.url
+        client = MlflowClient(tracking_uri=again.url)
+        exp2 = client.get_experiment_by_name("restart-check")
+        assert exp2 is not None and exp2.experiment_id == exp
+        runs = client.search_runs([exp])
+        assert [r.info.run_name for r in runs] == ["before-restart"]
+        local = client.download_artifacts(run.info.run_id, "hello.txt", str(tmp_path))
+        assert Path(local).read_text() == "hello"
+        pgid2 = again.pgid
+    assert not group_alive(pgid2)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True

@@ -1,0 +1,117 @@
+"""Device-side augmentation: shapes, ranges, per-sample randomness, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hpsearch.trainer import augment as A
+
+
+def images(n: int = 8, size: int = 37) -> torch.Tensor:
+    """uint8 (n, 3, size, size): a gradient with a bright square, all samples identical."""
+    ramp = torch.linspace(0, 255, size)
+    img = torch.stack(
+        [
+            ramp.view(1, -1).expand(size, size),
+            ramp.view(-1, 1).expand(size, size),
+            torch.full((size, size), 60.0),
+        ]
+    )
+    img[:, 5:15, 20:30] = 250
+    return img.round().to(torch.uint8).unsqueeze(0).repeat(n, 1, 1, 1)
+
+
+def rngs(seed: int = 0) -> tuple[torch.Generator, np.random.Generator]:
+    return torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+
+
+MEAN = torch.tensor(A.MEAN).view(1, 3, 1, 1)
+STD = torch.tensor(A.STD).view(1, 3, 1, 1)
+
+
+@pytest.mark.parametrize("kind", ["none", "flip", "crop_flip", "trivial", "randaugment"])
+def test_shapes_dtype_range(kind: str) -> None:
+    spec = A.AugmentSpec(kind, 1.0, size=32, num_classes=10)
+    x, y = images(16), torch.arange(16) % 10
+    out, target = A.train_batch(x, y, spec, *rngs())
+    assert out.shape == (16, 3, 32, 32) and out.dtype == torch.float32
+    pixels = out * STD + MEAN  # back to [0, 1]
+    assert pixels.min() >= -1e-5 and pixels.max() <= 1 + 1e-5
+    assert torch.equal(target, y)
+
+
+def test_per_sample_randomness_and_seeding() -> None:
+    spec = A.AugmentSpec("crop_flip", 0.5, size=32, num_classes=10)
+    x, y = images(8), torch.zeros(8, dtype=torch.long)
+    out, _ = A.train_batch(x, y, spec, *rngs(1))
+    # identical inputs, different crops per sample
+    assert not torch.allclose(out[0], out[1])
+    assert len({tuple(o.flatten()[:50].tolist()) for o in out}) == 8
+    again, _ = A.train_batch(x, y, spec, *rngs(1))
+    assert torch.equal(out, again)
+    other, _ = A.train_batch(x, y, spec, *rngs(2))
+    assert not torch.equal(out, other)
+
+
+def test_policy_picks_ops_per_sample() -> None:
+    spec = A.AugmentSpec("trivial", 1.0, size=37, num_classes=10)
+    x = images(64)
+    gen = torch.Generator().manual_seed(0)
+    op = torch.randint(0, len(A.POLICY_OPS), (64,), generator=gen)
+    mag = torch.full((64,), 0.8)
+    sign = torch.ones(64)
+    base = x.float() / 255
+    out = A.apply_color_ops(base, op, mag, sign)
+    changed = (out - base).abs().flatten(1).amax(1) > 1e-4
+    is_color = (op > 0) & (op < len(A.COLOR_OPS))
+    assert not changed[~is_color].any()  # identity and geometric ops leave colors alone
+    assert changed[is_color].float().mean() > 0.8
+    out2, _ = A.train_batch(x, torch.zeros(64, dtype=torch.long), spec, *rngs(3))
+    assert out2.shape == (64, 3, 37, 37)
+
+
+def test_color_kernels() -> None:
+    x = images(4).float() / 255
+    one = torch.ones(4)
+    torch.testing.assert_close(A.brightness(x, one), x)
+    torch.testing.assert_close(A.contrast(x, one), x)
+    torch.testing.assert_close(A.saturation(x, one), x)
+    assert torch.equal(A.brightness(x, torch.zeros(4)), torch.zeros_like(x))
+    post = A.posterize(x, torch.full((4,), 2.0))
+    assert len(torch.unique(torch.round(post * 255))) <= 4
+    sol = A.solarize(x, torch.zeros(4))
+    torch.testing.assert_close(sol, 1 - x)
+    eq = A.equalize(x)
+    assert eq.min() >= 0 and eq.max() <= 1 and eq.shape == x.shape
+    ac = A.autocontrast(x * 0.5 + 0.2)
+    assert ac.amax(dim=(2, 3)).min() > 0.99
+
+
+def test_eval_is_deterministic_and_matches_torchvision_resize() -> None:
+    from torchvision.transforms.v2 import functional as TF
+
+    x = images(4)
+    a = A.eval_batch(x, 32)
+    b = A.eval_batch(x, 32)
+    assert torch.equal(a, b)
+    ref = TF.normalize(TF.resize(x, [32, 32], antialias=True).float() / 255, A.MEAN, A.STD)
+    torch.testing.assert_close(a, ref)
+    spec = A.AugmentSpec("none", 0.5, size=32, num_classes=10)
+    out, _ = A.train_batch(x, torch.zeros(4, dtype=torch.long), spec, *rngs())
+    torch.testing.assert_close(out, a)
+
+
+def test_mixup_cutmix_soft_targets() -> None:
+    x, y = images(16), torch.arange(16) % 4
+    for mixup, cutmix in ((0.4, 0.0), (0.0, 1.0), (0.4, 1.0)):
+        spec = A.AugmentSpec(
+            "crop_flip", 0.5, 32, num_classes=4, mixup_alpha=mixup, cutmix_alpha=cutmix
+        )
+        out, target = A.train_batch(x, y, spec, *rngs(5))
+        assert out.shape == (16, 3, 32, 32)
+        assert target.shape == (16, 4) and target.dtype == torch.float32
+        torch.testing.assert_close(target.sum(1), torch.ones(16))
+        assert (target >= 0).all()
+        lam = target[torch.arange(16), y]
+        assert lam.min() < 0.999  # some samples really mixed (partner has another label)

@@ -1,0 +1,177 @@
+"""Data: missing folders, downloads, the decoded cache under concurrency, corrupt files,
+and the two data paths agreeing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hpsearch.errors import DataError
+from hpsearch.trainer import data
+from hpsearch.trainer.trial import eval_batches, load_split
+from PIL import Image
+from trainer_helpers import make_config
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("flowers102", "flowers-102/{jpg/,imagelabels.mat,setid.mat}"),
+        ("imagefolder", "<root>/train/<class>/"),
+    ],
+)
+def test_missing_data_dir_is_one_line_data_error(tmp_path: Path, name: str, expected: str) -> None:
+    cfg = make_config({"name": name, "root": str(tmp_path / "nothing")})
+    with pytest.raises(DataError) as info:
+        data.get_source(cfg, "train")
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert expected in msg and str(tmp_path / "nothing") in msg
+    assert "--data-dir" in msg
+
+
+def test_missing_cifar_is_data_error(tmp_path: Path) -> None:
+    cfg = make_config({"name": "cifar10", "root": str(tmp_path)})
+    with pytest.raises(DataError, match=r"cifar-10-batches-py.*--download"):
+        data.get_source(cfg, "train")
+
+
+def test_failed_download_is_one_line_data_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """download=True keeps torchvision's real download code; its network error becomes one
+    DataError line."""
+    import torchvision.datasets.utils as tvu
+
+    def offline(*args: object, **kwargs: object) -> None:
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(tvu.urllib.request, "urlopen", offline)
+    cfg = make_config({"name": "flowers102", "root": str(tmp_path), "download": True})
+    with pytest.raises(DataError) as info:
+        data.get_source(cfg, "train")
+    msg = str(info.value)
+    assert "\n" not in msg and "download" in msg and "name resolution" in msg
+
+
+def test_limit_keeps_every_class(flowers_root: Path) -> None:
+    """Flowers-102 splits are sorted by class: a limit must not become a class subset."""
+    cfg = make_config(
+        {"name": "flowers102", "root": str(flowers_root), "train_limit": 306, "eval_limit": 204}
+    )
+    train = data.get_source(cfg, "train")
+    val = data.get_source(cfg, "val")
+    assert train is not None and val is not None
+    assert len(train) == 306 and len(val) == 204
+    assert len(set(train.labels.tolist())) > 90
+    assert len(train.class_names) == 102
+    again = data.get_source(cfg, "train")
+    assert again is not None and list(again.items) == list(train.items)
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from hpsearch.config import validate_config
+    from hpsearch.trainer import data
+    cfg = validate_config({"name": "t", "dataset": {"name": "flowers102", "root": sys.argv[1],
+                                                    "train_limit": 200}})
+    src = data.get_source(cfg, "train")
+    dec = data.load_or_build_cache(src, 40, Path(sys.argv[2]))
+    print(f"built={dec.built} n={len(dec.images)} shape={dec.images.shape}")
+    """
+)
+
+
+def test_cache_built_once_under_concurrency(flowers_root: Path, tmp_path: Path) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(flowers_root), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+        outs.append(out.strip().splitlines()[-1])
+    assert sorted(o.split()[0] for o in outs) == ["built=False", "built=True"]
+    assert all("n=200 shape=(200, 40, 40, 3)" in o for o in outs)
+    files = list((tmp_path / "cache").iterdir())
+    assert [f.suffix for f in files if f.suffix != ".lock"] == [".npz"]  # no temp left over
+    cfg = make_config({"name": "flowers102", "root": str(flowers_root), "train_limit": 200})
+    src = data.get_source(cfg, "train")
+    assert src is not None
+    dec = data.load_or_build_cache(src, 40, tmp_path)
+    assert not dec.built and dec.images.dtype == np.uint8
+    np.testing.assert_array_equal(dec.images[7], data.open_and_decode(src, 7, 40))
+
+
+def _imagefolder(root: Path, corrupt: bool) -> None:
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in ("daisy", "rose"):
+            d = root / split / c
+            d.mkdir(parents=True)
+            for i in range(3):
+                arr = rng.integers(0, 255, (20 + i, 30, 3), dtype=np.uint8)
+                Image.fromarray(arr).save(d / f"{i}.png")
+    if corrupt:
+        (root / "train" / "rose" / "broken.jpg").write_bytes(b"not a jpeg at all")
+
+
+def test_corrupt_image_skip_warns_and_fail_raises(tmp_path: Path) -> None:
+    _imagefolder(tmp_path / "data", corrupt=True)
+    cfg = make_config({"name": "imagefolder", "root": str(tmp_path / "data")})
+    src = data.get_source(cfg, "train")
+    assert src is not None and len(src) == 7 and src.class_names == ["daisy", "rose"]
+    assert data.get_source(cfg, "test") is None
+    with pytest.warns(UserWarning, match=r"broken\.jpg"):
+        dec = data.load_or_build_cache(src, 16, tmp_path / "w1", on_corrupt="skip")
+    assert dec.images.shape == (6, 16, 16, 3) and dec.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(DataError, match=r"broken\.jpg"):
+        data.load_or_build_cache(src, 16, tmp_path / "w2", on_corrupt="fail")
+    assert not (tmp_path / "w2" / "cache").exists() or not list(
+        (tmp_path / "w2" / "cache").glob("*.npz")
+    )
+
+
+def test_fast_and_streaming_paths_compute_the_same_eval_batches(
+    flowers_root: Path, cache_workdir: Path
+) -> None:
+    cfg = make_config(
+        {"name": "flowers102", "root": str(flowers_root), "eval_limit": 20},
+        trainer={"num_workers": 0},
+    )
+    src = data.get_source(cfg, "val")
+    assert src is not None
+    cpu = torch.device("cpu")
+    kw = {"train": False, "batch_size": 8, "seed": 0}
+    fast = load_split(cfg, src, 37, 32, cpu, True, cache_workdir, None, **kw)  # type: ignore[arg-type]
+    stream = load_split(cfg, src, 37, 32, cpu, False, cache_workdir, None, **kw)  # type: ignore[arg-type]
+    assert fast.loader is None and stream.loader is not None
+    ((xf, yf),) = list(eval_batches(fast, 32, cpu))
+    ((xs, ys),) = list(eval_batches(stream, 32, cpu))
+    assert xf.shape == (20, 3, 32, 32)
+    assert torch.equal(yf, ys)
+    assert torch.equal(xf, xs)
+
+
+def test_fast_path_auto_respects_max_cache_mb(flowers_root: Path) -> None:
+    cfg = make_config({"name": "flowers102", "root": str(flowers_root), "max_cache_mb": 1})
+    src = data.get_source(cfg, "train")
+    assert src is not None
+    assert not data.use_fast_path(cfg, [src], 73)  # 1020 x 73 x 73 x 3 = 16 MB > 1 MB
+    assert data.use_fast_path(cfg, [src], 16)  # 0.8 MB
+    on = make_config({"name": "flowers102", "fast_path": "on", "max_cache_mb": 1})
+    assert data.use_fast_path(on, [src], 512)

@@ -1,0 +1,89 @@
+"""The small decision functions: lr scaling, micro-batches, schedules, param groups."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torchvision
+from hpsearch.trainer.optim import (
+    Schedule,
+    lr_factor,
+    micro_batches,
+    param_groups,
+    scaled_lr,
+)
+
+
+def test_scaled_lr() -> None:
+    assert scaled_lr(0.1, 512, 256, "none") == 0.1
+    assert scaled_lr(0.1, 512, 256, "linear") == pytest.approx(0.2)
+    assert scaled_lr(0.1, 64, 256, "linear") == pytest.approx(0.025)
+    assert scaled_lr(0.1, 1024, 256, "sqrt") == pytest.approx(0.2)
+    with pytest.raises(ValueError):
+        scaled_lr(0.1, 1, 1, "cubic")
+
+
+@pytest.mark.parametrize(
+    ("batch", "limit", "expected"),
+    [
+        (128, None, (128, 1)),
+        (128, 128, (128, 1)),
+        (256, 128, (128, 2)),
+        (300, 128, (100, 3)),
+        (257, 128, (86, 3)),  # chunks 86, 86, 85: never above the limit
+        (5, 1, (1, 5)),
+    ],
+)
+def test_micro_batches(batch: int, limit: int | None, expected: tuple[int, int]) -> None:
+    micro, steps = micro_batches(batch, limit)
+    assert (micro, steps) == expected
+    assert limit is None or micro <= limit
+    sizes = [len(c) for c in torch.arange(batch).tensor_split(steps)]
+    assert sum(sizes) == batch and max(sizes) == micro
+
+
+def test_lr_factor_warmup_and_shapes() -> None:
+    total, warm = 100, 10
+    assert lr_factor("cosine", 0, total, warm) == pytest.approx(0.1)
+    assert lr_factor("cosine", 9, total, warm) == pytest.approx(1.0)
+    assert lr_factor("cosine", 10, total, warm) == pytest.approx(1.0)
+    assert lr_factor("cosine", 55, total, warm) == pytest.approx(0.5)
+    assert lr_factor("cosine", 100, total, warm) == pytest.approx(0.0, abs=1e-9)
+    assert lr_factor("onecycle", 55, total, warm) == pytest.approx(0.5)
+    assert lr_factor("onecycle", 12, total, 0) == pytest.approx(0.52)  # 25 warmup steps
+    assert lr_factor("constant", 99, total, warm) == 1.0
+    assert lr_factor("plateau", 5, total, warm) == pytest.approx(0.6)
+    cos = [lr_factor("cosine", s, total, 0) for s in range(total)]
+    assert all(a >= b for a, b in itertools.pairwise(cos))
+
+
+def test_plateau_schedule_reduces_and_checkpoints() -> None:
+    sched = Schedule("plateau", 0.1, total_steps=100, warmup_steps=0)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    for loss in (1.0, 0.9, 0.95, 0.95):  # two evals without improvement -> x0.2
+        sched.observe(loss)
+    assert sched.apply(opt, 50) == pytest.approx(0.02)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.02)
+    other = Schedule("plateau", 0.1, 100, 0)
+    other.load_state_dict(sched.state_dict())
+    assert other.apply(opt, 50) == pytest.approx(0.02)
+    cosine = Schedule("cosine", 0.1, 100, 0)
+    cosine.observe(5.0)
+    cosine.observe(6.0)
+    cosine.observe(7.0)
+    assert cosine.plateau_scale == 1.0
+    assert math.isclose(cosine.apply(opt, 0), 0.1)
+
+
+def test_no_weight_decay_on_norms_and_biases() -> None:
+    model = torchvision.models.resnet18(num_classes=3)
+    decay, no_decay = param_groups(model, 5e-4)
+    assert decay["weight_decay"] == 5e-4 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim > 1 for p in decay["params"])
+    assert any(p is model.bn1.weight for p in no_decay["params"])
+    assert any(p is model.fc.bias for p in no_decay["params"])
+    n = sum(1 for _ in model.parameters())
+    assert len(decay["params"]) + len(no_decay["params"]) == n

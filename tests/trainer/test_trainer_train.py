@@ -1,0 +1,294 @@
+"""train(): learning on real data, stop reasons, resume, checkpoints, OOM."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+from pathlib import Path
+from typing import Any
+
+import hpsearch.trainer.trial as train_module
+import pytest
+import torch
+from hpsearch.errors import DeviceError
+from hpsearch.trainer import (
+    CheckpointError,
+    EpochRecord,
+    TrainOptions,
+    WarmCache,
+    evaluate_model,
+    load_trained_model,
+    train,
+)
+from torch import nn
+from trainer_helpers import make_config, synthetic
+
+TINY = {"batch_size": 16, "lr": 0.05, "arch": "resnet18"}
+
+
+def numbers(history: list[EpochRecord]) -> list[tuple[Any, ...]]:
+    """Everything of an epoch record except wall-clock figures."""
+    return [(r.epoch, r.train_loss, r.train_acc, r.val_loss, r.val_acc, r.lr) for r in history]
+
+
+@pytest.mark.slow
+def test_resnet18_learns_flowers102(flowers_root: Path, cache_workdir: Path) -> None:
+    """All 102 classes, the official 1020 training images at 32 px, 2 epochs: far above the
+    1/102 chance level. The best model on disk gives back the logged accuracy."""
+    cfg = make_config(
+        {"name": "flowers102", "root": str(flowers_root), "image_size": 32, "eval_limit": 306},
+        budget={"max_epochs": 2},
+        trainer={"seed": 0},
+    )
+    params = {"batch_size": 32, "lr": 0.05, "warmup_epochs": 0.5}
+    seen: list[EpochRecord] = []
+    ckpt = cache_workdir / "trials" / "flowers.pt"
+    result = train(
+        cfg,
+        params,
+        options=TrainOptions(
+            device="cpu", workdir=cache_workdir, checkpoint_path=ckpt, on_epoch=seen.append
+        ),
+    )
+    assert result.stop_reason == "finished", result.message
+    assert result.num_classes == 102 and len(result.class_names) == 102
+    assert seen == result.history and result.epochs_run == 2
+    assert result.best_val_acc is not None and result.best_val_acc > 5 / 102, result.history
+    assert result.test_acc is not None and result.test_acc > 3 / 102
+    assert result.history[-1].train_loss < result.history[0].train_loss
+    assert result.setup_seconds > 0 and result.train_seconds > 0
+    # confusion of the best model: rows true classes, trace = correct predictions
+    conf = torch.tensor(result.confusion)
+    assert conf.shape == (102, 102) and conf.sum() == 306
+    assert conf.trace().item() / 306 == pytest.approx(result.best_val_acc)
+    # the saved best model evaluates to the logged best accuracy
+    assert result.best_model_path is not None and result.best_model_path.is_file()
+    model = load_trained_model(cfg, params, result.best_model_path)
+    assert not model.training
+    acc, loss = evaluate_model(cfg, params, model, "val", cache_workdir)
+    assert acc == result.best_val_acc
+    assert loss == pytest.approx(result.best_val_loss, rel=1e-5)
+
+
+def test_pruning_stops_at_that_epoch(tmp_path: Path) -> None:
+    cfg = synthetic(budget={"max_epochs": 4})
+    calls: list[tuple[int, float]] = []
+
+    def report(epoch: int, value: float) -> bool:
+        calls.append((epoch, value))
+        return epoch == 2
+
+    result = train(cfg, TINY, report, TrainOptions(device="cpu", workdir=tmp_path))
+    assert result.stop_reason == "pruned" and result.pruned_at_epoch == 2
+    assert result.epochs_run == 2 and [c[0] for c in calls] == [1, 2]
+    assert calls[-1][1] == result.history[-1].val_acc and 0 <= calls[-1][1] <= 1
+    assert result.test_acc is None
+
+
+def test_eval_every_and_patience(tmp_path: Path) -> None:
+    cfg = synthetic(
+        budget={"max_epochs": 3}, trainer={"eval_every": 2, "patience": 1, "evaluate_test": True}
+    )
+    reports: list[int] = []
+    result = train(
+        cfg,
+        {**TINY, "lr": 1e-7, "schedule": "constant", "warmup_epochs": 0},
+        lambda e, v: reports.append(e) is not None,
+        TrainOptions(device="cpu", workdir=tmp_path),
+    )
+    # evals at epoch 2 and at the last epoch; lr ~ 0: no progress, so the second eval is no
+    # better -> early stop
+    assert [r.val_acc is not None for r in result.history] == [False, True, True]
+    assert reports == [2, 3]
+    assert result.stop_reason == "early_stopped" and "early stopped" in result.message
+    assert result.test_acc is not None  # a complete trial: tested with its best model
+
+
+def test_divergence_then_next_trial_works(tmp_path: Path) -> None:
+    cfg = synthetic()
+    opts = TrainOptions(device="cpu", workdir=tmp_path)
+    bad = train(cfg, {**TINY, "lr": 1e12, "warmup_epochs": 0}, options=opts)
+    assert bad.stop_reason == "diverged"
+    assert "loss is nan" in bad.message or "loss is inf" in bad.message
+    assert "epoch 1 step" in bad.message
+    good = train(cfg, TINY, options=opts)
+    assert good.stop_reason == "finished" and good.epochs_run == 2
+    assert all(r.train_loss == r.train_loss for r in good.history)  # not NaN
+
+
+class _OOMModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_out_of_memory_is_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(train_module, "build_model", lambda cfg, hp, n: _OOMModel())
+    result = train(
+        synthetic(),
+        {**TINY, "batch_size": 64},
+        options=TrainOptions(device="cpu", workdir=tmp_path),
+    )
+    assert result.stop_reason == "out_of_memory"
+    assert "out of memory at batch_size=64" in result.message
+    assert result.epochs_run == 0 and result.best_val_acc is None
+    monkeypatch.undo()
+    assert (
+        train(synthetic(), TINY, options=TrainOptions(device="cpu", workdir=tmp_path)).stop_reason
+        == "finished"
+    )
+
+
+def test_same_seed_same_history_and_seed_matters(tmp_path: Path) -> None:
+    cfg = synthetic(budget={"max_epochs": 1})
+    params = {**TINY, "augment": "trivial", "mixup_alpha": 0.2}
+    a = train(cfg, params, options=TrainOptions(device="cpu", workdir=tmp_path, seed=3))
+    b = train(cfg, params, options=TrainOptions(device="cpu", workdir=tmp_path, seed=3))
+    c = train(cfg, params, options=TrainOptions(device="cpu", workdir=tmp_path, seed=4))
+    assert numbers(a.history) == numbers(b.history)
+    assert numbers(a.history) != numbers(c.history)
+
+
+def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    cfg = synthetic(budget={"max_epochs": 2})
+    params = {**TINY, "augment": "randaugment", "cutmix_alpha": 1.0, "schedule": "onecycle"}
+    full = train(
+        cfg,
+        params,
+        options=TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=tmp_path / "full.pt"),
+    )
+    ckpt = tmp_path / "part.pt"
+    epochs: list[int] = []
+    first = train(
+        cfg,
+        params,
+        options=TrainOptions(
+            device="cpu",
+            workdir=tmp_path,
+            checkpoint_path=ckpt,
+            on_epoch=lambda r: epochs.append(r.epoch),
+            should_interrupt=lambda: len(epochs) >= 1,
+        ),
+    )
+    assert first.stop_reason == "interrupted" and first.epochs_run == 1
+    assert first.checkpoint_path == ckpt and ckpt.is_file()
+    resumed = train(
+        cfg,
+        params,
+        options=TrainOptions(
+            device="cpu",
+            workdir=tmp_path,
+            checkpoint_path=ckpt,
+            on_epoch=lambda r: epochs.append(r.epoch),
+        ),
+    )
+    assert epochs == [1, 2]  # history continues at epoch 2
+    assert resumed.stop_reason == "finished"
+    assert numbers(resumed.history) == numbers(full.history)
+    assert resumed.best_val_acc == full.best_val_acc
+    assert resumed.confusion == full.confusion
+    a = torch.load(full.best_model_path, weights_only=False)["model"]
+    b = torch.load(resumed.best_model_path, weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_failed_checkpoint_write_keeps_previous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = tmp_path / "trial.pt"
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def disk_full(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(obj, dict) and "optimizer" in obj:
+            calls["n"] += 1
+            if calls["n"] == 2:  # the end-of-epoch-2 checkpoint
+                f.write(b"partial")
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match=r"No space left on device.*previous checkpoint"):
+        train(
+            synthetic(budget={"max_epochs": 3}),
+            TINY,
+            options=TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt),
+        )
+    kept = torch.load(ckpt, weights_only=False)
+    assert kept["epoch"] == 1 and len(kept["history"]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tmp") == []
+
+
+def test_time_limit(tmp_path: Path) -> None:
+    cfg = synthetic(budget={"max_epochs": 50, "trial_timeout_s": 0.5})
+    result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    assert result.stop_reason == "time_limit" and "time limit" in result.message
+    assert result.epochs_run < 50
+
+
+def test_streaming_path_equals_fast_path(tmp_path: Path) -> None:
+    """Same shuffle, same crops, same augmentation: the two data paths train identically."""
+    params = {**TINY, "augment": "crop_flip"}
+    runs = []
+    for mode in ("on", "off"):
+        cfg = synthetic(
+            dataset={"fast_path": mode, "train_limit": 48},
+            budget={"max_epochs": 1},
+            trainer={"num_workers": 1},
+        )
+        runs.append(train(cfg, params, options=TrainOptions(device="cpu", workdir=tmp_path)))
+    assert numbers(runs[0].history) == numbers(runs[1].history)
+
+
+def _no_batchnorm_model(cfg: Any, hp: Any, num_classes: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, num_classes),
+    )
+
+
+def test_gradient_accumulation_matches_full_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks 11 + 11 + 10 weighted by their share give the full batch's gradient (a model
+    without BatchNorm, whose batch statistics would differ by design)."""
+    monkeypatch.setattr(train_module, "build_model", _no_batchnorm_model)
+    params = {**TINY, "augment": "crop_flip", "batch_size": 32, "lr": 0.5}
+    opts = TrainOptions(device="cpu", workdir=tmp_path)
+    full = train(synthetic(), params, options=opts)
+    acc = train(
+        synthetic(trainer={"max_micro_batch": 12, "evaluate_test": False}), params, options=opts
+    )
+    assert (acc.micro_batch_size, acc.effective_batch_size) == (11, 32)
+    for a, b in zip(numbers(full.history), numbers(acc.history), strict=True):
+        assert a == pytest.approx(b, rel=1e-4)
+    assert full.history[1].train_loss != full.history[0].train_loss  # it did train
+
+
+def test_lr_scaling_and_result_fields(tmp_path: Path) -> None:
+    cfg = synthetic(
+        budget={"max_epochs": 1}, trainer={"base_batch_size": 64, "evaluate_test": True}
+    )
+    r = train(
+        cfg,
+        {**TINY, "lr_scaling": "linear", "lr": 0.1},
+        options=TrainOptions(device="cpu", workdir=tmp_path, warm=WarmCache()),
+    )
+    assert r.effective_lr == pytest.approx(0.025)  # 0.1 x 16 / 64
+    assert r.effective_batch_size == 16 and r.micro_batch_size == 16
+    assert r.test_acc is not None and r.checkpoint_path is None and r.best_model_path is None
+    assert dataclasses.asdict(r)["history"][0]["epoch"] == 1
+
+
+def test_cuda_without_cuda_is_device_error(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        train(synthetic(), TINY, options=TrainOptions(device="cuda", workdir=tmp_path))

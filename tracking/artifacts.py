@@ -1,0 +1,396 @@
+"""Trial and study artifacts: learning curves, confusion matrices, per-class accuracy, ONNX
+export (verified with onnxruntime), Optuna study plots (HTML + PNG) and the trials CSV.
+
+Plots use matplotlib's Agg backend (no display needed). Heavy imports (torch, onnxruntime,
+optuna, plotly) happen inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import csv
+import io
+import math
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import matplotlib
+
+if "matplotlib.pyplot" not in sys.modules:  # do not switch a backend someone already uses
+    matplotlib.use("Agg")
+
+from hpsearch.errors import TrackingError
+from hpsearch.tracking import logger
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+if TYPE_CHECKING:
+    import optuna
+    import torch
+
+CURVE_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("loss", ("train_loss", "val_loss")),
+    ("accuracy", ("train_acc", "val_acc")),
+    ("learning rate", ("lr",)),
+)
+
+
+def _save(fig: Figure, path: Path, dpi: int = 110) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    return path
+
+
+def _number(value: Any) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+# --------------------------------------------------------------------------- trial artifacts
+
+
+def learning_curve_png(history: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path:
+    """Loss / accuracy / learning-rate panels from per-epoch dicts (keys as logged:
+    ``train_loss``, ``val_loss``, ``train_acc``, ``val_acc``, ``lr``; x = ``epoch`` when present,
+    else the position). Panels without data are left out; non-finite values are gaps."""
+    xs = [
+        _number(row.get("epoch")) if row.get("epoch") is not None else float(i)
+        for i, row in enumerate(history)
+    ]
+    panels = [
+        (name, [k for k in keys if any(_number(r.get(k)) is not None for r in history)])
+        for name, keys in CURVE_PANELS
+    ]
+    panels = [(name, keys) for name, keys in panels if keys]
+    fig = Figure(figsize=(4.2 * max(1, len(panels)), 3.4))
+    if not panels:
+        ax = fig.add_subplot(1, 1, 1)
+        ax.text(0.5, 0.5, "no epochs logged", ha="center", va="center")
+        ax.set_axis_off()
+    for i, (name, keys) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for key in keys:
+            pts = [(x, _number(r.get(key))) for x, r in zip(xs, history, strict=True)]
+            ax.plot(
+                [x if x is not None else math.nan for x, _ in pts],
+                [y if y is not None else math.nan for _, y in pts],
+                marker="o",
+                markersize=3,
+                label=key,
+            )
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(name)
+        if name == "learning rate":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _check_matrix(cm: Sequence[Sequence[float]], class_names: Sequence[str]) -> int:
+    n = len(class_names)
+    if len(cm) != n or any(len(row) != n for row in cm):
+        raise ValueError(
+            f"confusion matrix must be {n}x{n} for {n} class names, got "
+            f"{len(cm)}x{len(cm[0]) if cm else 0}"
+        )
+    return n
+
+
+def per_class_accuracy(
+    cm: Sequence[Sequence[float]], class_names: Sequence[str]
+) -> list[tuple[str, int, int, float]]:
+    """(class, support, correct, accuracy) per class; rows = true class, columns = predicted.
+    Accuracy of a class with no samples is NaN."""
+    _check_matrix(cm, class_names)
+    rows: list[tuple[str, int, int, float]] = []
+    for i, name in enumerate(class_names):
+        support = int(sum(cm[i]))
+        correct = int(cm[i][i])
+        rows.append((name, support, correct, correct / support if support else math.nan))
+    return rows
+
+
+def per_class_accuracy_csv(
+    cm: Sequence[Sequence[float]], class_names: Sequence[str], path: Path
+) -> Path:
+    """CSV with columns ``class,support,correct,accuracy`` (accuracy with 6 decimals)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["class", "support", "correct", "accuracy"])
+    for name, support, correct, acc in per_class_accuracy(cm, class_names):
+        writer.writerow([name, support, correct, "" if math.isnan(acc) else f"{acc:.6f}"])
+    path.write_text(buf.getvalue(), encoding="utf-8")
+    return path
+
+
+def confusion_matrix_png(
+    cm: Sequence[Sequence[float]],
+    class_names: Sequence[str],
+    path: Path,
+    *,
+    normalize: bool = True,
+    title: str = "",
+) -> Path:
+    """Heat map of the confusion matrix (rows = true, columns = predicted), row-normalised by
+    default; cell values are written for up to 20 classes, tick labels for up to 60."""
+    n = _check_matrix(cm, class_names)
+    values = [[float(v) for v in row] for row in cm]
+    if normalize:
+        values = [[v / s if (s := sum(row)) else 0.0 for v in row] for row in values]
+    size = min(22.0, max(4.5, 0.28 * n + 2.5))
+    fig = Figure(figsize=(size, size * 0.9))
+    ax = fig.add_subplot(1, 1, 1)
+    im = ax.imshow(values, cmap="Blues", vmin=0.0, vmax=1.0 if normalize else None)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    if n <= 60:
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(n))
+        fs = 8 if n <= 20 else 5
+        ax.set_xticklabels(class_names, rotation=90, fontsize=fs)
+        ax.set_yticklabels(class_names, fontsize=fs)
+    if n <= 20:
+        top = max((max(r) for r in values), default=0.0) or 1.0
+        for i in range(n):
+            for j in range(n):
+                v = values[i][j]
+                text = f"{v:.2f}" if normalize else f"{int(v)}"
+                color = "white" if v > 0.6 * top else "black"
+                ax.text(j, i, text, ha="center", va="center", fontsize=7, color=color)
+    ax.set_title(title or ("confusion matrix (row-normalised)" if normalize else "confusion"))
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------- ONNX
+
+
+def export_onnx(
+    model: torch.nn.Module,
+    example_input: torch.Tensor,
+    path: Path,
+    *,
+    atol: float = 1e-4,
+    rtol: float = 1e-3,
+    dynamic_batch: bool = True,
+    verify_batch: int | None = None,
+) -> Path:
+    """Export ``model`` (a copy, on CPU, in eval mode) to ONNX at ``path`` and verify it: run
+    onnxruntime and PyTorch on a batch (``example_input``, or ``verify_batch`` random samples of
+    its shape when a dynamic batch is exported) and require
+    ``|ort - torch| <= atol + rtol * |torch|`` everywhere. Input ``input``, output ``logits``.
+
+    Uses the torch.export-based exporter (needs onnxscript, works offline) and falls back to the
+    legacy TorchScript exporter if that fails. Raises TrackingError when both exporters fail or
+    the outputs do not match."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    net = copy.deepcopy(model).to("cpu").eval()
+    x = example_input.detach().to("cpu")
+    errors: list[str] = []
+    for dynamo in (True, False):
+        try:
+            _export(net, x, path, dynamo=dynamo, dynamic_batch=dynamic_batch)
+            logger.debug("ONNX export with the %s exporter", "dynamo" if dynamo else "torchscript")
+            break
+        except Exception as exc:  # exporter internals raise anything; try the other one
+            errors.append(f"{'dynamo' if dynamo else 'torchscript'}: {type(exc).__name__}: {exc}")
+            path.unlink(missing_ok=True)
+    else:
+        raise TrackingError(f"ONNX export of {type(model).__name__} failed: {'; '.join(errors)}")
+
+    if dynamic_batch and verify_batch:
+        gen = torch.Generator().manual_seed(0)
+        xv = torch.randn((verify_batch, *x.shape[1:]), generator=gen, dtype=x.dtype)
+    else:
+        xv = x
+    with torch.no_grad():
+        ref = net(xv)
+    ref_np = (ref[0] if isinstance(ref, tuple | list) else ref).detach().numpy()
+    try:
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        out = sess.run(None, {sess.get_inputs()[0].name: xv.numpy()})[0]
+    except Exception as exc:  # onnxruntime errors are not one type
+        raise TrackingError(f"onnxruntime cannot run {path}: {type(exc).__name__}: {exc}") from exc
+    if out.shape != ref_np.shape:
+        raise TrackingError(f"ONNX output shape {out.shape} != PyTorch output {ref_np.shape}")
+    diff = np.abs(out - ref_np)
+    bound = atol + rtol * np.abs(ref_np)
+    if not np.all(diff <= bound):
+        raise TrackingError(
+            f"ONNX output differs from PyTorch: max abs diff {float(diff.max()):.3g} "
+            f"(atol {atol:g}, rtol {rtol:g}) for {path}"
+        )
+    return path
+
+
+def _export(
+    net: torch.nn.Module, x: torch.Tensor, path: Path, *, dynamo: bool, dynamic_batch: bool
+) -> None:
+    import torch
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        if dynamo:
+            shapes = ({0: torch.export.Dim("batch", min=1, max=65536)},) if dynamic_batch else None
+            torch.onnx.export(
+                net,
+                (x,),
+                str(path),
+                dynamo=True,
+                input_names=["input"],
+                output_names=["logits"],
+                dynamic_shapes=shapes,
+                external_data=False,
+                verbose=False,
+                optimize=True,
+            )
+        else:
+            axes = {"input": {0: "batch"}, "logits": {0: "batch"}} if dynamic_batch else None
+            torch.onnx.export(
+                net,
+                (x,),
+                str(path),
+                dynamo=False,
+                input_names=["input"],
+                output_names=["logits"],
+                dynamic_axes=axes,
+            )
+
+
+# --------------------------------------------------------------------------- study level
+
+STUDY_PLOTS = ("optimization_history", "param_importances", "parallel_coordinate")
+_MIN_COMPLETE = {"optimization_history": 1, "param_importances": 2, "parallel_coordinate": 2}
+_PLOT_ERRORS = (ValueError, RuntimeError, ImportError, TypeError, ZeroDivisionError, KeyError)
+
+
+def _completed(study: optuna.Study) -> int:
+    import optuna
+
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+
+
+def study_plots(
+    study: optuna.Study,
+    out_dir: Path,
+    *,
+    html: bool = True,
+    png: bool = True,
+    plotlyjs: bool | str = True,
+) -> list[Path]:
+    """Write ``<plot>.html`` (plotly; ``plotlyjs=True`` embeds plotly.js so files open offline,
+    ``"cdn"`` keeps them small) and ``<plot>.png`` (matplotlib) for the optimization history,
+    parameter importances and parallel coordinates. Plots that need more completed trials than
+    the study has (history: 1, the others: 2) are skipped, as are plots that fail (logged) and
+    HTML when plotly is not installed. Multi-objective studies are plotted on objective 0.
+    Returns the files written."""
+    import optuna
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n_complete = _completed(study)
+    target: Callable[[optuna.trial.FrozenTrial], float] | None = None
+    target_name = "Objective Value"
+    if len(study.directions) > 1:
+
+        def first_value(t: optuna.trial.FrozenTrial) -> float:
+            return float(t.values[0])
+
+        target = first_value
+        target_name = "objective 0"
+    kwargs: dict[str, Any] = {"target": target, "target_name": target_name} if target else {}
+    written: list[Path] = []
+    plotly_ok = True
+    if html:
+        try:
+            import plotly  # noqa: F401
+        except ImportError:
+            plotly_ok = False
+            logger.warning("study plots: plotly is not installed, HTML plots skipped")
+    for name in STUDY_PLOTS:
+        if n_complete < _MIN_COMPLETE[name]:
+            logger.info(
+                "study plots: %s skipped (%d completed trials, needs %d)",
+                name,
+                n_complete,
+                _MIN_COMPLETE[name],
+            )
+            continue
+        if html and plotly_ok:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    fig = getattr(optuna.visualization, f"plot_{name}")(study, **kwargs)
+                p = out_dir / f"{name}.html"
+                fig.write_html(str(p), include_plotlyjs=plotlyjs)
+                written.append(p)
+            except _PLOT_ERRORS as exc:
+                logger.warning("study plots: %s.html failed: %s", name, exc)
+        if png:
+            p = out_dir / f"{name}.png"
+            if _matplotlib_plot(study, name, p, kwargs):
+                written.append(p)
+    return written
+
+
+def _matplotlib_plot(study: optuna.Study, name: str, path: Path, kwargs: dict[str, Any]) -> bool:
+    import matplotlib.pyplot as plt
+    import optuna.visualization.matplotlib as ovm
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ax = getattr(ovm, f"plot_{name}")(study, **kwargs)
+        first = ax.flat[0] if hasattr(ax, "flat") else ax
+        fig = first.figure
+        fig.set_size_inches(max(fig.get_size_inches()[0], 8.0), max(fig.get_size_inches()[1], 5.0))
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        return True
+    except _PLOT_ERRORS as exc:
+        logger.warning("study plots: %s.png failed: %s", name, exc)
+        plt.close("all")
+        return False
+
+
+def trials_csv(study: optuna.Study, path: Path) -> Path:
+    """``study.trials_dataframe()`` (params, values, states, durations, user attrs such as
+    ``mlflow_run_id``) as CSV."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df = study.trials_dataframe()
+    df.to_csv(path, index=False)
+    return path
+
+
+__all__ = [
+    "STUDY_PLOTS",
+    "confusion_matrix_png",
+    "export_onnx",
+    "learning_curve_png",
+    "per_class_accuracy",
+    "per_class_accuracy_csv",
+    "study_plots",
+    "trials_csv",
+]

@@ -1,0 +1,589 @@
+"""GPU telemetry for one worker, with nvidia-ml-py (``pynvml``).
+
+A background thread samples ONLY the GPUs this worker was given (``CUDA_VISIBLE_DEVICES``:
+indices, ``GPU-<uuid>`` (prefixes too) or ``MIG-<uuid>`` entries) every ``interval_s`` seconds
+and hands each sample to a sink, normally :meth:`TrialTracker.log_system`:
+
+=================================  =========================================================
+``system/gpu_utilization``         device SM utilization, %
+``system/gpu_process_utilization`` this worker's SM utilization, % (see below)
+``system/gpu_memory_mib``          device memory used, MiB
+``system/gpu_process_memory_mib``  this worker's memory, MiB (when NVML reports it)
+``system/gpu_power_w``             board power, W
+``system/gpu_temperature_c``       GPU temperature, °C
+``system/gpu_sm_clock_mhz``        SM clock, MHz
+=================================  =========================================================
+
+Process-level values are logged (and used by the input-bound rule) only once NVML has listed
+this worker's PID: in a container without the host PID namespace NVML reports host PIDs, and the
+device values are used instead.
+
+With several GPUs every name gets a ``_<nvml index>`` suffix (``_mig<k>`` for MIG entries).
+Summaries (:meth:`GpuSampler.summary`): mean utilization, peak memory, energy in J (NVML's
+energy counter delta where supported, else power integrated over time).
+
+Input-bound rule: once ``window_s`` seconds of samples (after ``warmup_s``) exist, if the mean
+utilization over the last ``window_s`` seconds (this process's utilization when available, since
+trials may share a GPU; else the device's) is below ``threshold_pct``, the sampler flags the
+trial once (warning + ``on_input_bound(mean)``); with ``stop_when_input_bound`` its
+:meth:`GpuSampler.should_stop` turns True so the trainer can stop the trial.
+
+Without NVML or without a visible GPU nothing GPU-related is logged; a warning is logged once
+per process, and nothing raises.
+
+CUDA numbers devices fastest-first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; NVML numbers them
+by PCI bus. Launchers should set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (or use UUIDs) so that index
+entries name the same GPU for both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Protocol
+
+from hpsearch.tracking import logger
+
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_TEMPERATURE_GPU = 0
+NVML_CLOCK_SM = 1
+MIB = 1024 * 1024
+
+Sink = Callable[[Mapping[str, float]], None]
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str, *args: object) -> bool:
+    """Log ``message`` as a warning the first time ``key`` is seen in this process."""
+    with _warned_lock:
+        if key in _warned:
+            return False
+        _warned.add(key)
+    logger.warning(message, *args)
+    return True
+
+
+def reset_warnings() -> None:
+    """Forget which once-only warnings were given (tests)."""
+    with _warned_lock:
+        _warned.clear()
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+DeviceRef = int | str  # NVML index of a whole GPU, or a MIG UUID
+
+
+def resolve_visible_devices(value: str | None, gpu_uuids: Sequence[str]) -> list[DeviceRef]:
+    """Map ``CUDA_VISIBLE_DEVICES`` to the GPUs NVML knows (``gpu_uuids[i]`` is the UUID of NVML
+    index ``i``), in CUDA's order.
+
+    * unset (None): every GPU; empty string: none;
+    * ``"2"`` -> NVML index 2; ``"GPU-8f2c..."`` (a unique prefix is enough) -> its index;
+    * ``"MIG-..."`` -> the MIG UUID itself (looked up with ``nvmlDeviceGetHandleByUUID``);
+    * like CUDA, parsing stops at the first invalid, unknown or repeated entry (``"0,-1,1"``
+      -> ``[0]``; ``"-1"`` -> no GPU).
+    """
+    if value is None:
+        return list(range(len(gpu_uuids)))
+    out: list[DeviceRef] = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        ref: DeviceRef | None = None
+        if entry.isdigit():
+            index = int(entry)
+            ref = index if index < len(gpu_uuids) else None
+        elif entry.upper().startswith("GPU-"):
+            matches = [i for i, u in enumerate(gpu_uuids) if u.upper().startswith(entry.upper())]
+            ref = matches[0] if len(matches) == 1 else None
+        elif entry.upper().startswith("MIG-") and len(entry) > 4:
+            ref = entry
+        if ref is None or ref in out:
+            break
+        out.append(ref)
+    return out
+
+
+def device_labels(refs: Sequence[DeviceRef]) -> list[str]:
+    """Metric-name suffixes: ``""`` for a single device, else ``_<index>`` / ``_mig<k>``."""
+    if len(refs) <= 1:
+        return [""] * len(refs)
+    labels: list[str] = []
+    mig = 0
+    for ref in refs:
+        if isinstance(ref, int):
+            labels.append(f"_{ref}")
+        else:
+            labels.append(f"_mig{mig}")
+            mig += 1
+    return labels
+
+
+def is_input_bound(
+    samples: Sequence[tuple[float, float]],
+    now: float,
+    window_s: float,
+    threshold_pct: float,
+    history_start: float,
+) -> tuple[bool, float | None]:
+    """(flag, mean utilization over ``(now - window_s, now]``). No decision (False, None) until
+    ``window_s`` seconds have passed since ``history_start`` (the first counted sample) or when
+    the window holds no sample."""
+    if now - history_start < window_s:
+        return False, None
+    values = [u for t, u in samples if t > now - window_s]
+    if not values:
+        return False, None
+    mean = sum(values) / len(values)
+    return mean < threshold_pct, mean
+
+
+def integrate_power(samples: Sequence[tuple[float, float]]) -> float:
+    """Energy in J from (time s, power W) samples, trapezoid rule."""
+    energy = 0.0
+    for (t0, p0), (t1, p1) in itertools.pairwise(samples):
+        energy += (t1 - t0) * (p0 + p1) / 2.0
+    return energy
+
+
+def nvml_error_code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+# --------------------------------------------------------------------------- the sampler
+
+
+@dataclass
+class _DeviceStats:
+    ref: DeviceRef
+    label: str
+    handle: Any
+    util_sum: float = 0.0
+    util_n: int = 0
+    proc_util_sum: float = 0.0
+    proc_util_n: int = 0
+    proc_util_supported: bool = True
+    proc_mem_supported: bool = True
+    pid_seen: bool = False  # NVML listed this worker's PID at least once
+    last_proc_ts: int = 0  # NVML µs timestamp of the newest process sample seen
+    mem_peak_mib: float = 0.0
+    proc_mem_peak_mib: float = 0.0
+    energy_start_mj: float | None = None
+    energy_last_mj: float | None = None
+    power: list[tuple[float, float]] = field(default_factory=list)
+
+
+class TrackerLike(Protocol):
+    def log_system(self, metrics: Mapping[str, float], timestamp_ms: int | None = None) -> None:
+        """Buffer one sample of system metrics."""
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set tags on the run."""
+
+
+class GpuSampler:
+    """Samples this worker's GPUs in a background thread. ``nvml`` is the ``pynvml`` module
+    (imported lazily by default) or a fake with the same functions (tests)."""
+
+    def __init__(
+        self,
+        sink: Sink | None = None,
+        *,
+        interval_s: float = 5.0,
+        window_s: float = 60.0,
+        threshold_pct: float = 50.0,
+        warmup_s: float = 30.0,
+        stop_when_input_bound: bool = False,
+        on_input_bound: Callable[[float], None] | None = None,
+        pid: int | None = None,
+        visible_devices: str | None = None,
+        use_env: bool = True,
+        nvml: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``visible_devices`` overrides ``$CUDA_VISIBLE_DEVICES``; with ``use_env=False`` and
+        no value every GPU is sampled."""
+        self.sink = sink
+        self.interval_s = interval_s
+        self.window_s = window_s
+        self.threshold_pct = threshold_pct
+        self.warmup_s = warmup_s
+        self.stop_when_input_bound = stop_when_input_bound
+        self.on_input_bound = on_input_bound
+        self.pid = os.getpid() if pid is None else pid
+        if visible_devices is None and use_env:
+            visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.visible_devices = visible_devices
+        self.clock = clock
+        self.input_bound = False
+        self.input_bound_mean: float | None = None
+        self.samples_taken = 0
+        self._nvml = nvml
+        self._devices: list[_DeviceStats] = []
+        self._initialized = False
+        self._started_at: float | None = None
+        self._history: deque[tuple[float, float]] = deque()
+        self._history_start: float | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """True when NVML works and at least one visible GPU was found."""
+        return bool(self._devices)
+
+    @property
+    def device_refs(self) -> list[DeviceRef]:
+        return [d.ref for d in self._devices]
+
+    def open(self) -> bool:
+        """Initialise NVML and resolve the visible GPUs (no thread). False when unavailable."""
+        if self._initialized:
+            return self.available
+        self._initialized = True
+        self._started_at = self.clock()
+        try:
+            if self._nvml is None:
+                import pynvml
+
+                self._nvml = pynvml
+            nvml = self._nvml
+            nvml.nvmlInit()
+        except Exception as exc:  # no driver / no library: telemetry is optional
+            warn_once("nvml", "GPU telemetry off: NVML is not available (%s)", exc)
+            self._nvml = None
+            return False
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+            uuids = [
+                _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)))
+                for i in range(count)
+            ]
+            refs = resolve_visible_devices(self.visible_devices, uuids)
+            labels = device_labels(refs)
+            for ref, label in zip(refs, labels, strict=True):
+                handle = (
+                    nvml.nvmlDeviceGetHandleByIndex(ref)
+                    if isinstance(ref, int)
+                    else nvml.nvmlDeviceGetHandleByUUID(ref)
+                )
+                dev = _DeviceStats(ref=ref, label=label, handle=handle)
+                try:
+                    dev.energy_start_mj = float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+                except Exception:  # not supported on this GPU: integrate power instead
+                    dev.energy_start_mj = None
+                self._devices.append(dev)
+        except Exception as exc:  # telemetry is optional
+            warn_once("nvml-devices", "GPU telemetry off: cannot list GPUs with NVML (%s)", exc)
+            self._devices = []
+        if not self._devices:
+            warn_once(
+                "no-gpu",
+                "GPU telemetry off: no visible GPU (CUDA_VISIBLE_DEVICES=%r)",
+                self.visible_devices,
+            )
+            self._shutdown_nvml()
+            return False
+        return True
+
+    def start(self) -> bool:
+        """Open NVML and start the sampling thread. False (and nothing logged) without a GPU."""
+        if not self.open():
+            return False
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+            self._thread.start()
+        return True
+
+    def stop(self) -> dict[str, float]:
+        """Stop the thread, take a last sample, release NVML; returns :meth:`summary`."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, self.interval_s * 2))
+            self._thread = None
+        if self._devices and self.samples_taken == 0:
+            self.sample_once()
+        summary = self.summary()
+        self._shutdown_nvml()
+        return summary
+
+    def __enter__(self) -> GpuSampler:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def should_stop(self) -> bool:
+        """True when the policy asks to stop input-bound trials and this one is flagged."""
+        return self.stop_when_input_bound and self.input_bound
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample_once()
+            self._stop.wait(self.interval_s)
+
+    def sample_once(self, now: float | None = None) -> dict[str, float]:
+        """Take one sample of every device, update the summaries and the input-bound rule,
+        send it to the sink. Never raises; returns the metrics sent (empty without GPUs)."""
+        if not self._devices or self._nvml is None:
+            return {}
+        try:
+            with self._lock:
+                t = self.clock() if now is None else now
+                metrics: dict[str, float] = {}
+                utils: list[float] = []
+                for dev in self._devices:
+                    util = self._sample_device(dev, t, metrics)
+                    if util is not None:
+                        utils.append(util)
+                self.samples_taken += 1
+                if utils:
+                    self._update_input_bound(t, sum(utils) / len(utils))
+        except Exception as exc:  # telemetry never kills training
+            warn_once("gpu-sample", "GPU telemetry: sampling failed (%s)", exc)
+            return {}
+        if metrics and self.sink is not None:
+            try:
+                self.sink(metrics)
+            except Exception as exc:  # telemetry never kills training
+                warn_once("gpu-sink", "GPU telemetry: the sink failed (%s)", exc)
+        return metrics
+
+    def _sample_device(self, dev: _DeviceStats, t: float, out: dict[str, float]) -> float | None:
+        """Sample one device into ``out``; returns the utilization the input-bound rule uses."""
+        nvml = self._nvml
+        h = dev.handle
+        sfx = dev.label
+        util: float | None = None
+        proc_util: float | None = None
+
+        rates = _try(lambda: nvml.nvmlDeviceGetUtilizationRates(h))
+        if rates is not None:
+            util = float(rates.gpu)
+            out[f"system/gpu_utilization{sfx}"] = util
+            dev.util_sum += util
+            dev.util_n += 1
+        # Process-level numbers only count once NVML has shown this worker's PID (inside a
+        # container without the host PID namespace it never does: NVML reports host PIDs, and a
+        # constant 0 % would wrongly flag every trial input-bound).
+        proc_mem = self._process_memory(dev) if dev.proc_mem_supported else None
+        if dev.proc_util_supported:
+            proc_util = self._process_utilization(dev)
+        if not dev.pid_seen:
+            proc_util = proc_mem = None
+        if proc_util is not None:
+            out[f"system/gpu_process_utilization{sfx}"] = proc_util
+            dev.proc_util_sum += proc_util
+            dev.proc_util_n += 1
+        mem = _try(lambda: nvml.nvmlDeviceGetMemoryInfo(h))
+        if mem is not None:
+            used = float(mem.used) / MIB
+            out[f"system/gpu_memory_mib{sfx}"] = used
+            dev.mem_peak_mib = max(dev.mem_peak_mib, used)
+        if proc_mem is not None:
+            out[f"system/gpu_process_memory_mib{sfx}"] = proc_mem
+            dev.proc_mem_peak_mib = max(dev.proc_mem_peak_mib, proc_mem)
+        power_mw = _try(lambda: nvml.nvmlDeviceGetPowerUsage(h))
+        if power_mw is not None:
+            watts = float(power_mw) / 1000.0
+            out[f"system/gpu_power_w{sfx}"] = watts
+            dev.power.append((t, watts))
+        temp = _try(lambda: nvml.nvmlDeviceGetTemperature(h, NVML_TEMPERATURE_GPU))
+        if temp is not None:
+            out[f"system/gpu_temperature_c{sfx}"] = float(temp)
+        clock = _try(lambda: nvml.nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM))
+        if clock is not None:
+            out[f"system/gpu_sm_clock_mhz{sfx}"] = float(clock)
+        if dev.energy_start_mj is not None:
+            energy = _try(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(h))
+            if energy is not None:
+                dev.energy_last_mj = float(energy)
+        return proc_util if proc_util is not None else util
+
+    def _process_utilization(self, dev: _DeviceStats) -> float | None:
+        nvml = self._nvml
+        try:
+            samples = nvml.nvmlDeviceGetProcessUtilization(dev.handle, dev.last_proc_ts)
+        except Exception as exc:
+            if nvml_error_code(exc) in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NO_PERMISSION):
+                dev.proc_util_supported = False
+                return None
+            return 0.0  # NOT_FOUND / no sample since last time: this process was idle
+        mine = [
+            s for s in samples if int(s.pid) == self.pid and int(s.timeStamp) > dev.last_proc_ts
+        ]
+        if samples:
+            dev.last_proc_ts = max(dev.last_proc_ts, *(int(s.timeStamp) for s in samples))
+        if not mine:
+            return 0.0
+        dev.pid_seen = True
+        return float(sum(float(s.smUtil) for s in mine) / len(mine))
+
+    def _process_memory(self, dev: _DeviceStats) -> float | None:
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(dev.handle)
+        except Exception:
+            dev.proc_mem_supported = False
+            return None
+        used = [p.usedGpuMemory for p in procs if int(p.pid) == self.pid]
+        if not used:
+            return 0.0
+        dev.pid_seen = True
+        if any(u is None for u in used):  # NVML hides it (e.g. containers without PID ns)
+            dev.proc_mem_supported = False
+            return None
+        return float(sum(used)) / MIB
+
+    def _update_input_bound(self, t: float, util: float) -> None:
+        start = self._started_at if self._started_at is not None else t
+        if t - start < self.warmup_s:
+            return
+        if self._history_start is None:
+            self._history_start = t
+        self._history.append((t, util))
+        while self._history and self._history[0][0] <= t - self.window_s:
+            self._history.popleft()
+        flag, mean = is_input_bound(
+            list(self._history), t, self.window_s, self.threshold_pct, self._history_start
+        )
+        if flag and not self.input_bound and mean is not None:
+            self.input_bound = True
+            self.input_bound_mean = mean
+            logger.warning(
+                "GPU utilization averaged %.0f%% over the last %.0f s (< %.0f%%): the trial "
+                "looks input-bound (data loading)%s",
+                mean,
+                self.window_s,
+                self.threshold_pct,
+                "; asking to stop it" if self.stop_when_input_bound else "",
+            )
+            if self.on_input_bound is not None:
+                try:
+                    self.on_input_bound(mean)
+                except Exception as exc:  # telemetry never kills training
+                    warn_once("gpu-callback", "GPU telemetry: on_input_bound failed (%s)", exc)
+
+    # -- summaries ----------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, float]:
+        """``system/gpu_utilization_mean``, ``system/gpu_process_utilization_mean``,
+        ``system/gpu_memory_peak_mib``, ``system/gpu_process_memory_peak_mib``,
+        ``system/gpu_energy_j`` (suffixed per device when several, plus unsuffixed totals:
+        mean of means, sum of peaks and energies). Empty without GPUs."""
+        out: dict[str, float] = {}
+        with self._lock:
+            devs = list(self._devices)
+            for dev in devs:
+                sfx = dev.label
+                if dev.util_n:
+                    out[f"system/gpu_utilization_mean{sfx}"] = dev.util_sum / dev.util_n
+                if dev.proc_util_n:
+                    out[f"system/gpu_process_utilization_mean{sfx}"] = (
+                        dev.proc_util_sum / dev.proc_util_n
+                    )
+                if dev.util_n or dev.mem_peak_mib:
+                    out[f"system/gpu_memory_peak_mib{sfx}"] = dev.mem_peak_mib
+                if dev.proc_mem_supported and dev.proc_mem_peak_mib:
+                    out[f"system/gpu_process_memory_peak_mib{sfx}"] = dev.proc_mem_peak_mib
+                energy = _energy_j(dev)
+                if energy is not None:
+                    out[f"system/gpu_energy_j{sfx}"] = energy
+            if len(devs) > 1:
+                for name in ("gpu_utilization_mean", "gpu_process_utilization_mean"):
+                    vals = [
+                        out[f"system/{name}{d.label}"]
+                        for d in devs
+                        if f"system/{name}{d.label}" in out
+                    ]
+                    if vals:
+                        out[f"system/{name}"] = sum(vals) / len(vals)
+                for name in ("gpu_memory_peak_mib", "gpu_process_memory_peak_mib", "gpu_energy_j"):
+                    vals = [
+                        out[f"system/{name}{d.label}"]
+                        for d in devs
+                        if f"system/{name}{d.label}" in out
+                    ]
+                    if vals:
+                        out[f"system/{name}"] = sum(vals)
+        if self.input_bound_mean is not None:
+            out["system/gpu_input_bound_utilization"] = self.input_bound_mean
+        return out
+
+    def _shutdown_nvml(self) -> None:
+        nvml = self._nvml
+        if nvml is None:
+            return
+        self._nvml = None
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+
+
+def _energy_j(dev: _DeviceStats) -> float | None:
+    if dev.energy_start_mj is not None and dev.energy_last_mj is not None:
+        return max(0.0, dev.energy_last_mj - dev.energy_start_mj) / 1000.0
+    if len(dev.power) >= 2:
+        return integrate_power(dev.power)
+    return None
+
+
+def _try(fn: Callable[[], Any]) -> Any:
+    """One NVML query; None when the GPU does not support it (MIG, old boards) or it fails."""
+    try:
+        return fn()
+    except Exception:
+        return None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def sampler_for_tracker(tracker: TrackerLike, **kwargs: Any) -> GpuSampler:
+    """A GpuSampler whose samples go to ``tracker.log_system`` and whose input-bound flag sets
+    ``hpsearch.input_bound=true`` on the run. Call ``.start()`` / ``.stop()`` around training
+    and log ``.stop()``'s summary with the trial's summary metrics."""
+
+    def flag(mean: float) -> None:
+        tracker.set_tags(
+            {"hpsearch.input_bound": "true", "hpsearch.input_bound_utilization": f"{mean:.1f}"}
+        )
+        if user_cb is not None:
+            user_cb(mean)
+
+    user_cb: Callable[[float], None] | None = kwargs.pop("on_input_bound", None)
+    return GpuSampler(tracker.log_system, on_input_bound=flag, **kwargs)
+
+
+__all__ = [
+    "DeviceRef",
+    "GpuSampler",
+    "device_labels",
+    "integrate_power",
+    "is_input_bound",
+    "reset_warnings",
+    "resolve_visible_devices",
+    "sampler_for_tracker",
+    "warn_once",
+]

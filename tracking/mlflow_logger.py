@@ -1,0 +1,855 @@
+"""MLflow layout of a study: one experiment per study, one parent run per study (role ``study``,
+reused on relaunch), one child run per Optuna trial (``trial-<number>``).
+
+Everything goes through an explicit :class:`mlflow.MlflowClient` and explicit run ids; the
+process-global active run (``mlflow.start_run``) is never used.
+
+:class:`TrialTracker` is the per-trial logger. ``log_epoch`` only enqueues (microseconds on the
+training thread); a background thread sends exactly one ``log_batch`` request per epoch (more only
+when an epoch exceeds MLflow's per-request limits), retrying with exponential backoff while the
+server is unreachable, from a bounded buffer. ``finish`` flushes with a bounded wait, uploads the
+artifacts and sets the terminal status. A tracking outage never raises into training: it is
+logged as a warning and, when data was lost, the run is tagged ``hpsearch.tracking_incomplete``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from hpsearch.errors import TrackingError
+from hpsearch.tracking import logger
+from hpsearch.tracking.server import redact_uri
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+# MLflow's limits for one log_batch request (mlflow.utils.validation).
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_PER_BATCH = 100
+MAX_TAGS_PER_BATCH = 100
+MAX_ENTITIES_PER_BATCH = 1000
+MAX_PARAM_VAL_LENGTH = 6000
+MAX_TAG_VAL_LENGTH = 8000
+
+ROLE_TAG = "hpsearch.role"
+STUDY_TAG = "hpsearch.study"
+INCOMPLETE_TAG = "hpsearch.tracking_incomplete"
+OUTCOME_TAG = "hpsearch.outcome"
+REASON_TAG = "hpsearch.reason"
+PRUNED_AT_TAG = "hpsearch.pruned_at_epoch"
+INPUT_BOUND_TAG = "hpsearch.input_bound"
+PARENT_TAG = "mlflow.parentRunId"
+
+EPOCH_METRICS = (
+    "train_loss",
+    "train_acc",
+    "val_loss",
+    "val_acc",
+    "lr",
+    "epoch_seconds",
+    "images_per_second",
+)
+SUMMARY_METRICS = ("best_val_acc", "test_acc")
+
+OUTCOME_STATUS: Mapping[str, str] = {
+    "completed": "FINISHED",
+    "early_stopped": "FINISHED",
+    "time_limit": "FINISHED",
+    "pruned": "KILLED",
+    "interrupted": "KILLED",
+    "failed": "FAILED",
+    "diverged": "FAILED",
+    "out_of_memory": "FAILED",
+}
+FAILED_OUTCOMES = frozenset(k for k, v in OUTCOME_STATUS.items() if v == "FAILED")
+
+# MLflow's HTTP client retries each request up to 7 times with a backoff factor of 2 by
+# default (minutes of blocking while a server is down). The tracker does its own retrying, so
+# it asks for short per-request retries; values already set in the environment win. It also
+# stops MlflowClient.set_terminated from printing "View run ..." to stdout.
+HTTP_POLICY: Mapping[str, str] = {
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def apply_http_policy(env: dict[str, str] | os._Environ[str] | None = None) -> None:
+    """Set short MLflow HTTP retry/timeout defaults and silence the client's stdout URL
+    printing (``setdefault``: values already in the environment win)."""
+    target = os.environ if env is None else env
+    for key, value in HTTP_POLICY.items():
+        target.setdefault(key, value)
+
+
+def terminal_status(outcome: str) -> str:
+    """MLflow run status for a trial outcome; ValueError for an unknown outcome."""
+    try:
+        return OUTCOME_STATUS[outcome]
+    except KeyError:
+        raise ValueError(
+            f"unknown trial outcome {outcome!r}; expected one of {sorted(OUTCOME_STATUS)}"
+        ) from None
+
+
+def terminal_tags(
+    outcome: str, pruned_at_epoch: int | None = None, reason: str | None = None
+) -> dict[str, str]:
+    """Tags set when a trial ends: outcome always; ``hpsearch.pruned_at_epoch`` for pruned;
+    ``hpsearch.reason`` for failures (the given reason, else the outcome name)."""
+    tags = {OUTCOME_TAG: outcome}
+    status = OUTCOME_STATUS.get(outcome, "FAILED")
+    if outcome == "pruned" and pruned_at_epoch is not None:
+        tags[PRUNED_AT_TAG] = str(int(pruned_at_epoch))
+    if status == "FAILED":
+        tags[REASON_TAG] = truncate(reason or outcome, MAX_TAG_VAL_LENGTH)
+    elif reason:
+        tags[REASON_TAG] = truncate(reason, MAX_TAG_VAL_LENGTH)
+    return tags
+
+
+def truncate(value: str, limit: int) -> str:
+    return value if len(value) <= limit else value[: limit - 3] + "..."
+
+
+def param_value(value: Any) -> str:
+    """A param value as MLflow stores it: ``repr`` for floats (full precision), ``str`` else,
+    cut to MLflow's 6000-character limit."""
+    text = repr(value) if isinstance(value, float) else str(value)
+    return truncate(text, MAX_PARAM_VAL_LENGTH)
+
+
+def trial_params(
+    sampled: Mapping[str, Any],
+    *,
+    effective_lr: float | None = None,
+    effective_batch_size: int | None = None,
+    dataset: str | None = None,
+    arch: str | None = None,
+    image_size: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """The params of a trial run: every sampled param, then the derived and fixed ones
+    (explicit values win over sampled ones of the same name); ``None`` values are left out."""
+    out = {str(k): param_value(v) for k, v in sampled.items() if v is not None}
+    derived: dict[str, Any] = {
+        "effective_lr": effective_lr,
+        "effective_batch_size": effective_batch_size,
+        "dataset": dataset,
+        "arch": arch,
+        "image_size": image_size,
+        **(extra or {}),
+    }
+    out.update({k: param_value(v) for k, v in derived.items() if v is not None})
+    return out
+
+
+def metric_entities(
+    metrics: Mapping[str, float], step: int, timestamp_ms: int
+) -> tuple[list[Metric], list[str]]:
+    """``Metric`` objects for the numeric values (NaN/inf kept: a diverged loss is data), and the
+    names of values that were not numbers (dropped)."""
+    out: list[Metric] = []
+    bad: list[str] = []
+    for key, value in metrics.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            bad.append(key)
+            continue
+        out.append(Metric(key=key, value=number, timestamp=timestamp_ms, step=int(step)))
+    return out, bad
+
+
+def chunk_batch(
+    metrics: Sequence[Metric], params: Sequence[Param], tags: Sequence[RunTag]
+) -> list[tuple[list[Metric], list[Param], list[RunTag]]]:
+    """Split one logical batch into ``log_batch`` requests within MLflow's limits (1000 metrics,
+    100 params, 100 tags, 1000 entities per request). One request when it fits."""
+    out: list[tuple[list[Metric], list[Param], list[RunTag]]] = []
+    m, p, t = list(metrics), list(params), list(tags)
+    while m or p or t or not out:
+        cp = p[:MAX_PARAMS_PER_BATCH]
+        ct = t[:MAX_TAGS_PER_BATCH]
+        room = MAX_ENTITIES_PER_BATCH - len(cp) - len(ct)
+        cm = m[: min(MAX_METRICS_PER_BATCH, room)]
+        out.append((cm, cp, ct))
+        m, p, t = m[len(cm) :], p[len(cp) :], t[len(ct) :]
+        if not (m or p or t):
+            break
+    return out
+
+
+def is_permanent_error(exc: BaseException) -> bool:
+    """True for errors that retrying cannot fix (HTTP 4xx other than 408/429: bad value,
+    missing run, permission); False for transport errors, timeouts and 5xx."""
+    if isinstance(exc, MlflowException):
+        try:
+            code = int(exc.get_http_status_code())
+        except (TypeError, ValueError):
+            return False
+        return 400 <= code < 500 and code not in (408, 429)
+    return False
+
+
+def backoff_delays(initial_s: float, factor: float, max_s: float) -> Iterator[float]:
+    """initial, initial*factor, ... capped at max_s (endless)."""
+    delay = initial_s
+    while True:
+        yield min(delay, max_s)
+        delay = min(delay * factor, max_s)
+
+
+def git_commit(path: Path | None = None) -> tuple[str | None, bool]:
+    """(HEAD commit, dirty) of the git checkout holding ``path`` (default: hpsearch's own
+    sources), or (None, False) when it is not a git checkout or git is missing."""
+    where = path or Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+        if head.returncode != 0:
+            return None, False
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+        return head.stdout.strip() or None, bool(status.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+
+
+def hpsearch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hpsearch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def study_tags(
+    sampler: str,
+    pruner: str,
+    storage_url: str,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Tags of the study run: sampler, pruner, redacted storage URL, git commit (when the
+    sources are a git checkout), hpsearch version."""
+    tags = {
+        "hpsearch.sampler": sampler,
+        "hpsearch.pruner": pruner,
+        "hpsearch.storage": redact_uri(storage_url),
+        "hpsearch.version": hpsearch_version(),
+    }
+    commit, dirty = git_commit()
+    if commit:
+        tags["hpsearch.git_commit"] = commit
+        tags["mlflow.source.git.commit"] = commit
+        tags["hpsearch.git_dirty"] = str(dirty).lower()
+    tags.update(extra or {})
+    return tags
+
+
+def _safe_tag_value(value: Any) -> str:
+    text = str(value)
+    if "://" in text:
+        text = redact_uri(text)
+    return truncate(text, MAX_TAG_VAL_LENGTH)
+
+
+def _call(what: str, fn: Callable[[], T]) -> T:
+    """Run an MLflow call at launch time, turning its errors into one-line TrackingErrors."""
+    try:
+        return fn()
+    except MlflowException as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TrackingError(f"MLflow: cannot {what}: {msg}") from exc
+    except OSError as exc:
+        raise TrackingError(f"MLflow: cannot {what}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- study level
+
+
+def ensure_experiment(client: MlflowClient, study_name: str) -> str:
+    """The id of the experiment named like the study, created (or restored) when needed.
+    Raises TrackingError when the server cannot be reached."""
+    apply_http_policy()
+
+    def get_or_create() -> str:
+        exp = client.get_experiment_by_name(study_name)
+        if exp is not None:
+            if exp.lifecycle_stage == "deleted":
+                client.restore_experiment(exp.experiment_id)
+            return str(exp.experiment_id)
+        try:
+            return str(client.create_experiment(study_name))
+        except MlflowException as exc:  # another worker created it first
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            exp = client.get_experiment_by_name(study_name)
+            if exp is None:
+                raise
+            return str(exp.experiment_id)
+
+    return _call(f"get or create experiment {study_name!r}", get_or_create)
+
+
+def find_study_runs(client: MlflowClient, experiment_id: str) -> list[str]:
+    """Run ids tagged ``hpsearch.role=study`` in the experiment, oldest first."""
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{ROLE_TAG}` = 'study'",
+        order_by=["attributes.start_time ASC"],
+        max_results=50,
+    )
+    ids = [(r.info.start_time or 0, r.info.run_id) for r in runs]
+    return [rid for _, rid in sorted(ids)]
+
+
+def open_study_run(
+    client: MlflowClient,
+    experiment_id: str,
+    study_name: str,
+    tags: Mapping[str, str],
+    resolved_study_yaml: str,
+) -> str:
+    """The study's parent run id: the existing ``hpsearch.role=study`` run of the experiment
+    (relaunch; set back to RUNNING) or a new one. Sets ``tags`` (URLs redacted; git commit and
+    hpsearch version added when missing) and uploads the resolved study file as ``study.yaml``.
+    Concurrent first launches converge on the oldest run. Raises TrackingError when the server
+    cannot be reached."""
+    apply_http_policy()
+    all_tags = {k: _safe_tag_value(v) for k, v in tags.items()}
+    all_tags.setdefault("hpsearch.version", hpsearch_version())
+    if "hpsearch.git_commit" not in all_tags:
+        commit, _ = git_commit()
+        if commit:
+            all_tags["hpsearch.git_commit"] = commit
+    all_tags[ROLE_TAG] = "study"
+    all_tags[STUDY_TAG] = study_name
+
+    def open_run() -> str:
+        existing = find_study_runs(client, experiment_id)
+        if existing:
+            run_id = existing[0]
+            run = client.get_run(run_id)
+            if run.info.status != "RUNNING":
+                client.update_run(run_id, status="RUNNING")
+        else:
+            run = client.create_run(experiment_id, tags=all_tags, run_name=study_name)
+            run_id = run.info.run_id
+            existing = find_study_runs(client, experiment_id)
+            if existing and existing[0] != run_id:  # lost a creation race: use the oldest
+                client.delete_run(run_id)
+                run_id = existing[0]
+        tag_list = [RunTag(k, v) for k, v in all_tags.items()]
+        for _, _, chunk_tags in chunk_batch([], [], tag_list):
+            client.log_batch(run_id, tags=chunk_tags)
+        client.log_text(run_id, resolved_study_yaml, "study.yaml")
+        return run_id
+
+    return _call(f"open the study run of {study_name!r}", open_run)
+
+
+def close_study_run(client: MlflowClient, run_id: str, status: str = "FINISHED") -> bool:
+    """Mark the study run terminated (launcher exit). Best-effort: False on failure."""
+    try:
+        client.set_terminated(run_id, status=status)
+        return True
+    except Exception as exc:  # telemetry: never fail the launcher's shutdown
+        logger.warning("MLflow: could not close study run %s: %s", run_id, _short(exc))
+        return False
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- trial level
+
+
+@dataclass
+class _Batch:
+    metrics: list[Metric] = field(default_factory=list)
+    params: list[Param] = field(default_factory=list)
+    tags: list[RunTag] = field(default_factory=list)
+    kind: str = "epoch"  # epoch | params | final
+    enqueued: float = 0.0  # time.monotonic()
+    sent_chunks: int = 0
+
+
+@dataclass
+class TrackerStats:
+    requests: int = 0  # log_batch requests that succeeded
+    failed_requests: int = 0
+    batches_delivered: int = 0
+    batches_dropped: int = 0
+    metrics_dropped: int = 0
+    delivery_latency_s: list[float] = field(default_factory=list)  # per delivered epoch batch
+    enqueue_s: list[float] = field(default_factory=list)  # per log_epoch call (training thread)
+
+
+class TrialTracker:
+    """The MLflow child run of one trial.
+
+    Creating it creates the run synchronously (``run_id`` is ready to be stored as the Optuna
+    user attr ``mlflow_run_id``); if the server cannot be reached within ``start_timeout_s`` the
+    tracker is disabled (``run_id is None``, every method a no-op) and a warning is logged.
+    No method raises because of tracking problems.
+    """
+
+    def __init__(
+        self,
+        client: MlflowClient,
+        experiment_id: str,
+        parent_run_id: str,
+        *,
+        trial_number: int,
+        study_name: str,
+        params: Mapping[str, Any],
+        worker: str = "",
+        host: str | None = None,
+        gpu: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        max_buffer: int = 1000,
+        flush_timeout_s: float = 30.0,
+        start_timeout_s: float = 15.0,
+        initial_backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+    ) -> None:
+        apply_http_policy()
+        self.client = client
+        self.trial_number = trial_number
+        self.max_buffer = max(1, max_buffer)
+        self.flush_timeout_s = flush_timeout_s
+        self.initial_backoff_s = initial_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.stats = TrackerStats()
+        self.incomplete = False
+        self.finished = False
+        self.run_id: str | None = None
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._queue: deque[_Batch] = deque()
+        self._inflight: _Batch | None = None
+        self._closing = False
+        self._abort = threading.Event()
+        self._pending_system: list[Metric] = []
+        self._pending_tags: dict[str, str] = {}
+        self._system_step = 0
+        self._last_step = 0
+        self._outage_since: float | None = None
+        self._warned_bad_metrics = False
+        self._warned_overflow = False
+        self._thread: threading.Thread | None = None
+
+        run_tags = {
+            PARENT_TAG: parent_run_id,
+            ROLE_TAG: "trial",
+            "optuna.trial_number": str(trial_number),
+            STUDY_TAG: study_name,
+            "hpsearch.worker": worker,
+            "hpsearch.host": host if host is not None else socket.gethostname(),
+            "hpsearch.gpu": gpu if gpu is not None else _default_gpu_label(),
+        }
+        run_tags.update({k: _safe_tag_value(v) for k, v in (tags or {}).items()})
+        self.run_id = self._create_run(experiment_id, run_tags, start_timeout_s)
+        if self.run_id is None:
+            return
+        param_list = [Param(k, param_value(v)) for k, v in params.items()]
+        if param_list:
+            self._queue.append(_Batch(params=param_list, kind="params", enqueued=time.monotonic()))
+        self._thread = threading.Thread(
+            target=self._sender, name=f"mlflow-trial-{trial_number}", daemon=True
+        )
+        self._thread.start()
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.run_id is not None
+
+    def log_epoch(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Queue one epoch's metrics (step = epoch); returns immediately. GPU samples and tags
+        that arrived since the previous epoch ride along in the same request."""
+        if self.run_id is None or self.finished:
+            return
+        t0 = time.perf_counter()
+        try:
+            now_ms = int(time.time() * 1000)
+            entities, bad = metric_entities(metrics, step, now_ms)
+            if bad and not self._warned_bad_metrics:
+                self._warned_bad_metrics = True
+                logger.warning("MLflow: dropped non-numeric metrics %s", sorted(bad))
+            with self._cond:
+                self._last_step = max(self._last_step, int(step))
+                batch = self._take_pending_locked(entities, "epoch")
+                self._push_locked(batch)
+        except Exception as exc:  # telemetry never kills training
+            logger.warning("MLflow: log_epoch failed: %s", _short(exc))
+        finally:
+            self.stats.enqueue_s.append(time.perf_counter() - t0)
+
+    def log_system(self, metrics: Mapping[str, float], timestamp_ms: int | None = None) -> None:
+        """Buffer one sample of system metrics (e.g. ``system/gpu_utilization``); they are sent
+        with the next epoch's request. Thread-safe (GPU sampler thread)."""
+        if self.run_id is None or self.finished:
+            return
+        try:
+            ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
+            with self._cond:
+                entities, _ = metric_entities(metrics, self._system_step, ts)
+                self._system_step += 1
+                self._pending_system.extend(entities)
+                overflow = len(self._pending_system) - self.max_buffer * 50
+                if overflow > 0:
+                    del self._pending_system[:overflow]
+                    self.stats.metrics_dropped += overflow
+                    self.incomplete = True
+        except Exception as exc:  # telemetry never kills training
+            logger.warning("MLflow: log_system failed: %s", _short(exc))
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Tags sent with the next request (e.g. ``hpsearch.input_bound=true``). Thread-safe."""
+        if self.run_id is None or self.finished:
+            return
+        with self._cond:
+            self._pending_tags.update({k: _safe_tag_value(v) for k, v in tags.items()})
+
+    def finish(
+        self,
+        outcome: str,
+        pruned_at_epoch: int | None = None,
+        summary_metrics: Mapping[str, float] | None = None,
+        artifacts: Sequence[Path] = (),
+        traceback: str | None = None,
+        *,
+        reason: str | None = None,
+        timeout_s: float | None = None,
+    ) -> bool:
+        """End the run: flush queued epochs (waiting at most ``timeout_s``, default
+        ``flush_timeout_s``), send the summary metrics (``best_val_acc``, ``test_acc``, ... at the
+        last epoch's step) and the terminal tags, upload ``artifacts`` (files or folders) and
+        ``traceback.txt``, then set the status from :func:`terminal_status`. Returns True when
+        everything was delivered; never raises."""
+        if self.run_id is None or self.finished:
+            return False
+        self.finished = True
+        run_id = self.run_id
+        try:
+            try:
+                status = terminal_status(outcome)
+            except ValueError as exc:
+                logger.warning("MLflow: %s; marking the run FAILED", exc)
+                status = "FAILED"
+            tags = terminal_tags(outcome, pruned_at_epoch, reason)
+            now_ms = int(time.time() * 1000)
+            with self._cond:
+                summary, _ = metric_entities(summary_metrics or {}, self._last_step, now_ms)
+                self._pending_tags.update(tags)
+                final = self._take_pending_locked(summary, "final")
+                self._push_locked(final)
+                self._closing = True
+                self._cond.notify_all()
+            wait = self.flush_timeout_s if timeout_s is None else timeout_s
+            delivered = self._join(wait)
+            server_down = not delivered
+            if not server_down:
+                for path in artifacts:
+                    self._upload(run_id, Path(path))
+                if traceback:
+                    self._best_effort(
+                        "upload traceback.txt",
+                        lambda: self.client.log_text(run_id, traceback, "traceback.txt"),
+                    )
+            elif artifacts or traceback:
+                self.incomplete = True
+            if self.incomplete:
+                self._best_effort(
+                    "tag the run incomplete",
+                    lambda: self.client.set_tag(run_id, INCOMPLETE_TAG, "true"),
+                )
+            self._best_effort(
+                f"set status {status}",
+                lambda: self.client.set_terminated(run_id, status=status),
+            )
+            if self.incomplete:
+                logger.warning(
+                    "MLflow: run %s (trial %d) is incomplete: %d batches / %d metrics not "
+                    "delivered",
+                    run_id,
+                    self.trial_number,
+                    self.stats.batches_dropped,
+                    self.stats.metrics_dropped,
+                )
+            return not self.incomplete
+        except Exception as exc:  # telemetry never kills training
+            logger.warning("MLflow: finishing run %s failed: %s", run_id, _short(exc))
+            return False
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until everything queued so far is delivered (tests, bench). True if it was."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._cond:
+                if not self._queue and self._inflight is None:
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def pending(self) -> int:
+        """Batches queued or in flight."""
+        with self._cond:
+            return len(self._queue) + (self._inflight is not None)
+
+    def __enter__(self) -> TrialTracker:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.finished or self.run_id is None:
+            return
+        if exc is None:
+            self.finish("completed")
+            return
+        import traceback as tb_mod
+
+        text = "".join(tb_mod.format_exception(exc_type, exc, tb))
+        if isinstance(exc, KeyboardInterrupt):
+            self.finish("interrupted", traceback=text, reason="KeyboardInterrupt")
+        else:
+            self.finish("failed", traceback=text, reason=f"{type(exc).__name__}: {exc}"[:500])
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _create_run(self, experiment_id: str, tags: dict[str, str], timeout_s: float) -> str | None:
+        deadline = time.monotonic() + timeout_s
+        delays = backoff_delays(self.initial_backoff_s, 2.0, self.max_backoff_s)
+        while True:
+            try:
+                run = self.client.create_run(
+                    experiment_id, tags=tags, run_name=f"trial-{self.trial_number}"
+                )
+                return str(run.info.run_id)
+            except Exception as exc:  # telemetry: a dead server must not stop the trial
+                delay = next(delays)
+                if is_permanent_error(exc) or time.monotonic() + delay > deadline:
+                    logger.warning(
+                        "MLflow: could not create the run of trial %d, tracking disabled for "
+                        "it: %s",
+                        self.trial_number,
+                        _short(exc),
+                    )
+                    return None
+                time.sleep(delay)
+
+    def _take_pending_locked(self, metrics: list[Metric], kind: str) -> _Batch:
+        batch = _Batch(metrics=metrics, kind=kind, enqueued=time.monotonic())
+        if self._pending_system:
+            batch.metrics = [*metrics, *self._pending_system]
+            self._pending_system = []
+        if self._pending_tags:
+            batch.tags = [RunTag(k, v) for k, v in self._pending_tags.items()]
+            self._pending_tags = {}
+        return batch
+
+    def _push_locked(self, batch: _Batch) -> None:
+        self._queue.append(batch)
+        while len(self._queue) > self.max_buffer:
+            dropped = self._queue.popleft()
+            self._count_dropped(dropped)
+            if not self._warned_overflow:
+                self._warned_overflow = True
+                logger.warning(
+                    "MLflow: buffer of %d batches full (server unreachable?), dropping the "
+                    "oldest epochs of trial %d",
+                    self.max_buffer,
+                    self.trial_number,
+                )
+        self._cond.notify_all()
+
+    def _count_dropped(self, batch: _Batch) -> None:
+        self.stats.batches_dropped += 1
+        self.stats.metrics_dropped += len(batch.metrics)
+        self.incomplete = True
+
+    def _sender(self) -> None:
+        while not self._abort.is_set():
+            with self._cond:
+                while not self._queue and not self._closing and not self._abort.is_set():
+                    self._cond.wait(timeout=1.0)
+                if self._abort.is_set() or (not self._queue and self._closing):
+                    return
+                batch = self._queue.popleft()
+                self._inflight = batch
+            done = self._deliver(batch)
+            with self._cond:
+                if not done and self._inflight is batch:
+                    self._count_dropped(batch)
+                self._inflight = None
+                self._cond.notify_all()
+
+    def _deliver(self, batch: _Batch) -> bool:
+        """Send one batch, retrying transient errors with backoff until it is delivered
+        (True), rejected for good, or the tracker is aborted (False)."""
+        delays: Iterator[float] | None = None
+        while not self._abort.is_set():
+            try:
+                self._send(batch)
+            except Exception as exc:  # telemetry: retried, then dropped
+                self.stats.failed_requests += 1
+                if is_permanent_error(exc):
+                    logger.warning(
+                        "MLflow: a %s batch of trial %d was rejected, dropped: %s",
+                        batch.kind,
+                        self.trial_number,
+                        _short(exc),
+                    )
+                    return False
+                if self._outage_since is None:
+                    self._outage_since = time.monotonic()
+                    logger.warning(
+                        "MLflow: server unreachable, buffering trial %d's metrics and retrying: %s",
+                        self.trial_number,
+                        _short(exc),
+                    )
+                if delays is None:
+                    delays = backoff_delays(self.initial_backoff_s, 2.0, self.max_backoff_s)
+                self._abort.wait(next(delays))
+                continue
+            if self._outage_since is not None:
+                logger.warning(
+                    "MLflow: server reachable again after %.1f s (trial %d)",
+                    time.monotonic() - self._outage_since,
+                    self.trial_number,
+                )
+                self._outage_since = None
+            self.stats.batches_delivered += 1
+            if batch.kind == "epoch":
+                self.stats.delivery_latency_s.append(time.monotonic() - batch.enqueued)
+            return True
+        return False
+
+    def _send(self, batch: _Batch) -> None:
+        assert self.run_id is not None
+        chunks = chunk_batch(batch.metrics, batch.params, batch.tags)
+        for i in range(batch.sent_chunks, len(chunks)):
+            metrics, params, tags = chunks[i]
+            self.client.log_batch(
+                self.run_id, metrics=metrics, params=params, tags=tags, synchronous=True
+            )
+            self.stats.requests += 1
+            batch.sent_chunks = i + 1
+
+    def _join(self, timeout_s: float) -> bool:
+        """Wait for the sender to drain; abort it after ``timeout_s``. True if all delivered."""
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout=max(0.0, timeout_s))
+        if thread.is_alive():
+            self._abort.set()
+            with self._cond:
+                self._cond.notify_all()
+            thread.join(timeout=5.0)
+            with self._cond:
+                for batch in self._queue:
+                    self._count_dropped(batch)
+                self._queue.clear()
+                if self._inflight is not None:
+                    self._count_dropped(self._inflight)
+                    self._inflight = None
+            return False
+        return True
+
+    def _upload(self, run_id: str, path: Path) -> None:
+        if path.is_dir():
+            self._best_effort(
+                f"upload {path}",
+                lambda: self.client.log_artifacts(run_id, str(path), artifact_path=path.name),
+            )
+        elif path.exists():
+            self._best_effort(f"upload {path}", lambda: self.client.log_artifact(run_id, str(path)))
+        else:
+            logger.warning("MLflow: artifact %s does not exist, skipped", path)
+
+    def _best_effort(self, what: str, fn: Callable[[], object]) -> bool:
+        try:
+            fn()
+            return True
+        except Exception as exc:  # telemetry never kills training
+            self.incomplete = True
+            logger.warning("MLflow: could not %s for run %s: %s", what, self.run_id, _short(exc))
+            return False
+
+
+def _default_gpu_label() -> str:
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return "all"
+    return value.strip() or "none"
+
+
+__all__ = [
+    "EPOCH_METRICS",
+    "HTTP_POLICY",
+    "INCOMPLETE_TAG",
+    "INPUT_BOUND_TAG",
+    "OUTCOME_STATUS",
+    "PRUNED_AT_TAG",
+    "REASON_TAG",
+    "ROLE_TAG",
+    "SUMMARY_METRICS",
+    "TrackerStats",
+    "TrialTracker",
+    "apply_http_policy",
+    "backoff_delays",
+    "chunk_batch",
+    "close_study_run",
+    "ensure_experiment",
+    "find_study_runs",
+    "git_commit",
+    "hpsearch_version",
+    "is_permanent_error",
+    "metric_entities",
+    "open_study_run",
+    "param_value",
+    "study_tags",
+    "terminal_status",
+    "terminal_tags",
+    "trial_params",
+]

@@ -1,0 +1,482 @@
+"""The local MLflow tracking server: one ``mlflow server`` subprocess per workdir.
+
+Only this server process writes the SQLite file ``<workdir>/mlflow/mlflow.db``; every worker
+logs over HTTP, so there are no "database is locked" errors. Artifacts are proxied by the same
+server (``--serve-artifacts``) into ``<workdir>/mlflow/artifacts``. Starting it again on the same
+workdir reuses the same store.
+
+The server runs in its own process group (MLflow spawns uvicorn/worker children); ``stop()``
+signals the whole group, SIGTERM first, then SIGKILL, and waits until the group is empty.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
+
+from hpsearch.errors import TrackingError
+
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+DEFAULT_UI_PORT = 5000
+DEFAULT_START_TIMEOUT_S = 180.0  # a cold start on 2 busy cores took ~25 s; leave headroom
+
+# Extras of `mlflow server` that hpsearch does not use and that slow start-up a lot (MLflow 3
+# starts a huey job runner with several consumer processes) or phone home.
+SERVER_ENV: Mapping[str, str] = {
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DO_NOT_TRACK": "true",
+    "PYTHONWARNINGS": "ignore::DeprecationWarning",
+}
+
+_SECRET_QUERY_KEYS = frozenset(
+    {"password", "passwd", "pwd", "pass", "secret", "token", "access_token", "api_key", "apikey"}
+)
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def resolve_tracking_uri(cli_value: str | None, env: Mapping[str, str] | None = None) -> str | None:
+    """Precedence: ``--tracking-uri`` value, then ``$MLFLOW_TRACKING_URI``, then None (meaning
+    "start the embedded local server"). Empty strings count as unset."""
+    if cli_value is not None and cli_value.strip():
+        return cli_value.strip()
+    environ = os.environ if env is None else env
+    value = environ.get(TRACKING_URI_ENV, "").strip()
+    return value or None
+
+
+def redact_uri(uri: str) -> str:
+    """``scheme://user:secret@host/db?password=x`` -> ``scheme://user:***@host/db?password=***``.
+
+    Works for any URL (postgresql, mysql, http basic auth ...). Strings that are not URLs are
+    returned unchanged unless they contain a ``://user:secret@`` pattern."""
+    try:
+        parts = urlsplit(uri)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            if ":" in userinfo:
+                user = userinfo.split(":", 1)[0]
+                netloc = f"{user}:***@{hostport}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            if any(k.lower() in _SECRET_QUERY_KEYS for k, _ in pairs):
+                query = urlencode(
+                    [(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs],
+                    safe="*",
+                )
+        if netloc == parts.netloc and query == parts.query:
+            return uri
+        return urlunsplit(SplitResult(parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:
+        # Not parseable (e.g. a bad port): still never leak a password.
+        return re.sub(r"(://[^:/@\s]*):[^@\s]*@", r"\1:***@", uri)
+
+
+def store_paths(workdir: Path) -> tuple[Path, Path, Path]:
+    """(SQLite file, artifacts folder, server log) of the local store under ``workdir``."""
+    root = Path(workdir).resolve() / "mlflow"
+    return root / "mlflow.db", root / "artifacts", root / "server.log"
+
+
+def state_path(workdir: Path) -> Path:
+    """``<workdir>/mlflow/server.json``: url and pid of the server running on that store."""
+    return Path(workdir).resolve() / "mlflow" / "server.json"
+
+
+def running_server_url(workdir: Path) -> str | None:
+    """URL of a live, healthy server already serving the store of ``workdir`` (started by
+    another hpsearch process), else None. ``hpsearch ui`` and launchers use it instead of
+    starting a second writer of the same SQLite file."""
+    try:
+        state = json.loads(state_path(workdir).read_text())
+        url, pid = str(state["url"]), int(state["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, owned by someone else
+    return url if health_ok(url) else None
+
+
+def allowed_hosts_for(host: str, port: int, names: tuple[str, ...] = ()) -> str | None:
+    """The ``--allowed-hosts`` value for a bind address, or None to keep MLflow's default
+    (localhost and private IPs), which is right for loopback binds. When binding elsewhere the
+    machine's own names are added so that ``http://<hostname>:<port>`` is not rejected by
+    MLflow's DNS-rebinding protection."""
+    if host in LOOPBACK_HOSTS:
+        return None
+    pats = ["localhost", "localhost:*", "127.0.0.1", "127.0.0.1:*", "[::1]", "[[]::1]:*"]
+    pats += ["10.*", "192.168.*", *[f"172.{i}.*" for i in range(16, 32)], "fc00:*", "fd00:*"]
+    for name in (*names, host):
+        if name and name not in ("0.0.0.0", "::"):
+            pats += [name, f"{name}:{port}"]
+    return ",".join(dict.fromkeys(pats))
+
+
+def server_command(
+    workdir: Path,
+    host: str,
+    port: int,
+    *,
+    workers: int = 1,
+    allowed_hosts: str | None = None,
+    cors_allowed_origins: str | None = None,
+    access_log: bool = False,
+    python: str = sys.executable,
+) -> list[str]:
+    """argv of the ``mlflow server`` process for the store under ``workdir``. Uvicorn's access
+    log (one line per request, i.e. per epoch per worker) is off unless ``access_log``."""
+    db, artifacts, _ = store_paths(workdir)
+    cmd = [
+        python,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{db}",
+        "--serve-artifacts",
+        "--artifacts-destination",
+        str(artifacts),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--uvicorn-opts",
+        "--timeout-graceful-shutdown 5" + ("" if access_log else " --no-access-log"),
+    ]
+    if allowed_hosts:
+        cmd += ["--allowed-hosts", allowed_hosts]
+    if cors_allowed_origins:
+        cmd += ["--cors-allowed-origins", cors_allowed_origins]
+    return cmd
+
+
+def ui_command(workdir: Path, host: str = "127.0.0.1", port: int = DEFAULT_UI_PORT) -> list[str]:
+    """argv that ``hpsearch ui`` runs (same store as the search), for display or docs."""
+    names = (socket.gethostname(), socket.getfqdn())
+    return server_command(workdir, host, port, allowed_hosts=allowed_hosts_for(host, port, names))
+
+
+def one_line(text: str, limit: int = 600) -> str:
+    """Last ``limit`` characters of ``text`` on one line (`` | `` between lines)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    flat = " | ".join(lines)
+    return flat if len(flat) <= limit else "..." + flat[-limit:]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a listener holds ``host:port`` (TIME_WAIT leftovers of a stopped server do not
+    count: SO_REUSEADDR, as uvicorn binds)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def health_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when ``<url>/health`` answers 200."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
+            return int(resp.status) == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _read_tail(path: Path, max_bytes: int = 8192) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------- the server
+
+
+_LIVE: weakref.WeakSet[LocalServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:  # pragma: no cover - interpreter shutdown
+    for server in list(_LIVE):
+        with contextlib.suppress(Exception):
+            server.stop()
+
+
+class LocalServer:
+    """A running ``mlflow server`` subprocess. Use :func:`start_local_server`."""
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], url: str, workdir: Path, log_path: Path
+    ) -> None:
+        self.proc = proc
+        self.url = url
+        self.workdir = workdir
+        self.log_path = log_path
+        self.pgid = proc.pid  # start_new_session=True: the child leads its own group
+        self.started_s: float = 0.0  # seconds from spawn to a healthy /health
+        _LIVE.add(self)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def port(self) -> int:
+        return int(urlsplit(self.url).port or 0)
+
+    def group_alive(self) -> bool:
+        """Whether any process of the server's process group is still there."""
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # pragma: no cover - someone else's group reused the id
+            return False
+        return True
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def is_running(self) -> bool:
+        """Whether the ``mlflow server`` process is still alive (alias of :meth:`running`)."""
+        return self.running()
+
+    def wait(self) -> int:
+        """Block until the server exits (``hpsearch ui`` in the foreground); its return code."""
+        return self.proc.wait()
+
+    def log_tail(self, limit: int = 600) -> str:
+        return one_line(_read_tail(self.log_path), limit)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``timeout_s``; returns when
+        no process of the group remains (no orphans). Idempotent."""
+        _LIVE.discard(self)
+        self.remove_state()
+        self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.proc.poll()  # reap our direct child
+            if not self.group_alive():
+                break
+            time.sleep(0.05)
+        else:
+            self._signal_group(signal.SIGKILL)
+            kill_deadline = time.monotonic() + 5.0
+            while time.monotonic() < kill_deadline:
+                self.proc.poll()
+                if not self.group_alive():
+                    break
+                time.sleep(0.05)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1.0)
+
+    def write_state(self) -> None:
+        with contextlib.suppress(OSError):
+            state_path(self.workdir).write_text(
+                json.dumps({"url": self.url, "pid": self.pid, "pgid": self.pgid})
+            )
+
+    def remove_state(self) -> None:
+        """Remove ``server.json`` if it still describes this server."""
+        path = state_path(self.workdir)
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            if int(json.loads(path.read_text())["pid"]) == self.pid:
+                path.unlink()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, sig)
+
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"LocalServer(url={self.url!r}, pid={self.pid}, workdir={str(self.workdir)!r})"
+
+
+def start_local_server(
+    workdir: Path,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    *,
+    workers: int = 1,
+    timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    allowed_hosts: str | None = None,
+    cors_allowed_origins: str | None = None,
+) -> LocalServer:
+    """Start ``mlflow server`` on the SQLite store under ``workdir`` and wait for ``/health``.
+
+    ``port=None`` picks a free port. Raises :class:`TrackingError` (one line, with the tail of
+    the server's log) when another server already serves this store (see
+    :func:`running_server_url`; one writer per SQLite file), the port is taken, the server
+    exits, or it is not healthy within ``timeout_s``."""
+    workdir = Path(workdir).resolve()
+    if (other := running_server_url(workdir)) is not None:
+        raise TrackingError(
+            f"an MLflow server for {workdir} is already running at {other}; use it "
+            f"(--tracking-uri {other}) instead of starting a second writer of the same store"
+        )
+    db, artifacts, log_path = store_paths(workdir)
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        artifacts.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TrackingError(f"cannot create the MLflow store under {db.parent}: {exc}") from exc
+    if port is None:
+        port = free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
+    elif port_in_use(host, port):
+        raise TrackingError(f"cannot start the MLflow server: port {port} on {host} is in use")
+    if allowed_hosts is None:
+        allowed_hosts = allowed_hosts_for(host, port, (socket.gethostname(), socket.getfqdn()))
+    cmd = server_command(
+        workdir,
+        host,
+        port,
+        workers=workers,
+        allowed_hosts=allowed_hosts,
+        cors_allowed_origins=cors_allowed_origins,
+    )
+    env = {**os.environ, **SERVER_ENV}
+    env.pop(TRACKING_URI_ENV, None)
+    url = f"http://{_url_host(host)}:{port}"
+    t0 = time.monotonic()
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+    try:
+        log.write(f"\n==== hpsearch: starting {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(db.parent),
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise TrackingError(f"cannot start the MLflow server ({cmd[0]}): {exc}") from exc
+    finally:
+        log.close()
+    server = LocalServer(proc, url, workdir, log_path)
+    deadline = t0 + timeout_s
+    delay = 0.1
+    while True:
+        if proc.poll() is not None:
+            server.stop()
+            raise TrackingError(
+                f"the MLflow server exited with code {proc.returncode} before it was ready: "
+                f"{server.log_tail()}"
+            )
+        if health_ok(url, timeout_s=2.0):
+            server.started_s = time.monotonic() - t0
+            server.write_state()
+            return server
+        if time.monotonic() >= deadline:
+            server.stop()
+            raise TrackingError(
+                f"the MLflow server at {url} was not healthy after {timeout_s:.0f} s: "
+                f"{server.log_tail()}"
+            )
+        time.sleep(delay)
+        delay = min(delay * 1.5, 1.0)
+
+
+def attach_or_start(
+    workdir: Path, host: str = "127.0.0.1", port: int | None = None
+) -> tuple[str, LocalServer | None]:
+    """(url, server): the URL of the server already serving ``workdir``'s store (server None:
+    someone else owns it, do not stop it), else a newly started one (stop it when done)."""
+    url = running_server_url(workdir)
+    if url is not None:
+        return url, None
+    server = start_local_server(workdir, host=host, port=port)
+    return server.url, server
+
+
+def serve_ui(
+    workdir: Path, host: str = "127.0.0.1", port: int | None = DEFAULT_UI_PORT
+) -> LocalServer:
+    """``hpsearch ui``: start the server on the store of ``workdir`` and return it; the CLI
+    prints ``server.url`` and blocks on ``server.wait()``, calling ``server.stop()`` on Ctrl-C.
+    ``port=None`` picks a free port. While a search's server already serves the store this
+    raises TrackingError naming its URL; check :func:`running_server_url` first to print it."""
+    return start_local_server(workdir, host=host, port=port)
+
+
+__all__ = [
+    "DEFAULT_UI_PORT",
+    "SERVER_ENV",
+    "LocalServer",
+    "allowed_hosts_for",
+    "attach_or_start",
+    "free_port",
+    "health_ok",
+    "one_line",
+    "redact_uri",
+    "resolve_tracking_uri",
+    "running_server_url",
+    "serve_ui",
+    "server_command",
+    "start_local_server",
+    "state_path",
+    "store_paths",
+    "ui_command",
+]

@@ -1,0 +1,464 @@
+"""Datasets: where the images are, how they are decoded once into a uint8 cache, and the
+two ways they reach the device.
+
+Every split is first described by a `Source` (items, labels, class names, how to open one
+item as a PIL image). Then either
+
+* the fast path: every image is decoded ONCE (shorter side -> cache size, center square crop,
+  uint8 HWC) into `workdir/cache/<key>.npz`, built atomically under a file lock; each trial
+  puts the whole array on the device and augments batches there (`augment.py`); or
+* the streaming path: a DataLoader decodes the same crop per item in worker processes and
+  hands uint8 batches to the same device-side augmentation.
+
+Both paths share `decode_image`, so they see the same pixels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hpsearch.config import StudyConfig
+from hpsearch.errors import DataError
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+try:  # POSIX only; elsewhere two processes may both decode (still never a half file).
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+CIFAR_VAL_SIZE = 5000  # CIFAR has no val split: the last 5000 of a fixed shuffle of train
+SYNTHETIC_SIZES = {"train": 2048, "val": 512, "test": 512}  # images per split without limits
+CACHE_VERSION = 1  # bump when the decoded pixels would change
+
+
+# --- sources: which images belong to a split -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """One split of one dataset, before decoding."""
+
+    dataset: str
+    split: str
+    items: Sequence[Any]  # file paths, or row indices into `array`
+    labels: np.ndarray  # int64, one per item
+    class_names: list[str]
+    array: np.ndarray | None = None  # in-memory images (CIFAR: N x 32 x 32 x 3 uint8)
+    ident: str = ""  # distinguishes roots in cache keys
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def name_of(self, i: int) -> str:
+        return str(self.items[i]) if self.array is None else f"{self.dataset}[{self.items[i]}]"
+
+
+def _root(config: StudyConfig) -> Path:
+    return Path(config.dataset.root or "data").expanduser()
+
+
+def _limit(n: int, limit: int | None) -> np.ndarray:
+    """Indices of a fixed subset of `limit` items, spread over the split.
+
+    Official splits are often ordered by class (Flowers-102 train is 10 images of class 0,
+    then class 1, ...), so the first N would be a class subset. A fixed (seed 0, not the trial
+    seed) random subset, kept in file order, keeps every class and the same images per trial.
+    """
+    if limit is None or limit >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(0).permutation(n)[:limit])
+
+
+def get_source(config: StudyConfig, split: str) -> Source | None:
+    """The split's items, limited by train_limit/eval_limit. None: the dataset has no such
+    split (an imagefolder without test/). Raises DataError when data is missing."""
+    name = config.dataset.name
+    src: Source | None
+    if name == "flowers102":
+        src = _flowers(config, split)
+    elif name in ("cifar10", "cifar100"):
+        src = _cifar(config, split)
+    elif name == "imagefolder":
+        src = _imagefolder(config, split)
+    elif name == "synthetic":
+        src = _synthetic(config, split)
+    else:  # pragma: no cover - config validation forbids it
+        raise DataError(f"dataset {name}: unknown dataset")
+    if src is None:
+        return None
+    limit = config.dataset.train_limit if split == "train" else config.dataset.eval_limit
+    keep = _limit(len(src), limit)
+    if len(keep) == len(src):
+        return src
+    return Source(
+        dataset=src.dataset,
+        split=src.split,
+        items=[src.items[i] for i in keep],
+        labels=src.labels[keep],
+        class_names=src.class_names,
+        array=src.array,
+        ident=src.ident,
+    )
+
+
+def _download_error(name: str, exc: BaseException, where: Path) -> DataError:
+    reason = " ".join(str(exc).split()) or type(exc).__name__
+    return DataError(
+        f"dataset {name}: download to {where} failed ({reason}); "
+        "check the network or pass --data-dir with a local copy"
+    )
+
+
+def _flowers(config: StudyConfig, split: str) -> Source:
+    from torchvision.datasets import Flowers102
+
+    root = _root(config)
+    base = root / "flowers-102"
+    layout = (
+        f"dataset flowers102: {base} not found or incomplete; expected "
+        f"<root>/flowers-102/{{jpg/,imagelabels.mat,setid.mat}}; pass --download or --data-dir"
+    )
+    if config.dataset.download:
+        try:
+            Flowers102(str(root), split="train", download=True)
+        except (OSError, RuntimeError, ValueError) as exc:  # URLError is an OSError
+            raise _download_error("flowers102", exc, root) from exc
+    if not (base / "jpg").is_dir() or not (base / "setid.mat").is_file():
+        raise DataError(layout)
+    try:
+        ds = Flowers102(str(root), split=split, download=False)
+    except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted" (md5 check)
+        raise DataError(layout.replace("not found or incomplete", "failed its checksum")) from exc
+    return Source(
+        dataset="flowers102",
+        split=split,
+        items=[str(p) for p in ds._image_files],
+        labels=np.asarray(ds._labels, dtype=np.int64),
+        class_names=list(getattr(Flowers102, "classes", [str(i) for i in range(102)])),
+        ident=str(root.resolve()),
+    )
+
+
+def _cifar(config: StudyConfig, split: str) -> Source:
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    name = config.dataset.name
+    cls = CIFAR10 if name == "cifar10" else CIFAR100
+    folder = "cifar-10-batches-py" if name == "cifar10" else "cifar-100-python"
+    root = _root(config)
+    try:
+        ds = cls(str(root), train=split != "test", download=config.dataset.download)
+    except RuntimeError as exc:  # "Dataset not found or corrupted"
+        raise DataError(
+            f"dataset {name}: {root / folder} not found; expected <root>/{folder}/ "
+            "(the python version from the CIFAR site); pass --download or --data-dir"
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise _download_error(name, exc, root) from exc
+    labels = np.asarray(ds.targets, dtype=np.int64)
+    rows = np.arange(len(labels))
+    if split != "test":
+        perm = np.random.default_rng(0).permutation(len(labels))  # fixed train/val split
+        rows = np.sort(perm[CIFAR_VAL_SIZE:] if split == "train" else perm[:CIFAR_VAL_SIZE])
+    return Source(
+        dataset=name,
+        split=split,
+        items=rows.tolist(),
+        labels=labels[rows],
+        class_names=list(ds.classes),
+        array=ds.data,
+        ident=str(root.resolve()),
+    )
+
+
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def _imagefolder(config: StudyConfig, split: str) -> Source | None:
+    root = _root(config)
+    layout = (
+        f"dataset imagefolder: {root}/{{train,val}}/ not found; expected "
+        "<root>/train/<class>/*.jpg, <root>/val/<class>/*.jpg, optional <root>/test/; "
+        "pass --data-dir"
+    )
+    if not (root / "train").is_dir() or not (root / "val").is_dir():
+        raise DataError(layout)
+    d = root / split
+    if not d.is_dir():
+        return None  # only test/ is optional
+    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    if not classes:
+        raise DataError(layout.replace("not found", "has no class folders"))
+    index = {c: i for i, c in enumerate(classes)}
+    items: list[str] = []
+    labels: list[int] = []
+    for c in sorted(p.name for p in d.iterdir() if p.is_dir()):
+        if c not in index:
+            raise DataError(f"dataset imagefolder: {d / c}: class not in {root / 'train'}")
+        for f in sorted((d / c).iterdir()):
+            if f.suffix.lower() in IMAGE_EXTS:
+                items.append(str(f))
+                labels.append(index[c])
+    if not items:
+        raise DataError(f"dataset imagefolder: {d}: no images ({', '.join(IMAGE_EXTS)})")
+    return Source(
+        dataset="imagefolder",
+        split=split,
+        items=items,
+        labels=np.asarray(labels, dtype=np.int64),
+        class_names=classes,
+        ident=str(root.resolve()),
+    )
+
+
+def _synthetic(config: StudyConfig, split: str) -> Source:
+    """Random images with a class-dependent tint, so a model can learn something."""
+    n_classes = config.dataset.num_classes or 10
+    limit = config.dataset.train_limit if split == "train" else config.dataset.eval_limit
+    n = limit or SYNTHETIC_SIZES[split]
+    size = 32  # stored px; decode_image resizes to the cache size like any other image
+    rng = np.random.default_rng(SPLITS.index(split) + 1)
+    labels = rng.integers(0, n_classes, n).astype(np.int64)
+    tint = np.random.default_rng(0).integers(40, 216, (n_classes, 1, 1, 3))
+    noise = rng.integers(-40, 40, (n, size, size, 3))
+    array = np.clip(tint[labels] + noise, 0, 255).astype(np.uint8)
+    return Source(
+        dataset="synthetic",
+        split=split,
+        items=list(range(n)),
+        labels=labels,
+        class_names=[f"class_{i}" for i in range(n_classes)],
+        array=array,
+        ident=f"synthetic-{n_classes}",
+    )
+
+
+# --- decoding: the one place pixels are made ------------------------------------------
+
+
+def decode_image(image: Image.Image, size: int) -> np.ndarray:
+    """Resize the shorter side to `size` px, center-crop a square: uint8 HWC (size, size, 3).
+
+    PIL's bilinear resize filters over the whole footprint when shrinking (antialiased), so
+    a 144 px JPEG becomes a clean 73 px crop.
+    """
+    image = image.convert("RGB")
+    w, h = image.size
+    scale = size / min(w, h)
+    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+    image = image.resize((nw, nh), Image.Resampling.BILINEAR)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    image = image.crop((left, top, left + size, top + size))
+    return np.array(image, dtype=np.uint8)  # a writable copy
+
+
+def open_and_decode(src: Source, i: int, size: int) -> np.ndarray:
+    """Decode item i; corrupt files raise DataError naming the file."""
+    try:
+        if src.array is not None:
+            return decode_image(Image.fromarray(src.array[int(src.items[i])]), size)
+        with Image.open(src.items[i]) as im:
+            if im.format == "JPEG":
+                # DCT-domain downscale while decoding (2-8x faster), never below `size`.
+                im.draft("RGB", (size, size))
+            upright: Image.Image = ImageOps.exif_transpose(im) or im
+            return decode_image(upright, size)
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+        raise DataError(f"dataset {src.dataset}: cannot decode {src.name_of(i)}: {exc}") from exc
+
+
+# --- the on-disk cache -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A decoded split: images uint8 (N, S, S, 3) and labels int64 (N,)."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    class_names: list[str]
+    built: bool = False  # True when this call decoded it (False: read from the cache)
+
+
+def decoded_nbytes(n: int, size: int) -> int:
+    return n * size * size * 3
+
+
+def cache_path(src: Source, size: int, workdir: Path) -> Path:
+    ident = hashlib.sha1(f"{CACHE_VERSION}|{src.ident}|{list(src.items)!r}".encode()).hexdigest()
+    name = f"{src.dataset}-{src.split}-{size}px-n{len(src)}-{ident[:12]}.npz"
+    return Path(workdir) / "cache" / name
+
+
+def decode_all(src: Source, size: int, on_corrupt: str, workers: int | None = None) -> Decoded:
+    """Decode every image of the split with a thread pool (PIL releases the GIL)."""
+    out = np.empty((len(src), size, size, 3), dtype=np.uint8)
+    ok = np.ones(len(src), dtype=bool)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = open_and_decode(src, i, size)
+        except DataError as exc:
+            if on_corrupt == "fail":
+                raise
+            warnings.warn(f"{exc}; skipped", stacklevel=2)
+            ok[i] = False
+
+    with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
+        for _ in pool.map(one, range(len(src))):
+            pass
+    if not ok.all():
+        return Decoded(out[ok], src.labels[ok], src.class_names, built=True)
+    return Decoded(out, src.labels.copy(), src.class_names, built=True)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as fh:
+        if fcntl is not None:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # blocks until the other builder is done
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _read_cache(path: Path) -> Decoded:
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(str(z["meta"]))
+        return Decoded(z["images"], z["labels"], meta["class_names"])
+
+
+def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str = "skip") -> Decoded:
+    """The decoded split from workdir/cache, decoding it first if needed.
+
+    Concurrent callers (trials in other processes) wait on a lock file; exactly one decodes.
+    The file appears complete or not at all (temp file + os.replace).
+    """
+    if src.dataset == "synthetic":  # generated in memory already; nothing to cache
+        return Decoded(
+            np.stack([open_and_decode(src, i, size) for i in range(len(src))]),
+            src.labels.copy(),
+            src.class_names,
+            built=True,
+        )
+    path = cache_path(src, size, workdir)
+    if path.is_file():
+        return _read_cache(path)
+    with _file_lock(path.with_suffix(".lock")):
+        if path.is_file():  # another process built it while we waited
+            return _read_cache(path)
+        log.info(
+            "decoding %d images of %s/%s at %d px into %s",
+            len(src),
+            src.dataset,
+            src.split,
+            size,
+            path,
+        )
+        dec = decode_all(src, size, on_corrupt)
+        meta = json.dumps({"class_names": dec.class_names, "items": len(src)})
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(fh, images=dec.images, labels=dec.labels, meta=np.asarray(meta))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return dec
+
+
+# --- choosing the path -----------------------------------------------------------------
+
+
+def use_fast_path(config: StudyConfig, sources: Sequence[Source], size: int) -> bool:
+    """fast_path=auto: the on-device cache when all splits fit under max_cache_mb."""
+    mode = config.dataset.fast_path
+    if mode != "auto":
+        return mode == "on"
+    total = sum(decoded_nbytes(len(s), size) for s in sources)
+    return total <= config.dataset.max_cache_mb * 2**20
+
+
+# --- streaming path --------------------------------------------------------------------
+
+
+class StreamDataset(torch.utils.data.Dataset[tuple[torch.Tensor, int] | None]):
+    """Per-item decoding for the streaming path: the same uint8 crop as the cache."""
+
+    def __init__(self, src: Source, size: int, on_corrupt: str) -> None:
+        self.src = src
+        self.size = size
+        self.on_corrupt = on_corrupt
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int] | None:
+        try:
+            arr = open_and_decode(self.src, i, self.size)
+        except DataError as exc:
+            if self.on_corrupt == "fail":
+                raise
+            warnings.warn(f"{exc}; skipped", stacklevel=2)
+            return None
+        return torch.from_numpy(arr).permute(2, 0, 1), int(self.src.labels[i])  # CHW uint8
+
+
+def collate_skip(batch: list[tuple[torch.Tensor, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack a batch, dropping items that failed to decode (on_corrupt=skip)."""
+    good = [b for b in batch if b is not None]
+    if not good:
+        return torch.empty(0, 3, 1, 1, dtype=torch.uint8), torch.empty(0, dtype=torch.long)
+    x = torch.stack([b[0] for b in good])
+    return x.contiguous(memory_format=torch.channels_last), torch.tensor([b[1] for b in good])
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """A shuffle decided by (seed, epoch), so a resumed run sees the same order."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool) -> None:
+        self.n = n
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.n))
+        g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch, 1))
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+def epoch_seed(seed: int, epoch: int, stream: int) -> int:
+    """A distinct 63-bit seed per (trial seed, epoch, random stream)."""
+    digest = hashlib.blake2b(f"{seed}/{epoch}/{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

@@ -1,0 +1,826 @@
+"""One trial: data, model, optimizer, loop, eval. Read it top to bottom.
+
+`train()` is what the search layer calls. It returns a `TrialResult` for every ordinary
+ending (finished, pruned, early stop, NaN loss, out of memory, time limit, interrupt) and
+raises only hpsearch errors (DataError, ConfigError, DeviceError, CheckpointError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import math
+import os
+import random
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torchvision
+from hpsearch.config import Hyperparams, StudyConfig
+from hpsearch.errors import DeviceError, HpsearchError
+from hpsearch.trainer import augment, data
+from hpsearch.trainer.losses import make_loss
+from hpsearch.trainer.models import build_model
+from hpsearch.trainer.optim import Schedule, make_optimizer, micro_batches, scaled_lr
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[int, float], bool]  # report(epoch, val_acc) -> True: stop now (pruned)
+StopReason = Literal[
+    "finished", "pruned", "early_stopped", "diverged", "out_of_memory", "time_limit", "interrupted"
+]
+EVAL_BATCH = 256  # images per eval forward; fixed so that every evaluation sums identically
+CHECKPOINT_VERSION = 1
+NAN_CHECK_EVERY_CUDA = 16  # steps between host syncs for the NaN check on GPU (CPU: every step)
+
+
+class CheckpointError(HpsearchError):
+    """A checkpoint could not be written (disk full, permissions); the previous one is
+    intact. Raised out of train(): the trial cannot promise resumability any more."""
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    epoch: int  # 1-based
+    train_loss: float  # mean training loss over the epoch (with the trial's loss function)
+    train_acc: float  # fraction of training images whose argmax matches the (main) label
+    val_loss: float | None  # cross-entropy on val; None on epochs without eval
+    val_acc: float | None
+    lr: float  # at the end of the epoch
+    epoch_seconds: float  # train + eval wall clock
+    images_per_second: float  # training images / training seconds
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    history: list[EpochRecord]
+    best_val_acc: float | None
+    best_val_loss: float | None  # val loss at the best-accuracy epoch
+    final_val_acc: float | None
+    test_acc: float | None
+    stop_reason: StopReason
+    epochs_run: int
+    pruned_at_epoch: int | None
+    checkpoint_path: Path | None
+    best_model_path: Path | None
+    effective_lr: float
+    effective_batch_size: int
+    micro_batch_size: int
+    train_seconds: float
+    setup_seconds: float  # before the first epoch: data, model, compile
+    confusion: list[list[int]] | None  # val confusion of the best model, rows true
+    message: str
+    num_classes: int
+    class_names: list[str]
+
+
+@dataclass
+class WarmCache:
+    """Reused across trials in one worker process: device-resident datasets and compiled
+    models keyed by (arch, resolution, batch, ...). Not thread-safe; one per process."""
+
+    data: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    models: dict[tuple[Any, ...], tuple[nn.Module, nn.Module]] = field(default_factory=dict)
+    max_data_entries: int = 8
+
+    def put_data(self, key: tuple[Any, ...], value: Any) -> None:
+        self.data[key] = value
+        while len(self.data) > self.max_data_entries:
+            self.data.pop(next(iter(self.data)))  # oldest first
+
+    def clear(self) -> None:
+        self.data.clear()
+        self.models.clear()
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    device: str = "auto"  # auto|cpu|cuda|cuda:N
+    workdir: Path = Path(".hpsearch")  # the data cache lives in workdir/cache/
+    checkpoint_path: Path | None = None  # written every epoch; resumed from when present
+    seed: int | None = None  # None: config.trainer.seed
+    on_epoch: Callable[[EpochRecord], None] | None = None
+    warm: WarmCache | None = None
+    should_interrupt: Callable[[], bool] | None = None  # polled between epochs
+
+
+# --- device, precision, seeds ------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {name}: CUDA is not available on this machine")
+        dev = torch.device(name)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeviceError(
+                f"device {name}: only {torch.cuda.device_count()} CUDA device(s) visible"
+            )
+        return dev
+    raise DeviceError(f"device {name!r}: expected auto, cpu, cuda or cuda:N")
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """Autocast dtype, None for float32. auto: bf16 on GPUs that have it, fp16 on older ones,
+    fp32 on CPU (CPU autocast is slower than fp32 for convs)."""
+    if device.type != "cuda":
+        if precision == "fp16":
+            warnings.warn("precision fp16 needs CUDA; using fp32 on CPU", stacklevel=3)
+            return None
+        return torch.bfloat16 if precision == "bf16" else None
+    if precision == "auto":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def _autocast(
+    device: torch.device, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager[Any]:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def image_size(config: StudyConfig, hp: Hyperparams) -> int:
+    return hp.image_size or config.dataset.image_size
+
+
+def cache_size(config: StudyConfig, hp: Hyperparams) -> int:
+    """Stored px: dataset.cache_size, else 8/7 of the trial's image size (room to crop)."""
+    return config.dataset.cache_size or round(image_size(config, hp) * 8 / 7)
+
+
+# --- data on the device --------------------------------------------------------------------
+
+
+@dataclass
+class Split:
+    """One split ready for the loop: on the device (fast path) or a DataLoader (streaming)."""
+
+    n: int
+    images: Tensor | None = None  # uint8 (N, 3, S, S) on the device, channels_last strides
+    labels: Tensor | None = None  # int64 (N,) on the device
+    eval_images: Tensor | None = None  # uint8 (N, 3, R, R): the eval resize, done once
+    loader: torch.utils.data.DataLoader[Any] | None = None
+    sampler: data.EpochSampler | None = None
+
+
+def _decoded_to_device(dec: data.Decoded, device: torch.device) -> tuple[Tensor, Tensor]:
+    # numpy NHWC -> NCHW view with channels_last strides: no copy of the pixel layout
+    images = torch.from_numpy(dec.images).permute(0, 3, 1, 2).to(device)
+    return images, torch.from_numpy(dec.labels).to(device)
+
+
+def load_split(
+    config: StudyConfig,
+    src: data.Source,
+    size: int,
+    res: int,
+    device: torch.device,
+    fast: bool,
+    workdir: Path,
+    warm: WarmCache | None,
+    *,
+    train: bool,
+    batch_size: int,
+    seed: int,
+) -> Split:
+    """A split on the fast path (whole uint8 array on the device) or streaming path."""
+    on_corrupt = config.dataset.on_corrupt
+    if fast:
+        key = (src.dataset, src.ident, src.split, len(src), size, str(device), on_corrupt)
+        if warm is not None and key in warm.data:
+            images, labels = warm.data[key]
+        else:
+            images, labels = _decoded_to_device(
+                data.load_or_build_cache(src, size, workdir, on_corrupt), device
+            )
+            if warm is not None:
+                warm.put_data(key, (images, labels))
+        split = Split(n=len(labels), images=images, labels=labels)
+        if not train:
+            ekey = (*key, "eval", res)
+            if warm is not None and ekey in warm.data:
+                split.eval_images = warm.data[ekey]
+            else:
+                split.eval_images = torch.cat(
+                    [augment.eval_resize(c, res) for c in images.split(EVAL_BATCH)]
+                )
+                if warm is not None:
+                    warm.put_data(ekey, split.eval_images)
+        return split
+    dataset = data.StreamDataset(src, size, on_corrupt)
+    sampler = data.EpochSampler(len(src), seed, shuffle=train)
+    workers = config.trainer.num_workers
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size if train else EVAL_BATCH,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=workers > 0,
+        drop_last=train and len(src) >= batch_size,
+        collate_fn=data.collate_skip,
+    )
+    return Split(n=len(src), loader=loader, sampler=sampler)
+
+
+def train_batches(
+    split: Split, batch_size: int, seed: int, epoch: int, device: torch.device
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """uint8 (B, 3, S, S) batches on the device in an order fixed by (seed, epoch). The last
+    incomplete batch is dropped unless the split is smaller than one batch."""
+    if split.loader is not None:
+        assert split.sampler is not None
+        split.sampler.set_epoch(epoch)
+        for x, y in split.loader:
+            if len(y):
+                yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return
+    assert split.images is not None and split.labels is not None
+    g = torch.Generator().manual_seed(data.epoch_seed(seed, epoch, 1))
+    perm = torch.randperm(split.n, generator=g).to(device)
+    steps = max(1, split.n // batch_size)
+    for i in range(steps):
+        idx = perm[i * batch_size : (i + 1) * batch_size]
+        yield split.images[idx], split.labels[idx]
+
+
+def eval_batches(split: Split, res: int, device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
+    """Normalized float (B, 3, R, R) eval batches in file order."""
+    if split.loader is not None:
+        for x, y in split.loader:
+            if len(y):
+                xd = x.to(device, non_blocking=True)
+                yield augment.eval_batch(xd, res), y.to(device, non_blocking=True)
+        return
+    assert split.eval_images is not None and split.labels is not None
+    for x, y in zip(
+        split.eval_images.split(EVAL_BATCH), split.labels.split(EVAL_BATCH), strict=True
+    ):
+        yield augment.normalize(x), y
+
+
+@torch.inference_mode()
+def evaluate(
+    model: nn.Module,
+    split: Split,
+    res: int,
+    num_classes: int,
+    device: torch.device,
+    amp: torch.dtype | None,
+    channels_last: bool,
+) -> tuple[float, float, Tensor]:
+    """(accuracy, mean cross-entropy, confusion (C, C) rows=true) over the split."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.long)
+    n = 0
+    for x, y in eval_batches(split, res, device):
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with _autocast(device, amp):
+            logits = model(x)
+        logits = logits.float()
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
+        pred = logits.argmax(1)
+        correct += (pred == y).sum()
+        confusion += torch.bincount(y * num_classes + pred, minlength=num_classes**2)
+        n += len(y)
+    model.train(was_training)
+    n = max(n, 1)
+    return correct.item() / n, loss_sum.item() / n, confusion.view(num_classes, num_classes)
+
+
+# --- checkpoints -------------------------------------------------------------------------
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """torch.save to a temp file in the same folder, fsync, os.replace: readers see the old
+    file or the new one, never half of one. Any OSError -> CheckpointError, old file kept."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        reason = exc.strerror or str(exc)
+        raise CheckpointError(
+            f"checkpoint {path}: write failed ({reason}); the previous checkpoint is intact"
+        ) from exc
+
+
+def best_model_path_for(checkpoint_path: Path) -> Path:
+    """The best model's weights live next to the checkpoint: trial.pt -> trial.best.pt."""
+    return checkpoint_path.with_name(checkpoint_path.stem + ".best.pt")
+
+
+def _rng_states(gen: torch.Generator | None, np_rng: np.random.Generator | None) -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "augment": gen.get_state() if gen is not None else None,
+        "augment_numpy": np_rng.bit_generator.state if np_rng is not None else None,
+    }
+
+
+def _restore_rng(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"].cpu())  # map_location may have moved it
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError):  # another GPU count than when saved
+            torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+
+
+# --- the trial ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    """Everything train() reports, filled as the trial goes (also on out-of-memory)."""
+
+    history: list[EpochRecord] = field(default_factory=list)
+    best_acc: float | None = None
+    best_loss: float | None = None
+    best_epoch: int | None = None
+    best_confusion: list[list[int]] | None = None
+    best_state: dict[str, Tensor] | None = None  # CPU copy when there is no best-model file
+    evals_since_best: int = 0
+    stop_reason: StopReason = "finished"
+    message: str = ""
+    pruned_at: int | None = None
+    test_acc: float | None = None
+    effective_lr: float = 0.0
+    batch_size: int = 0
+    micro_batch: int = 0
+    setup_seconds: float = 0.0
+    train_seconds: float = 0.0
+    num_classes: int = 0
+    class_names: list[str] = field(default_factory=list)
+    checkpoint_path: Path | None = None
+    best_model_path: Path | None = None
+
+
+def train(
+    config: StudyConfig,
+    params: Mapping[str, Any],
+    report: Report = lambda epoch, value: False,
+    options: TrainOptions = TrainOptions(),
+) -> TrialResult:
+    """Train one trial of `config` with `params` (merged over trainer.defaults)."""
+    start = time.perf_counter()
+    hp = config.resolve_params(params)
+    device = resolve_device(options.device)
+    run = _Run()
+    oom = False
+    try:
+        _train(config, hp, dict(params), report, options, device, run, start)
+    except torch.OutOfMemoryError:
+        oom = True  # handled below, outside the except block, so the traceback is gone
+    if oom:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        run.stop_reason = "out_of_memory"
+        run.message = (
+            f"out of memory at batch_size={run.batch_size or hp.batch_size} "
+            f"(micro-batch {run.micro_batch or hp.batch_size}, {hp.arch} at "
+            f"{image_size(config, hp)} px)"
+        )
+        run.test_acc = None
+    final = next((r.val_acc for r in reversed(run.history) if r.val_acc is not None), None)
+    return TrialResult(
+        history=list(run.history),
+        best_val_acc=run.best_acc,
+        best_val_loss=run.best_loss,
+        final_val_acc=final,
+        test_acc=run.test_acc,
+        stop_reason=run.stop_reason,
+        epochs_run=len(run.history),
+        pruned_at_epoch=run.pruned_at,
+        checkpoint_path=run.checkpoint_path,
+        best_model_path=run.best_model_path,
+        effective_lr=run.effective_lr,
+        effective_batch_size=run.batch_size,
+        micro_batch_size=run.micro_batch,
+        train_seconds=run.train_seconds,
+        setup_seconds=run.setup_seconds,
+        confusion=run.best_confusion,
+        message=run.message,
+        num_classes=run.num_classes,
+        class_names=list(run.class_names),
+    )
+
+
+def _train(
+    config: StudyConfig,
+    hp: Hyperparams,
+    params: dict[str, Any],
+    report: Report,
+    options: TrainOptions,
+    device: torch.device,
+    run: _Run,
+    start: float,
+) -> None:
+    tc = config.trainer
+    seed = tc.seed if options.seed is None else options.seed
+    seed_everything(seed)
+    if device.type == "cuda":
+        if device.index is not None:
+            torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls/convs for fp32 parts
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = tc.cudnn_benchmark
+    amp = resolve_precision(tc.precision, device)
+    res, size = image_size(config, hp), cache_size(config, hp)
+    workdir = Path(options.workdir)
+
+    # --- data ---------------------------------------------------------------------------
+    splits = ["train", "val"] + (["test"] if tc.evaluate_test else [])
+    sources = {s: data.get_source(config, s) for s in splits}
+    train_src, val_src = sources["train"], sources["val"]
+    assert train_src is not None and val_src is not None
+    run.class_names = list(train_src.class_names)
+    run.num_classes = num_classes = len(train_src.class_names)
+    fast = data.use_fast_path(config, [s for s in sources.values() if s is not None], size)
+    batch_size = hp.batch_size
+    micro, accum = micro_batches(batch_size, tc.max_micro_batch)
+    run.batch_size, run.micro_batch = batch_size, micro
+
+    def split_of(src: data.Source, is_train: bool) -> Split:
+        return load_split(
+            config,
+            src,
+            size,
+            res,
+            device,
+            fast,
+            workdir,
+            options.warm,
+            train=is_train,
+            batch_size=batch_size,
+            seed=seed,
+        )
+
+    train_split = split_of(train_src, True)
+    val_split = split_of(val_src, False)
+    steps_per_epoch = max(1, train_split.n // batch_size)
+
+    # --- model ----------------------------------------------------------------------------
+    model = build_model(config, hp, num_classes)
+    memory_format = torch.channels_last if tc.channels_last else torch.contiguous_format
+    fwd: nn.Module
+    if tc.compile and options.warm is not None:
+        key = (hp.arch, res, batch_size, num_classes, str(device), tc.channels_last, amp)
+        if key in options.warm.models:  # same graph: reuse the compiled code, reset weights
+            cached, fwd = options.warm.models[key]
+            cached.load_state_dict(model.state_dict())
+            model = cached
+        else:
+            model = model.to(device, memory_format=memory_format)
+            fwd = torch.compile(model)  # type: ignore[assignment]
+            options.warm.models[key] = (model, fwd)
+    else:
+        model = model.to(device, memory_format=memory_format)
+        fwd = torch.compile(model) if tc.compile else model  # type: ignore[assignment]
+    model.train()
+
+    # --- optimizer, schedule, loss --------------------------------------------------------
+    run.effective_lr = lr = scaled_lr(hp.lr, batch_size, tc.base_batch_size, hp.lr_scaling)
+    optimizer = make_optimizer(model, hp, lr)
+    schedule = Schedule(
+        hp.schedule,
+        lr,
+        total_steps=steps_per_epoch * config.budget.max_epochs,
+        warmup_steps=round(hp.warmup_epochs * steps_per_epoch),
+    )
+    scaler = torch.amp.GradScaler(device.type) if amp == torch.float16 else None
+    loss_fn = make_loss(hp)
+    spec = augment.AugmentSpec(
+        hp.augment, hp.augment_strength, res, num_classes, hp.mixup_alpha, hp.cutmix_alpha
+    )
+
+    # --- resume ---------------------------------------------------------------------------
+    ckpt_path = options.checkpoint_path
+    best_path = best_model_path_for(ckpt_path) if ckpt_path is not None else None
+    first_epoch = 1
+    if ckpt_path is not None and ckpt_path.is_file():
+        # our own file (it holds numpy RNG state, so not weights_only)
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        if ckpt.get("params") != hp.model_dump():
+            raise CheckpointError(
+                f"checkpoint {ckpt_path}: written for other hyperparameters; delete it or "
+                "use another path"
+            )
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        schedule.load_state_dict(ckpt["schedule"])
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        _restore_rng(ckpt["rng"])
+        run.history = [EpochRecord(**r) for r in ckpt["history"]]
+        for k, v in ckpt["run"].items():
+            setattr(run, k, v)
+        first_epoch = ckpt["epoch"] + 1
+        run.train_seconds = ckpt["train_seconds"]
+        if best_path is not None and best_path.is_file():
+            run.best_model_path = best_path
+        run.checkpoint_path = ckpt_path
+        if ckpt.get("stop_reason") not in (None, "finished", "interrupted", "time_limit"):
+            first_epoch = config.budget.max_epochs + 1  # it had stopped for good
+            run.stop_reason = ckpt["stop_reason"]
+    run.setup_seconds = time.perf_counter() - start
+
+    # --- the loop -------------------------------------------------------------------------
+    timeout = config.budget.trial_timeout_s
+    check_every = NAN_CHECK_EVERY_CUDA if device.type == "cuda" else 1
+    step = (first_epoch - 1) * steps_per_epoch
+    gen: torch.Generator | None = None
+    np_rng: np.random.Generator | None = None
+    for epoch in range(first_epoch, config.budget.max_epochs + 1):
+        if options.should_interrupt is not None and options.should_interrupt():
+            run.stop_reason, run.message = "interrupted", f"interrupted before epoch {epoch}"
+            return
+        t_epoch = time.perf_counter()
+        # Every random stream is re-seeded from (seed, epoch): a resumed run draws exactly
+        # what the uninterrupted one would have drawn.
+        torch.manual_seed(data.epoch_seed(seed, epoch, 0))  # dropout, stochastic depth
+        gen = torch.Generator(device=device).manual_seed(data.epoch_seed(seed, epoch, 2))
+        np_rng = np.random.default_rng(data.epoch_seed(seed, epoch, 3))
+
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        correct = torch.zeros((), device=device, dtype=torch.long)
+        first_bad = torch.full((), -1, device=device, dtype=torch.long)
+        seen = 0
+        for i, (x_u8, y) in enumerate(train_batches(train_split, batch_size, seed, epoch, device)):
+            schedule.apply(optimizer, step)
+            x, target = augment.train_batch(x_u8, y, spec, gen, np_rng)
+            n = x.shape[0]
+            for xc, tc_ in zip(x.tensor_split(accum), target.tensor_split(accum), strict=True):
+                xc = xc.contiguous(memory_format=memory_format)
+                with _autocast(device, amp):
+                    logits = fwd(xc)
+                loss = loss_fn(logits, tc_)
+                weighted = loss * (xc.shape[0] / n)  # chunk share: sum == full-batch mean
+                (scaler.scale(weighted) if scaler is not None else weighted).backward()
+                loss_sum += loss.detach().double() * xc.shape[0]
+                label = tc_ if tc_.dim() == 1 else tc_.argmax(1)
+                correct += (logits.detach().argmax(1) == label).sum()
+                first_bad = torch.where(
+                    (first_bad < 0) & ~torch.isfinite(loss.detach()),
+                    torch.full_like(first_bad, i + 1),
+                    first_bad,
+                )
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            seen += n
+            if (i + 1) % check_every == 0 and first_bad.item() >= 0:
+                break
+            if timeout is not None and time.perf_counter() - start > timeout:
+                break
+        bad_step = int(first_bad.item())
+        if bad_step >= 0:
+            bad = loss_sum.item()
+            kind = "nan" if math.isnan(bad) else "inf"
+            run.stop_reason = "diverged"
+            run.message = f"loss is {kind} at epoch {epoch} step {bad_step}"
+            return
+        if timeout is not None and time.perf_counter() - start > timeout:
+            run.stop_reason = "time_limit"
+            run.message = (
+                f"trial time limit {timeout:g}s reached during epoch {epoch}; "
+                f"{len(run.history)} complete epochs kept"
+            )
+            return
+        train_time = time.perf_counter() - t_epoch
+
+        # --- eval ---------------------------------------------------------------------------
+        val_acc = val_loss = None
+        confusion = None
+        if epoch % tc.eval_every == 0 or epoch == config.budget.max_epochs:
+            val_acc, val_loss, confusion = evaluate(
+                fwd, val_split, res, num_classes, device, amp, tc.channels_last
+            )
+            schedule.observe(val_loss)
+        record = EpochRecord(
+            epoch=epoch,
+            train_loss=loss_sum.item() / max(seen, 1),
+            train_acc=correct.item() / max(seen, 1),
+            val_loss=val_loss,
+            val_acc=val_acc,
+            lr=schedule.last_lr,
+            epoch_seconds=time.perf_counter() - t_epoch,
+            images_per_second=seen / max(train_time, 1e-9),
+        )
+        run.history.append(record)
+        run.train_seconds += record.epoch_seconds
+
+        if val_acc is not None:
+            assert confusion is not None and val_loss is not None
+            if run.best_acc is None or val_acc > run.best_acc:
+                run.best_acc, run.best_loss, run.best_epoch = val_acc, val_loss, epoch
+                run.best_confusion = confusion.cpu().tolist()
+                run.evals_since_best = 0
+                state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+                if best_path is not None:
+                    atomic_save(_best_file(state, hp, run, epoch, val_acc), best_path)
+                    run.best_model_path = best_path
+                else:
+                    run.best_state = state
+            else:
+                run.evals_since_best += 1
+            if report(epoch, val_acc):
+                run.stop_reason, run.pruned_at = "pruned", epoch
+                run.message = f"pruned at epoch {epoch} (val_acc {val_acc:.4f})"
+            elif tc.patience is not None and run.evals_since_best >= tc.patience:
+                run.stop_reason = "early_stopped"
+                run.message = (
+                    f"early stopped at epoch {epoch}: no better val_acc in "
+                    f"{tc.patience} evals (best {run.best_acc:.4f} at epoch "
+                    f"{run.best_epoch})"
+                )
+        if ckpt_path is not None:
+            done = run.stop_reason if run.stop_reason != "finished" else None
+            atomic_save(
+                _checkpoint(model, optimizer, schedule, scaler, epoch, gen, np_rng, hp, run, done),
+                ckpt_path,
+            )
+            run.checkpoint_path = ckpt_path
+        if options.on_epoch is not None:
+            options.on_epoch(record)
+        if run.stop_reason != "finished":
+            break
+
+    # --- test: the best model of a complete trial (finished or early-stopped) -----------------
+    if run.stop_reason not in ("finished", "early_stopped"):
+        return
+    if not run.message:
+        run.message = f"finished {len(run.history)} epochs"
+    test_src = sources.get("test")
+    if tc.evaluate_test and test_src is not None and run.best_acc is not None:
+        if run.best_state is not None:
+            model.load_state_dict(run.best_state)
+        elif best_path is not None and best_path.is_file():
+            model.load_state_dict(torch.load(best_path, map_location=device)["model"])
+        test_split = split_of(test_src, False)
+        run.test_acc, _, _ = evaluate(
+            fwd, test_split, res, num_classes, device, amp, tc.channels_last
+        )
+
+
+def _best_file(
+    state: dict[str, Tensor], hp: Hyperparams, run: _Run, epoch: int, val_acc: float
+) -> dict[str, Any]:
+    return {
+        "model": state,
+        "arch": hp.arch,
+        "params": hp.model_dump(),
+        "num_classes": run.num_classes,
+        "class_names": run.class_names,
+        "epoch": epoch,
+        "val_acc": val_acc,
+        "torchvision": torchvision.__version__,
+    }
+
+
+def _checkpoint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: Schedule,
+    scaler: torch.amp.GradScaler | None,
+    epoch: int,
+    gen: torch.Generator | None,
+    np_rng: np.random.Generator | None,
+    hp: Hyperparams,
+    run: _Run,
+    stop_reason: str | None,
+) -> dict[str, Any]:
+    keep = (
+        "best_acc",
+        "best_loss",
+        "best_epoch",
+        "best_confusion",
+        "best_state",
+        "evals_since_best",
+        "message",
+        "pruned_at",
+        "effective_lr",
+    )
+    return {
+        "version": CHECKPOINT_VERSION,
+        "epoch": epoch,
+        "params": hp.model_dump(),
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": _rng_states(gen, np_rng),
+        "history": [dataclasses.asdict(r) for r in run.history],
+        "run": {k: getattr(run, k) for k in keep},
+        "train_seconds": run.train_seconds,
+        "stop_reason": stop_reason,
+    }
+
+
+# --- using a trained model ---------------------------------------------------------------
+
+
+def load_trained_model(
+    config: StudyConfig,
+    params: Mapping[str, Any],
+    best_model_path: Path | str,
+    device: str = "cpu",
+) -> nn.Module:
+    """The best model of a trial, in eval mode on `device` (for export or evaluation)."""
+    hp = config.resolve_params(params)
+    path = Path(best_model_path)
+    if not path.is_file():
+        from hpsearch.errors import DataError
+
+        raise DataError(f"best model {path}: file not found")
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    num_classes = int(blob["num_classes"])
+    model = torchvision.models.get_model(hp.arch, weights=None, num_classes=num_classes)
+    model.load_state_dict(blob["model"])
+    return model.to(resolve_device(device)).eval()
+
+
+def evaluate_model(
+    config: StudyConfig,
+    params: Mapping[str, Any],
+    model: nn.Module,
+    split: str = "val",
+    workdir: Path = Path(".hpsearch"),
+    device: str = "cpu",
+) -> tuple[float, float]:
+    """(accuracy, cross-entropy) of `model` on a split, with the eval transform and batching
+    training used: the best model gives back the logged best_val_acc."""
+    hp = config.resolve_params(params)
+    dev = resolve_device(device)
+    src = data.get_source(config, split)
+    if src is None:
+        from hpsearch.errors import DataError
+
+        raise DataError(f"dataset {config.dataset.name}: has no {split} split")
+    res, size = image_size(config, hp), cache_size(config, hp)
+    fast = data.use_fast_path(config, [src], size)
+    s = load_split(
+        config,
+        src,
+        size,
+        res,
+        dev,
+        fast,
+        Path(workdir),
+        None,
+        train=False,
+        batch_size=EVAL_BATCH,
+        seed=0,
+    )
+    fmt = torch.channels_last if config.trainer.channels_last else torch.contiguous_format
+    model = model.to(dev).to(memory_format=fmt)  # the layout training evaluated with
+    acc, loss, _ = evaluate(
+        model,
+        s,
+        res,
+        len(src.class_names),
+        dev,
+        resolve_precision(config.trainer.precision, dev),
+        config.trainer.channels_last,
+    )
+    return acc, loss
