@@ -29,3 +29,8 @@ class TrackingError(HpsearchError):
 
 class StudyNotFoundError(HpsearchError):
     """The named study does not exist in the storage."""
+
+
+class CheckpointError(HpsearchError):
+    """A checkpoint could not be written (disk full, permissions) or belongs to other
+    hyperparameters; the previous checkpoint is intact."""

@@ -35,6 +35,7 @@ from hpsearch.worker import (
     retry_callback,
 )
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.exc import SQLAlchemyError
 
 # --- pure decisions ---------------------------------------------------------------------
 
@@ -223,6 +224,8 @@ class Launcher:
         self._messages: list[str] = []
         self._server: Any = None
         self._tracking_uri: str | None = None
+        self._last_trials: list[FrozenTrial] = []
+        self._last_best: tuple[float | None, int | None] = (None, None)
 
     def stop(self) -> None:
         with self._lock:
@@ -265,8 +268,8 @@ class Launcher:
                 self._finish_tracking(tracking_uri, stopped_by)
             if self._server is not None:
                 self._server.stop()
-        counts = budget_counts(self.study.get_trials(deepcopy=False))
-        best_value, best_trial = _best(self.study)
+        counts = with_db_retry(lambda: budget_counts(self.study.get_trials(deepcopy=False)))
+        best_value, best_trial = with_db_retry(lambda: _best(self.study))
         return LaunchSummary(
             counts,
             best_value,
@@ -425,8 +428,8 @@ class Launcher:
             lambda: self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         )
         for t in running:
-            if t.user_attrs.get(ATTR_WORKER) == worker_id and fail_trial(
-                self.study, t, reason, self.opts.max_retries
+            if t.user_attrs.get(ATTR_WORKER) == worker_id and with_db_retry(
+                lambda t=t: fail_trial(self.study, t, reason, self.opts.max_retries)
             ):
                 failed.append(t.number)
                 from hpsearch.runs import mark_run_failed
@@ -460,8 +463,11 @@ class Launcher:
     def _progress(self, message: str = "") -> Progress:
         try:
             trials = self.study.get_trials(deepcopy=False)
-        except Exception:  # the database may be restarting; progress is cosmetic
-            trials = []
+            best_value, best_trial = _best(self.study)
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
+            # The database may be restarting: progress is cosmetic, show the last figures.
+            trials, (best_value, best_trial) = self._last_trials, self._last_best
+        self._last_trials, self._last_best = trials, (best_value, best_trial)
         counts = budget_counts(trials)
         running = {
             t.user_attrs.get(ATTR_WORKER): t.number for t in trials if t.state == TrialState.RUNNING
@@ -476,7 +482,6 @@ class Launcher:
             )
             for s in self._slots
         ]
-        best_value, best_trial = _best(self.study)
         elapsed = time.monotonic() - getattr(self, "_t0", time.monotonic())
         finished = counts["complete"] + counts["pruned"]
         return Progress(

@@ -159,7 +159,7 @@ def load_best_model(
         raise HpsearchError(f"study {name!r} has no stored config; was it created by hpsearch?")
     cfg = validate_config(yaml.safe_load(raw_cfg), f"study {name}")
     path = best.user_attrs.get("best_model")
-    if not path or not Path(str(path)).exists():
+    if not path or not Path(str(path)).exists():  # another host's trial: from MLflow
         from hpsearch.runs import download_best_model
 
         path = download_best_model(best, tracking_uri, workdir or default_workdir())

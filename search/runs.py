@@ -7,8 +7,10 @@ building blocks (batched logger, GPU sampler, artifacts, server) live in hpsearc
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
 import tempfile
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -70,20 +72,81 @@ def open_study_run(cfg: StudyConfig, spec: StorageSpec, uri: str) -> str:
     return str(_open(client, exp, cfg.name, study_run_tags(cfg, spec), config_to_yaml(cfg)))
 
 
+RESUME_ARTIFACT = "resume/checkpoint.pt"  # latest resume checkpoint (upload_checkpoints)
+
+
+class _CheckpointUploader:
+    """Uploads the latest resume checkpoint off the training thread; a newer one replaces a
+    pending one, so a slow server costs freshness, never training time."""
+
+    def __init__(self, client: Any, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+        self._pending: Path | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-upload")
+        self._thread.start()
+
+    def submit(self, path: Path) -> None:
+        with self._cond:
+            self._pending = path
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                path, self._pending = self._pending, None
+            tmp = Path(tempfile.mkdtemp(prefix="hpsearch-ckpt-"))
+            try:
+                # Copy first: the trainer replaces the file at the next epoch.
+                snap = tmp / "checkpoint.pt"
+                shutil.copyfile(path, snap)
+                self.client.log_artifact(self.run_id, str(snap), "resume")
+            except Exception as exc:  # best effort: the local checkpoint still exists
+                logger.warning("checkpoint upload failed: %s", exc)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+
 class TrialRun:
     """One trial's MLflow child run plus the GPU sampler feeding it."""
 
-    def __init__(self, session: TrackingSession, tracker: Any, sampler: Any, trial: Any) -> None:
+    def __init__(
+        self, session: TrackingSession, tracker: Any, sampler: Any, trial: Any,
+        checkpoint: Path | None = None,
+    ) -> None:  # fmt: skip
         self.session = session
         self.tracker = tracker
         self.sampler = sampler
         self.trial = trial
         self.run_id: str | None = tracker.run_id
+        self.checkpoint = checkpoint
+        self.uploader: _CheckpointUploader | None = None
+        self._best_to_upload: Path | None = None
+        if checkpoint is not None and session.cfg.tracking.upload_checkpoints and self.run_id:
+            self.uploader = _CheckpointUploader(session.client, self.run_id)
 
     def log_epoch(self, record: Any) -> None:
         self.tracker.log_epoch(int(record.epoch), epoch_metrics(record))
         if self.sampler is not None and self.sampler.input_bound:
             self.session.note_input_bound(self.trial.number)
+        if self.uploader is not None and self.checkpoint is not None and self.checkpoint.exists():
+            self.uploader.submit(self.checkpoint)
+
+    def _close_uploader(self) -> None:
+        if self.uploader is not None:
+            self.uploader.close()
 
     def _gpu_summary(self) -> dict[str, float]:
         if self.sampler is None:
@@ -94,7 +157,19 @@ class TrialRun:
             logger.warning("GPU sampler stop failed: %s", exc)
             return {}
 
+    def checkpoint_uri(self, result: Any) -> str | None:
+        """Decide, before the trial is told, whether its best model goes to MLflow (top k);
+        returns the artifact URI to record on the Optuna trial."""
+        outcome = outcome_for(str(result.stop_reason))
+        if outcome not in ("completed", "early_stopped", "time_limit") or not self.run_id:
+            return None
+        self._best_to_upload = self.session.checkpoint_to_upload(self.trial, result)
+        if self._best_to_upload is None:
+            return None
+        return f"runs:/{self.run_id}/{CHECKPOINT_ARTIFACT}/best.pt"
+
     def finish_result(self, result: Any) -> None:
+        self._close_uploader()
         summary = self._gpu_summary()
         if result.best_val_acc is not None:
             summary["best_val_acc"] = float(result.best_val_acc)
@@ -109,8 +184,8 @@ class TrialRun:
             if outcome not in ("interrupted",):
                 artifacts += self._plots(result, tmp)
             if outcome in ("completed", "early_stopped", "time_limit"):
-                ckpt = self.session.checkpoint_to_upload(self.trial, result)
-                if ckpt is not None:
+                ckpt = self._best_to_upload
+                if ckpt is not None and ckpt.exists():
                     folder = tmp / CHECKPOINT_ARTIFACT
                     folder.mkdir()
                     (folder / "best.pt").symlink_to(Path(ckpt).resolve())
@@ -146,6 +221,7 @@ class TrialRun:
         return out
 
     def finish_failed(self, outcome: str, message: str, tb: str | None) -> None:
+        self._close_uploader()
         summary = self._gpu_summary()
         self.tracker.finish(outcome_for(outcome), None, summary, [], tb, reason=message)
 
@@ -228,7 +304,7 @@ class TrackingSession:
         except Exception as exc:  # telemetry never fails a trial
             logger.warning("GPU sampler failed to start: %s", exc)
             sampler = None
-        return TrialRun(self, tracker, sampler, trial)
+        return TrialRun(self, tracker, sampler, trial, ckpt)
 
     def checkpoint_to_upload(self, trial: Any, result: Any) -> Path | None:
         """The best-model file of a finished trial if it ranks in the study's top k."""
@@ -239,7 +315,11 @@ class TrackingSession:
         if value is None:
             return None
         study = trial.study
-        done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        try:
+            done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        except Exception as exc:  # storage hiccup: skip the upload rather than fail the trial
+            logger.warning("could not rank trial %s for checkpoint upload: %s", trial.number, exc)
+            return None
         maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
         better = [
             t
@@ -247,6 +327,20 @@ class TrackingSession:
             if t.value is not None and (t.value > value if maximize else t.value < value)
         ]
         return Path(path) if len(better) < self.cfg.tracking.keep_top_k else None
+
+    def fetch_checkpoint(self, previous_run_id: str, dest: Path) -> bool:
+        """Download a failed trial's last resume checkpoint (uploaded by another host)."""
+        tmp = Path(tempfile.mkdtemp(prefix="hpsearch-fetch-"))
+        try:
+            local = self.client.download_artifacts(previous_run_id, RESUME_ARTIFACT, str(tmp))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(local, dest)
+            return True
+        except Exception as exc:  # nothing to resume from: the retry starts over
+            logger.warning("no resume checkpoint in run %s: %s", previous_run_id, exc)
+            return False
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def close(self) -> None:
         pass
@@ -360,6 +454,4 @@ def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: P
 
 
 def _rmtree(path: Path) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)

@@ -68,7 +68,7 @@ def make_sampler(cfg: StudyConfig) -> optuna.samplers.BaseSampler:
     if s.name == "cmaes":
         # Conditional and categorical params fall back to this, quietly.
         extra["warn_independent_sampling"] = False
-    return cls(**_kwargs_for(cls, dict(s.options), extra))  # type: ignore[no-any-return]
+    return cls(**_kwargs_for(cls, dict(s.options), extra))
 
 
 def make_pruner(cfg: StudyConfig) -> optuna.pruners.BasePruner:
@@ -87,7 +87,7 @@ def make_pruner(cfg: StudyConfig) -> optuna.pruners.BasePruner:
     else:
         cls = optuna.pruners.HyperbandPruner
         extra = {"min_resource": 1, "max_resource": epochs, "reduction_factor": 3}
-    return cls(**_kwargs_for(cls, dict(p.options), extra))  # type: ignore[no-any-return]
+    return cls(**_kwargs_for(cls, dict(p.options), extra))
 
 
 N_TRIALS_ATTR = "hpsearch.n_trials"  # study user attribute: the budget workers obey

@@ -6,6 +6,7 @@ machines) run this same loop against the same storage.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import socket
@@ -31,7 +32,7 @@ from hpsearch.study import (
     study_budget,
     suggest,
 )
-from optuna.storages import BaseStorage, RetryFailedTrialCallback
+from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.trial import TrialState
 
@@ -90,13 +91,13 @@ def load_train_fn(spec: str) -> TrainFn:
     if not spec:
         from hpsearch.trainer import train
 
-        return train  # type: ignore[return-value]
+        return train
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise HpsearchError(f"--train-fn: {spec!r}: cannot import: {exc}") from exc
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def checkpoint_path(workdir: Path, study: str, root_trial: int) -> Path:
@@ -105,15 +106,21 @@ def checkpoint_path(workdir: Path, study: str, root_trial: int) -> Path:
 
 
 def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
-    """The first trial of a retry chain (Optuna's RetryFailedTrialCallback records it)."""
+    """The first trial of a retry chain (Optuna's RetryHeartbeatStaleTrialCallback records it)."""
     if isinstance(trial, optuna.Trial):
         trial = trial.study._storage.get_trial(trial._trial_id)
-    root = RetryFailedTrialCallback.retried_trial_number(trial)
+    root = RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
     return int(root) if root is not None else trial.number
 
 
-def retry_callback(max_retries: int) -> RetryFailedTrialCallback:
-    return RetryFailedTrialCallback(max_retry=max_retries, inherit_intermediate_values=True)
+def retry_callback(max_retries: int) -> RetryHeartbeatStaleTrialCallback:
+    """Re-queues a failed trial's params (at most `max_retries` times per chain) with its
+    intermediate values, so the resumed retry prunes exactly as the original would have."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return RetryHeartbeatStaleTrialCallback(
+            max_retry=max_retries, inherit_intermediate_values=True
+        )
 
 
 def heartbeat_timing(interval_s: float) -> tuple[float, float, float]:
@@ -179,7 +186,7 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
     storage = open_storage(
         spec,
         heartbeat_interval=opts.heartbeat_interval_s if rdb else None,
-        grace_period=grace if rdb else None,  # type: ignore[arg-type]
+        grace_period=grace if rdb else None,
         failed_trial_callback=retry_callback(opts.max_retries),
     )
     return with_db_retry(
@@ -288,7 +295,10 @@ def run_trial(
             ATTR_CHECKPOINT: str(ckpt),
         }
         for k, v in attrs.items():
-            db(lambda k=k, v=v: trial.set_user_attr(k, v), "set_user_attr")
+            db(functools.partial(trial.set_user_attr, k, v), "set_user_attr")
+        previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
+        if tracking is not None and root != trial.number and previous_run and not ckpt.exists():
+            tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
         if tracking is not None:
             run = tracking.start_trial(trial, params, root, ckpt)
             if run is not None and run.run_id:
@@ -327,7 +337,10 @@ def run_trial(
             return "error"
         if first_epoch:
             db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, first_epoch[0]), "set_user_attr")
-        return _tell(study, trial, cfg, opts, result, run, db)
+        outcome = _tell(study, trial, cfg, opts, result, run, db)
+        if outcome != "interrupted":
+            _prune_checkpoints(study, cfg, opts.workdir)
+        return outcome
     finally:
         heartbeat.stop()
 
@@ -381,8 +394,11 @@ def _tell(
         attrs[ATTR_TEST_ACC] = float(result.test_acc)
     if result.best_model_path is not None:
         attrs[ATTR_BEST_MODEL] = str(result.best_model_path)
+    uri = run.checkpoint_uri(result) if run is not None else None
+    if uri is not None:
+        attrs["checkpoint_uri"] = uri
     for k, v in attrs.items():
-        db(lambda k=k, v=v: trial.set_user_attr(k, v), "set_user_attr")
+        db(functools.partial(trial.set_user_attr, k, v), "set_user_attr")
     if reason == "interrupted":
         # Checkpointed at an epoch boundary: fail now, and queue the same params to resume.
         _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
@@ -404,6 +420,40 @@ def _tell(
     if run is not None:
         run.finish_result(result)
     return reason
+
+
+def checkpoints_to_delete(
+    trials: list[optuna.trial.FrozenTrial], keep_top_k: int, maximize: bool
+) -> list[str]:
+    """Files of finished trials that may go: every resume checkpoint (the trial cannot
+    resume any more), and best-model files outside the top k completed trials."""
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    complete = [t for t in finished if t.state == TrialState.COMPLETE and t.value is not None]
+    ranked = sorted(complete, key=lambda t: t.value or 0.0, reverse=maximize)
+    keep = {t.number for t in ranked[:keep_top_k]}
+    out = [str(t.user_attrs[ATTR_CHECKPOINT]) for t in finished if ATTR_CHECKPOINT in t.user_attrs]
+    out += [
+        str(t.user_attrs[ATTR_BEST_MODEL])
+        for t in finished
+        if ATTR_BEST_MODEL in t.user_attrs and t.number not in keep
+    ]
+    return out
+
+
+def _prune_checkpoints(study: optuna.Study, cfg: StudyConfig, workdir: Path) -> None:
+    """Bound disk use: only this machine's files under the work folder are touched."""
+    if len(study.directions) > 1:
+        return
+    try:
+        trials = study.get_trials(deepcopy=False)
+        maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+        root = (workdir / "checkpoints").resolve()
+        for name in checkpoints_to_delete(trials, cfg.tracking.keep_top_k, maximize):
+            path = Path(name).resolve()
+            if root in path.parents and path.exists():
+                path.unlink()
+    except Exception as exc:  # housekeeping must never fail a worker
+        warnings.warn(f"checkpoint clean-up failed: {exc}", stacklevel=2)
 
 
 def _record_dict(record: Any) -> dict[str, Any]:

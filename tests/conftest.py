@@ -33,7 +33,10 @@ def _admin_engine():  # type: ignore[no-untyped-def]
     import sqlalchemy as sa
     from hpsearch.storage import normalize_url
 
-    return sa.create_engine(normalize_url(PG_ADMIN), isolation_level="AUTOCOMMIT")
+    # NullPool: a test may restart PostgreSQL, which kills pooled connections.
+    return sa.create_engine(
+        normalize_url(PG_ADMIN), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
+    )
 
 
 @pytest.fixture

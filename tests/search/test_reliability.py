@@ -95,28 +95,38 @@ def test_independent_worker_killed_is_detected_stale_and_retried(
     pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
     heartbeat = 2  # seconds; detection must come within 2x
-    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.5"}
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "1.0"}
     common = ["--study", "tiny", "--storage", pg_url, "--no-tracking", "--train-fn", DUMMY,
-              "--heartbeat", str(heartbeat), "--trials", "3",
-              "--set", "budget.max_epochs=6", "--set", "pruner.name=none",
+              "--heartbeat", str(heartbeat), "--trials", "4", "--workdir", str(tmp_path / "shared"),
+              "--set", "budget.max_epochs=8", "--set", "pruner.name=none",
               "--set", "pruner.options={}"]  # fmt: skip
-    victim_p = subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.cli", "worker", *common, "--worker-id", "victim",
-         "--workdir", str(tmp_path / "shared")],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        victim = wait_for(lambda: running_with_epochs(pg_url, "tiny", 2), 120, "victim 2 epochs in")
-        assert isinstance(victim, optuna.trial.FrozenTrial)
-        survivor = subprocess.Popen(
-            [sys.executable, "-m", "hpsearch.cli", "worker", *common, "--worker-id", "survivor",
-             "--workdir", str(tmp_path / "shared")],
+
+    def worker(name: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "hpsearch.cli", "worker", *common, "--worker-id", name],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
-        time.sleep(3)  # the survivor is up and busy with a trial of its own
+
+    storage = url_for_optuna(pg_url)
+
+    def running_of(name: str, epochs: int) -> optuna.trial.FrozenTrial | None:
+        try:
+            st = optuna.load_study(study_name="tiny", storage=storage)
+        except KeyError:
+            return None
+        for t in st.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t.user_attrs.get("worker") == name and len(t.intermediate_values) >= epochs:
+                return t
+        return None
+
+    victim_p = worker("victim")
+    survivor = worker("survivor")
+    try:
+        wait_for(lambda: running_of("survivor", 0), 120, "the survivor busy with a trial")
+        victim = wait_for(lambda: running_of("victim", 2), 120, "victim 2 epochs in")
+        assert isinstance(victim, optuna.trial.FrozenTrial)
         victim_p.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        storage = url_for_optuna(pg_url)
 
         def failed() -> bool:
             st = optuna.load_study(study_name="tiny", storage=storage)
@@ -128,6 +138,7 @@ def test_independent_worker_killed_is_detected_stale_and_retried(
         assert survivor.returncode == 0, out
     finally:
         victim_p.kill()
+        survivor.kill()
     assert detected_s <= 2 * heartbeat + 0.5, detected_s  # 0.5 s: this test's polling
     study = hps.load_study("tiny", storage=pg_url)
     trials = study.get_trials()
@@ -135,7 +146,7 @@ def test_independent_worker_killed_is_detected_stale_and_retried(
     assert len(retry) == 1 and retry[0].state in FINISHED
     assert retry[0].user_attrs["worker"] == "survivor"
     assert retry[0].user_attrs["resumed_from_epoch"] > 1
-    assert len([t for t in trials if t.state in FINISHED]) == 3
+    assert len([t for t in trials if t.state in FINISHED]) == 4
     print(f"stale trial detected {detected_s:.2f}s after kill -9 (heartbeat {heartbeat}s)")
 
 
@@ -175,8 +186,9 @@ def test_sigint_launch_stops_cleanly_and_relaunch_resumes(
     study = hps.load_study("tiny", storage=pg_url)
     trials = study.get_trials()
     assert not [t for t in trials if t.state == TrialState.RUNNING]
-    interrupted = [t for t in trials if t.user_attrs.get("outcome") == "interrupted"]
-    assert interrupted and all(t.state == TrialState.FAIL for t in interrupted)
+    # Retries (WAITING) carry the failed trial's attributes; the failed ones are the FAILs.
+    interrupted = [t for t in trials if t.state == TrialState.FAIL]
+    assert interrupted and all(t.user_attrs["outcome"] == "interrupted" for t in interrupted)
     waiting = [t for t in trials if t.state == TrialState.WAITING]
     assert len(waiting) == len(interrupted)
 

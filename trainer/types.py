@@ -1,0 +1,94 @@
+"""The trainer's data types, importable without torch (workers and tools that only
+exchange results stay light)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from hpsearch.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "CheckpointError",
+    "EpochRecord",
+    "Report",
+    "StopReason",
+    "TrainOptions",
+    "TrialResult",
+    "WarmCache",
+]
+
+Report = Callable[[int, float], bool]  # report(epoch, val_acc) -> True: stop now (pruned)
+StopReason = Literal[
+    "finished", "pruned", "early_stopped", "diverged", "out_of_memory", "time_limit", "interrupted"
+]
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    epoch: int  # 1-based
+    train_loss: float  # mean training loss over the epoch (with the trial's loss function)
+    train_acc: float  # fraction of training images whose argmax matches the (main) label
+    val_loss: float | None  # cross-entropy on val; None on epochs without eval
+    val_acc: float | None
+    lr: float  # at the end of the epoch
+    epoch_seconds: float  # train + eval wall clock
+    images_per_second: float  # training images / training seconds
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    history: list[EpochRecord]
+    best_val_acc: float | None
+    best_val_loss: float | None  # val loss at the best-accuracy epoch
+    final_val_acc: float | None
+    test_acc: float | None
+    stop_reason: StopReason
+    epochs_run: int
+    pruned_at_epoch: int | None
+    checkpoint_path: Path | None
+    best_model_path: Path | None
+    effective_lr: float
+    effective_batch_size: int
+    micro_batch_size: int
+    train_seconds: float
+    setup_seconds: float  # before the first epoch: data, model, compile
+    confusion: list[list[int]] | None  # val confusion of the best model, rows true
+    message: str
+    num_classes: int
+    class_names: list[str]
+
+
+@dataclass
+class WarmCache:
+    """Reused across trials in one worker process: device-resident datasets and compiled
+    models keyed by (arch, resolution, batch, ...). Not thread-safe; one per process."""
+
+    data: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    models: dict[tuple[Any, ...], tuple[nn.Module, nn.Module]] = field(default_factory=dict)
+    max_data_entries: int = 8
+
+    def put_data(self, key: tuple[Any, ...], value: Any) -> None:
+        self.data[key] = value
+        while len(self.data) > self.max_data_entries:
+            self.data.pop(next(iter(self.data)))  # oldest first
+
+    def clear(self) -> None:
+        self.data.clear()
+        self.models.clear()
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    device: str = "auto"  # auto|cpu|cuda|cuda:N
+    workdir: Path = Path(".hpsearch")  # the data cache lives in workdir/cache/
+    checkpoint_path: Path | None = None  # written every epoch; resumed from when present
+    seed: int | None = None  # None: config.trainer.seed
+    on_epoch: Callable[[EpochRecord], None] | None = None
+    warm: WarmCache | None = None
+    should_interrupt: Callable[[], bool] | None = None  # polled between epochs
