@@ -64,11 +64,30 @@ def _storage_option(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
+def _trial_options(fn: F) -> F:
+    """Options shared by `launch` and `worker`: how trials run and recover."""
+    opts = [
+        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Stop handing out trials after SEC seconds."),
+        click.option("--max-retries", type=click.IntRange(min=0), default=2, show_default=True,
+                     help="Retries (resumed from checkpoint) of a trial whose worker died."),
+        click.option("--heartbeat", type=click.IntRange(min=1), default=10, show_default=True,
+                     help="Trial heartbeat in seconds (PostgreSQL); a dead worker's trial is "
+                     "failed and re-queued within twice that."),
+        click.option("--train-fn", default="", hidden=True,
+                     help="module:function replacing the trainer (tests, benchmarks)."),
+    ]  # fmt: skip
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
 def _tracking_options(fn: F) -> F:
     fn = click.option("--no-tracking", is_flag=True, help="Do not log to MLflow at all.")(fn)
     return click.option(
         "--tracking-uri", default=None, metavar="URI",
-        help="MLflow tracking server; else MLFLOW_TRACKING_URI, else an embedded server.",
+        help="MLflow tracking server; else MLFLOW_TRACKING_URI, else the work folder's "
+        "embedded server (launch starts it; a worker joins it when it runs).",
     )(fn)  # fmt: skip
 
 
@@ -107,6 +126,7 @@ def cli() -> None:
 @_study_options
 @_storage_option
 @_tracking_options
+@_trial_options
 @click.option(
     "--workers",
     "-w",
@@ -123,12 +143,6 @@ def cli() -> None:
     help="Total trials of the study (all launches together); else the study file.",
 )
 @click.option(
-    "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Stop handing out trials after SEC seconds.",
-)
-@click.option(
     "--gpus",
     default=None,
     metavar="0,1,...",
@@ -142,27 +156,12 @@ def cli() -> None:
     help="Restarts of a worker that crashed.",
 )
 @click.option(
-    "--max-retries",
-    type=click.IntRange(min=0),
-    default=2,
-    show_default=True,
-    help="Retries (resumed from checkpoint) of a trial whose worker died.",
-)
-@click.option(
     "--grace",
     type=click.FloatRange(min=0),
     default=120.0,
     show_default=True,
     help="Seconds the first Ctrl-C waits for running trials to checkpoint.",
 )
-@click.option(
-    "--heartbeat",
-    type=click.IntRange(min=1),
-    default=10,
-    show_default=True,
-    help="Trial heartbeat in seconds (PostgreSQL); stale after twice that.",
-)
-@click.option("--train-fn", default="", hidden=True, help="module:function replacing the trainer.")
 @_edge
 def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
            workdir: Path, device: str, storage: str | None, tracking_uri: str | None,
@@ -195,6 +194,10 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
         check_gpus(gpu_list, torch.cuda.device_count(), device)
     spec = resolve_storage(storage, workdir)
+    if not train_fn:
+        from hpsearch.runner import check_dataset
+
+        check_dataset(cfg)
     opts = LaunchOptions(
         workers=workers,
         workdir=workdir,
@@ -253,6 +256,7 @@ def _on_signals(stop: Callable[[], None], what: str) -> None:
 @_study_options
 @_storage_option
 @_tracking_options
+@_trial_options
 @click.option("--worker-id", default="", help="Name shown in status and tags (default host:pid).")
 @click.option(
     "--trials",
@@ -267,27 +271,6 @@ def _on_signals(stop: Callable[[], None], what: str) -> None:
     default=None,
     help="Stop this worker after N trials.",
 )
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Stop asking for trials after SEC seconds.",
-)
-@click.option(
-    "--max-retries",
-    type=click.IntRange(min=0),
-    default=2,
-    show_default=True,
-    help="Retries of a trial whose worker died (stale heartbeat).",
-)
-@click.option(
-    "--heartbeat",
-    type=click.IntRange(min=1),
-    default=10,
-    show_default=True,
-    help="Trial heartbeat in seconds (PostgreSQL); stale after twice that.",
-)
-@click.option("--train-fn", default="", hidden=True, help="module:function replacing the trainer.")
 @_edge
 def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
            workdir: Path, device: str, storage: str | None, tracking_uri: str | None,
@@ -302,17 +285,23 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
           --tracking-uri http://mlflow-host:5000 --data-dir /data
     """
     from hpsearch.storage import resolve_storage
-    from hpsearch.tracking.server import resolve_tracking_uri
+    from hpsearch.tracking.server import resolve_tracking_uri, running_server_url
     from hpsearch.worker import WorkerOptions, run_worker
 
     cfg = _load(study, overrides, data_dir, download, trials)
     _check_device(device)
     spec = resolve_storage(storage, workdir)
+    if not train_fn:
+        from hpsearch.runner import check_dataset
+
+        check_dataset(cfg)
     opts = WorkerOptions(
         workdir=workdir,
         worker_id=worker_id,
         device=device,
-        tracking_uri=None if no_tracking else resolve_tracking_uri(tracking_uri),
+        tracking_uri=None
+        if no_tracking
+        else (resolve_tracking_uri(tracking_uri) or running_server_url(workdir)),
         max_trials=max_trials,
         timeout_s=timeout,
         heartbeat_interval_s=heartbeat,

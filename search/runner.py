@@ -11,6 +11,16 @@ from hpsearch.config import StudyConfig
 from hpsearch.errors import ConfigError, HpsearchError
 
 
+def check_dataset(cfg: StudyConfig) -> None:
+    """Fail fast, before any trial or storage write, when the data is missing or has the
+    wrong layout (DataError, one line). With download allowed, this is where it downloads:
+    once, not once per worker."""
+    from hpsearch.trainer.data import get_source
+
+    for split in ("train", "val"):
+        get_source(cfg, split)
+
+
 def fixed_params(
     cfg: StudyConfig, params_json: str | None, trial_number: int | None, storage: str | None,
     workdir: Path,

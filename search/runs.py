@@ -269,7 +269,12 @@ class TrackingSession:
         hp = self.cfg.resolve_params(params)
         eff_lr, eff_batch = derived_values(self.cfg, hp)
         sampled = dict(params)
-        fixed = {k: v for k, v in hp.model_dump().items() if k not in sampled}
+        derived_names = ("arch", "image_size")  # logged below with their resolved values
+        fixed = {
+            k: v
+            for k, v in hp.model_dump().items()
+            if k not in sampled and k not in derived_names and v is not None
+        }
         tracker = TrialTracker(
             self.client,
             self.experiment_id,

@@ -74,7 +74,9 @@ def drop_database(url: str) -> None:
     try:
         with eng.connect() as c:
             c.execute(
-                sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"),
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"
+                ),
                 {"n": name},
             )
             c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
@@ -129,9 +131,9 @@ def start_mlflow_server(backend_uri: str, root: Path) -> LocalServer:
 # --------------------------------------------------------------------------- REST helpers
 
 
-def api(base: str, path: str, payload: dict[str, Any] | None = None, **query: Any) -> Any:
+def api(base: str, endpoint: str, payload: dict[str, Any] | None = None, **query: Any) -> Any:
     """GET (query params) or POST (JSON payload) on the MLflow REST API; parsed JSON."""
-    url = f"{base}/api/2.0/mlflow/{path}"
+    url = f"{base}/api/2.0/mlflow/{endpoint}"
     if query:
         url += "?" + urllib.parse.urlencode(query)
     data = None if payload is None else json.dumps(payload).encode()
@@ -195,6 +197,13 @@ class StackStudy:
         from hpsearch.storage import normalize_url
 
         return str(normalize_url(self.optuna_url))
+
+    @property
+    def mlflow_db(self) -> str:
+        """The MLflow server's database URL, with its driver."""
+        from hpsearch.storage import normalize_url
+
+        return str(normalize_url(self.mlflow_db_url))
 
     @property
     def artifacts_dir(self) -> Path:
@@ -264,6 +273,18 @@ def run_workers(stack: StackStudy, data_dir: Path, timeout_s: float = 420.0,
         stack.timings["workers_s"] = time.monotonic() - t0
 
 
+def init_schema(optuna_url: str) -> None:
+    """What the compose file's one-shot ``optuna-schema`` service does before any worker
+    starts: create Optuna's tables once (workers starting together on an empty database race
+    on ``CREATE TYPE``)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hpsearch.cli", "studies", "--storage", optuna_url],
+        env=worker_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if done.returncode != 0 or "no studies" not in done.stdout:
+        raise RuntimeError(f"hpsearch studies failed: {done.stdout}{done.stderr}")
+
+
 @contextlib.contextmanager
 def stack_study(root: Path, data_dir: Path) -> Iterator[StackStudy]:
     """Databases + server + a study run by two workers; everything removed on exit."""
@@ -284,6 +305,7 @@ def stack_study(root: Path, data_dir: Path) -> Iterator[StackStudy]:
             logs={w: root / f"{w}.log" for w in WORKERS},
         )
         stack.timings["server_start_s"] = time.monotonic() - t0
+        init_schema(optuna_url)
         run_workers(stack, data_dir)
         yield stack
     finally:

@@ -82,8 +82,21 @@ def test_relaunch_resumes_and_independent_worker_joins(
     # Relaunch with a larger budget; a separately started worker joins while it runs.
     env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "1.0"}
     launch = subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.cli", "launch", *common, "--workers", "2", "--trials", "12"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "hpsearch.cli",
+            "launch",
+            *common,
+            "--workers",
+            "2",
+            "--trials",
+            "12",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     joiner = popen(["worker", *common, "--worker-id", "joiner"], env, tmp_path / "joiner.log")
     try:
@@ -199,6 +212,32 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
             "budget.max_epochs: -1: Input should be greater than or equal to 1",
         ),
         (["launch", "--study", "nosuch"], "no such study file"),
+        (
+            [
+                "launch",
+                "--study",
+                "tiny",
+                "--storage",
+                pg_url,
+                "--no-tracking",
+                "--data-dir",
+                "/nonexistent",
+            ],
+            "dataset flowers102: /nonexistent/flowers-102 not found or incomplete; expected <root>/flowers-102/",
+        ),
+        (
+            [
+                "worker",
+                "--study",
+                "tiny",
+                "--storage",
+                pg_url,
+                "--no-tracking",
+                "--data-dir",
+                str(tmp_path),
+            ],
+            "not found or incomplete",
+        ),
         (["status", "--study", "ghost", "--storage", pg_url], "study 'ghost' not found"),
         (
             ["train", "--study", "tiny", "--params", "{bad json"],

@@ -61,7 +61,13 @@ def test_study_in_mlflow_and_best_model(
             assert run.info.run_name == f"trial-{t.number}"
             for name, value in t.params.items():
                 assert run.data.params[name] == str(value)
-            for derived in ("effective_lr", "effective_batch_size", "dataset", "arch", "image_size"):
+            for derived in (
+                "effective_lr",
+                "effective_batch_size",
+                "dataset",
+                "arch",
+                "image_size",
+            ):
                 assert derived in run.data.params
             assert run.data.tags["hpsearch.worker"] == t.user_attrs["worker"]
             steps = client.get_metric_history(run.info.run_id, "val_acc")
@@ -76,7 +82,9 @@ def test_study_in_mlflow_and_best_model(
             if outcome == "finished":
                 assert {"confusion_matrix.png", "per_class_accuracy.csv"} <= files
                 assert "best_val_acc" in run.data.metrics
-                png = client.download_artifacts(run.info.run_id, "confusion_matrix.png", str(tmp_path))
+                png = client.download_artifacts(
+                    run.info.run_id, "confusion_matrix.png", str(tmp_path)
+                )
                 with Image.open(png) as im:
                     im.load()
                     assert im.size[0] > 100
@@ -89,7 +97,9 @@ def test_study_in_mlflow_and_best_model(
         assert "model/best_model.onnx" in model_files
         import onnxruntime as ort
 
-        onnx_path = client.download_artifacts(parent.info.run_id, "model/best_model.onnx", str(tmp_path))
+        onnx_path = client.download_artifacts(
+            parent.info.run_id, "model/best_model.onnx", str(tmp_path)
+        )
         sess = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
         x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
         (logits,) = sess.run(None, {sess.get_inputs()[0].name: x})
@@ -110,5 +120,7 @@ def test_study_in_mlflow_and_best_model(
         summary = json.loads(json.dumps(dict(by_number[best.number].data.metrics)))
         assert summary["best_val_acc"] > 1 / 102
     # Also reachable from the CLI.
-    out = hpsearch(["best", "--study", "tiny", "--storage", pg_url, "--json"], subprocess_env).stdout
+    out = hpsearch(
+        ["best", "--study", "tiny", "--storage", pg_url, "--json"], subprocess_env
+    ).stdout
     assert json.loads(out)[0]["mlflow_run_id"] == df.iloc[0]["mlflow_run_id"]
