@@ -213,8 +213,17 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         grace_s=grace,
     )
 
+    last: dict[str, Any] = {"line": "", "at": 0.0}
+
     def show(p: Progress) -> None:
-        click.echo(p.message if p.message else format_progress(p), err=bool(p.message) and False)
+        if p.message:
+            click.echo(p.message)
+            return
+        state = repr((p.counts, p.best_value, [(w.trial, w.state) for w in p.workers]))
+        # A line when something changed, else every 30 s: a log, not a ticker.
+        if state != last["line"] or p.elapsed_s - last["at"] >= 30:
+            click.echo(format_progress(p))
+            last["line"], last["at"] = state, p.elapsed_s
 
     click.echo(f"study {cfg.name}: {cfg.budget.n_trials} trials, {workers} workers, "
                f"storage {spec.display}")  # fmt: skip

@@ -113,6 +113,7 @@ class WorkerView:
 @dataclass(frozen=True)
 class Progress:
     counts: dict[str, int]
+    input_bound: dict[int, float]  # running trial -> mean GPU utilization % when flagged
     n_trials: int
     best_value: float | None
     best_trial: int | None
@@ -472,6 +473,11 @@ class Launcher:
         running = {
             t.user_attrs.get(ATTR_WORKER): t.number for t in trials if t.state == TrialState.RUNNING
         }
+        input_bound = {
+            t.number: float(t.user_attrs["input_bound_gpu_util"])
+            for t in trials
+            if t.state == TrialState.RUNNING and "input_bound_gpu_util" in t.user_attrs
+        }
         views = [
             WorkerView(
                 s.index,
@@ -486,6 +492,7 @@ class Launcher:
         finished = counts["complete"] + counts["pruned"]
         return Progress(
             counts,
+            input_bound,
             self.cfg.budget.n_trials,
             best_value,
             best_trial,
@@ -503,7 +510,8 @@ def format_progress(p: Progress) -> str:
     busy = " ".join(
         f"w{w.slot}:{'t' + str(w.trial) if w.trial is not None else w.state}" for w in p.workers
     )
+    slow = "".join(f" | input-bound t{n} ({u:.0f}% GPU)" for n, u in sorted(p.input_bound.items()))
     return (
         f"[{p.elapsed_s:6.0f}s] complete {c['complete']} pruned {c['pruned']} failed {c['fail']} "
-        f"running {c['running']} / {p.n_trials} | best {best} | eta {eta} | {busy}"
+        f"running {c['running']} / {p.n_trials} | best {best} | eta {eta} | {busy}{slow}"
     )

@@ -72,6 +72,7 @@ def open_study_run(cfg: StudyConfig, spec: StorageSpec, uri: str) -> str:
     return str(_open(client, exp, cfg.name, study_run_tags(cfg, spec), config_to_yaml(cfg)))
 
 
+INPUT_BOUND_ATTR = "input_bound_gpu_util"  # Optuna user attr: mean GPU % when flagged
 RESUME_ARTIFACT = "resume/checkpoint.pt"  # latest resume checkpoint (upload_checkpoints)
 
 
@@ -140,9 +141,20 @@ class TrialRun:
     def log_epoch(self, record: Any) -> None:
         self.tracker.log_epoch(int(record.epoch), epoch_metrics(record))
         if self.sampler is not None and self.sampler.input_bound:
-            self.session.note_input_bound(self.trial.number)
+            self._note_input_bound()
         if self.uploader is not None and self.checkpoint is not None and self.checkpoint.exists():
             self.uploader.submit(self.checkpoint)
+
+    def _note_input_bound(self) -> None:
+        """Record it on the Optuna trial too, where `launch` progress and `status` see it."""
+        if self.trial.number in self.session._input_bound:
+            return
+        self.session.note_input_bound(self.trial.number)
+        mean = self.sampler.input_bound_mean if self.sampler is not None else None
+        try:
+            self.trial.set_user_attr(INPUT_BOUND_ATTR, round(float(mean or 0.0), 1))
+        except Exception as exc:  # telemetry: never fail the trial over it
+            logger.warning("could not record input-bound trial %s: %s", self.trial.number, exc)
 
     def _close_uploader(self) -> None:
         if self.uploader is not None:

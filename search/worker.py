@@ -109,7 +109,9 @@ def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
     """The first trial of a retry chain (Optuna's RetryHeartbeatStaleTrialCallback records it)."""
     if isinstance(trial, optuna.Trial):
         trial = trial.study._storage.get_trial(trial._trial_id)
-    root = RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        root = RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
     return int(root) if root is not None else trial.number
 
 

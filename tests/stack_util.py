@@ -19,7 +19,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,8 @@ from hpsearch.tracking.server import SERVER_ENV, LocalServer, free_port, health_
 PG_ADMIN = os.environ.get("HPSEARCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 TESTS = Path(__file__).resolve().parent
 STUDY = "tiny"
-# By path: the workers run in their own folders, and an editable install does not find the
-# shipped copies (hpsearch.studies has no __init__.py).
+# By path, so that the workers (running in their own folders) read this checkout's file
+# whatever copy of the shipped studies the installed package would find.
 STUDY_FILE = TESTS.parent / "studies" / f"{STUDY}.yaml"
 N_TRIALS = 4
 WORKERS = ("hostA", "hostB")
@@ -318,10 +318,10 @@ def stack_study(root: Path, data_dir: Path) -> Iterator[StackStudy]:
 _SHARED: dict[str, Any] = {"count": 0, "cm": None, "stack": None}
 
 
-def acquire_study(root: Path, data_dir: Path) -> StackStudy:
-    """The shared study (built on first use under ``root``)."""
+def acquire_study(make_root: Callable[[], Path], data_dir: Path) -> StackStudy:
+    """The shared study (built on first use, under the folder ``make_root()`` returns)."""
     if _SHARED["stack"] is None:
-        cm = stack_study(root, data_dir)
+        cm = stack_study(make_root(), data_dir)
         _SHARED["stack"] = cm.__enter__()
         _SHARED["cm"] = cm
     _SHARED["count"] += 1

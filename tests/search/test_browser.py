@@ -44,7 +44,7 @@ WAIT_MS = 90_000  # 2 busy cores: the MLflow UI bundle alone takes seconds to pa
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, flowers_root: Path) -> Iterator[StackStudy]:
-    s = acquire_study(tmp_path_factory.mktemp("stack"), flowers_root)
+    s = acquire_study(lambda: tmp_path_factory.mktemp("stack"), flowers_root)
     try:
         yield s
     finally:

@@ -111,3 +111,15 @@ def test_suggest_conditional_params() -> None:
     assert seen == {"ce", "label_smoothing", "focal"}
     hp = cfg.resolve_params({"lr": 0.01})
     assert hp.lr == 0.01 and hp.arch == "resnet18" and hp.augment == "flip"
+
+
+def test_progress_line_names_input_bound_trials() -> None:
+    from hpsearch.launcher import Progress, WorkerView, format_progress
+
+    counts = {"complete": 2, "pruned": 1, "fail": 0, "running": 2, "waiting": 0}
+    workers = [WorkerView(0, 11, "0", 5, "running"), WorkerView(1, 12, "0", 6, "running")]
+    p = Progress(counts, {6: 31.5}, 10, 0.71, 1, workers, 60.0, 120.0)
+    line = format_progress(p)
+    assert "complete 2 pruned 1 failed 0 running 2 / 10" in line
+    assert "best 0.7100 (trial 1)" in line and "eta 120s" in line
+    assert "w0:t5 w1:t6" in line and "input-bound t6 (32% GPU)" in line

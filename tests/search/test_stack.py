@@ -30,7 +30,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, flowers_root: Path) -> Iterator[StackStudy]:
-    s = acquire_study(tmp_path_factory.mktemp("stack"), flowers_root)
+    s = acquire_study(lambda: tmp_path_factory.mktemp("stack"), flowers_root)
     try:
         yield s
     finally:

@@ -1,0 +1,1 @@
+"""The study files shipped with hpsearch (read with importlib.resources)."""
