@@ -143,13 +143,14 @@ def open_storage(
             connect_args={"connect_timeout": 10},  # seconds
         )
     try:
-        return RDBStorage(
-            spec.url,
-            engine_kwargs=engine_kwargs,
-            heartbeat_interval=heartbeat_interval,  # type: ignore[arg-type]
-            grace_period=grace_period,  # type: ignore[arg-type]
-            heartbeat_stale_trial_callback=failed_trial_callback,
-        )
+        with _schema_lock(spec):
+            return RDBStorage(
+                spec.url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=heartbeat_interval,  # type: ignore[arg-type]
+                grace_period=grace_period,  # type: ignore[arg-type]
+                heartbeat_stale_trial_callback=failed_trial_callback,
+            )
     except (SQLAlchemyError, NoSuchModuleError) as exc:
         raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
     except ImportError as exc:
@@ -194,6 +195,27 @@ def with_db_retry(
             )
             time.sleep(delay)
             delay = min(delay * 2, 8.0)
+
+
+@contextlib.contextmanager
+def _schema_lock(spec: StorageSpec) -> Iterator[None]:
+    """Optuna creates its tables on first connect; workers starting together on an empty
+    database would race on it (duplicate type "studydirection"). Serialize that step."""
+    if not spec.is_postgres:
+        yield
+        return
+    eng = sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
+    try:
+        with eng.connect() as conn:
+            key = _lock_key("<schema>")
+            conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            try:
+                yield
+            finally:
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                conn.commit()
+    finally:
+        eng.dispose()
 
 
 def _lock_key(study_name: str) -> int:

@@ -337,7 +337,7 @@ def run_trial(
             tb = traceback.format_exc()
             _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run, tb, db)
             return "error"
-        if first_epoch:
+        if first_epoch and root != trial.number:  # a retry: where it picked up
             db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, first_epoch[0]), "set_user_attr")
         outcome = _tell(study, trial, cfg, opts, result, run, db)
         if outcome != "interrupted":
