@@ -155,7 +155,9 @@ def test_parse_overrides_types() -> None:
         parse_overrides(["novalue"])
 
 
-def test_shipped_studies_found_outside_the_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shipped_studies_found_outside_the_repo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert {"flowers102", "cifar10", "tiny"} <= set(available_studies())
     assert load_config("tiny").name == "tiny"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import hpsearch as hps
@@ -98,6 +99,12 @@ def test_relaunch_resumes_and_independent_worker_joins(
         stderr=subprocess.STDOUT,
         text=True,
     )
+    # The joiner obeys the budget the launch records on the study; start it once it is there
+    # (before that, the old budget of 4 is spent and a worker rightly exits at once).
+    deadline = time.monotonic() + 120
+    while hps.load_study("tiny", storage=pg_url).user_attrs.get("hpsearch.n_trials") != 12:
+        assert time.monotonic() < deadline, "launch never recorded the new budget"
+        time.sleep(0.2)
     joiner = popen(["worker", *common, "--worker-id", "joiner"], env, tmp_path / "joiner.log")
     try:
         out, _ = launch.communicate(timeout=300)
