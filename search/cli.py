@@ -56,6 +56,14 @@ def _study_options(fn: F) -> F:
     return fn
 
 
+def _workdir_option(fn: F) -> F:
+    return click.option(
+        "--workdir", type=click.Path(file_okay=False, path_type=Path),
+        default=Path(".hpsearch"), envvar="HPSEARCH_WORKDIR",
+        help="Work folder (journal storage, MLflow store); default ./.hpsearch.",
+    )(fn)  # fmt: skip
+
+
 def _storage_option(fn: F) -> F:
     return click.option(
         "--storage", default=None, metavar="URL",
@@ -335,13 +343,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 @cli.command()
 @click.option("--study", "-s", required=True, help="Study name.")
 @_storage_option
-@click.option(
-    "--workdir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path(".hpsearch"),
-    envvar="HPSEARCH_WORKDIR",
-    help="Work folder.",
-)
+@_workdir_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_edge
 def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> None:  # fmt: skip
@@ -392,13 +394,7 @@ def _params_of(row: dict[str, Any]) -> dict[str, Any]:
 @cli.command()
 @click.option("--study", "-s", required=True, help="Study name.")
 @_storage_option
-@click.option(
-    "--workdir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path(".hpsearch"),
-    envvar="HPSEARCH_WORKDIR",
-    help="Work folder.",
-)
+@_workdir_option
 @click.option(
     "-k", "k", type=click.IntRange(min=1), default=5, show_default=True, help="How many trials."
 )
@@ -428,13 +424,7 @@ def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) 
 
 @cli.command()
 @_storage_option
-@click.option(
-    "--workdir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path(".hpsearch"),
-    envvar="HPSEARCH_WORKDIR",
-    help="Work folder.",
-)
+@_workdir_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_edge
 def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
@@ -509,13 +499,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
 
 
 @cli.command()
-@click.option(
-    "--workdir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path(".hpsearch"),
-    envvar="HPSEARCH_WORKDIR",
-    help="Work folder.",
-)
+@_workdir_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option(
     "--port", type=click.IntRange(1, 65535), default=5000, show_default=True, help="Port."
@@ -548,13 +532,7 @@ def ui(workdir: Path, host: str, port: int) -> None:
 
 @cli.command()
 @_storage_option
-@click.option(
-    "--workdir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path(".hpsearch"),
-    envvar="HPSEARCH_WORKDIR",
-    help="Work folder.",
-)
+@_workdir_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option(
     "--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="Port."
