@@ -145,6 +145,10 @@ class TrialRun:
         if self.uploader is not None and self.checkpoint is not None and self.checkpoint.exists():
             self.uploader.submit(self.checkpoint)
 
+    def stop_input_bound(self) -> bool:
+        """True when the study's policy stops input-bound trials and this one is."""
+        return bool(self.sampler is not None and self.sampler.should_stop())
+
     def _note_input_bound(self) -> None:
         """Record it on the Optuna trial too, where `launch` progress and `status` see it."""
         if self.trial.number in self.session._input_bound:

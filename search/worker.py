@@ -315,6 +315,10 @@ def run_trial(
 
         def report(epoch: int, value: float) -> bool:
             db(lambda: trial.report(value, epoch), "report")
+            if run is not None and run.stop_input_bound():
+                # tracking.stop_input_bound: a starved GPU is stopped like a pruned trial.
+                db(lambda: trial.set_user_attr("stopped_by", "input_bound"), "set_user_attr")
+                return True
             return bool(db(trial.should_prune, "should_prune"))
 
         options = TrainOptions(
