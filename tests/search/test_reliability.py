@@ -58,7 +58,7 @@ def test_kill_9_worker_mid_trial_resumes_from_checkpoint(
     env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.5"}
     proc = subprocess.Popen(
         launch_cmd("--study", "tiny", "--workers", "2", "--trials", "4", "--storage", pg_url,
-                   "--workdir", str(tmp_path / "w"), "--no-tracking", "--train-fn", DUMMY,
+                   "--workdir", str(tmp_path / "w"), "--train-fn", DUMMY,
                    "--set", "budget.max_epochs=5", "--set", "pruner.name=none",
                    "--set", "pruner.options={}"),
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -89,6 +89,17 @@ def test_kill_9_worker_mid_trial_resumes_from_checkpoint(
     assert resumed_from in (killed_at + 1, killed_at + 2), (resumed_from, killed_at)
     assert sorted(retry[0].intermediate_values) == list(range(1, 6))
     assert "worker 0 died (signal 9)" in out or "worker 1 died (signal 9)" in out
+    # The dead worker's MLflow run (embedded server of the launch) is FAILED, not RUNNING.
+    from hpsearch.tracking.server import start_local_server
+    from mlflow.tracking import MlflowClient
+
+    with start_local_server(tmp_path / "w") as server:
+        client = MlflowClient(server.url)
+        run = client.get_run(dead.user_attrs["mlflow_run_id"])
+        assert run.info.status == "FAILED"
+        assert "worker died (signal 9)" in run.data.tags["hpsearch.reason"]
+        again = client.get_run(retry[0].user_attrs["mlflow_run_id"])
+        assert again.info.status == "FINISHED" and again.info.run_id != run.info.run_id
     print(f"killed after epoch {killed_at}; retry resumed at epoch {resumed_from}")
 
 
