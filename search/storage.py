@@ -198,6 +198,19 @@ def with_db_retry(
 
 
 @contextlib.contextmanager
+def _advisory_lock(engine: sa.Engine, name: str) -> Iterator[None]:
+    """A PostgreSQL session-level advisory lock, held on one connection of `engine`."""
+    with engine.connect() as conn:
+        key = _lock_key(name)
+        conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        try:
+            yield
+        finally:
+            conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+            conn.commit()
+
+
+@contextlib.contextmanager
 def _schema_lock(spec: StorageSpec) -> Iterator[None]:
     """Optuna creates its tables on first connect; workers starting together on an empty
     database would race on it (duplicate type "studydirection"). Serialize that step."""
@@ -206,14 +219,8 @@ def _schema_lock(spec: StorageSpec) -> Iterator[None]:
         return
     eng = sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
     try:
-        with eng.connect() as conn:
-            key = _lock_key("<schema>")
-            conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
-            try:
-                yield
-            finally:
-                conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-                conn.commit()
+        with _advisory_lock(eng, "<schema>"):
+            yield
     finally:
         eng.dispose()
 
@@ -237,14 +244,8 @@ def study_lock(
         eng = (
             engine if engine is not None else sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
         )
-        with eng.connect() as conn:
-            key = _lock_key(study_name)
-            conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
-            try:
-                yield
-            finally:
-                conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-                conn.commit()
+        with _advisory_lock(eng, study_name):
+            yield
         return
     lock_path = Path(spec.url + ".lock") if spec.kind == "journal" else None
     if lock_path is None:
