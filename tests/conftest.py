@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +12,6 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))  # dummy_trainer for worker subprocesses and tests
-
-PG_ADMIN = os.environ.get("HPSEARCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 def data_root() -> Path:
@@ -29,38 +26,16 @@ def flowers_root() -> Path:
     return root
 
 
-def _admin_engine():  # type: ignore[no-untyped-def]
-    import sqlalchemy as sa
-    from hpsearch.storage import normalize_url
-
-    # NullPool: a test may restart PostgreSQL, which kills pooled connections.
-    return sa.create_engine(
-        normalize_url(PG_ADMIN), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
-    )
-
-
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database for one test, dropped afterwards."""
-    import sqlalchemy as sa
+    from stack_util import create_database, drop_database
 
-    name = f"hps_{uuid.uuid4().hex[:12]}"
-    eng = _admin_engine()
-    with eng.connect() as c:
-        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    base = PG_ADMIN.rsplit("/", 1)[0]
+    url = create_database("hps")
     try:
-        yield f"{base}/{name}"
+        yield url
     finally:
-        with eng.connect() as c:
-            c.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"
-                ),
-                {"n": name},
-            )
-            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
-        eng.dispose()
+        drop_database(url)
 
 
 @pytest.fixture

@@ -47,6 +47,7 @@ def _admin_engine() -> Any:
     import sqlalchemy as sa
     from hpsearch.storage import normalize_url
 
+    # NullPool: a test may restart PostgreSQL, which kills pooled connections.
     return sa.create_engine(
         normalize_url(PG_ADMIN), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
     )

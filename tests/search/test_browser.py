@@ -24,9 +24,7 @@ import pytest
 from hpsearch.tracking.server import free_port
 from stack_util import (
     StackStudy,
-    acquire_study,
     experiment_by_name,
-    release_study,
     search_runs,
     tags_of,
     worker_env,
@@ -40,15 +38,6 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
 WAIT_MS = 90_000  # 2 busy cores: the MLflow UI bundle alone takes seconds to parse
-
-
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory, flowers_root: Path) -> Iterator[StackStudy]:
-    s = acquire_study(lambda: tmp_path_factory.mktemp("stack"), flowers_root)
-    try:
-        yield s
-    finally:
-        release_study()
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import socket
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import optuna
 import pytest
@@ -15,10 +13,8 @@ import sqlalchemy as sa
 from stack_util import (
     WORKERS,
     StackStudy,
-    acquire_study,
     experiment_by_name,
     list_artifacts,
-    release_study,
     search_runs,
     tags_of,
 )
@@ -26,15 +22,6 @@ from stack_util import (
 pytestmark = pytest.mark.slow
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory, flowers_root: Path) -> Iterator[StackStudy]:
-    s = acquire_study(lambda: tmp_path_factory.mktemp("stack"), flowers_root)
-    try:
-        yield s
-    finally:
-        release_study()
 
 
 def _logs(stack: StackStudy) -> str:

@@ -1,0 +1,19 @@
+"""The native stack (PostgreSQL for Optuna and MLflow, an MLflow server, two independent
+workers) shared by test_stack.py and test_browser.py: built once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from stack_util import StackStudy, acquire_study, release_study
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, flowers_root: Path) -> Iterator[StackStudy]:
+    s = acquire_study(lambda: tmp_path_factory.mktemp("stack"), flowers_root)
+    try:
+        yield s
+    finally:
+        release_study()
