@@ -72,6 +72,19 @@ def _storage_option(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
+class _WorkersType(click.ParamType):
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value).strip().lower()
+        if text == "auto" or (text.isdigit() and int(text) >= 1):
+            return text
+        self.fail(f"{value!r}: expected a whole number >= 1 or 'auto'", param, ctx)
+
+
+_WORKERS = _WorkersType()
+
+
 def _trial_options(fn: F) -> F:
     """Options shared by `launch` and `worker`: how trials run and recover."""
     opts = [
@@ -138,10 +151,18 @@ def cli() -> None:
 @click.option(
     "--workers",
     "-w",
-    type=click.IntRange(min=1),
-    default=1,
+    type=_WORKERS,
+    default="1",
     show_default=True,
-    help="Worker processes on this machine.",
+    help="Worker processes on this machine, or 'auto': probe the study's largest trials "
+    "on a GPU and pack as many per GPU as memory and utilization allow.",
+)
+@click.option(
+    "--max-per-gpu",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="With --workers auto: at most this many workers share one GPU.",
 )
 @click.option(
     "--trials",
@@ -173,9 +194,9 @@ def cli() -> None:
 @_edge
 def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
            workdir: Path, device: str, storage: str | None, tracking_uri: str | None,
-           no_tracking: bool, workers: int, trials: int | None, timeout: float | None,
-           gpus: str | None, max_restarts: int, max_retries: int, grace: float, heartbeat: int,
-           train_fn: str) -> None:  # fmt: skip
+           no_tracking: bool, workers: str, max_per_gpu: int, trials: int | None,
+           timeout: float | None, gpus: str | None, max_restarts: int, max_retries: int,
+           grace: float, heartbeat: int, train_fn: str) -> None:  # fmt: skip
     """Create or resume a study and run WORKERS supervised worker processes.
 
     \b
@@ -183,15 +204,19 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
       hpsearch launch --study flowers102 --workers 4 --data-dir ../shared/datasets
       hpsearch launch --study tiny --workers 3 --trials 6 \\
           --storage postgresql://postgres@127.0.0.1/test --set budget.max_epochs=1
+      hpsearch launch --study flowers102 --workers auto --data-dir ../shared/datasets
     """
+    from hpsearch.config import config_to_yaml
     from hpsearch.launcher import (
         Launcher,
         LaunchOptions,
         Progress,
+        auto_workers,
         check_gpus,
         format_progress,
         parse_gpus,
     )
+    from hpsearch.packing import place_workers, visible_gpus
     from hpsearch.storage import resolve_storage
     from hpsearch.tracking.server import resolve_tracking_uri
 
@@ -206,8 +231,29 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         from hpsearch.runner import check_dataset
 
         check_dataset(cfg)
+    # Without --gpus, workers spread over every visible GPU rather than all on the first.
+    use_gpus = gpu_list or ([] if device == "cpu" else visible_gpus())
+    placement, packing = None, None
+    if workers == "auto":
+        if not use_gpus:
+            n_workers = 1
+            click.echo("--workers auto: no GPU visible; running 1 worker")
+        else:
+            study_file = workdir / "run" / f"{cfg.name}.yaml"
+            study_file.parent.mkdir(parents=True, exist_ok=True)
+            study_file.write_text(config_to_yaml(cfg))
+            plan = auto_workers(study_file, use_gpus, workdir, max_per_gpu)
+            placement = place_workers({g: plan.workers_per_gpu for g in use_gpus})
+            n_workers, packing = len(placement), workdir / "run" / "packing.json"
+            click.echo(f"--workers auto: {plan.reason}")
+    else:
+        n_workers = int(workers)
+        if use_gpus and not gpu_list:
+            placement = [use_gpus[i % len(use_gpus)] for i in range(n_workers)]
     opts = LaunchOptions(
-        workers=workers,
+        workers=n_workers,
+        placement=placement,
+        packing=packing,
         workdir=workdir,
         gpus=gpu_list,
         device=device,
@@ -233,7 +279,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             click.echo(format_progress(p))
             last["line"], last["at"] = state, p.elapsed_s
 
-    click.echo(f"study {cfg.name}: {cfg.budget.n_trials} trials, {workers} workers, "
+    click.echo(f"study {cfg.name}: {cfg.budget.n_trials} trials, {n_workers} workers, "
                f"storage {spec.display}")  # fmt: skip
     launcher = Launcher(cfg, spec, opts, on_progress=show)
     _on_signals(launcher.stop, "launch")
@@ -288,11 +334,18 @@ def _on_signals(stop: Callable[[], None], what: str) -> None:
     default=None,
     help="Stop this worker after N trials.",
 )
+@click.option(
+    "--packing",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    hidden=True,
+    help="The launcher's --workers auto plan: reserve GPU memory by it.",
+)
 @_edge
 def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
            workdir: Path, device: str, storage: str | None, tracking_uri: str | None,
            no_tracking: bool, worker_id: str, trials: int | None, max_trials: int | None,
-           timeout: float | None,
+           packing: Path | None, timeout: float | None,
            max_retries: int, heartbeat: int, train_fn: str) -> None:  # fmt: skip
     """Join an existing study from any machine and run trials until its budget is spent.
 
@@ -325,6 +378,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         max_retries=max_retries,
         train_fn=train_fn,
         set_budget=trials is not None,
+        packing=packing,
     )
     stop = threading.Event()
     _on_signals(stop.set, "worker")

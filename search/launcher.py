@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ from typing import IO, Any
 import optuna
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import ConfigError, DeviceError
+from hpsearch.packing import MemoryModel, PackingPlan, plan_from_probe
 from hpsearch.storage import StorageSpec, open_storage, with_db_retry
 from hpsearch.study import budget_counts, create_or_load, may_start_trial
 from hpsearch.worker import (
@@ -70,6 +72,39 @@ def assign_gpus(n_workers: int, gpus: Sequence[str] | None) -> list[str | None]:
     return [gpus[i % len(gpus)] for i in range(n_workers)]
 
 
+def auto_workers(
+    study_file: Path,
+    gpus: Sequence[str],
+    workdir: Path,
+    max_per_gpu: int = 8,
+    timeout_s: float = 900.0,
+) -> PackingPlan:
+    """`--workers auto`: probe the study's trial shapes on the first GPU (in a child
+    process, so this one holds no CUDA context), then pack every GPU alike. The plan is
+    saved as `<workdir>/run/packing.json`; workers reserve memory by it."""
+    if not gpus:
+        raise DeviceError("--workers auto: no GPU is visible; give --workers N")
+    out = workdir / "run" / "probe.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[0], CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    cmd = [sys.executable, "-m", "hpsearch.probe", "--study", str(study_file), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise DeviceError(f"--workers auto: the GPU probe took over {timeout_s:.0f} s") from exc
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise DeviceError(f"--workers auto: the GPU probe failed: {last}")
+    raw = json.loads(out.read_text())
+    models = [MemoryModel(**m) for m in raw["models"]]
+    plan = plan_from_probe(
+        gpus, int(raw["total_bytes"]), models, int(raw["worst_trial_bytes"]),
+        float(raw["busy"]), max_per_gpu,
+    )  # fmt: skip
+    (workdir / "run" / "packing.json").write_text(plan.to_json())
+    return plan
+
+
 def should_restart(exit_code: int, restarts: int, max_restarts: int, budget_left: bool) -> bool:
     """A worker that exited with an error is restarted while it has restarts left."""
     return exit_code != 0 and budget_left and restarts < max_restarts
@@ -99,6 +134,8 @@ class LaunchOptions:
     heartbeat_interval_s: int = 10
     grace_s: float = 120.0  # first Ctrl-C: wait this long for epoch boundaries
     progress_every_s: float = 2.0
+    placement: list[str] | None = None  # GPU per worker (--workers auto); else round-robin
+    packing: Path | None = None  # the auto plan: workers reserve GPU memory by it
 
 
 @dataclass(frozen=True)
@@ -257,7 +294,8 @@ class Launcher:
         self._t0 = time.monotonic()
         stopped_by = "error"
         try:
-            for i, gpu in enumerate(assign_gpus(opts.workers, opts.gpus)):
+            placement = opts.placement or assign_gpus(opts.workers, opts.gpus)
+            for i, gpu in enumerate(placement):
                 slot = _Slot(i, gpu)
                 self._slots.append(slot)
                 self._spawn(slot, resolved, tracking_uri)
@@ -334,6 +372,8 @@ class Launcher:
             cmd += ["--timeout", f"{max(remaining, 1.0):.1f}"]
         if opts.train_fn:
             cmd += ["--train-fn", opts.train_fn]
+        if opts.packing is not None:
+            cmd += ["--packing", str(opts.packing)]
         env = dict(os.environ)
         # The storage URL may hold a password: pass it in the environment, not argv (ps).
         env["HPSEARCH_STORAGE"] = self.spec.url

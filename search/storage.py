@@ -198,13 +198,14 @@ def with_db_retry(
 
 
 @contextlib.contextmanager
-def _advisory_lock(engine: sa.Engine, name: str) -> Iterator[None]:
-    """A PostgreSQL session-level advisory lock, held on one connection of `engine`."""
+def _advisory_lock(engine: sa.Engine, name: str) -> Iterator[sa.Connection]:
+    """A PostgreSQL session-level advisory lock, held on one connection of `engine`
+    (yielded, so the locked section can read on it without taking a second one)."""
     with engine.connect() as conn:
         key = _lock_key(name)
         conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
         try:
-            yield
+            yield conn
         finally:
             conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
             conn.commit()
@@ -235,25 +236,67 @@ def _lock_key(study_name: str) -> int:
 @contextlib.contextmanager
 def study_lock(
     spec: StorageSpec, study_name: str, engine: sa.Engine | None = None
-) -> Iterator[None]:
+) -> Iterator[sa.Connection | None]:
     """Serializes "count trials, then ask" across processes so the budget is never overshot.
 
-    PostgreSQL: a session-level advisory lock. Journal file: flock on a sibling lock file.
+    PostgreSQL: a session-level advisory lock; yields the connection holding it. Journal
+    file: flock on a sibling lock file; yields None.
     """
     if spec.is_postgres:
         eng = (
             engine if engine is not None else sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
         )
-        with _advisory_lock(eng, study_name):
-            yield
+        with _advisory_lock(eng, study_name) as conn:
+            yield conn
         return
-    lock_path = Path(spec.url + ".lock") if spec.kind == "journal" else None
+    # Not "<journal>.lock": that is Optuna's own open-lock file for journal writes, and
+    # holding it here made every write inside this lock wait out Optuna's 30 s grace.
+    lock_path = Path(spec.url + ".ask-lock") if spec.kind == "journal" else None
     if lock_path is None:
-        yield
+        yield None
         return
     with open(lock_path, "a") as fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
-            yield
+            yield None
         finally:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def count_trials_sql(conn: sa.Connection, study: optuna.Study) -> dict[str, int]:
+    """Trials of `study` by state ("complete", "running", ...), in one aggregate query.
+
+    Reads Optuna's own `trials` table (it stores TrialState names) instead of loading every
+    trial through the storage: the budget check under the study lock stays O(1) in the
+    study's size. Never writes there.
+    """
+    rows = conn.execute(
+        sa.text("SELECT state, count(*) FROM trials WHERE study_id = :sid GROUP BY state"),
+        {"sid": study._study_id},
+    ).fetchall()
+    counts = {s.name.lower(): 0 for s in optuna.trial.TrialState}
+    for state, n in rows:
+        counts[str(getattr(state, "name", state)).lower()] = int(n)
+    return counts
+
+
+def set_user_attrs(trial: optuna.Trial, attrs: dict[str, Any]) -> None:
+    """Several user attributes of a running trial in one transaction on RDBStorage (one
+    commit instead of one per key: a worker sets about ten per trial). Other storages, or
+    an Optuna without the internal helper, take the public per-key path."""
+    storage = trial.storage
+    backend = getattr(storage, "_backend", storage)
+    write = getattr(backend, "_set_trial_attr_without_commit", None)
+    if not isinstance(backend, RDBStorage) or write is None or not attrs:
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        return
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session
+
+    with _create_scoped_session(backend.scoped_session, True) as session:
+        for key, value in attrs.items():
+            write(session, models.TrialUserAttributeModel, trial._trial_id, key, value)
+    cached = getattr(trial, "_cached_frozen_trial", None)
+    if cached is not None:  # what trial.user_attrs shows, as set_user_attr would keep it
+        cached.user_attrs.update(attrs)

@@ -6,23 +6,32 @@ machines) run this same loop against the same storage.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import json
 import os
 import socket
 import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import optuna
 from hpsearch.config import StudyConfig
 from hpsearch.errors import HpsearchError, StorageError
-from hpsearch.storage import StorageSpec, open_storage, study_lock, with_db_retry
+from hpsearch.storage import (
+    StorageSpec,
+    count_trials_sql,
+    open_storage,
+    set_user_attrs,
+    study_lock,
+    with_db_retry,
+)
 from hpsearch.study import (
     MEMORY_CONSTRAINT,
     budget_counts,
@@ -74,9 +83,42 @@ class WorkerOptions:
     db_outage_limit_s: float = 120.0
     train_fn: str = ""  # "module:function"; empty = hpsearch.trainer.train
     set_budget: bool = False  # record config.budget.n_trials on the study (worker --trials)
+    packing: Path | None = None  # --workers auto plan: reserve GPU memory before each trial
 
     def resolved_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class TrialTiming:
+    """Where one trial's wall time went, as this worker saw it (milliseconds unless `_s`).
+
+    Appended as one JSON line per trial to `<workdir>/timings/<worker>.jsonl`; the
+    benchmarks read these, and `startup_s` is the per-trial start-up overhead.
+    """
+
+    trial: int
+    worker: str
+    ask_ms: float  # study lock + budget check + ask
+    suggest_ms: float = 0.0
+    startup_s: float = 0.0  # ask start to the first training step (incl. trainer set-up)
+    report_ms: list[float] = field(default_factory=list)  # per epoch: report + should_prune
+    log_ms: list[float] = field(default_factory=list)  # per epoch: hand-off to MLflow thread
+    admission_wait_s: float = 0.0  # waiting for GPU memory beside packed trials
+    tell_ms: float = 0.0  # result attributes + tell
+    trial_s: float = 0.0
+
+
+def append_timing(workdir: Path, timing: TrialTiming) -> None:
+    """Best effort: a full disk must not fail a trial."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in timing.worker)
+    try:
+        path = workdir / "timings" / f"{safe}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as fh:
+            fh.write(json.dumps(asdict(timing)) + "\n")
+    except OSError as exc:
+        warnings.warn(f"could not record trial timings: {exc}", stacklevel=2)
 
 
 @dataclass
@@ -108,7 +150,10 @@ def checkpoint_path(workdir: Path, study: str, root_trial: int) -> Path:
 def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
     """The first trial of a retry chain (Optuna's RetryHeartbeatStaleTrialCallback records it)."""
     if isinstance(trial, optuna.Trial):
-        trial = trial.study._storage.get_trial(trial._trial_id)
+        # The frozen copy taken at ask holds the retry's system attributes; re-reading a
+        # running trial would cost a round trip of several queries.
+        cached = getattr(trial, "_cached_frozen_trial", None)
+        trial = cached if cached is not None else trial.study._storage.get_trial(trial._trial_id)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         root = RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
@@ -209,7 +254,10 @@ def run_worker(
     summary = WorkerSummary(wid)
     train_fn = load_train_fn(opts.train_fn)
     study = connect(cfg, spec, opts)
-    lock_engine = getattr(study._storage, "engine", None)
+    # The lock and the budget count use the storage's own pool (RDBStorage sits behind
+    # Optuna's cache wrapper); a NullPool engine would connect afresh on every ask.
+    lock_engine = getattr(getattr(study._storage, "_backend", study._storage), "engine", None)
+    budget = _Budget(study, cfg)
     tracking = _open_tracking(cfg, spec, opts)
     watcher = None
     if spec.kind == "rdb":
@@ -224,8 +272,9 @@ def run_worker(
         if deadline is not None and time.monotonic() > deadline:
             summary.stopped_by = "timeout"
             break
+        asked_at = time.perf_counter()
         trial = with_db_retry(
-            lambda: _next_trial(study, cfg, spec, lock_engine),
+            lambda: _next_trial(study, cfg, spec, lock_engine, budget),
             give_up_after_s=opts.db_outage_limit_s,
             what="ask",
         )
@@ -237,7 +286,10 @@ def run_worker(
             stop.wait(max(1.0, opts.heartbeat_interval_s / 2))
             continue
         assert isinstance(trial, optuna.Trial)
-        outcome = run_trial(study, trial, cfg, opts, train_fn, tracking, warm, stop)
+        timing = TrialTiming(trial.number, wid, (time.perf_counter() - asked_at) * 1e3)
+        outcome = run_trial(study, trial, cfg, opts, train_fn, tracking, warm, stop, timing)
+        timing.trial_s = time.perf_counter() - asked_at
+        append_timing(opts.workdir, timing)
         summary.trials.append(trial.number)
         summary.outcomes[outcome] = summary.outcomes.get(outcome, 0) + 1
         if on_trial is not None:
@@ -256,14 +308,37 @@ def run_worker(
     return summary
 
 
+class _Budget:
+    """The study's n_trials, re-read at most every `ttl_s` seconds: a relaunch with
+    --trials changes it rarely, while every ask needs it."""
+
+    def __init__(self, study: optuna.Study, cfg: StudyConfig, ttl_s: float = 5.0) -> None:
+        self._study, self._cfg, self._ttl_s = study, cfg, ttl_s
+        self._value, self._read_at = 0, -float("inf")
+
+    def __call__(self) -> int:
+        if time.monotonic() - self._read_at > self._ttl_s:
+            self._value = study_budget(self._study, self._cfg)
+            self._read_at = time.monotonic()
+        return self._value
+
+
 def _next_trial(
-    study: optuna.Study, cfg: StudyConfig, spec: StorageSpec, engine: Any
+    study: optuna.Study, cfg: StudyConfig, spec: StorageSpec, engine: Any, budget: _Budget
 ) -> optuna.Trial | str | None:
-    """Ask under the study lock, so concurrent workers never overshoot `n_trials`."""
-    with study_lock(spec, cfg.name, engine):
-        optuna.storages.fail_stale_trials(study)
-        counts = budget_counts(study.get_trials(deepcopy=False))
-        if may_start_trial(counts, study_budget(study, cfg)):
+    """Ask under the study lock, so concurrent workers never overshoot `n_trials`.
+
+    The locked section is one aggregate count and the ask itself: every asking worker of
+    every host queues here, so it must stay short. Stale trials are failed by each
+    worker's watcher thread, not here.
+    """
+    n_trials = budget()
+    with study_lock(spec, cfg.name, engine) as conn:
+        if conn is not None:
+            counts = count_trials_sql(conn, study)
+        else:
+            counts = budget_counts(study.get_trials(deepcopy=False))
+        if may_start_trial(counts, n_trials):
             return study.ask()
     return "wait" if counts.get("running", 0) > 0 else None
 
@@ -277,8 +352,11 @@ def run_trial(
     tracking: Any,
     warm: Any,
     stop: threading.Event,
+    timing: TrialTiming | None = None,
 ) -> str:
     """Train one trial and tell Optuna. Returns the outcome; never raises for a trial's fault."""
+    timing = timing or TrialTiming(trial.number, opts.resolved_id(), 0.0)
+    began = time.perf_counter() - timing.ask_ms / 1e3
     from hpsearch.trainer import TrainOptions
 
     def db(fn: Callable[[], Any], what: str = "storage") -> Any:
@@ -287,7 +365,9 @@ def run_trial(
     heartbeat = _Heartbeat(study._storage, trial._trial_id)
     run = None
     try:
+        t0 = time.perf_counter()
         params = db(lambda: suggest(trial, cfg), "suggest")
+        timing.suggest_ms = (time.perf_counter() - t0) * 1e3
         root = root_trial_number(trial)
         ckpt = checkpoint_path(opts.workdir, cfg.name, root)
         attrs = {
@@ -296,8 +376,7 @@ def run_trial(
             ATTR_PID: os.getpid(),
             ATTR_CHECKPOINT: str(ckpt),
         }
-        for k, v in attrs.items():
-            db(functools.partial(trial.set_user_attr, k, v), "set_user_attr")
+        db(functools.partial(set_user_attrs, trial, attrs), "set_user_attr")
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
         if tracking is not None and root != trial.number and previous_run and not ckpt.exists():
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
@@ -311,15 +390,21 @@ def run_trial(
             if not first_epoch:
                 first_epoch.append(int(record.epoch))
             if run is not None:
+                t0 = time.perf_counter()
                 run.log_epoch(record)
+                timing.log_ms.append((time.perf_counter() - t0) * 1e3)
 
         def report(epoch: int, value: float) -> bool:
-            db(lambda: trial.report(value, epoch), "report")
-            if run is not None and run.stop_input_bound():
-                # tracking.stop_input_bound: a starved GPU is stopped like a pruned trial.
-                db(lambda: trial.set_user_attr("stopped_by", "input_bound"), "set_user_attr")
-                return True
-            return bool(db(trial.should_prune, "should_prune"))
+            t0 = time.perf_counter()
+            try:
+                db(lambda: trial.report(value, epoch), "report")
+                if run is not None and run.stop_input_bound():
+                    # tracking.stop_input_bound: a starved GPU is stopped like a pruned trial.
+                    db(lambda: trial.set_user_attr("stopped_by", "input_bound"), "set_user_attr")
+                    return True
+                return bool(db(trial.should_prune, "should_prune"))
+            finally:
+                timing.report_ms.append((time.perf_counter() - t0) * 1e3)
 
         options = TrainOptions(
             device=opts.device,
@@ -330,8 +415,11 @@ def run_trial(
             warm=warm,
             should_interrupt=stop.is_set,
         )
+        handed_over = time.perf_counter()
         try:
-            result = train_fn(cfg, params, report, options)
+            with _gpu_reservation(cfg, params, opts, stop) as waited:
+                timing.admission_wait_s = waited
+                result = train_fn(cfg, params, report, options)
         except StorageError:
             raise  # the database stayed down past the limit: stop the worker, not the trial
         except HpsearchError as exc:
@@ -343,7 +431,11 @@ def run_trial(
             return "error"
         if first_epoch and root != trial.number:  # a retry: where it picked up
             db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, first_epoch[0]), "set_user_attr")
+        setup_s = float(getattr(result, "setup_seconds", 0.0) or 0.0)
+        timing.startup_s = handed_over - began + setup_s
+        t0 = time.perf_counter()
         outcome = _tell(study, trial, cfg, opts, result, run, db)
+        timing.tell_ms = (time.perf_counter() - t0) * 1e3
         if outcome != "interrupted":
             _prune_checkpoints(study, cfg, opts.workdir)
         return outcome
@@ -371,8 +463,8 @@ def _fail(
     tb: str | None,
     db: Db,
 ) -> None:
-    db(lambda: trial.set_user_attr(ATTR_OUTCOME, outcome), "set_user_attr")
-    db(lambda: trial.set_user_attr(ATTR_MESSAGE, message[:500]), "set_user_attr")
+    attrs = {ATTR_OUTCOME: outcome, ATTR_MESSAGE: message[:500]}
+    db(functools.partial(set_user_attrs, trial, attrs), "set_user_attr")
     _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
     if run is not None:
         run.finish_failed(outcome, message, tb)
@@ -403,8 +495,7 @@ def _tell(
     uri = run.checkpoint_uri(result) if run is not None else None
     if uri is not None:
         attrs["checkpoint_uri"] = uri
-    for k, v in attrs.items():
-        db(functools.partial(trial.set_user_attr, k, v), "set_user_attr")
+    db(functools.partial(set_user_attrs, trial, attrs), "set_user_attr")
     if reason == "interrupted":
         # Checkpointed at an epoch boundary: fail now, and queue the same params to resume.
         _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
@@ -451,6 +542,8 @@ def _prune_checkpoints(study: optuna.Study, cfg: StudyConfig, workdir: Path) -> 
     if len(study.directions) > 1:
         return
     try:
+        if not any(p.is_file() for p in (workdir / "checkpoints").rglob("*")):
+            return  # nothing to delete: spare the read of every trial
         trials = study.get_trials(deepcopy=False)
         maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
         root = (workdir / "checkpoints").resolve()
@@ -460,6 +553,29 @@ def _prune_checkpoints(study: optuna.Study, cfg: StudyConfig, workdir: Path) -> 
                 path.unlink()
     except Exception as exc:  # housekeeping must never fail a worker
         warnings.warn(f"checkpoint clean-up failed: {exc}", stacklevel=2)
+
+
+@contextlib.contextmanager
+def _gpu_reservation(
+    cfg: StudyConfig, params: Mapping[str, Any], opts: WorkerOptions, stop: threading.Event
+) -> Iterator[float]:
+    """Admission control for packed workers: hold the trial's predicted peak memory in the
+    GPU's ledger while it trains; wait while the GPU is full. Yields the seconds waited."""
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if opts.packing is None or not gpu or "," in gpu or opts.device == "cpu":
+        yield 0.0
+        return
+    from hpsearch.packing import GpuLedger, PackingPlan
+
+    plan = PackingPlan.from_json(opts.packing.read_text())
+    hp = cfg.resolve_params(params)
+    micro = min(hp.batch_size, cfg.trainer.max_micro_batch or hp.batch_size)
+    need = plan.trial_bytes(hp.arch, micro, hp.image_size or cfg.dataset.image_size)
+    if need is None:  # an arch the probe did not see: the largest it did
+        need = plan.worst_trial_bytes + max((m.context_bytes for m in plan.models), default=0)
+    ledger = GpuLedger(opts.workdir, gpu, plan.total_bytes)
+    with ledger.reservation(need, stop.is_set) as waited:
+        yield waited
 
 
 def _record_dict(record: Any) -> dict[str, Any]:

@@ -1,0 +1,270 @@
+"""Several workers on one GPU: how many fit, and whether a trial may start now.
+
+Small-batch trials leave a GPU mostly idle (kernel launches, not arithmetic, bound each
+step), so packing several worker processes on one GPU multiplies trials per hour. Two
+limits decide how many: memory (the study's largest trial shape must fit beside the
+others) and compute (more workers than it takes to keep the GPU busy only time-slice it).
+
+The decisions are pure functions over numbers the probe (`hpsearch.probe`) measures.
+`GpuLedger` is the admission control: each packed trial reserves its predicted peak
+memory on its GPU before it starts, so packed trials never oversubscribe memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hpsearch.errors import DeviceError
+
+MiB = 1 << 20
+TARGET_BUSY = 0.95  # fraction of the GPU's time packed workers together aim to keep busy
+HEADROOM = 0.90  # fraction of a GPU's memory reservations may take (fragmentation, other users)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Peak CUDA memory of one trial of `arch`: a fixed part (weights, gradients, optimizer
+    state, workspaces) plus activations linear in batch size and in pixels per image,
+    fitted from two probe batches at `image_size`. Bytes."""
+
+    arch: str
+    image_size: int  # px, the probe's
+    fixed_bytes: int
+    per_sample_bytes: int
+    context_bytes: int  # the CUDA context and allocator slack of one process
+
+    def trial_bytes(self, batch_size: int, image_size: int) -> int:
+        scale = (image_size / self.image_size) ** 2
+        return int(self.fixed_bytes + self.per_sample_bytes * batch_size * scale)
+
+
+def fit_memory(
+    arch: str,
+    image_size: int,
+    small: tuple[int, int],
+    large: tuple[int, int],
+    context_bytes: int,
+) -> MemoryModel:
+    """A line through two (batch size, peak bytes) probe points of the same arch and size."""
+    (b1, m1), (b2, m2) = small, large
+    if b2 <= b1:
+        raise ValueError(f"probe batches must grow: got {b1} then {b2}")
+    slope = max(0.0, (m2 - m1) / (b2 - b1))
+    fixed = max(0.0, m2 - slope * b2)
+    return MemoryModel(arch, image_size, int(fixed), math.ceil(slope), int(context_bytes))
+
+
+def busy_fraction(
+    step_s_small: float, batch_small: int, step_s_large: float, batch_large: int
+) -> float:
+    """How much of the GPU's time one worker keeps it busy at the small batch, taking the
+    large batch as saturating: the time its images would take at the large batch's rate,
+    over the time they take."""
+    if step_s_small <= 0 or step_s_large <= 0:
+        return 1.0
+    ideal = step_s_large * batch_small / batch_large
+    return max(0.01, min(1.0, ideal / step_s_small))
+
+
+def workers_per_gpu(
+    total_bytes: int,
+    worst_trial_bytes: int,
+    context_bytes: int,
+    busy: float,
+    max_workers: int = 8,
+    headroom: float = HEADROOM,
+) -> int:
+    """Workers to place on one GPU: enough to keep it `TARGET_BUSY` when one worker alone
+    keeps it `busy`, and no more than the worst trial's memory allows. At least one."""
+    per_worker = max(1, worst_trial_bytes + context_bytes)
+    by_memory = int(headroom * total_bytes // per_worker)
+    by_compute = math.ceil(TARGET_BUSY / max(busy, 0.01))
+    return max(1, min(by_memory, by_compute, max_workers))
+
+
+def place_workers(per_gpu: Mapping[str, int]) -> list[str]:
+    """One GPU id per worker, interleaved (0,1,0,1,...) so the first workers spread out."""
+    out: list[str] = []
+    left = dict(per_gpu)
+    while any(left.values()):
+        for gpu in per_gpu:
+            if left[gpu] > 0:
+                out.append(gpu)
+                left[gpu] -= 1
+    return out
+
+
+def admit(
+    need_bytes: int, reserved: Mapping[int, int], total_bytes: int, headroom: float = HEADROOM
+) -> bool:
+    """A trial may start on a GPU when its reservation fits beside the ones already there.
+
+    A trial alone on its GPU always starts: if even that does not fit, the trainer records
+    it as out-of-memory, which the sampler learns from.
+    """
+    if not reserved:
+        return True
+    return need_bytes + sum(reserved.values()) <= headroom * total_bytes
+
+
+def visible_gpus(
+    env: Mapping[str, str] | None = None, count: Callable[[], int] | None = None
+) -> list[str]:
+    """GPU ids workers may be placed on: CUDA_VISIBLE_DEVICES when set, else every GPU
+    NVML sees (PCI bus order, as the launcher sets CUDA_DEVICE_ORDER), else none."""
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    try:
+        n = count() if count is not None else _nvml_count()
+    except Exception:  # no driver, no NVML: no GPUs
+        return []
+    return [str(i) for i in range(n)]
+
+
+def _nvml_count() -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()
+
+
+@dataclass(frozen=True)
+class PackingPlan:
+    """What `--workers auto` decided, and from which measurements (saved beside the run)."""
+
+    gpus: list[str]
+    workers_per_gpu: int
+    total_bytes: int
+    worst_trial_bytes: int
+    busy: float
+    models: list[MemoryModel]
+    reason: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @staticmethod
+    def from_json(text: str) -> PackingPlan:
+        raw = json.loads(text)
+        raw["models"] = [MemoryModel(**m) for m in raw["models"]]
+        return PackingPlan(**raw)
+
+    def trial_bytes(self, arch: str, batch_size: int, image_size: int) -> int | None:
+        for m in self.models:
+            if m.arch == arch:
+                return m.trial_bytes(batch_size, image_size) + m.context_bytes
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class GpuLedger:
+    """Memory reservations of the trials running on one GPU of this machine: a JSON file
+    {pid: bytes} under the work folder, changed under flock. Entries of dead processes are
+    dropped, so a killed worker frees its reservation."""
+
+    def __init__(self, workdir: Path, gpu: str, total_bytes: int, headroom: float = HEADROOM):
+        self.path = Path(workdir) / "gpu" / f"ledger-{gpu}.json"
+        self.total_bytes = total_bytes
+        self.headroom = headroom
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[int, int]]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_suffix(".lock"), "a") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                try:
+                    raw = json.loads(self.path.read_text() or "{}")
+                except (OSError, ValueError):
+                    raw = {}
+                book = {int(k): int(v) for k, v in raw.items() if _pid_alive(int(k))}
+                yield book
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps({str(k): v for k, v in book.items()}))
+                os.replace(tmp, self.path)
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+    def try_reserve(self, need_bytes: int, pid: int | None = None) -> bool:
+        pid = os.getpid() if pid is None else pid
+        with self._locked() as book:
+            others = {p: b for p, b in book.items() if p != pid}
+            if not admit(need_bytes, others, self.total_bytes, self.headroom):
+                return False
+            book[pid] = need_bytes
+            return True
+
+    def release(self, pid: int | None = None) -> None:
+        pid = os.getpid() if pid is None else pid
+        with self._locked() as book:
+            book.pop(pid, None)
+
+    def reserved(self) -> dict[int, int]:
+        with self._locked() as book:
+            return dict(book)
+
+    @contextlib.contextmanager
+    def reservation(
+        self,
+        need_bytes: int,
+        should_stop: Callable[[], bool] = lambda: False,
+        poll_s: float = 1.0,
+        max_wait_s: float = 3600.0,
+    ) -> Iterator[float]:
+        """Hold `need_bytes` on this GPU while the block runs; yields the seconds waited.
+
+        Waits while the GPU is full. Raises DeviceError after `max_wait_s` (a trial
+        that never fits beside the others must not hang its worker forever)."""
+        t0 = time.monotonic()
+        while not self.try_reserve(need_bytes):
+            if should_stop() or time.monotonic() - t0 > max_wait_s:
+                raise DeviceError(
+                    f"GPU memory: a trial needing {need_bytes // MiB} MiB waited "
+                    f"{time.monotonic() - t0:.0f} s for room beside the trials packed there"
+                )
+            time.sleep(poll_s)
+        try:
+            yield time.monotonic() - t0
+        finally:
+            self.release()
+
+
+def plan_from_probe(
+    gpus: Sequence[str],
+    total_bytes: int,
+    models: Sequence[MemoryModel],
+    worst_trial_bytes: int,
+    busy: float,
+    max_per_gpu: int,
+) -> PackingPlan:
+    context = max((m.context_bytes for m in models), default=0)
+    k = workers_per_gpu(total_bytes, worst_trial_bytes, context, busy, max_per_gpu)
+    by_memory = int(HEADROOM * total_bytes // max(1, worst_trial_bytes + context))
+    why = "memory" if k == by_memory else ("compute" if k < max_per_gpu else "the cap")
+    reason = (
+        f"{k} workers per GPU on {len(gpus)} GPU(s): one worker keeps a GPU {busy:.0%} busy; "
+        f"the largest trial needs {(worst_trial_bytes + context) // MiB} MiB of "
+        f"{total_bytes // MiB} MiB (limited by {why})"
+    )
+    return PackingPlan(list(gpus), k, total_bytes, worst_trial_bytes, busy, list(models), reason)

@@ -1,0 +1,165 @@
+"""Measure what `--workers auto` packs by: a few training steps of the study's trial shapes.
+
+For each architecture the study may pick, at its largest image size, the probe trains a
+few steps on synthetic data at the smallest and largest batch sizes of the search space
+and records `max_memory_reserved` (what the caching allocator really holds) and step time.
+It runs in its own process (`python -m hpsearch.probe`), so the launcher never holds a
+CUDA context, and prints one JSON object.
+
+Example:
+    CUDA_VISIBLE_DEVICES=0 python -m hpsearch.probe --study flowers102 --out probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpsearch.config import CategoricalParam, FloatParam, IntParam, StudyConfig, load_config
+
+CONTEXT_FALLBACK = 512 << 20  # bytes: CUDA context + cuBLAS/cuDNN workspaces, when NVML can't tell
+
+
+def choices(cfg: StudyConfig, name: str) -> list[Any]:
+    """The values a study may give a hyperparameter: its choices, its range's ends, or
+    the default when it is not searched."""
+    spec = cfg.search_space.get(name)
+    if isinstance(spec, CategoricalParam):
+        return [c for c in spec.choices if c is not None]
+    if isinstance(spec, IntParam | FloatParam):
+        return [spec.low, spec.high]
+    value = getattr(cfg.trainer.defaults, name)
+    return [value] if value is not None else []
+
+
+def probe_shapes(cfg: StudyConfig) -> tuple[list[str], int, int, int, int]:
+    """(archs, largest image size px, smallest, median and largest micro-batch)."""
+    archs = [str(a) for a in choices(cfg, "arch")]
+    sizes = [int(s) for s in choices(cfg, "image_size")] or [cfg.dataset.image_size]
+    batches = sorted(int(b) for b in choices(cfg, "batch_size"))
+    cap = cfg.trainer.max_micro_batch
+    micro = sorted({min(b, cap) if cap else b for b in batches})
+    return archs, max(sizes), micro[0], micro[len(micro) // 2], micro[-1]
+
+
+def _steps(cfg: StudyConfig, arch: str, batch: int, size: int, steps: int) -> tuple[int, float]:
+    """(peak reserved bytes, median step seconds) of `steps` training steps."""
+    import torch
+    from hpsearch.trainer.models import build_model
+    from hpsearch.trainer.optim import make_optimizer
+    from hpsearch.trainer.trial import _autocast, resolve_precision
+
+    device = torch.device("cuda")
+    hp = cfg.resolve_params({"arch": arch, "batch_size": batch})
+    num_classes = cfg.dataset.num_classes or 1000
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    fmt = torch.channels_last if cfg.trainer.channels_last else torch.contiguous_format
+    model = build_model(cfg, hp, num_classes).to(device, memory_format=fmt)
+    opt = make_optimizer(model, hp, 0.01)
+    amp = resolve_precision(cfg.trainer.precision, device)
+    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=fmt)
+    y = torch.randint(0, num_classes, (batch,), device=device)
+    times = []
+    for _ in range(steps + 1):  # the first step pays cuDNN autotuning: not timed
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with _autocast(device, amp):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = int(torch.cuda.max_memory_reserved(device))
+    del model, opt, x, y, loss
+    torch.cuda.empty_cache()
+    return peak, statistics.median(times[1:])
+
+
+def _context_bytes() -> int:
+    """Device memory this process holds beyond what PyTorch's allocator reserved."""
+    import os
+
+    import torch
+
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if p.pid == os.getpid() and p.usedGpuMemory:
+                    return max(0, int(p.usedGpuMemory) - int(torch.cuda.memory_reserved()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or PIDs hidden (containers): use the typical figure
+        pass
+    return CONTEXT_FALLBACK
+
+
+def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
+    """Probe the current CUDA device. Returns the measurements as plain JSON values."""
+    import torch
+    from hpsearch.errors import DeviceError
+    from hpsearch.packing import busy_fraction, fit_memory
+
+    if not torch.cuda.is_available():
+        raise DeviceError("--workers auto: the probe needs a CUDA GPU; none is visible")
+    torch.backends.cudnn.benchmark = True
+    archs, size, small, mid, large = probe_shapes(cfg)
+    total = int(torch.cuda.get_device_properties(0).total_memory)
+    models, busy = [], 1.0
+    for i, arch in enumerate(archs):
+        peak_small, _ = _steps(cfg, arch, small, size, steps)
+        peak_large, t_large = _steps(cfg, arch, large, size, steps) if large > small else (
+            peak_small, 0.0)  # fmt: skip
+        context = _context_bytes()
+        if large > small:
+            model = fit_memory(arch, size, (small, peak_small), (large, peak_large), context)
+        else:
+            model = fit_memory(arch, size, (0, 0), (small, peak_small), context)
+        models.append(model)
+        if i == 0 and mid < large:
+            _, t_mid = _steps(cfg, arch, mid, size, steps)
+            busy = busy_fraction(t_mid, mid, t_large, large)
+    worst = max(m.trial_bytes(large, size) for m in models)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "total_bytes": total,
+        "image_size": size,
+        "batches": [small, mid, large],
+        "busy": busy,
+        "worst_trial_bytes": worst,
+        "models": [m.__dict__ for m in models],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--study", required=True, help="study name or file")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here too")
+    args = p.parse_args(argv)
+    from hpsearch.errors import HpsearchError
+
+    try:
+        result = run_probe(load_config(args.study), args.steps)
+    except HpsearchError as exc:
+        sys.stderr.write(f"probe: {exc}\n")
+        return 1
+    text = json.dumps(result)
+    if args.out is not None:
+        args.out.write_text(text)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

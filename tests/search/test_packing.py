@@ -1,0 +1,189 @@
+"""GPU packing (--workers auto): the pure decisions, the memory ledger, and the worker's
+admission control. The probe itself needs a CUDA GPU; here it must fail with one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hpsearch.config import load_config
+from hpsearch.errors import DeviceError
+from hpsearch.packing import (
+    GpuLedger,
+    MemoryModel,
+    MiB,
+    PackingPlan,
+    admit,
+    busy_fraction,
+    fit_memory,
+    place_workers,
+    plan_from_probe,
+    visible_gpus,
+    workers_per_gpu,
+)
+from hpsearch.probe import probe_shapes
+from hpsearch.storage import StorageSpec
+from hpsearch.worker import WorkerOptions, run_worker
+
+GiB = 1 << 30
+
+
+def test_fit_memory_is_a_line_through_the_probe_points() -> None:
+    m = fit_memory("resnet18", 128, (32, 1 * GiB), (256, 8 * GiB), context_bytes=512 * MiB)
+    assert m.trial_bytes(32, 128) == pytest.approx(1 * GiB, rel=1e-6)
+    assert m.trial_bytes(256, 128) == pytest.approx(8 * GiB, rel=1e-6)
+    # activations scale with pixels: twice the side, four times the per-image part
+    per_image = m.per_sample_bytes
+    assert m.trial_bytes(64, 256) - m.fixed_bytes == pytest.approx(4 * 64 * per_image, rel=1e-6)
+    with pytest.raises(ValueError, match="must grow"):
+        fit_memory("x", 64, (64, 1), (32, 2), 0)
+
+
+def test_busy_fraction_from_step_times() -> None:
+    # The issue's H200 figures: ResNet-18 at 128 px, batch 32 takes 8.4 ms a step (launch
+    # bound), batch 256 runs 23,600 images/s (10.8 ms a step).
+    busy = busy_fraction(0.0084, 32, 256 / 23600, 256)
+    assert 0.15 < busy < 0.17
+    assert busy_fraction(0.01, 256, 0.01, 256) == 1.0
+    assert busy_fraction(0.0, 32, 0.01, 256) == 1.0  # no timing: assume busy, pack nothing
+
+
+def test_workers_per_gpu_takes_the_tighter_limit() -> None:
+    # compute bound: a worker keeps the GPU 30% busy -> 4 fill it (0.95 / 0.3 = 3.2)
+    assert workers_per_gpu(140 * GiB, 4 * GiB, GiB // 2, busy=0.3) == 4
+    # memory bound: 20 GiB trials on a 40 GiB GPU leave room for one
+    assert workers_per_gpu(40 * GiB, 20 * GiB, GiB // 2, busy=0.1) == 1
+    # the cap
+    assert workers_per_gpu(140 * GiB, GiB, GiB // 2, busy=0.05, max_workers=6) == 6
+    # never zero, even when one trial alone does not fit
+    assert workers_per_gpu(8 * GiB, 20 * GiB, GiB, busy=0.1) == 1
+
+
+def test_place_workers_interleaves_gpus() -> None:
+    assert place_workers({"0": 3, "1": 3}) == ["0", "1", "0", "1", "0", "1"]
+    assert place_workers({"2": 2}) == ["2", "2"]
+
+
+def test_admit() -> None:
+    assert admit(100 * GiB, {}, 80 * GiB)  # alone on the GPU: always, an OOM is recorded
+    assert admit(30 * GiB, {1: 40 * GiB}, 80 * GiB)  # 70 <= 72
+    assert not admit(40 * GiB, {1: 40 * GiB}, 80 * GiB)
+
+
+def test_visible_gpus() -> None:
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert visible_gpus({}, count=lambda: 2) == ["0", "1"]
+
+    def no_driver() -> int:
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    assert visible_gpus({}, count=no_driver) == []
+
+
+def test_plan_round_trip_and_reason() -> None:
+    models = [MemoryModel("resnet18", 112, GiB, 20 * MiB, 512 * MiB)]
+    plan = plan_from_probe(["0"], 140 * GiB, models, 6 * GiB, busy=0.25, max_per_gpu=8)
+    assert plan.workers_per_gpu == 4
+    assert "4 workers per GPU" in plan.reason and "compute" in plan.reason
+    again = PackingPlan.from_json(plan.to_json())
+    assert again == plan
+    assert again.trial_bytes("resnet18", 64, 112) == GiB + 64 * 20 * MiB + 512 * MiB
+    assert again.trial_bytes("resnet50", 64, 112) is None
+
+
+def test_probe_shapes_of_the_headline_study() -> None:
+    cfg = load_config("flowers102")
+    archs, size, small, mid, large = probe_shapes(cfg)
+    assert archs and all(a.startswith("resnet") for a in archs)
+    assert size >= cfg.dataset.image_size
+    assert small <= mid <= large
+
+
+def test_probe_without_a_gpu_fails_in_one_line(subprocess_env: dict[str, str]) -> None:
+    env = dict(subprocess_env, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpsearch.probe", "--study", "tiny"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert (
+        proc.stderr.strip() == "probe: --workers auto: the probe needs a CUDA GPU; none is visible"
+    )
+
+
+def test_ledger_reserves_releases_and_forgets_dead_workers(tmp_path: Path) -> None:
+    ledger = GpuLedger(tmp_path, "0", total_bytes=10 * GiB)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert ledger.try_reserve(6 * GiB, pid=sleeper.pid)
+        assert not ledger.try_reserve(4 * GiB)  # 6 + 4 > 9 (90% of 10)
+        assert ledger.try_reserve(3 * GiB)
+        assert ledger.reserved() == {sleeper.pid: 6 * GiB, os.getpid(): 3 * GiB}
+        ledger.release()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # the dead worker's reservation is gone: a large trial fits again
+    assert ledger.try_reserve(8 * GiB)
+    ledger.release()
+    assert ledger.reserved() == {}
+
+
+def test_reservation_waits_for_room_then_gives_up(tmp_path: Path) -> None:
+    ledger = GpuLedger(tmp_path, "0", total_bytes=10 * GiB)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert ledger.try_reserve(8 * GiB, pid=sleeper.pid)
+        waiting = ledger.reservation(4 * GiB, poll_s=0.05, max_wait_s=0.3)
+        with pytest.raises(DeviceError, match=r"waited \d+ s for room"), waiting:
+            pass
+        threading.Timer(0.5, lambda: ledger.release(pid=sleeper.pid)).start()
+        with ledger.reservation(4 * GiB, poll_s=0.05) as waited:
+            assert waited >= 0.4
+            assert ledger.reserved()[os.getpid()] == 4 * GiB
+        assert os.getpid() not in ledger.reserved()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_packed_worker_waits_for_gpu_memory_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker of an auto plan holds its trial until the trials already on its GPU leave
+    room; the wait is recorded in the trial's timings, and the reservation is freed."""
+    import json
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=1", "budget.max_epochs=1"])
+    models = [MemoryModel("resnet18", 32, 2 * GiB, 0, 0)]
+    plan = plan_from_probe(["0"], 10 * GiB, models, 2 * GiB, busy=0.2, max_per_gpu=4)
+    plan_file = tmp_path / "packing.json"
+    plan_file.write_text(plan.to_json())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0")
+    ledger = GpuLedger(tmp_path, "0", plan.total_bytes)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert ledger.try_reserve(8 * GiB, pid=other.pid)  # another trial fills the GPU
+        threading.Timer(1.5, lambda: ledger.release(pid=other.pid)).start()
+        spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+        opts = WorkerOptions(
+            workdir=tmp_path, worker_id="w0", device="auto", packing=plan_file,
+            train_fn="dummy_trainer:train",
+        )  # fmt: skip
+        t0 = time.monotonic()
+        summary = run_worker(cfg, spec, opts)
+        assert summary.outcomes == {"finished": 1}
+        assert time.monotonic() - t0 >= 1.4
+    finally:
+        other.kill()
+        other.wait()
+    timing = json.loads((tmp_path / "timings" / "w0.jsonl").read_text().splitlines()[0])
+    assert timing["admission_wait_s"] >= 1.0
+    assert ledger.reserved() == {}
