@@ -151,6 +151,8 @@ class TrainerConfig(_Frozen):
     evaluate_test: bool = True  # test accuracy of each finished trial
     num_workers: int = Field(default=4, ge=0)  # DataLoader workers of the streaming path
     checkpoint: bool = True
+    # seconds between resume checkpoints; 0 = every epoch. A crash redoes at most this much.
+    checkpoint_every_s: float = Field(default=0.0, ge=0)
     defaults: Hyperparams = Field(default_factory=Hyperparams)
 
 

@@ -7,11 +7,13 @@ building blocks (batched logger, GPU sampler, artifacts, server) live in hpsearc
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +122,33 @@ class _CheckpointUploader:
         self._thread.join(timeout_s)
 
 
+class _Finisher:
+    """Finishes trials' MLflow runs (plots, best-model upload, status) on one background
+    thread, in order, so the worker asks for its next trial at once. `close` drains it:
+    nothing queued is dropped when a worker stops."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="run-finisher")
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._queue.put(job)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                job()
+            except Exception as exc:  # best effort: the trial's metrics are already logged
+                logger.warning("finishing a trial's MLflow run failed: %s", exc)
+
+    def close(self, timeout_s: float = 600.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("MLflow runs still finishing after %.0f s; giving up", timeout_s)
+
+
 class TrialRun:
     """One trial's MLflow child run plus the GPU sampler feeding it."""
 
@@ -185,7 +214,9 @@ class TrialRun:
         return f"runs:/{self.run_id}/{CHECKPOINT_ARTIFACT}/best.pt"
 
     def finish_result(self, result: Any) -> None:
-        self._close_uploader()
+        """Hand the run's ending to the session's finisher thread. What may change under it
+        (the GPU sampler, the best-model file that a later trial's clean-up may delete) is
+        taken here first."""
         summary = self._gpu_summary()
         if result.best_val_acc is not None:
             summary["best_val_acc"] = float(result.best_val_acc)
@@ -194,18 +225,25 @@ class TrialRun:
         summary["train_seconds"] = float(result.train_seconds)
         summary["setup_seconds"] = float(result.setup_seconds)
         outcome = outcome_for(str(result.stop_reason))
+        best = None
+        if outcome in ("completed", "early_stopped", "time_limit"):
+            best = _snapshot(self._best_to_upload)
+        self.session.finish_later(lambda: self._finish(result, outcome, summary, best))
+
+    def _finish(
+        self, result: Any, outcome: str, summary: dict[str, float], best: Path | None
+    ) -> None:
+        self._close_uploader()
         artifacts: list[Path] = []
         tmp = Path(tempfile.mkdtemp(prefix="hpsearch-artifacts-"))
         try:
             if outcome not in ("interrupted",):
                 artifacts += self._plots(result, tmp)
-            if outcome in ("completed", "early_stopped", "time_limit"):
-                ckpt = self._best_to_upload
-                if ckpt is not None and ckpt.exists():
-                    folder = tmp / CHECKPOINT_ARTIFACT
-                    folder.mkdir()
-                    (folder / "best.pt").symlink_to(Path(ckpt).resolve())
-                    artifacts.append(folder)
+            if best is not None:
+                folder = tmp / CHECKPOINT_ARTIFACT
+                folder.mkdir()
+                (folder / "best.pt").symlink_to(best.resolve())
+                artifacts.append(folder)
             self.tracker.finish(
                 outcome,
                 result.pruned_at_epoch,
@@ -216,6 +254,8 @@ class TrialRun:
             )
         finally:
             _rmtree(tmp)
+            if best is not None:
+                _rmtree(best.parent)
 
     def _plots(self, result: Any, tmp: Path) -> list[Path]:
         from hpsearch.tracking import artifacts as art
@@ -237,9 +277,27 @@ class TrialRun:
         return out
 
     def finish_failed(self, outcome: str, message: str, tb: str | None) -> None:
-        self._close_uploader()
         summary = self._gpu_summary()
-        self.tracker.finish(outcome_for(outcome), None, summary, [], tb, reason=message)
+
+        def finish() -> None:
+            self._close_uploader()
+            self.tracker.finish(outcome_for(outcome), None, summary, [], tb, reason=message)
+
+        self.session.finish_later(finish)
+
+
+def _snapshot(path: Path | None) -> Path | None:
+    """A hard link to `path` in a private folder beside it (a copy across file systems),
+    so the file outlives its deletion by checkpoint clean-up until it is uploaded."""
+    if path is None or not path.exists():
+        return None
+    folder = Path(tempfile.mkdtemp(prefix=".upload-", dir=path.parent))
+    snap = folder / path.name
+    try:
+        os.link(path, snap)
+    except OSError:
+        shutil.copyfile(path, snap)
+    return snap
 
 
 class TrackingSession:
@@ -254,7 +312,11 @@ class TrackingSession:
         self.experiment_id: str | None = None
         self.parent_run_id: str | None = None
         self._input_bound: set[int] = set()
+        self._finisher = _Finisher()
         self._connect()
+
+    def finish_later(self, job: Callable[[], None]) -> None:
+        self._finisher.submit(job)
 
     def _connect(self) -> bool:
         if self.parent_run_id is not None:
@@ -364,7 +426,8 @@ class TrackingSession:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def close(self) -> None:
-        pass
+        """Wait for the trials' runs to finish (a stopping worker loses none of them)."""
+        self._finisher.close()
 
 
 def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:

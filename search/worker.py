@@ -265,46 +265,48 @@ def run_worker(
     warm = _new_warm_cache()
     deadline = time.monotonic() + opts.timeout_s if opts.timeout_s else None
     errors = 0
-    while not stop.is_set():
-        if opts.max_trials is not None and len(summary.trials) >= opts.max_trials:
-            summary.stopped_by = "max_trials"
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            summary.stopped_by = "timeout"
-            break
-        asked_at = time.perf_counter()
-        trial = with_db_retry(
-            lambda: _next_trial(study, cfg, spec, lock_engine, budget),
-            give_up_after_s=opts.db_outage_limit_s,
-            what="ask",
-        )
-        if trial is None:
-            break
-        if trial == "wait":
-            # Budget fully handed out but trials still run elsewhere; one may fail and be
-            # retried, so stay until they finish. Poll at half the heartbeat interval.
-            stop.wait(max(1.0, opts.heartbeat_interval_s / 2))
-            continue
-        assert isinstance(trial, optuna.Trial)
-        timing = TrialTiming(trial.number, wid, (time.perf_counter() - asked_at) * 1e3)
-        outcome = run_trial(study, trial, cfg, opts, train_fn, tracking, warm, stop, timing)
-        timing.trial_s = time.perf_counter() - asked_at
-        append_timing(opts.workdir, timing)
-        summary.trials.append(trial.number)
-        summary.outcomes[outcome] = summary.outcomes.get(outcome, 0) + 1
-        if on_trial is not None:
-            on_trial(trial.number, outcome)
-        if outcome == "error":
-            errors += 1
-            if errors >= opts.max_errors:
-                summary.stopped_by = "errors"
+    try:
+        while not stop.is_set():
+            if opts.max_trials is not None and len(summary.trials) >= opts.max_trials:
+                summary.stopped_by = "max_trials"
                 break
-    else:
-        summary.stopped_by = "interrupted"
-    if watcher is not None:
-        watcher.stop()
-    if tracking is not None:
-        tracking.close()
+            if deadline is not None and time.monotonic() > deadline:
+                summary.stopped_by = "timeout"
+                break
+            asked_at = time.perf_counter()
+            trial = with_db_retry(
+                lambda: _next_trial(study, cfg, spec, lock_engine, budget),
+                give_up_after_s=opts.db_outage_limit_s,
+                what="ask",
+            )
+            if trial is None:
+                break
+            if trial == "wait":
+                # Budget fully handed out but trials still run elsewhere; one may fail and be
+                # retried, so stay until they finish. Poll at half the heartbeat interval.
+                stop.wait(max(1.0, opts.heartbeat_interval_s / 2))
+                continue
+            assert isinstance(trial, optuna.Trial)
+            timing = TrialTiming(trial.number, wid, (time.perf_counter() - asked_at) * 1e3)
+            outcome = run_trial(study, trial, cfg, opts, train_fn, tracking, warm, stop, timing)
+            timing.trial_s = time.perf_counter() - asked_at
+            append_timing(opts.workdir, timing)
+            summary.trials.append(trial.number)
+            summary.outcomes[outcome] = summary.outcomes.get(outcome, 0) + 1
+            if on_trial is not None:
+                on_trial(trial.number, outcome)
+            if outcome == "error":
+                errors += 1
+                if errors >= opts.max_errors:
+                    summary.stopped_by = "errors"
+                    break
+        else:
+            summary.stopped_by = "interrupted"
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        if tracking is not None:
+            tracking.close()  # waits for trials' MLflow runs to finish
     return summary
 
 

@@ -309,7 +309,7 @@ class _Run:
     best_loss: float | None = None
     best_epoch: int | None = None
     best_confusion: list[list[int]] | None = None
-    best_state: dict[str, Tensor] | None = None  # CPU copy when there is no best-model file
+    best_state: dict[str, Tensor] | None = None  # CPU copy (the best-model file once saved)
     evals_since_best: int = 0
     stop_reason: StopReason = "finished"
     message: str = ""
@@ -502,6 +502,8 @@ def _train(
     step = (first_epoch - 1) * steps_per_epoch
     gen: torch.Generator | None = None
     np_rng: np.random.Generator | None = None
+    last_saved = time.perf_counter()  # of the resume checkpoint
+    best_unsaved = False  # a better model than the best-model file holds
     for epoch in range(first_epoch, config.budget.max_epochs + 1):
         if options.should_interrupt is not None and options.should_interrupt():
             run.stop_reason, run.message = "interrupted", f"interrupted before epoch {epoch}"
@@ -591,12 +593,11 @@ def _train(
                 run.best_acc, run.best_loss, run.best_epoch = val_acc, val_loss, epoch
                 run.best_confusion = confusion.cpu().tolist()
                 run.evals_since_best = 0
-                state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-                if best_path is not None:
-                    atomic_save(_best_file(state, hp, run, epoch, val_acc), best_path)
-                    run.best_model_path = best_path
-                else:
-                    run.best_state = state
+                # Kept in memory; written beside the checkpoint when that is next due.
+                run.best_state = {
+                    k: v.detach().cpu().clone() for k, v in model.state_dict().items()
+                }
+                best_unsaved = best_path is not None
             else:
                 run.evals_since_best += 1
             if report(epoch, val_acc):
@@ -609,13 +610,30 @@ def _train(
                     f"{tc.patience} evals (best {run.best_acc:.4f} at epoch "
                     f"{run.best_epoch})"
                 )
-        if ckpt_path is not None:
+        # Checkpoint at most every trainer.checkpoint_every_s (0: every epoch), and always
+        # at the trial's end or when a stop was asked for: writing ~100 MB per epoch would
+        # dominate the sub-second epochs of small images on a fast GPU.
+        stopping = options.should_interrupt is not None and options.should_interrupt()
+        due = (
+            run.stop_reason != "finished"
+            or epoch == config.budget.max_epochs
+            or stopping
+            or time.perf_counter() - last_saved >= tc.checkpoint_every_s
+        )
+        if ckpt_path is not None and due:
+            if best_unsaved and best_path is not None and run.best_state is not None:
+                best_epoch, best_acc = int(run.best_epoch or epoch), float(run.best_acc or 0.0)
+                best = _best_file(run.best_state, hp, run, best_epoch, best_acc)
+                atomic_save(best, best_path)
+                run.best_model_path, best_unsaved = best_path, False
             done = run.stop_reason if run.stop_reason != "finished" else None
             atomic_save(
-                _checkpoint(model, optimizer, schedule, scaler, epoch, gen, np_rng, hp, run, done),
+                _checkpoint(model, optimizer, schedule, scaler, epoch, gen, np_rng, hp, run, done,
+                            with_best_state=best_path is None),
                 ckpt_path,
-            )
+            )  # fmt: skip
             run.checkpoint_path = ckpt_path
+            last_saved = time.perf_counter()
         if options.on_epoch is not None:
             options.on_epoch(record)
         if run.stop_reason != "finished":
@@ -664,13 +682,14 @@ def _checkpoint(
     hp: Hyperparams,
     run: _Run,
     stop_reason: str | None,
+    with_best_state: bool = True,
 ) -> dict[str, Any]:
     keep = (
         "best_acc",
         "best_loss",
         "best_epoch",
         "best_confusion",
-        "best_state",
+        *(("best_state",) if with_best_state else ()),  # else it is in the best-model file
         "evals_since_best",
         "message",
         "pruned_at",

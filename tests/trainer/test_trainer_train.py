@@ -195,6 +195,47 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_checkpoint_interval_saves_at_the_end_and_when_a_stop_is_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trainer.checkpoint_every_s spaces resume checkpoints out, but the last epoch and a
+    requested stop are always saved, with the best model beside them."""
+    saved: list[tuple[str, Any]] = []
+    real = train_module.atomic_save
+
+    def spy(obj: Any, path: Path) -> None:
+        saved.append((path.name, obj.get("epoch")))
+        real(obj, path)
+
+    monkeypatch.setattr(train_module, "atomic_save", spy)
+    cfg = synthetic(
+        budget={"max_epochs": 3},
+        trainer={"evaluate_test": False, "checkpoint_every_s": 3600},
+    )
+    ckpt = tmp_path / "t.pt"
+    result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path,
+                                                   checkpoint_path=ckpt))  # fmt: skip
+    assert [e for name, e in saved if name == "t.pt"] == [3]
+    assert result.best_model_path is not None and result.best_model_path.is_file()
+    best = torch.load(result.best_model_path, weights_only=False)
+    assert best["val_acc"] == result.best_val_acc
+
+    saved.clear()
+    calls = {"n": 0}
+
+    def stop_after_first_epoch() -> bool:  # polled before each epoch and at its end
+        calls["n"] += 1
+        return calls["n"] >= 2
+
+    ckpt2 = tmp_path / "t2.pt"
+    stopped = train(cfg, TINY, options=TrainOptions(
+        device="cpu", workdir=tmp_path, checkpoint_path=ckpt2,
+        should_interrupt=stop_after_first_epoch,
+    ))  # fmt: skip
+    assert stopped.stop_reason == "interrupted" and stopped.epochs_run == 1
+    assert [e for name, e in saved if name == "t2.pt"] == [1]
+
+
 def test_failed_checkpoint_write_keeps_previous(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
