@@ -1,0 +1,76 @@
+"""The storage fast paths on the real PostgreSQL: the budget count under the study lock and
+batched trial attributes must agree with what Optuna's own API reports."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import optuna
+import sqlalchemy as sa
+from hpsearch.config import load_config
+from hpsearch.storage import (
+    StorageSpec,
+    count_trials_sql,
+    normalize_url,
+    open_storage,
+    resolve_storage,
+    set_user_attrs,
+    study_lock,
+)
+from hpsearch.study import budget_counts, create_or_load
+
+
+def test_aggregate_count_matches_optuna_and_attrs_land_in_one_go(
+    pg_url: str, tmp_path: Path
+) -> None:
+    spec = resolve_storage(pg_url, tmp_path)
+    storage = open_storage(spec)
+    cfg = load_config("tiny")
+    study = create_or_load(cfg, storage)
+    states = [optuna.trial.TrialState.COMPLETE] * 3 + [optuna.trial.TrialState.PRUNED]
+    for state in states:
+        t = study.ask()
+        study.tell(t, 0.5 if state == optuna.trial.TrialState.COMPLETE else None, state=state)
+    running = study.ask()
+    failed = study.ask()
+    study.tell(failed, state=optuna.trial.TrialState.FAIL)
+    study.enqueue_trial({"lr": 0.01})
+    engine = storage.engine  # type: ignore[attr-defined]
+    with study_lock(spec, cfg.name, engine) as conn:
+        assert conn is not None
+        counts = count_trials_sql(conn, study)
+    assert counts == budget_counts(study.get_trials(deepcopy=False))
+    assert (counts["complete"], counts["pruned"], counts["running"]) == (3, 1, 1)
+    assert (counts["fail"], counts["waiting"]) == (1, 1)
+
+    attrs = {"worker": "w0", "host": "h", "pid": 123, "history": [{"epoch": 1, "acc": 0.5}]}
+    set_user_attrs(running, attrs)
+    assert running.user_attrs == attrs  # the Trial's own view, as set_user_attr keeps it
+    fresh = optuna.load_study(study_name=cfg.name, storage=normalize_url(pg_url))
+    assert fresh.trials[running.number].user_attrs == attrs
+
+
+def test_study_lock_excludes_other_processes_connections(pg_url: str, tmp_path: Path) -> None:
+    """The advisory lock is held on the yielded connection: a second engine waits."""
+    spec = resolve_storage(pg_url, tmp_path)
+    a = sa.create_engine(spec.url)
+    b = sa.create_engine(spec.url)
+    order: list[str] = []
+    try:
+        with study_lock(spec, "s", a):
+            t = threading.Thread(target=lambda: _take(spec, b, order))
+            t.start()
+            time.sleep(0.5)
+            order.append("first releases")
+        t.join(10)
+        assert order == ["first releases", "second holds"]
+    finally:
+        a.dispose()
+        b.dispose()
+
+
+def _take(spec: StorageSpec, engine: sa.Engine, order: list[str]) -> None:
+    with study_lock(spec, "s", engine):
+        order.append("second holds")
