@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     p.add_argument("--no-channels-last", action="store_true")
     p.add_argument(
+        "--compile", action="store_true", help="torch.compile the model (warm-up pays compiling)"
+    )
+    p.add_argument(
         "--workers",
         type=int,
         default=min(4, os.cpu_count() or 1),
@@ -74,11 +77,12 @@ def make_step(args: argparse.Namespace, device: torch.device) -> Callable[[Tenso
     opt = make_optimizer(model, hp, hp.lr)
     loss_fn = make_loss(hp)
     amp = resolve_precision(args.precision, device)
+    fwd = torch.compile(model) if args.compile else model
 
     def step(x: Tensor, y: Tensor) -> Tensor:
         x = x.contiguous(memory_format=fmt)
         with _autocast(device, amp):
-            logits = model(x)
+            logits = fwd(x)
         loss = loss_fn(logits, y)
         loss.backward()
         opt.step()
@@ -224,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base = results.get("synthetic", {}).get("images_per_second")
     print(
-        f"{args.arch} {args.resolution}px batch {args.batch} on {device} "
+        f"{args.arch} {args.resolution}px batch {args.batch} on {device}"
+        f"{' compiled' if args.compile else ''} "
         f"({torch.get_num_threads()} threads), {args.steps} timed steps"
     )
     print(
