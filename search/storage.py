@@ -280,23 +280,37 @@ def count_trials_sql(conn: sa.Connection, study: optuna.Study) -> dict[str, int]
     return counts
 
 
-def set_user_attrs(trial: optuna.Trial, attrs: dict[str, Any]) -> None:
-    """Several user attributes of a running trial in one transaction on RDBStorage (one
-    commit instead of one per key: a worker sets about ten per trial). Other storages, or
-    an Optuna without the internal helper, take the public per-key path."""
+def set_trial_attrs(
+    trial: optuna.Trial, attrs: dict[str, Any], constraints: dict[str, float] | None = None
+) -> None:
+    """User attributes and constraint values (`Trial.set_constraint`) of a running trial in
+    one transaction on RDBStorage: one commit instead of one per key (a worker sets about
+    ten per trial), and no read of the system attributes that set_constraint does first.
+    Other storages, or an Optuna without the internal helpers, take the public path."""
+    constraints = constraints or {}
     storage = trial.storage
     backend = getattr(storage, "_backend", storage)
     write = getattr(backend, "_set_trial_attr_without_commit", None)
-    if not isinstance(backend, RDBStorage) or write is None or not attrs:
+    try:
+        from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
+    except ImportError:
+        write = None
+    if not isinstance(backend, RDBStorage) or write is None:
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
+        for key, bound in constraints.items():
+            trial.set_constraint(key, bound)
         return
     from optuna.storages._rdb import models
     from optuna.storages._rdb.storage import _create_scoped_session
 
+    system = {f"{_CONSTRAINTS_KEY}:{k}": float(v) for k, v in constraints.items()}
     with _create_scoped_session(backend.scoped_session, True) as session:
         for key, value in attrs.items():
             write(session, models.TrialUserAttributeModel, trial._trial_id, key, value)
+        for key, value in system.items():
+            write(session, models.TrialSystemAttributeModel, trial._trial_id, key, value)
     cached = getattr(trial, "_cached_frozen_trial", None)
     if cached is not None:  # what trial.user_attrs shows, as set_user_attr would keep it
         cached.user_attrs.update(attrs)
+        cached.system_attrs.update(system)

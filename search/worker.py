@@ -28,7 +28,7 @@ from hpsearch.storage import (
     StorageSpec,
     count_trials_sql,
     open_storage,
-    set_user_attrs,
+    set_trial_attrs,
     study_lock,
     with_db_retry,
 )
@@ -378,14 +378,15 @@ def run_trial(
             ATTR_PID: os.getpid(),
             ATTR_CHECKPOINT: str(ckpt),
         }
-        db(functools.partial(set_user_attrs, trial, attrs), "set_user_attr")
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
         if tracking is not None and root != trial.number and previous_run and not ckpt.exists():
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
         if tracking is not None:
             run = tracking.start_trial(trial, params, root, ckpt)
             if run is not None and run.run_id:
-                db(lambda: trial.set_user_attr(ATTR_RUN_ID, run.run_id), "set_user_attr")
+                attrs[ATTR_RUN_ID] = run.run_id
+        # One transaction for all of them (the heartbeat already marks the trial as alive).
+        db(functools.partial(set_trial_attrs, trial, attrs), "set_user_attr")
         first_epoch: list[int] = []
 
         def on_epoch(record: Any) -> None:
@@ -466,7 +467,7 @@ def _fail(
     db: Db,
 ) -> None:
     attrs = {ATTR_OUTCOME: outcome, ATTR_MESSAGE: message[:500]}
-    db(functools.partial(set_user_attrs, trial, attrs), "set_user_attr")
+    db(functools.partial(set_trial_attrs, trial, attrs), "set_user_attr")
     _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
     if run is not None:
         run.finish_failed(outcome, message, tb)
@@ -497,8 +498,8 @@ def _tell(
     uri = run.checkpoint_uri(result) if run is not None else None
     if uri is not None:
         attrs["checkpoint_uri"] = uri
-    db(functools.partial(set_user_attrs, trial, attrs), "set_user_attr")
     if reason == "interrupted":
+        db(functools.partial(set_trial_attrs, trial, attrs), "set_user_attr")
         # Checkpointed at an epoch boundary: fail now, and queue the same params to resume.
         _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
         frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
@@ -507,7 +508,8 @@ def _tell(
             run.finish_result(result)
         return reason
     infeasible = 1.0 if reason == "out_of_memory" else 0.0
-    db(lambda: trial.set_constraint(MEMORY_CONSTRAINT, infeasible), "set_constraint")
+    constraint = {MEMORY_CONSTRAINT: infeasible}
+    db(functools.partial(set_trial_attrs, trial, attrs, constraint), "set_user_attr")
     values = objective_values(cfg, result.best_val_acc, result.best_val_loss, result.train_seconds)
     if reason in ("pruned", "diverged", "out_of_memory") or values is None:
         # Pruned, diverged and OOM trials teach the sampler that region is bad; a FAIL

@@ -16,7 +16,7 @@ from hpsearch.storage import (
     normalize_url,
     open_storage,
     resolve_storage,
-    set_user_attrs,
+    set_trial_attrs,
     study_lock,
 )
 from hpsearch.study import budget_counts, create_or_load
@@ -46,10 +46,12 @@ def test_aggregate_count_matches_optuna_and_attrs_land_in_one_go(
     assert (counts["fail"], counts["waiting"]) == (1, 1)
 
     attrs = {"worker": "w0", "host": "h", "pid": 123, "history": [{"epoch": 1, "acc": 0.5}]}
-    set_user_attrs(running, attrs)
+    set_trial_attrs(running, attrs, {"memory": 1.0})
     assert running.user_attrs == attrs  # the Trial's own view, as set_user_attr keeps it
     fresh = optuna.load_study(study_name=cfg.name, storage=normalize_url(pg_url))
     assert fresh.trials[running.number].user_attrs == attrs
+    # stored where Trial.set_constraint puts it, so Optuna's constrained samplers read it
+    assert fresh.trials[running.number].system_attrs["constraints:memory"] == 1.0
 
 
 def test_study_lock_excludes_other_processes_connections(pg_url: str, tmp_path: Path) -> None:
