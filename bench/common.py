@@ -1,0 +1,366 @@
+"""Shared pieces of the launch benchmarks (`packing.py`, `study.py`): the record of the machine
+and versions, the study config with the bench's overrides, a pre-built data cache, the real
+`hpsearch launch` as a subprocess with a hard stop, and NVML sampling of the GPU it uses.
+
+Not a benchmark itself; imported by its neighbours (`python bench/packing.py` puts `bench/` on
+`sys.path`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from hpsearch.config import StudyConfig, load_config
+from optuna.exceptions import ExperimentalWarning
+
+# Studies may use experimental Optuna options (flowers102: TPE `group`); the warning is not
+# repeated on every config load in the bench's output (the launch logs keep it).
+warnings.filterwarnings("ignore", category=ExperimentalWarning)
+
+REPO = Path(__file__).resolve().parents[1]
+# Variables that would point a launch at the user's own storage, tracking server or work folder.
+PRIVATE_ENV = ("HPSEARCH_STORAGE", "MLFLOW_TRACKING_URI", "HPSEARCH_WORKDIR")
+
+
+class BenchError(Exception):
+    """Bad input or a failed run: one line on stderr, exit code 2."""
+
+
+def default_data_dir() -> str:
+    return os.environ.get("HPSEARCH_DATA_DIR") or str(REPO.parent / "shared" / "datasets")
+
+
+def parse_workers(value: str) -> str:
+    """argparse type of a worker count: a whole number >= 1, or `auto`."""
+    text = value.strip().lower()
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= 1 or auto")
+
+
+def resolve_device(name: str) -> str:
+    """`auto` -> `cuda` when a GPU is visible, else `cpu`."""
+    import torch
+
+    if name not in ("auto", "cpu", "cuda"):
+        raise BenchError(f"--device: {name!r}: must be one of auto, cpu, cuda")
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device: 'cuda': CUDA is not available on this machine")
+    return name
+
+
+def environment(device: str, gpu: str | None) -> dict[str, Any]:
+    """Date, host, versions and hardware, for the JSON record."""
+    import optuna
+    import torch
+    import torchvision
+    from hpsearch import __version__
+
+    env: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "host": socket.gethostname(),
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "optuna": optuna.__version__,
+        "hpsearch": __version__,
+        "device": device,
+    }
+    if device == "cuda":
+        index = int(gpu) if gpu and gpu.isdigit() else 0
+        env["gpu"] = torch.cuda.get_device_name(index)
+        env["gpu_count"] = torch.cuda.device_count()
+        env["cuda"] = torch.version.cuda
+        with contextlib.suppress(Exception):
+            import pynvml
+
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            env["driver"] = driver.decode() if isinstance(driver, bytes) else str(driver)
+            pynvml.nvmlShutdown()
+    return env
+
+
+def load_study_config(study: str, sets: Sequence[str], data_dir: str) -> StudyConfig:
+    """The study with `sets` applied, validated, and its data checked (one-line errors)."""
+    cfg = load_config(study, list(sets), data_dir=str(Path(data_dir).resolve()))
+    missing = not Path(data_dir).is_dir() and not cfg.dataset.download
+    if cfg.dataset.name != "synthetic" and missing:
+        raise BenchError(
+            f"--data-dir: {data_dir}: no such folder (it should hold the dataset, e.g. "
+            "flowers-102/; pass --data-dir or set HPSEARCH_DATA_DIR)"
+        )
+    from hpsearch.runner import check_dataset
+
+    check_dataset(cfg)
+    return cfg
+
+
+def warm_cache(cfg: StudyConfig, workdir: Path) -> float:
+    """Decode the study's splits into `workdir/cache` (the fast path's uint8 cache) the way its
+    trials will, so that no timed launch pays the one-time decode. Returns seconds spent."""
+    from hpsearch.trainer import data
+    from hpsearch.trainer.trial import cache_size
+
+    t0 = time.perf_counter()
+    size = cache_size(cfg, cfg.resolve_params({}))
+    splits = ["train", "val"] + (["test"] if cfg.trainer.evaluate_test else [])
+    sources = [s for s in (data.get_source(cfg, split) for split in splits) if s is not None]
+    if data.use_fast_path(cfg, sources, size):
+        for src in sources:
+            data.load_or_build_cache(src, size, workdir, cfg.dataset.on_corrupt)
+    return time.perf_counter() - t0
+
+
+def share_cache(shared: Path, workdir: Path) -> None:
+    """A fresh work folder whose `cache/` is the shared, already decoded one."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (shared / "cache").mkdir(parents=True, exist_ok=True)
+    link = workdir / "cache"
+    if not link.exists():
+        link.symlink_to((shared / "cache").resolve(), target_is_directory=True)
+
+
+def launch_args(
+    study: str,
+    sets: Sequence[str],
+    *,
+    data_dir: str,
+    workdir: Path,
+    device: str,
+    gpu: str | None,
+    workers: int | str,
+    trials: int | None = None,
+    timeout_s: float | None = None,
+    max_restarts: int = 3,
+) -> list[str]:
+    """The `hpsearch launch` argument list: a journal in `workdir`, no MLflow."""
+    args = [
+        "--study", study,
+        "--workers", str(workers),
+        "--workdir", str(workdir),
+        "--storage", str(journal_path(workdir)),
+        "--data-dir", str(Path(data_dir).resolve()),
+        "--device", device,
+        "--no-tracking",
+        "--max-restarts", str(max_restarts),
+    ]  # fmt: skip
+    if device == "cuda":
+        args += ["--gpus", gpu or "0"]
+    if trials is not None:
+        args += ["--trials", str(trials)]
+    if timeout_s is not None:
+        args += ["--timeout", f"{timeout_s:g}"]
+    for item in sets:
+        args += ["--set", item]
+    return args
+
+
+def journal_path(workdir: Path) -> Path:
+    return workdir.resolve() / "optuna.journal"
+
+
+@dataclass
+class LaunchRun:
+    returncode: int
+    wall_s: float
+    started: dt.datetime  # local naive time, like Optuna's trial datetimes
+    stops: list[str] = field(default_factory=list)  # signals the bench had to send
+    log: Path | None = None
+
+    def tail(self, n: int = 5) -> str:
+        if self.log is None or not self.log.is_file():
+            return ""
+        lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+        return "\n".join(lines[-n:])
+
+
+def run_launch(
+    args: Sequence[str],
+    log: Path,
+    hard_stop_s: float | None = None,
+    kill_grace_s: float = 30.0,
+    echo: bool = False,
+) -> LaunchRun:
+    """Run `hpsearch launch ARGS` (the real CLI) to its end, output to `log`.
+
+    At `hard_stop_s` seconds the bench does what Ctrl-C does: SIGTERM (running trials
+    checkpoint at their next epoch and are re-queued), a second SIGTERM `kill_grace_s` later
+    (workers killed), then SIGKILL. Ctrl-C or SIGTERM to the bench (`timeout`) stops the
+    launch at once the same way before the bench exits, so that no worker outlives it.
+    """
+    cmd = [sys.executable, "-m", "hpsearch.cli", "launch", *args]
+    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+    env["PYTHONUNBUFFERED"] = "1"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = dt.datetime.now()
+    t0 = time.monotonic()
+    stops: list[str] = []
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # the bench decides when the launcher gets a signal
+            )
+            try:
+                _supervise(proc, log, t0, hard_stop_s, kill_grace_s, stops, echo)
+            except KeyboardInterrupt:
+                for grace in (1.0, 10.0, 0.0):  # graceful, kill workers, kill the launcher
+                    _signal(proc, stops)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=grace)
+                    if proc.poll() is not None:
+                        break
+                raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return LaunchRun(proc.returncode, time.monotonic() - t0, started, stops, log)
+
+
+def launched_workers(run: LaunchRun) -> tuple[int | None, str]:
+    """How many workers the launch ran (its "study S: T trials, W workers" line) and, with
+    --workers auto, the reason it gave."""
+    log = run.log.read_text(errors="replace") if run.log is not None and run.log.is_file() else ""
+    found = re.search(r"^study \S+: \d+ trials, (\d+) workers", log, re.MULTILINE)
+    reason = re.search(r"^--workers auto: (.*)$", log, re.MULTILINE)
+    return (int(found.group(1)) if found else None), (reason.group(1) if reason else "")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _supervise(
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    t0: float,
+    hard_stop_s: float | None,
+    kill_grace_s: float,
+    stops: list[str],
+    echo: bool,
+) -> None:
+    deadline = None if hard_stop_s is None else t0 + hard_stop_s
+    shown = 0
+    while proc.poll() is None:
+        time.sleep(0.25)
+        if echo:
+            shown = _echo_new(log, shown)
+        if deadline is not None and time.monotonic() >= deadline:
+            _signal(proc, stops)
+            deadline = time.monotonic() + (kill_grace_s if len(stops) < 2 else 10.0)
+    if echo:
+        _echo_new(log, shown)
+
+
+def _signal(proc: subprocess.Popen[bytes], stops: list[str]) -> None:
+    """The launcher's next stop signal: SIGTERM (graceful), SIGTERM (kill its workers), then
+    SIGKILL to its process group."""
+    with contextlib.suppress(ProcessLookupError):
+        if len(stops) < 2:
+            proc.send_signal(signal.SIGTERM)
+            stops.append("SIGTERM")
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stops.append("SIGKILL")
+
+
+def _echo_new(log: Path, shown: int) -> int:
+    """Print the launcher's new progress lines; returns how many bytes were shown."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(shown)
+            chunk = fh.read()
+    except OSError:
+        return shown
+    end = chunk.rfind(b"\n") + 1
+    if end:
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            print(f"    | {line}", flush=True)
+    return shown + end
+
+
+class GpuWatch:
+    """Device utilization of one GPU during a launch, sampled with hpsearch's NVML sampler in
+    this process. On the CPU, or without NVML, `summary` stays empty (reported "n/a")."""
+
+    def __init__(self, device: str, gpu: str | None, interval_s: float = 0.5) -> None:
+        self.device = device
+        self.gpu = gpu or "0"
+        self.interval_s = interval_s
+        self.summary: dict[str, float] = {}
+        self._sampler: Any = None
+
+    def __enter__(self) -> GpuWatch:
+        if self.device == "cuda":
+            from hpsearch.tracking.gpu import GpuSampler
+
+            # The launcher sets CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA index N is NVML index N.
+            sampler = GpuSampler(None, interval_s=self.interval_s, visible_devices=self.gpu)
+            if sampler.start():
+                self._sampler = sampler
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._sampler is not None:
+            self.summary = self._sampler.stop()
+            self.summary["samples"] = float(self._sampler.samples_taken)
+
+    @property
+    def utilization(self) -> float | None:
+        return self.summary.get("system/gpu_utilization_mean")
+
+
+def trial_timings(workdir: Path) -> dict[str, float]:
+    """Means of the workers' per-trial timings (`<workdir>/timings/*.jsonl`), when written."""
+    rows: list[dict[str, Any]] = []
+    for path in sorted((workdir / "timings").glob("*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    out: dict[str, float] = {"trials": float(len(rows))} if rows else {}
+    for key in ("ask_ms", "suggest_ms", "startup_s", "admission_wait_s", "tell_ms", "trial_s"):
+        values = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
+        if values:
+            out[f"{key}_mean"] = statistics.fmean(values)
+    return out
+
+
+def fmt(value: float | None, spec: str = ".1f", missing: str = "n/a") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def seconds_since(start: dt.datetime, when: dt.datetime | None) -> float | None:
+    return None if when is None else (when - start).total_seconds()

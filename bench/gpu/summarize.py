@@ -1,0 +1,75 @@
+"""One line of key numbers from a bench JSON, for bench/gpu/run.sh's step summaries.
+
+Example:
+    python bench/gpu/summarize.py packing bench-packing.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _f(value: Any, spec: str = ".0f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def trainer(d: dict[str, Any]) -> str:
+    a = d["args"]
+    parts = [f"{m} {_f(r['images_per_second'])}" for m, r in d["results"].items()]
+    return f"{a['arch']} {a['resolution']}px b{a['batch']}: img/s " + ", ".join(parts)
+
+
+def packing(d: dict[str, Any]) -> str:
+    parts = []
+    for r in d["results"]:
+        label = r["workers_arg"] if r["workers_arg"] != "auto" else f"auto={r['workers']}"
+        parts.append(
+            f"W={label} {_f(r['trials_per_hour'])} trials/h x{_f(r.get('speedup'), '.2f')} "
+            f"{_f(r['images_per_second_steady'])} img/s util {_f(r['gpu_utilization_mean'])}%"
+        )
+    return "; ".join(parts)
+
+
+def study(d: dict[str, Any]) -> str:
+    r = d["result"]
+    s = r["states"]
+    return (
+        f"best {r['metric']} {_f(r['best_value'], '.4f')} test {_f(r['test_acc'], '.4f')} "
+        f"at {_f(r['time_to_best_s'])}s; complete {s['complete']} pruned {s['pruned']} "
+        f"failed {s['fail']}; {_f(r['images_per_second_e2e'])} img/s; "
+        f"util {_f(r['gpu_utilization_mean'])}%"
+    )
+
+
+def nvml(d: dict[str, Any]) -> str:
+    failed = [k for k, ok in d["checks"].items() if not ok]
+    busy = d["busy"]
+    return (
+        f"{'all checks ok' if not failed else 'FAILED: ' + ', '.join(failed)}; busy util "
+        f"{_f(busy.get('system/gpu_utilization_mean'))}%, per-process "
+        f"{'seen' if d['info']['process_utilization_seen'] else 'not seen'}"
+    )
+
+
+KINDS = {"trainer": trainer, "packing": packing, "study": study, "nvml": nvml}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in KINDS:
+        print(f"usage: summarize.py {{{','.join(KINDS)}}} FILE.json", file=sys.stderr)
+        return 2
+    path = Path(argv[1])
+    try:
+        data = json.loads(path.read_text())
+        print(KINDS[argv[0]](data))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"no summary ({path}: {type(exc).__name__}: {exc})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

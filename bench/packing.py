@@ -1,0 +1,361 @@
+"""Worker packing on one GPU: trials/hour and images/s of `hpsearch launch` with 1, 2 and 4
+workers sharing the device, every trial training the same fixed configuration.
+
+For each worker count W: a fresh work folder and journal, then the real CLI in a subprocess,
+`hpsearch launch --workers W --gpus 0 --no-tracking --trials W*k` (`--device cpu` and no
+`--gpus` on a CPU; W may be `auto`, the launcher's own choice, given as many trials as the
+largest W), with the search space replaced by fixed values (`--set search_space={}`
+and `--set trainer.defaults.<param>=<value>`), pruning and early stopping off, and E epochs per
+trial. The decoded data cache is built once beforehand and shared by every run, so no run pays
+the one-time decode. Per W:
+
+  trials/h      completed trials / launch wall time x 3600 (worker start-up included)
+  speedup       trials/h over that of the first worker count given (normally W=1)
+  img/s e2e     training images of all trials / launch wall time
+  img/s steady  W x the median per-epoch training images/s of a trial (epochs after the
+                first): the throughput while all W workers train at once
+  s/trial       mean trial duration, ask to tell
+  1st trial s   launch start to the first trial's start (process start-up)
+  GPU util %    mean NVML device utilization during the launch (hpsearch.tracking.gpu);
+                n/a on a CPU
+
+Fixed params: each searched parameter takes its value from --params, else from PINNED below
+when the study's range allows it, else the first choice / the (geometric) middle of the range;
+image_size is the study's dataset.image_size.
+
+Example (CPU, about 2.5 minutes on 2 cores):
+    python bench/packing.py --device cpu --workers 1 2 4 --trials-per-worker 2 --epochs 4 \\
+        --set dataset.image_size=32 --set dataset.cache_size=36 --set dataset.eval_limit=255 \\
+        --set trainer.evaluate_test=false --json bench-packing.json
+
+Example (GPU):
+    python bench/packing.py --device cuda --workers 1 2 4 --epochs 10 --json bench-packing.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    BenchError,
+    GpuWatch,
+    default_data_dir,
+    environment,
+    fmt,
+    journal_path,
+    launch_args,
+    launched_workers,
+    load_study_config,
+    parse_workers,
+    resolve_device,
+    run_launch,
+    seconds_since,
+    share_cache,
+    trial_timings,
+    warm_cache,
+)
+from hpsearch.config import CategoricalParam, StudyConfig
+from hpsearch.errors import HpsearchError
+
+# A plain, GPU-friendly configuration inside flowers102's search space. image_size None: the
+# study's dataset.image_size (so `--set dataset.image_size=32` shrinks every trial).
+PINNED: dict[str, Any] = {
+    "arch": "resnet18",
+    "image_size": None,
+    "optimizer": "sgd",
+    "lr": 0.2,
+    "momentum": 0.9,
+    "batch_size": 128,
+    "lr_scaling": "none",
+    "weight_decay": 5e-4,
+    "loss": "ce",
+    "augment": "crop_flip",
+    "augment_strength": 0.5,
+    "cutmix_alpha": 0.0,
+    "mixup_alpha": 0.0,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--study", default="flowers102", help="study name or YAML path")
+    p.add_argument(
+        "--workers", type=parse_workers, nargs="+", default=["1", "2", "4"], help="counts, or auto"
+    )
+    p.add_argument("--trials-per-worker", type=int, default=2, help="k: W*k trials per launch")
+    p.add_argument("--epochs", type=int, default=5, help="epochs of every trial")
+    p.add_argument(
+        "--params",
+        default=None,
+        metavar="JSON",
+        help='fixed params, e.g. \'{"arch": "resnet34", "batch_size": 64}\' (over the defaults)',
+    )
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="study override, passed to every launch after the bench's own (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--data-dir", default=default_data_dir(), help="holds flowers-102/")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--gpu", default="0", help="the GPU all workers share (CUDA/NVML index)")
+    p.add_argument("--workdir", default=None, help="runs go in a new folder here (default: tmp)")
+    p.add_argument("--keep", action="store_true", help="keep the work folders")
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=None,
+        metavar="SEC",
+        help="stop a launch that runs longer (its trials count as they stand)",
+    )
+    p.add_argument("--gpu-interval", type=float, default=0.5, help="NVML sampling period, s")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the launcher's output")
+    p.add_argument("--json", dest="json_path", default=None, help="write results here")
+    args = p.parse_args(argv)
+    if args.trials_per_worker < 1 or args.epochs < 1:
+        p.error("--trials-per-worker and --epochs must be at least 1")
+    return args
+
+
+def parse_params(text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BenchError(f"--params: {text!r}: not valid JSON: {exc.msg}") from exc
+    if not isinstance(params, dict):
+        raise BenchError(f"--params: {text!r}: must be a JSON object")
+    return params
+
+
+def _fits(spec: Any, value: Any) -> bool:
+    if isinstance(spec, CategoricalParam):
+        return value in spec.choices
+    return isinstance(value, int | float) and spec.low <= value <= spec.high
+
+
+def pinned_values(cfg: StudyConfig, given: dict[str, Any]) -> dict[str, Any]:
+    """One value for every searched parameter (plus any other given one)."""
+    out: dict[str, Any] = {}
+    for name, spec in cfg.search_space.items():
+        if name in given:
+            out[name] = given[name]
+        elif name in PINNED and (PINNED[name] is None or _fits(spec, PINNED[name])):
+            out[name] = PINNED[name]
+        elif isinstance(spec, CategoricalParam):
+            out[name] = spec.choices[0]
+        else:
+            mid = math.sqrt(spec.low * spec.high) if spec.log else (spec.low + spec.high) / 2
+            out[name] = round(mid) if spec.type == "int" else mid
+    out.update({k: v for k, v in given.items() if k not in out})
+    return out
+
+
+def bench_overrides(pinned: dict[str, Any], epochs: int) -> list[str]:
+    """Every trial the same work: no search, no pruning, no early stop, E epochs."""
+    sets = ["search_space={}"]
+    sets += [f"trainer.defaults.{k}={json.dumps(v)}" for k, v in pinned.items()]
+    sets += [
+        "pruner.name=none",
+        "pruner.options={}",
+        "trainer.patience=null",
+        f"budget.max_epochs={epochs}",
+        "budget.timeout_s=null",
+        "budget.trial_timeout_s=null",
+    ]
+    return sets
+
+
+def images_per_epoch(cfg: StudyConfig) -> int:
+    """Training images one epoch sees: whole batches only (the trainer drops the rest)."""
+    from hpsearch.trainer import data
+
+    src = data.get_source(cfg, "train")
+    n = len(src) if src is not None else 0
+    bs = cfg.resolve_params({}).batch_size
+    return min(bs, n) * max(1, n // bs)
+
+
+def measure(
+    args: argparse.Namespace,
+    cfg: StudyConfig,
+    sets: list[str],
+    label: str,
+    root: Path,
+    device: str,
+    per_epoch: int,
+) -> dict[str, Any]:
+    from hpsearch.query import load_study
+    from optuna.trial import TrialState
+
+    workdir = root / f"w{label}"
+    share_cache(root / "shared", workdir)
+    largest = max((int(w) for w in args.workers if w != "auto"), default=4)
+    n_trials = (largest if label == "auto" else int(label)) * args.trials_per_worker
+    cli = launch_args(
+        args.study, sets, data_dir=args.data_dir, workdir=workdir, device=device, gpu=args.gpu,
+        workers=label, trials=n_trials, max_restarts=0,
+    )  # fmt: skip
+    print(f"W={label}: {n_trials} trials x {args.epochs} epochs ...", flush=True)
+    with GpuWatch(device, args.gpu, args.gpu_interval) as gpu:
+        run = run_launch(cli, workdir / "launch.log", args.launch_timeout, echo=args.verbose)
+    ran, reason = launched_workers(run)
+    workers = ran or (1 if label == "auto" else int(label))
+    study = load_study(cfg.name, storage=str(journal_path(workdir)))
+    trials = study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    epochs = sum(len(t.user_attrs.get("history", [])) for t in trials)
+    steady: list[float] = []
+    rows: list[dict[str, Any]] = []
+    for t in trials:
+        ips = [float(r["images_per_second"]) for r in t.user_attrs.get("history", [])]
+        if ips:
+            steady.append(statistics.median(ips[1:] or ips))
+        duration = (
+            (t.datetime_complete - t.datetime_start).total_seconds()
+            if t.datetime_complete and t.datetime_start
+            else None
+        )
+        rows.append(
+            {
+                "number": t.number,
+                "state": t.state.name,
+                "worker": t.user_attrs.get("worker"),
+                "outcome": t.user_attrs.get("outcome"),
+                "duration_s": duration,
+                "start_s": seconds_since(run.started, t.datetime_start),
+                "epochs": len(ips),
+                "images_per_second": ips,
+                "val_acc": t.value,
+            }
+        )
+    durations = [r["duration_s"] for r in rows if r["duration_s"] is not None]
+    starts = [r["start_s"] for r in rows if r["start_s"] is not None]
+    result: dict[str, Any] = {
+        "workers_arg": label,
+        "workers": workers,
+        "auto_reason": reason or None,
+        "trials_asked": n_trials,
+        "complete": len(done),
+        "states": {s: sum(1 for t in trials if t.state.name == s) for s in _states(trials)},
+        "launch_returncode": run.returncode,
+        "bench_stops": run.stops,
+        "wall_s": run.wall_s,
+        "trials_per_hour": len(done) / run.wall_s * 3600.0,
+        "epochs": epochs,
+        "train_images": epochs * per_epoch,
+        "images_per_second_e2e": epochs * per_epoch / run.wall_s,
+        "images_per_second_steady": statistics.fmean(steady) * workers if steady else None,
+        "trial_seconds_mean": statistics.fmean(durations) if durations else None,
+        "first_trial_start_s": min(starts) if starts else None,
+        "gpu_utilization_mean": gpu.utilization,
+        "gpu": gpu.summary,
+        "timings": trial_timings(workdir),
+        "trials": rows,
+    }
+    if run.returncode != 0 or len(done) < n_trials:
+        result["error"] = (
+            f"launch exit code {run.returncode}, {len(done)}/{n_trials} trials complete; "
+            f"last lines of its log (all of it: --keep, {run.log}):\n{run.tail()}"
+        )
+    return result
+
+
+def _states(trials: list[Any]) -> list[str]:
+    return sorted({t.state.name for t in trials})
+
+
+def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
+                pinned: dict[str, Any], results: list[dict[str, Any]]) -> None:  # fmt: skip
+    where = env.get("gpu") or f"cpu ({env['cpu_count']} cores)"
+    print(
+        f"\n{cfg.name}: {args.trials_per_worker} trials per worker x {args.epochs} epochs on "
+        f"{where}; params {json.dumps(pinned, separators=(',', ':'))}"
+    )
+    head = (
+        f"{'workers':>7} {'trials':>6} {'wall s':>7} {'trials/h':>9} {'speedup':>7} "
+        f"{'img/s e2e':>10} {'img/s steady':>12} {'s/trial':>8} {'1st trial s':>11} "
+        f"{'GPU util %':>10} {'GPU mem MiB':>11}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        mem = r["gpu"].get("system/gpu_memory_peak_mib")
+        label = r["workers_arg"] if r["workers_arg"] != "auto" else f"auto:{r['workers']}"
+        print(
+            f"{label:>7} {r['complete']:>6} {r['wall_s']:>7.1f} "
+            f"{r['trials_per_hour']:>9.1f} {fmt(r['speedup'], '.2f'):>7} "
+            f"{r['images_per_second_e2e']:>10.1f} {fmt(r['images_per_second_steady']):>12} "
+            f"{fmt(r['trial_seconds_mean']):>8} {fmt(r['first_trial_start_s']):>11} "
+            f"{fmt(r['gpu_utilization_mean']):>10} {fmt(mem, '.0f'):>11}"
+        )
+    for r in results:
+        if r["auto_reason"]:
+            print(f"W=auto: {r['auto_reason']}")
+        if "error" in r:
+            print(f"W={r['workers_arg']}: {r['error']}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+        base_cfg = load_study_config(args.study, args.overrides, args.data_dir)
+        pinned = pinned_values(base_cfg, parse_params(args.params))
+        sets = bench_overrides(pinned, args.epochs) + list(args.overrides)
+        cfg = load_study_config(args.study, sets, args.data_dir)
+    except (BenchError, HpsearchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    env = environment(device, args.gpu)
+    parent = Path(args.workdir) if args.workdir else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=f"packing-{time.strftime('%Y%m%d-%H%M%S')}-", dir=parent))
+    record: dict[str, Any] = {
+        "bench": "packing",
+        "environment": env,
+        "args": vars(args),
+        "study": cfg.name,
+        "params": pinned,
+        "overrides": sets,
+        "workdir": str(root) if args.keep else None,
+        "results": [],
+    }
+    results: list[dict[str, Any]] = record["results"]
+    try:
+        record["cache_warm_s"] = warm_cache(cfg, root / "shared")
+        record["images_per_epoch"] = per_epoch = images_per_epoch(cfg)
+        print(f"data cache ready in {record['cache_warm_s']:.1f}s; {per_epoch} training images "
+              "per epoch")  # fmt: skip
+        for w in args.workers:
+            r = measure(args, cfg, sets, w, root, device, per_epoch)
+            base = results[0]["trials_per_hour"] if results else r["trials_per_hour"]
+            r["speedup"] = r["trials_per_hour"] / base if base else None
+            results.append(r)
+            if args.json_path:  # after every run: a bench stopped later keeps what it has
+                Path(args.json_path).write_text(json.dumps(record, indent=2, default=str))
+    except HpsearchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`timeout`): the launch is already stopped
+        print("interrupted: the launch and its workers were stopped", file=sys.stderr)
+        return 130
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print_table(cfg, args, env, pinned, results)
+    if args.json_path:
+        print(f"JSON: {args.json_path}")
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

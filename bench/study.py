@@ -1,0 +1,323 @@
+"""Time to accuracy: run a study with the real `hpsearch launch` for a fixed time budget and
+report what it found in that time.
+
+`hpsearch launch --study S --workers N --timeout SEC --no-tracking` runs in a subprocess on a
+fresh work folder and journal (the decoded data cache is built beforehand unless --cold, so the
+budget goes to training). Workers stop taking new trials at SEC; trials still running get
+--grace more seconds to finish, then the bench stops the launch as Ctrl-C does (those trials
+checkpoint at their next epoch and are re-queued: counted as interrupted). Reported:
+
+  best value        the study's best completed trial (val_acc for flowers102)
+  test acc          that trial's `test_acc` attribute (trainer.evaluate_test), else its best
+                    model evaluated on the test split by the bench
+  time to best      launch start to the completion of the best trial
+  time to X         launch start to the first completed trial reaching value X (--target)
+  trials            complete, pruned, failed, interrupted; epochs and images trained
+  GPU util %        mean NVML device utilization during the launch (hpsearch.tracking.gpu),
+                    n/a on a CPU
+
+Example (CPU, about 3 minutes on 2 cores; image_size is searched, so it is pinned here):
+    python bench/study.py --device cpu --workers 2 --timeout 150 --grace 45 \\
+        --set dataset.cache_size=36 --set dataset.eval_limit=255 --set budget.max_epochs=6 \\
+        --set 'search_space.image_size={type: categorical, choices: [32]}' \\
+        --set 'search_space.arch={type: categorical, choices: [resnet18]}' \\
+        --set pruner.options.min_resource=2 --target 0.05 0.1 --json bench-study.json
+
+Example (GPU):
+    python bench/study.py --device cuda --workers 4 --timeout 200 --target 0.3 0.5 \\
+        --json bench-study.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    BenchError,
+    GpuWatch,
+    default_data_dir,
+    environment,
+    fmt,
+    journal_path,
+    launch_args,
+    launched_workers,
+    load_study_config,
+    parse_workers,
+    resolve_device,
+    run_launch,
+    seconds_since,
+    trial_timings,
+    warm_cache,
+)
+from hpsearch.config import StudyConfig
+from hpsearch.errors import HpsearchError
+
+AUTO_PROBE_S = 60.0  # allowance for --workers auto's GPU probe in the hard stop
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--study", default="flowers102", help="study name or YAML path")
+    p.add_argument(
+        "--workers", type=parse_workers, default="1", help="worker processes (one GPU), or auto"
+    )
+    p.add_argument("--timeout", type=float, default=200.0, help="launch --timeout, seconds")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=60.0,
+        help="seconds after --timeout that running trials may take to finish",
+    )
+    p.add_argument("--trials", type=int, default=None, help="launch --trials (else the study's)")
+    p.add_argument(
+        "--target",
+        type=float,
+        nargs="+",
+        default=[],
+        help="report when the best value first reached each of these",
+    )
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="study override, passed to the launch (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--data-dir", default=default_data_dir(), help="holds flowers-102/")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--gpu", default="0", help="the GPU the workers share (CUDA/NVML index)")
+    p.add_argument("--workdir", default=None, help="the run goes in a new folder here")
+    p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument("--cold", action="store_true", help="do not build the data cache first")
+    p.add_argument("--gpu-interval", type=float, default=1.0, help="NVML sampling period, s")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the launcher's output")
+    p.add_argument("--json", dest="json_path", default=None, help="write results here")
+    args = p.parse_args(argv)
+    if args.timeout <= 0 or args.grace < 0:
+        p.error("--timeout must be > 0 and --grace >= 0")
+    if args.trials is not None and args.trials < 1:
+        p.error(f"--trials: {args.trials}: must be at least 1")
+    return args
+
+
+def train_images(cfg: StudyConfig, params: dict[str, Any], epochs: int, n_train: int) -> int:
+    bs = cfg.resolve_params(params).batch_size
+    return epochs * min(bs, n_train) * max(1, n_train // bs)
+
+
+def progress_curve(trials: list[Any], started: Any, maximize: bool) -> list[dict[str, float | int]]:
+    """Best value so far at each completed trial that improved it, in completion order."""
+    from optuna.trial import TrialState
+
+    done = [
+        t
+        for t in trials
+        if t.state == TrialState.COMPLETE and t.value is not None and t.datetime_complete
+    ]
+    done.sort(key=lambda t: t.datetime_complete)
+    curve: list[dict[str, float | int]] = []
+    best: float | None = None
+    for t in done:
+        if best is None or (t.value > best if maximize else t.value < best):
+            best = float(t.value)
+            at = seconds_since(started, t.datetime_complete) or 0.0
+            curve.append({"t_s": at, "value": best, "trial": t.number})
+    return curve
+
+
+def time_to(curve: list[dict[str, float | int]], target: float, maximize: bool) -> float | None:
+    for point in curve:
+        if (point["value"] >= target) if maximize else (point["value"] <= target):
+            return float(point["t_s"])
+    return None
+
+
+def test_accuracy(
+    cfg: StudyConfig, workdir: Path, best: Any, device: str
+) -> tuple[float | None, str]:
+    """The best trial's test accuracy and where it came from."""
+    value = best.user_attrs.get("test_acc")
+    if value is not None:
+        return float(value), "trial attribute test_acc"
+    from hpsearch.query import load_best_model
+    from hpsearch.trainer import evaluate_model
+
+    try:
+        model = load_best_model(
+            cfg.name, storage=str(journal_path(workdir)), workdir=workdir, device=device
+        )
+        acc, _ = evaluate_model(cfg, best.params, model, "test", workdir, device)
+    except HpsearchError as exc:
+        return None, f"not available: {exc}"
+    return float(acc), "best model evaluated on test by the bench"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+        cfg = load_study_config(args.study, args.overrides, args.data_dir)
+    except (BenchError, HpsearchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.objective.multi:
+        print(f"error: --study: {cfg.name}: multi-objective studies are not supported here",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    env = environment(device, args.gpu)
+    parent = Path(args.workdir) if args.workdir else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=f"study-{time.strftime('%Y%m%d-%H%M%S')}-", dir=parent))
+    workdir = root / "run"
+    try:
+        return run(args, cfg, env, device, workdir)
+    except HpsearchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`timeout`): the launch is already stopped
+        print("interrupted: the launch and its workers were stopped", file=sys.stderr)
+        return 130
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run(
+    args: argparse.Namespace, cfg: StudyConfig, env: dict[str, Any], device: str, workdir: Path
+) -> int:
+    from hpsearch.query import load_study
+    from hpsearch.trainer import data
+    from optuna.trial import TrialState
+
+    warm_s = 0.0 if args.cold else warm_cache(cfg, workdir)
+    if not args.cold:
+        print(f"data cache ready in {warm_s:.1f}s")
+    cli = launch_args(
+        args.study, args.overrides, data_dir=args.data_dir, workdir=workdir, device=device,
+        gpu=args.gpu, workers=args.workers, trials=args.trials, timeout_s=args.timeout,
+    )  # fmt: skip
+    n_trials = args.trials or cfg.budget.n_trials
+    print(
+        f"{cfg.name}: {args.workers} workers, {args.timeout:g}s (+{args.grace:g}s grace), "
+        f"up to {n_trials} trials ...",
+        flush=True,
+    )
+    # --workers auto probes the GPU before the launcher's clock (and --timeout) starts.
+    hard_stop = args.timeout + args.grace + (AUTO_PROBE_S if args.workers == "auto" else 0)
+    with GpuWatch(device, args.gpu, args.gpu_interval) as gpu:
+        launch = run_launch(cli, workdir / "launch.log", hard_stop, echo=args.verbose)
+    ran, reason = launched_workers(launch)
+    study = load_study(cfg.name, storage=str(journal_path(workdir)))
+    trials = study.get_trials(deepcopy=False)
+    maximize = study.direction.name == "MAXIMIZE"
+    states = {s.name.lower(): 0 for s in TrialState}
+    for t in trials:
+        states[t.state.name.lower()] += 1
+    # A re-queued retry copies its failed trial's attributes: count the FAIL ones only.
+    interrupted = sum(
+        1
+        for t in trials
+        if t.state == TrialState.FAIL and t.user_attrs.get("outcome") == "interrupted"
+    )
+    src = data.get_source(cfg, "train")
+    n_train = len(src) if src is not None else 0
+    epochs = images = 0
+    for t in trials:
+        e = len(t.user_attrs.get("history", []))
+        epochs += e
+        images += train_images(cfg, t.params, e, n_train)
+    curve = progress_curve(trials, launch.started, maximize)
+    done = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
+    best = (max if maximize else min)(done, key=lambda t: t.value) if done else None
+    test_acc, test_from = (None, "no completed trial")
+    if best is not None:
+        test_acc, test_from = test_accuracy(cfg, workdir, best, device)
+    result: dict[str, Any] = {
+        "workers": ran,
+        "auto_reason": reason or None,
+        "launch_returncode": launch.returncode,
+        "bench_stops": launch.stops,
+        "wall_s": launch.wall_s,
+        "states": states,
+        "finished": states["complete"] + states["pruned"],
+        "interrupted": interrupted,
+        "epochs": epochs,
+        "train_images": images,
+        "images_per_second_e2e": images / launch.wall_s,
+        "metric": cfg.objective.metrics[0],
+        "direction": "maximize" if maximize else "minimize",
+        "best_value": best.value if best is not None else None,
+        "best_trial": best.number if best is not None else None,
+        "best_params": dict(best.params) if best is not None else None,
+        "best_epochs": len(best.user_attrs.get("history", [])) if best is not None else None,
+        "test_acc": test_acc,
+        "test_acc_from": test_from,
+        "time_to_best_s": curve[-1]["t_s"] if curve else None,
+        "time_to_target_s": {str(x): time_to(curve, x, maximize) for x in args.target},
+        "curve": curve,
+        "gpu_utilization_mean": gpu.utilization,
+        "gpu": gpu.summary,
+        "timings": trial_timings(workdir),
+    }
+    if launch.returncode not in (0, 130):
+        result["error"] = f"launch exit code {launch.returncode}; last lines:\n{launch.tail()}"
+    print_table(cfg, args, env, result)
+    if args.json_path:
+        out = {
+            "bench": "study",
+            "environment": env,
+            "args": vars(args),
+            "study": cfg.name,
+            "cache_warm_s": warm_s,
+            "workdir": str(workdir) if args.keep else None,
+            "result": result,
+        }
+        Path(args.json_path).write_text(json.dumps(out, indent=2, default=str))
+        print(f"JSON: {args.json_path}")
+    if "error" in result:
+        print(result["error"], file=sys.stderr)
+        return 1
+    return 0
+
+
+def print_table(
+    cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any], r: dict[str, Any]
+) -> None:
+    where = env.get("gpu") or f"cpu ({env['cpu_count']} cores)"
+    s = r["states"]
+    best = (
+        f"{r['best_value']:.4f} (trial {r['best_trial']}, {r['best_epochs']} epochs)"
+        if r["best_value"] is not None
+        else "-"
+    )
+    stopped = f" (bench sent {' then '.join(r['bench_stops'])})" if r["bench_stops"] else ""
+    rows = [
+        ("wall s", f"{r['wall_s']:.1f}{stopped}"),
+        ("trials complete / pruned", f"{s['complete']} / {s['pruned']}"),
+        ("failed / interrupted / waiting", f"{s['fail']} / {r['interrupted']} / {s['waiting']}"),
+        ("epochs / train images", f"{r['epochs']} / {r['train_images']}"),
+        ("train img/s (e2e)", f"{r['images_per_second_e2e']:.1f}"),
+        (f"best {r['metric']}", best),
+        ("test acc of best", f"{fmt(r['test_acc'], '.4f')} ({r['test_acc_from']})"),
+        ("time to best s", fmt(r["time_to_best_s"])),
+        *((f"time to {k} s", fmt(v)) for k, v in r["time_to_target_s"].items()),
+        ("GPU util mean %", fmt(r["gpu_utilization_mean"])),
+    ]  # fmt: skip
+    workers = f"auto ({r['workers']})" if args.workers == "auto" else args.workers
+    print(
+        f"\n{cfg.name}: {workers} workers, {args.timeout:g} s budget (+{args.grace:g} s "
+        f"grace) on {where}"
+    )
+    if r["auto_reason"]:
+        print(f"  --workers auto: {r['auto_reason']}")
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
