@@ -335,6 +335,13 @@ def _on_signals(stop: Callable[[], None], what: str) -> None:
     help="Stop this worker after N trials.",
 )
 @click.option(
+    "--deadline",
+    type=float,
+    default=None,
+    hidden=True,
+    help="Stop asking at this Unix time (the launcher's --timeout, start-up included).",
+)
+@click.option(
     "--packing",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -345,7 +352,7 @@ def _on_signals(stop: Callable[[], None], what: str) -> None:
 def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
            workdir: Path, device: str, storage: str | None, tracking_uri: str | None,
            no_tracking: bool, worker_id: str, trials: int | None, max_trials: int | None,
-           packing: Path | None, timeout: float | None,
+           deadline: float | None, packing: Path | None, timeout: float | None,
            max_retries: int, heartbeat: int, train_fn: str) -> None:  # fmt: skip
     """Join an existing study from any machine and run trials until its budget is spent.
 
@@ -374,6 +381,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         else (resolve_tracking_uri(tracking_uri) or running_server_url(workdir)),
         max_trials=max_trials,
         timeout_s=timeout,
+        deadline=deadline,
         heartbeat_interval_s=heartbeat,
         max_retries=max_retries,
         train_fn=train_fn,

@@ -368,8 +368,9 @@ class Launcher:
         else:
             cmd += ["--no-tracking"]
         if opts.timeout_s is not None:
+            # An absolute time: the worker's own start-up (imports, connecting) counts too.
             remaining = opts.timeout_s - (time.monotonic() - self._t0)
-            cmd += ["--timeout", f"{max(remaining, 1.0):.1f}"]
+            cmd += ["--deadline", f"{time.time() + max(remaining, 1.0):.3f}"]
         if opts.train_fn:
             cmd += ["--train-fn", opts.train_fn]
         if opts.packing is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,7 +69,11 @@ def make_sampler(cfg: StudyConfig) -> optuna.samplers.BaseSampler:
     if s.name == "cmaes":
         # Conditional and categorical params fall back to this, quietly.
         extra["warn_independent_sampling"] = False
-    return cls(**_kwargs_for(cls, dict(s.options), extra))
+    with warnings.catch_warnings():
+        # The study file chose these options (TPE's group, multivariate, constant_liar);
+        # Optuna's "experimental" notice on every worker start is noise, not news.
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return cls(**_kwargs_for(cls, dict(s.options), extra))
 
 
 def make_pruner(cfg: StudyConfig) -> optuna.pruners.BasePruner:

@@ -77,6 +77,7 @@ class WorkerOptions:
     tracking_uri: str | None = None
     max_trials: int | None = None  # this worker stops after so many trials
     timeout_s: float | None = None  # stop asking after this many seconds
+    deadline: float | None = None  # or at this time.time(): the launcher's, start-up included
     heartbeat_interval_s: int = 10  # PostgreSQL only; stale after 2x
     max_retries: int = 2  # retries of a trial whose worker died or was interrupted
     max_errors: int = 3  # trials failing with an exception before the worker gives up
@@ -263,14 +264,15 @@ def run_worker(
     if spec.kind == "rdb":
         watcher = _StaleWatcher(study, heartbeat_timing(opts.heartbeat_interval_s)[2])
     warm = _new_warm_cache()
-    deadline = time.monotonic() + opts.timeout_s if opts.timeout_s else None
+    deadlines = [time.time() + opts.timeout_s] if opts.timeout_s else []
+    deadline = min(deadlines + ([opts.deadline] if opts.deadline else []), default=None)
     errors = 0
     try:
         while not stop.is_set():
             if opts.max_trials is not None and len(summary.trials) >= opts.max_trials:
                 summary.stopped_by = "max_trials"
                 break
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.time() > deadline:
                 summary.stopped_by = "timeout"
                 break
             asked_at = time.perf_counter()

@@ -180,6 +180,29 @@ def test_embedded_default_several_workers(tmp_path: Path, subprocess_env: dict[s
     assert (work / "mlflow" / "mlflow.db").exists()
 
 
+def test_launch_timeout_counts_worker_start_up(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """--timeout is a deadline for the whole launch: no trial starts after it, however long
+    the workers took to import and connect; running trials finish and are kept."""
+    work = tmp_path / "w"
+    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1")
+    t0 = time.time()
+    r = hpsearch(
+        ["launch", "--study", "tiny", "--workers", "2", "--trials", "50", "--timeout", "6",
+         "--workdir", str(work), "--train-fn", DUMMY, "--no-tracking",
+         "--set", "budget.max_epochs=2", "--set", "pruner={name: none}"],
+        env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    study = hps.load_study("tiny", workdir=work)
+    trials = study.get_trials(deepcopy=False)
+    assert 1 <= len(trials) < 50
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    starts = [t.datetime_start.timestamp() for t in trials if t.datetime_start]
+    assert max(starts) <= t0 + 6 + 1.0, [s - t0 for s in starts]
+
+
 def test_bad_inputs_one_line_nonzero_nothing_written(
     pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
