@@ -554,6 +554,20 @@ def _train(
     np_rng: np.random.Generator | None = None
     last_saved = time.perf_counter()  # of the resume checkpoint
     best_unsaved = False  # a better model than the best-model file holds
+
+    def best_files() -> list[tuple[dict[str, Any], Path]]:
+        nonlocal best_unsaved
+        if not (best_unsaved and best_path is not None and run.best_state is not None):
+            return []
+        best_unsaved = False
+        run.best_model_path = best_path
+        epoch_, acc = int(run.best_epoch or 0), float(run.best_acc or 0.0)
+        return [(_best_file(run.best_state, hp, run, epoch_, acc), best_path)]
+
+    def save_best() -> None:  # a trial stopping early keeps its best model
+        if files := best_files():
+            writer.submit(files)
+
     for epoch in range(first_epoch, config.budget.max_epochs + 1):
         if options.should_interrupt is not None and options.should_interrupt():
             run.stop_reason, run.message = "interrupted", f"interrupted before epoch {epoch}"
@@ -606,6 +620,7 @@ def _train(
             kind = "nan" if math.isnan(bad) else "inf"
             run.stop_reason = "diverged"
             run.message = f"loss is {kind} at epoch {epoch} step {bad_step}"
+            save_best()
             return
         if timeout is not None and time.perf_counter() - start > timeout:
             run.stop_reason = "time_limit"
@@ -613,6 +628,7 @@ def _train(
                 f"trial time limit {timeout:g}s reached during epoch {epoch}; "
                 f"{len(run.history)} complete epochs kept"
             )
+            save_best()
             return
         train_time = time.perf_counter() - t_epoch
 
@@ -663,25 +679,21 @@ def _train(
         # Checkpoint at most every trainer.checkpoint_every_s (0: every epoch), and always
         # at the trial's end or when a stop was asked for: writing ~100 MB per epoch would
         # dominate the sub-second epochs of small images on a fast GPU.
+        # A trial that ends here is told next and its resume checkpoint deleted unread: it
+        # only gets its best model written (a crash before the tell redoes the last epochs).
+        ending = run.stop_reason != "finished" or epoch == config.budget.max_epochs
         stopping = options.should_interrupt is not None and options.should_interrupt()
-        due = (
-            run.stop_reason != "finished"
-            or epoch == config.budget.max_epochs
-            or stopping
-            or time.perf_counter() - last_saved >= tc.checkpoint_every_s
-        )
-        if ckpt_path is not None and due:
-            files = []  # the best model first: the checkpoint refers to it
-            if best_unsaved and best_path is not None and run.best_state is not None:
-                best_epoch, best_acc = int(run.best_epoch or epoch), float(run.best_acc or 0.0)
-                files.append((_best_file(run.best_state, hp, run, best_epoch, best_acc), best_path))
-                run.best_model_path, best_unsaved = best_path, False
-            done = run.stop_reason if run.stop_reason != "finished" else None
-            state = _checkpoint(model, optimizer, schedule, scaler, epoch, gen, np_rng, hp, run,
-                                done, with_best_state=best_path is None)  # fmt: skip
-            writer.submit([*files, (state, ckpt_path)])
-            run.checkpoint_path = ckpt_path
-            last_saved = time.perf_counter()
+        due = stopping or time.perf_counter() - last_saved >= tc.checkpoint_every_s
+        if ckpt_path is not None and (due or ending):
+            files = best_files()  # the best model first: the checkpoint refers to it
+            if not ending:
+                state = _checkpoint(model, optimizer, schedule, scaler, epoch, gen, np_rng, hp,
+                                    run, None, with_best_state=best_path is None)  # fmt: skip
+                files.append((state, ckpt_path))
+                run.checkpoint_path = ckpt_path
+                last_saved = time.perf_counter()
+            if files:
+                writer.submit(files)
         if options.on_epoch is not None:
             options.on_epoch(record)
         if run.stop_reason != "finished":
