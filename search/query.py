@@ -89,6 +89,7 @@ class StudyStatus:
     best: dict[str, Any] | None
     running: list[dict[str, Any]]
     storage: str
+    startup_s_median: float | None = None  # per-trial start-up: ask to first training step
 
 
 def study_status(name: str, storage: str | None = None, workdir: Path | None = None) -> StudyStatus:
@@ -110,7 +111,11 @@ def study_status(name: str, storage: str | None = None, workdir: Path | None = N
         for t in trials
         if t.state == TrialState.RUNNING
     ]
-    return StudyStatus(name, counts, best, running, spec.display)
+    startups = sorted(
+        float(t.user_attrs["startup_s"]) for t in trials if "startup_s" in t.user_attrs
+    )
+    median = startups[len(startups) // 2] if startups else None
+    return StudyStatus(name, counts, best, running, spec.display, median)
 
 
 def list_studies(storage: str | None = None, workdir: Path | None = None) -> list[dict[str, Any]]:

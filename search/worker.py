@@ -57,6 +57,7 @@ ATTR_BEST_MODEL = "best_model"
 ATTR_HISTORY = "history"
 ATTR_TEST_ACC = "test_acc"
 ATTR_RESUMED_FROM = "resumed_from_epoch"
+ATTR_STARTUP = "startup_s"
 
 
 class TrainFn(Protocol):
@@ -439,7 +440,7 @@ def run_trial(
         setup_s = float(getattr(result, "setup_seconds", 0.0) or 0.0)
         timing.startup_s = handed_over - began + setup_s
         t0 = time.perf_counter()
-        outcome = _tell(study, trial, cfg, opts, result, run, db)
+        outcome = _tell(study, trial, cfg, opts, result, run, db, timing.startup_s)
         timing.tell_ms = (time.perf_counter() - t0) * 1e3
         if outcome != "interrupted":
             _prune_checkpoints(study, cfg, opts.workdir)
@@ -483,6 +484,7 @@ def _tell(
     result: Any,
     run: Any,
     db: Db,
+    startup_s: float | None = None,
 ) -> str:
     reason = str(result.stop_reason)
     attrs: dict[str, Any] = {
@@ -491,6 +493,8 @@ def _tell(
         "effective_lr": float(result.effective_lr),
         "effective_batch_size": int(result.effective_batch_size),
     }
+    if startup_s is not None:  # ask to first training step: the per-trial overhead, seconds
+        attrs[ATTR_STARTUP] = round(float(startup_s), 3)
     if result.message:
         attrs[ATTR_MESSAGE] = str(result.message)[:500]
     if result.test_acc is not None:

@@ -138,6 +138,9 @@ def test_relaunch_resumes_and_independent_worker_joins(
     st = hpsearch(["status", "--study", "tiny", "--storage", pg_url], subprocess_env).stdout
     assert "complete" in st and f"best: trial {best_n} value {best_v:.6g}" in st
     assert hps.study_status("tiny", storage=pg_url).counts["running"] == 0
+    # every trial records its start-up (ask to first training step); status reports it
+    assert all(t.user_attrs["startup_s"] > 0 for t in finished(study))
+    assert "per-trial start-up (ask to first step): median" in st
     ls = json.loads(hpsearch(["studies", "--storage", pg_url, "--json"], subprocess_env).stdout)
     assert ls == [
         {
