@@ -230,7 +230,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     if not train_fn:
         from hpsearch.runner import check_dataset
 
-        check_dataset(cfg)
+        check_dataset(cfg, light=True)  # each worker checks fully
     # Without --gpus, workers spread over every visible GPU rather than all on the first.
     use_gpus = gpu_list or ([] if device == "cpu" else visible_gpus())
     placement, packing = None, None

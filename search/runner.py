@@ -8,13 +8,38 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.config import StudyConfig
-from hpsearch.errors import ConfigError, HpsearchError
+from hpsearch.errors import ConfigError, DataError, HpsearchError
 
 
-def check_dataset(cfg: StudyConfig) -> None:
+def flowers_layout_message(root: Path, problem: str = "not found or incomplete") -> str:
+    return (
+        f"dataset flowers102: {root / 'flowers-102'} {problem}; expected "
+        f"<root>/flowers-102/{{jpg/,imagelabels.mat,setid.mat}}; pass --download or --data-dir"
+    )
+
+
+def flowers_layout_error(root: Path) -> str | None:
+    """The one-line complaint about `<root>/flowers-102/`, or None when its layout is there."""
+    base = root / "flowers-102"
+    if (base / "jpg").is_dir() and (base / "setid.mat").is_file():
+        return None
+    return flowers_layout_message(root)
+
+
+def check_dataset(cfg: StudyConfig, light: bool = False) -> None:
     """Fail fast, before any trial or storage write, when the data is missing or has the
     wrong layout (DataError, one line). With download allowed, this is where it downloads:
-    once, not once per worker."""
+    once, not once per worker.
+
+    light: only the files' presence where that can be told without torch (Flowers-102 on
+    disk): `launch` checks so, and each worker it starts checks fully (it needs torch anyway).
+    """
+    ds = cfg.dataset
+    if light and ds.name == "flowers102" and not ds.download:
+        message = flowers_layout_error(Path(ds.root or "data").expanduser())
+        if message is not None:
+            raise DataError(message)
+        return
     from hpsearch.trainer.data import get_source
 
     for split in ("train", "val"):

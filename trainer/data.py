@@ -126,25 +126,22 @@ def _download_error(name: str, exc: BaseException, where: Path) -> DataError:
 
 
 def _flowers(config: StudyConfig, split: str) -> Source:
+    from hpsearch.runner import flowers_layout_error, flowers_layout_message
     from torchvision.datasets import Flowers102
 
     root = _root(config)
-    base = root / "flowers-102"
-    layout = (
-        f"dataset flowers102: {base} not found or incomplete; expected "
-        f"<root>/flowers-102/{{jpg/,imagelabels.mat,setid.mat}}; pass --download or --data-dir"
-    )
     if config.dataset.download:
         try:
             Flowers102(str(root), split="train", download=True)
         except (OSError, RuntimeError, ValueError) as exc:  # URLError is an OSError
             raise _download_error("flowers102", exc, root) from exc
-    if not (base / "jpg").is_dir() or not (base / "setid.mat").is_file():
+    layout = flowers_layout_error(root)
+    if layout is not None:
         raise DataError(layout)
     try:
         ds = Flowers102(str(root), split=split, download=False)
     except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted" (md5 check)
-        raise DataError(layout.replace("not found or incomplete", "failed its checksum")) from exc
+        raise DataError(flowers_layout_message(root, "failed its checksum")) from exc
     return Source(
         dataset="flowers102",
         split=split,
