@@ -27,7 +27,7 @@ from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import ConfigError, DeviceError
 from hpsearch.packing import MemoryModel, PackingPlan, plan_from_probe
 from hpsearch.storage import StorageSpec, open_storage, with_db_retry
-from hpsearch.study import budget_counts, create_or_load, may_start_trial
+from hpsearch.study import budget_counts, create_or_load, may_start_trial, study_budget
 from hpsearch.worker import (
     ATTR_HOST,
     ATTR_MESSAGE,
@@ -262,6 +262,7 @@ class Launcher:
         self._messages: list[str] = []
         self._server: Any = None
         self._tracking_uri: str | None = None
+        self._prepared = False  # _prepare_finish ran
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
 
@@ -423,11 +424,30 @@ class Launcher:
             now = time.monotonic()
             if now - last >= self.opts.progress_every_s:
                 last = now
+                progress = self._progress()
                 if self.on_progress is not None:
-                    self.on_progress(self._progress())
+                    self.on_progress(progress)
+                self._prepare_finish(progress.counts)
             if alive == 0:
                 return "budget" if not self._all_crashed() else "workers_failed"
             time.sleep(0.2)
+
+    def _prepare_finish(self, counts: dict[str, int]) -> None:
+        """Once every trial of the budget is handed out, import torch on a background thread
+        for the ONNX export at the end, while the last trials still train: the import costs
+        seconds that would otherwise come after the last trial."""
+        if self._prepared or not (self._tracking_uri and self.cfg.tracking.onnx):
+            return
+        handed_out = counts["complete"] + counts["pruned"] + counts["running"]
+        if counts["waiting"] or handed_out < study_budget(self.study, self.cfg):
+            return
+        self._prepared = True
+
+        def warm_import() -> None:
+            with contextlib.suppress(ImportError):  # the export will say so; a head start only
+                import torch  # noqa: F401
+
+        threading.Thread(target=warm_import, daemon=True, name="warm-import").start()
 
     def _all_crashed(self) -> bool:
         return all(s.state == "crashed" for s in self._slots)
