@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
 from hpsearch.storage import StorageSpec
@@ -97,6 +98,7 @@ class _CheckpointUploader:
             self._cond.notify()
 
     def _run(self) -> None:
+        lower_priority()
         while True:
             with self._cond:
                 while self._pending is None and not self._closed:
@@ -136,6 +138,7 @@ class _Finisher:
         self._queue.put(job)
 
     def _run(self) -> None:
+        lower_priority()
         while (job := self._queue.get()) is not None:
             try:
                 job()

@@ -708,6 +708,9 @@ class TrialTracker:
         self.incomplete = True
 
     def _sender(self) -> None:
+        from hpsearch.background import lower_priority
+
+        lower_priority()  # HTTP requests must not take the training threads' cores
         while not self._abort.is_set():
             with self._cond:
                 while not self._queue and not self._closing and not self._abort.is_set():

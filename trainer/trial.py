@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
+from hpsearch.background import lower_priority
 from hpsearch.config import Hyperparams, StudyConfig
 from hpsearch.errors import DeviceError
 from hpsearch.trainer import augment, data
@@ -300,6 +301,7 @@ class _CheckpointWriter:
         snapshot = [(_cpu_copy(obj), path) for obj, path in files]
 
         def write() -> None:
+            lower_priority()
             try:
                 for obj, path in snapshot:
                     atomic_save(obj, path)

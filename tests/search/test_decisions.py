@@ -123,3 +123,23 @@ def test_progress_line_names_input_bound_trials() -> None:
     assert "complete 2 pruned 1 failed 0 running 2 / 10" in line
     assert "best 0.7100 (trial 1)" in line and "eta 120s" in line
     assert "w0:t5 w1:t6" in line and "input-bound t6 (32% GPU)" in line
+
+
+def test_background_threads_yield_the_cpu_to_training() -> None:
+    import os
+    import threading
+
+    from hpsearch.background import NICE, lower_priority
+
+    seen: list[int] = []
+
+    def background() -> None:
+        lower_priority()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    t = threading.Thread(target=background)
+    t.start()
+    t.join()
+    assert seen == [min(19, before + NICE)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the training thread keeps its own
