@@ -187,3 +187,22 @@ def test_packed_worker_waits_for_gpu_memory_before_training(
     timing = json.loads((tmp_path / "timings" / "w0.jsonl").read_text().splitlines()[0])
     assert timing["admission_wait_s"] >= 1.0
     assert ledger.reserved() == {}
+
+
+def test_launch_workers_auto_without_a_gpu_runs_one(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    from cli_util import DUMMY, hpsearch
+
+    env = dict(subprocess_env, CUDA_VISIBLE_DEVICES="")
+    r = hpsearch(
+        ["launch", "--study", "tiny", "--workers", "auto", "--trials", "2", "--no-tracking",
+         "--workdir", str(tmp_path / "w"), "--train-fn", DUMMY, "--set", "budget.max_epochs=1"],
+        env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--workers auto: no GPU visible; running 1 worker" in r.stdout
+    assert "2 trials, 1 workers" in r.stdout
+    bad = hpsearch(["launch", "--study", "tiny", "--workers", "two"], env)
+    assert bad.returncode != 0
+    assert "'two': expected a whole number >= 1 or 'auto'" in bad.stderr
