@@ -30,6 +30,7 @@ from hpsearch.storage import (
     open_storage,
     set_trial_attrs,
     study_lock,
+    throttle_trial_reads,
     with_db_retry,
 )
 from hpsearch.study import (
@@ -238,9 +239,11 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
         grace_period=grace if rdb else None,
         failed_trial_callback=retry_callback(opts.max_retries),
     )
-    return with_db_retry(
+    study = with_db_retry(
         lambda: create_or_load(cfg, storage, owner=opts.set_budget), what="create study"
     )
+    throttle_trial_reads(study)
+    return study
 
 
 def run_worker(
@@ -343,9 +346,26 @@ def _next_trial(
             counts = count_trials_sql(conn, study)
         else:
             counts = budget_counts(study.get_trials(deepcopy=False))
-        if may_start_trial(counts, n_trials):
+        if not may_start_trial(counts, n_trials):
+            return "wait" if counts.get("running", 0) > 0 else None
+        trial_id = _claim_trial(study)
+        if trial_id is None:  # an Optuna without the pieces: ask whole, under the lock
             return study.ask()
-    return "wait" if counts.get("running", 0) > 0 else None
+    # Building the Trial (reading it back, the sampler's before_trial) needs no lock.
+    study._thread_local.cached_all_trials = None
+    return optuna.Trial(study, trial_id)
+
+
+def _claim_trial(study: optuna.Study) -> int | None:
+    """The part of `Study.ask` that the budget lock must cover: take a queued retry, or
+    create a new RUNNING trial. Returns its id; None when Optuna lacks the helper."""
+    pop = getattr(study, "_pop_waiting_trial_id", None)
+    if pop is None or not hasattr(study, "_thread_local"):
+        return None
+    trial_id = pop()
+    if trial_id is None:
+        trial_id = study._storage.create_new_trial(study._study_id)
+    return int(trial_id)
 
 
 def run_trial(

@@ -18,6 +18,7 @@ from hpsearch.storage import (
     resolve_storage,
     set_trial_attrs,
     study_lock,
+    throttle_trial_reads,
 )
 from hpsearch.study import budget_counts, create_or_load
 
@@ -76,3 +77,36 @@ def test_study_lock_excludes_other_processes_connections(pg_url: str, tmp_path: 
 def _take(spec: StorageSpec, engine: sa.Engine, order: list[str]) -> None:
     with study_lock(spec, "s", engine):
         order.append("second holds")
+
+
+def test_trial_reads_are_throttled_but_never_older_than_the_interval(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A worker re-reads the other workers' trials at most every interval (Optuna's cache
+    would re-read every running trial on each sampler call), and sees new ones after it."""
+    spec = resolve_storage(pg_url, tmp_path)
+    cfg = load_config("tiny")
+    mine = create_or_load(cfg, open_storage(spec))
+    other = create_or_load(cfg, open_storage(spec))  # another worker's connection
+    backend = mine._storage._backend  # type: ignore[attr-defined]
+    reads = {"n": 0}
+    real = backend._get_trials
+
+    def counting(*args: object, **kwargs: object) -> object:
+        reads["n"] += 1
+        return real(*args, **kwargs)
+
+    backend._get_trials = counting
+    throttle_trial_reads(mine, 0.5)
+    for _ in range(20):
+        mine.get_trials(deepcopy=False)
+    assert reads["n"] == 1
+    t = other.ask()
+    other.tell(t, 0.5)
+    assert len(mine.get_trials(deepcopy=False)) == 0  # within the interval: the old view
+    time.sleep(0.6)
+    assert [x.state for x in mine.get_trials(deepcopy=False)] == [optuna.trial.TrialState.COMPLETE]
+    assert reads["n"] == 2
+    own = mine.ask()  # a process's own running trial is read fresh
+    mine.tell(own, 0.7)
+    assert mine._storage.get_trial(own._trial_id).value == 0.7
