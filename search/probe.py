@@ -47,18 +47,23 @@ def probe_shapes(cfg: StudyConfig) -> tuple[list[str], int, int, int, int]:
     return archs, max(sizes), micro[0], micro[len(micro) // 2], micro[-1]
 
 
-def _steps(cfg: StudyConfig, arch: str, batch: int, size: int, steps: int) -> tuple[int, float]:
-    """(peak reserved bytes, median step seconds) of `steps` training steps."""
+def train_steps(
+    cfg: StudyConfig, arch: str, batch: int, size: int, steps: int, device_name: str = "cuda"
+) -> tuple[int, float]:
+    """(peak reserved bytes, median step seconds) of `steps` training steps on synthetic
+    data (peak 0 off CUDA)."""
     import torch
     from hpsearch.trainer.models import build_model
     from hpsearch.trainer.optim import make_optimizer
     from hpsearch.trainer.trial import _autocast, resolve_precision
 
-    device = torch.device("cuda")
+    device = torch.device(device_name)
+    cuda = device.type == "cuda"
     hp = cfg.resolve_params({"arch": arch, "batch_size": batch})
     num_classes = cfg.dataset.num_classes or 1000
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     fmt = torch.channels_last if cfg.trainer.channels_last else torch.contiguous_format
     model = build_model(cfg, hp, num_classes).to(device, memory_format=fmt)
     opt = make_optimizer(model, hp, 0.01)
@@ -67,18 +72,21 @@ def _steps(cfg: StudyConfig, arch: str, batch: int, size: int, steps: int) -> tu
     y = torch.randint(0, num_classes, (batch,), device=device)
     times = []
     for _ in range(steps + 1):  # the first step pays cuDNN autotuning: not timed
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         with _autocast(device, amp):
             loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = int(torch.cuda.max_memory_reserved(device))
+    peak = int(torch.cuda.max_memory_reserved(device)) if cuda else 0
     del model, opt, x, y, loss
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return peak, statistics.median(times[1:])
 
 
@@ -117,8 +125,8 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
     total = int(torch.cuda.get_device_properties(0).total_memory)
     models, busy = [], 1.0
     for i, arch in enumerate(archs):
-        peak_small, _ = _steps(cfg, arch, small, size, steps)
-        peak_large, t_large = _steps(cfg, arch, large, size, steps) if large > small else (
+        peak_small, _ = train_steps(cfg, arch, small, size, steps)
+        peak_large, t_large = train_steps(cfg, arch, large, size, steps) if large > small else (
             peak_small, 0.0)  # fmt: skip
         context = _context_bytes()
         if large > small:
@@ -127,7 +135,7 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
             model = fit_memory(arch, size, (0, 0), (small, peak_small), context)
         models.append(model)
         if i == 0 and mid < large:
-            _, t_mid = _steps(cfg, arch, mid, size, steps)
+            _, t_mid = train_steps(cfg, arch, mid, size, steps)
             busy = busy_fraction(t_mid, mid, t_large, large)
     worst = max(m.trial_bytes(large, size) for m in models)
     return {

@@ -26,7 +26,7 @@ from hpsearch.packing import (
     visible_gpus,
     workers_per_gpu,
 )
-from hpsearch.probe import probe_shapes
+from hpsearch.probe import probe_shapes, train_steps
 from hpsearch.storage import StorageSpec
 from hpsearch.worker import WorkerOptions, run_worker
 
@@ -103,6 +103,16 @@ def test_probe_shapes_of_the_headline_study() -> None:
     assert archs and all(a.startswith("resnet") for a in archs)
     assert size >= cfg.dataset.image_size
     assert small <= mid <= large
+
+
+def test_probe_training_step_runs_every_arch_of_the_study_on_cpu() -> None:
+    """The probe's step (model, optimizer, autocast, channels_last) for each architecture the
+    headline study may pick; on a GPU the same code also reads the peak memory."""
+    cfg = load_config("flowers102")
+    archs = probe_shapes(cfg)[0]
+    for arch in archs:
+        peak, step_s = train_steps(cfg, arch, 2, 32, steps=1, device_name="cpu")
+        assert peak == 0 and step_s > 0
 
 
 def test_probe_without_a_gpu_fails_in_one_line(subprocess_env: dict[str, str]) -> None:
