@@ -231,8 +231,9 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         from hpsearch.runner import check_dataset
 
         check_dataset(cfg, light=True)  # each worker checks fully
-    # Without --gpus, workers spread over every visible GPU rather than all on the first.
-    use_gpus = gpu_list or ([] if device == "cpu" else visible_gpus())
+    # Without --gpus, workers spread over every visible GPU rather than all on the first
+    # (not with --device cuda:N, which names one GPU of those visible).
+    use_gpus = gpu_list or (visible_gpus() if device in ("auto", "cuda") else [])
     placement, packing = None, None
     if workers == "auto":
         if not use_gpus:

@@ -99,7 +99,7 @@ def auto_workers(
     models = [MemoryModel(**m) for m in raw["models"]]
     plan = plan_from_probe(
         gpus, int(raw["total_bytes"]), models, int(raw["worst_trial_bytes"]),
-        float(raw["busy"]), max_per_gpu,
+        float(raw["busy"]), max_per_gpu, int(raw.get("data_bytes", 0)),
     )  # fmt: skip
     (workdir / "run" / "packing.json").write_text(plan.to_json())
     return plan
@@ -439,7 +439,11 @@ class Launcher:
         if self._prepared or not (self._tracking_uri and self.cfg.tracking.onnx):
             return
         handed_out = counts["complete"] + counts["pruned"] + counts["running"]
-        if counts["waiting"] or handed_out < study_budget(self.study, self.cfg):
+        try:
+            n_trials = study_budget(self.study, self.cfg)
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
+            return  # the database may be restarting; this is only a head start
+        if counts["waiting"] or handed_out < n_trials:
             return
         self._prepared = True
 

@@ -29,6 +29,11 @@ TARGET_BUSY = 0.95  # fraction of the GPU's time packed workers together aim to 
 HEADROOM = 0.90  # fraction of a GPU's memory reservations may take (fragmentation, other users)
 
 
+class AdmissionStopped(Exception):
+    """The worker was asked to stop while its trial waited for GPU memory: the trial is
+    re-queued untouched, not failed."""
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """Peak CUDA memory of one trial of `arch`: a fixed part (weights, gradients, optimizer
@@ -151,6 +156,7 @@ class PackingPlan:
     busy: float
     models: list[MemoryModel]
     reason: str
+    data_bytes: int = 0  # the decoded dataset each worker keeps on the GPU
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -164,7 +170,7 @@ class PackingPlan:
     def trial_bytes(self, arch: str, batch_size: int, image_size: int) -> int | None:
         for m in self.models:
             if m.arch == arch:
-                return m.trial_bytes(batch_size, image_size) + m.context_bytes
+                return m.trial_bytes(batch_size, image_size) + m.context_bytes + self.data_bytes
         return None
 
 
@@ -238,7 +244,9 @@ class GpuLedger:
         that never fits beside the others must not hang its worker forever)."""
         t0 = time.monotonic()
         while not self.try_reserve(need_bytes):
-            if should_stop() or time.monotonic() - t0 > max_wait_s:
+            if should_stop():
+                raise AdmissionStopped(f"stopped after waiting {time.monotonic() - t0:.0f} s")
+            if time.monotonic() - t0 > max_wait_s:
                 raise DeviceError(
                     f"GPU memory: a trial needing {need_bytes // MiB} MiB waited "
                     f"{time.monotonic() - t0:.0f} s for room beside the trials packed there"
@@ -257,8 +265,9 @@ def plan_from_probe(
     worst_trial_bytes: int,
     busy: float,
     max_per_gpu: int,
+    data_bytes: int = 0,
 ) -> PackingPlan:
-    context = max((m.context_bytes for m in models), default=0)
+    context = max((m.context_bytes for m in models), default=0) + data_bytes
     k = workers_per_gpu(total_bytes, worst_trial_bytes, context, busy, max_per_gpu)
     by_memory = int(HEADROOM * total_bytes // max(1, worst_trial_bytes + context))
     why = "memory" if k == by_memory else ("compute" if k < max_per_gpu else "the cap")
@@ -267,4 +276,6 @@ def plan_from_probe(
         f"the largest trial needs {(worst_trial_bytes + context) // MiB} MiB of "
         f"{total_bytes // MiB} MiB (limited by {why})"
     )
-    return PackingPlan(list(gpus), k, total_bytes, worst_trial_bytes, busy, list(models), reason)
+    return PackingPlan(
+        list(gpus), k, total_bytes, worst_trial_bytes, busy, list(models), reason, data_bytes
+    )

@@ -101,7 +101,13 @@ def _context_bytes() -> int:
 
         pynvml.nvmlInit()
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            # NVML ignores CUDA_VISIBLE_DEVICES: look the probed GPU up by its id there.
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+            handle = (
+                pynvml.nvmlDeviceGetHandleByIndex(int(visible))
+                if visible.isdigit()
+                else pynvml.nvmlDeviceGetHandleByUUID(visible)
+            )
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if p.pid == os.getpid() and p.usedGpuMemory:
                     return max(0, int(p.usedGpuMemory) - int(torch.cuda.memory_reserved()))
@@ -110,6 +116,21 @@ def _context_bytes() -> int:
     except Exception:  # NVML missing or PIDs hidden (containers): use the typical figure
         pass
     return CONTEXT_FALLBACK
+
+
+def data_bytes(cfg: StudyConfig) -> int:
+    """Device bytes of the decoded dataset a worker keeps on the GPU (the fast path's uint8
+    cache of every split it evaluates), which no training step shows; 0 if unknown."""
+    from hpsearch.trainer.data import get_source
+
+    _, size, _, _, _ = probe_shapes(cfg)
+    stored = cfg.dataset.cache_size or round(size * 8 / 7)
+    splits = ["train", "val"] + (["test"] if cfg.trainer.evaluate_test else [])
+    try:
+        items = sum(len(src) for s in splits if (src := get_source(cfg, s)) is not None)
+    except Exception:  # no data here: the workers' own checks will say so
+        return 0
+    return items * 3 * stored * stored
 
 
 def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
@@ -145,6 +166,7 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
         "batches": [small, mid, large],
         "busy": busy,
         "worst_trial_bytes": worst,
+        "data_bytes": data_bytes(cfg),
         "models": [m.__dict__ for m in models],
     }
 

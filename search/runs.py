@@ -129,8 +129,10 @@ class _Finisher:
     thread, in order, so the worker asks for its next trial at once. `close` drains it:
     nothing queued is dropped when a worker stops."""
 
-    def __init__(self) -> None:
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+    def __init__(self, backlog: int = 4) -> None:
+        # Bounded: when uploads are slower than trials, the worker waits here rather than
+        # piling up runs that a stop could then drop.
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=backlog)
         self._thread = threading.Thread(target=self._run, daemon=True, name="run-finisher")
         self._thread.start()
 
@@ -211,7 +213,8 @@ class TrialRun:
         outcome = outcome_for(str(result.stop_reason))
         if outcome not in ("completed", "early_stopped", "time_limit") or not self.run_id:
             return None
-        self._best_to_upload = self.session.checkpoint_to_upload(self.trial, result)
+        # Snapshot now, before the tell: once told, another worker's clean-up may delete it.
+        self._best_to_upload = _snapshot(self.session.checkpoint_to_upload(self.trial, result))
         if self._best_to_upload is None:
             return None
         return f"runs:/{self.run_id}/{CHECKPOINT_ARTIFACT}/best.pt"
@@ -228,9 +231,7 @@ class TrialRun:
         summary["train_seconds"] = float(result.train_seconds)
         summary["setup_seconds"] = float(result.setup_seconds)
         outcome = outcome_for(str(result.stop_reason))
-        best = None
-        if outcome in ("completed", "early_stopped", "time_limit"):
-            best = _snapshot(self._best_to_upload)
+        best = self._best_to_upload  # a snapshot (checkpoint_uri), or None
         self.session.finish_later(lambda: self._finish(result, outcome, summary, best))
 
     def _finish(
@@ -294,12 +295,16 @@ def _snapshot(path: Path | None) -> Path | None:
     so the file outlives its deletion by checkpoint clean-up until it is uploaded."""
     if path is None or not path.exists():
         return None
-    folder = Path(tempfile.mkdtemp(prefix=".upload-", dir=path.parent))
-    snap = folder / path.name
     try:
-        os.link(path, snap)
-    except OSError:
-        shutil.copyfile(path, snap)
+        folder = Path(tempfile.mkdtemp(prefix=".upload-", dir=path.parent))
+        snap = folder / path.name
+        try:
+            os.link(path, snap)
+        except OSError:
+            shutil.copyfile(path, snap)
+    except OSError as exc:  # best effort: the model stays on disk, only its upload is lost
+        logger.warning("could not set %s aside for upload: %s", path, exc)
+        return None
     return snap
 
 

@@ -205,6 +205,9 @@ def _advisory_lock(engine: sa.Engine, name: str) -> Iterator[sa.Connection]:
     with engine.connect() as conn:
         key = _lock_key(name)
         conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        # A session lock outlives the transaction; a fresh one sees what the previous holder
+        # committed even under REPEATABLE READ.
+        conn.commit()
         try:
             yield conn
         finally:
@@ -349,4 +352,15 @@ def throttle_trial_reads(study: optuna.Study, min_interval_s: float = TRIALS_REF
             last[study_id] = now
         read(study_id)
 
+    storage._hpsearch_read_now = read  # type: ignore[attr-defined]
     storage._read_trials_from_remote_storage = throttled  # type: ignore[attr-defined]
+
+
+def refresh_trials_now(study: optuna.Study) -> None:
+    """Bring this process's view of the study's trials up to date, throttle or not."""
+    storage = study._storage
+    read = getattr(storage, "_hpsearch_read_now", None) or getattr(
+        storage, "_read_trials_from_remote_storage", None
+    )
+    if read is not None:
+        read(study._study_id)

@@ -24,10 +24,12 @@ from typing import Any, Protocol
 import optuna
 from hpsearch.config import StudyConfig
 from hpsearch.errors import HpsearchError, StorageError
+from hpsearch.packing import AdmissionStopped
 from hpsearch.storage import (
     StorageSpec,
     count_trials_sql,
     open_storage,
+    refresh_trials_now,
     set_trial_attrs,
     study_lock,
     throttle_trial_reads,
@@ -242,7 +244,8 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
     study = with_db_retry(
         lambda: create_or_load(cfg, storage, owner=opts.set_budget), what="create study"
     )
-    throttle_trial_reads(study)
+    if spec.is_postgres:  # the budget count there is SQL, not this cache
+        throttle_trial_reads(study)
     return study
 
 
@@ -348,23 +351,36 @@ def _next_trial(
             counts = budget_counts(study.get_trials(deepcopy=False))
         if not may_start_trial(counts, n_trials):
             return "wait" if counts.get("running", 0) > 0 else None
-        trial_id = _claim_trial(study)
+        trial_id = _claim_trial(study, counts, n_trials)
         if trial_id is None:  # an Optuna without the pieces: ask whole, under the lock
             return study.ask()
+        if isinstance(trial_id, str):  # the queued retry went to another worker; budget spent
+            return trial_id
     # Building the Trial (reading it back, the sampler's before_trial) needs no lock.
     study._thread_local.cached_all_trials = None
     return optuna.Trial(study, trial_id)
 
 
-def _claim_trial(study: optuna.Study) -> int | None:
+def _claim_trial(study: optuna.Study, counts: dict[str, int], n_trials: int) -> int | str | None:
     """The part of `Study.ask` that the budget lock must cover: take a queued retry, or
-    create a new RUNNING trial. Returns its id; None when Optuna lacks the helper."""
+    create a new RUNNING trial, and record its first heartbeat (a trial without one is never
+    found stale, so a claim whose worker then fails must have it). Returns the trial id,
+    "wait" when the retry `counts` showed was taken by another worker and the budget is
+    spent, or None when Optuna lacks the helpers."""
     pop = getattr(study, "_pop_waiting_trial_id", None)
     if pop is None or not hasattr(study, "_thread_local"):
         return None
+    if counts.get("waiting", 0) > 0:
+        refresh_trials_now(study)  # the retry may be newer than this process's view
     trial_id = pop()
     if trial_id is None:
+        used = counts.get("complete", 0) + counts.get("pruned", 0) + counts.get("running", 0)
+        if used >= n_trials:
+            return "wait"
         trial_id = study._storage.create_new_trial(study._study_id)
+    storage = study._storage
+    if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
+        storage.record_heartbeat(trial_id)
     return int(trial_id)
 
 
@@ -402,14 +418,15 @@ def run_trial(
             ATTR_CHECKPOINT: str(ckpt),
         }
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
+        # Who runs it, in one transaction, before anything slow: crash recovery finds a dead
+        # worker's trial by these (the launcher by worker, a relaunch by host and pid).
+        db(functools.partial(set_trial_attrs, trial, attrs), "set_user_attr")
         if tracking is not None and root != trial.number and previous_run and not ckpt.exists():
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
         if tracking is not None:
             run = tracking.start_trial(trial, params, root, ckpt)
             if run is not None and run.run_id:
-                attrs[ATTR_RUN_ID] = run.run_id
-        # One transaction for all of them (the heartbeat already marks the trial as alive).
-        db(functools.partial(set_trial_attrs, trial, attrs), "set_user_attr")
+                db(lambda: trial.set_user_attr(ATTR_RUN_ID, run.run_id), "set_user_attr")
         first_epoch: list[int] = []
 
         def on_epoch(record: Any) -> None:
@@ -448,6 +465,13 @@ def run_trial(
                 result = train_fn(cfg, params, report, options)
         except StorageError:
             raise  # the database stayed down past the limit: stop the worker, not the trial
+        except AdmissionStopped as exc:  # never started: queue it again as it is
+            _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
+            frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
+            db(lambda: retry_callback(opts.max_retries)(study, frozen), "enqueue retry")
+            if run is not None:
+                run.finish_failed("interrupted", f"waiting for GPU memory: {exc}", None)
+            return "interrupted"
         except HpsearchError as exc:
             _fail(study, trial, "error", str(exc), run, traceback.format_exc(), db)
             return "error"
@@ -473,7 +497,8 @@ Db = Callable[[Callable[[], Any], str], Any]
 
 
 def _safe_tell(db: Db, fn: Callable[[], Any]) -> None:
-    """tell, tolerating a trial that was already finished elsewhere (stale-failed)."""
+    """tell (or write result attributes), tolerating a trial that was already finished
+    elsewhere (stale-failed while this worker was cut off)."""
     try:
         db(fn, "tell")
     except optuna.exceptions.UpdateFinishedTrialError as exc:
@@ -490,7 +515,7 @@ def _fail(
     db: Db,
 ) -> None:
     attrs = {ATTR_OUTCOME: outcome, ATTR_MESSAGE: message[:500]}
-    db(functools.partial(set_trial_attrs, trial, attrs), "set_user_attr")
+    _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
     _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
     if run is not None:
         run.finish_failed(outcome, message, tb)
@@ -525,7 +550,7 @@ def _tell(
     if uri is not None:
         attrs["checkpoint_uri"] = uri
     if reason == "interrupted":
-        db(functools.partial(set_trial_attrs, trial, attrs), "set_user_attr")
+        _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
         # Checkpointed at an epoch boundary: fail now, and queue the same params to resume.
         _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
         frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
@@ -535,7 +560,7 @@ def _tell(
         return reason
     infeasible = 1.0 if reason == "out_of_memory" else 0.0
     constraint = {MEMORY_CONSTRAINT: infeasible}
-    db(functools.partial(set_trial_attrs, trial, attrs, constraint), "set_user_attr")
+    _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs, constraint))
     values = objective_values(cfg, result.best_val_acc, result.best_val_loss, result.train_seconds)
     if reason in ("pruned", "diverged", "out_of_memory") or values is None:
         # Pruned, diverged and OOM trials teach the sampler that region is bad; a FAIL
@@ -602,10 +627,22 @@ def _gpu_reservation(
     micro = min(hp.batch_size, cfg.trainer.max_micro_batch or hp.batch_size)
     need = plan.trial_bytes(hp.arch, micro, hp.image_size or cfg.dataset.image_size)
     if need is None:  # an arch the probe did not see: the largest it did
-        need = plan.worst_trial_bytes + max((m.context_bytes for m in plan.models), default=0)
+        context = max((m.context_bytes for m in plan.models), default=0)
+        need = plan.worst_trial_bytes + context + plan.data_bytes
     ledger = GpuLedger(opts.workdir, gpu, plan.total_bytes)
     with ledger.reservation(need, stop.is_set) as waited:
-        yield waited
+        try:
+            yield waited
+        finally:
+            _release_cached_gpu_memory()  # what the ledger frees must really be free
+
+
+def _release_cached_gpu_memory() -> None:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _record_dict(record: Any) -> dict[str, Any]:

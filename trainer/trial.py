@@ -555,6 +555,7 @@ def _train(
     gen: torch.Generator | None = None
     np_rng: np.random.Generator | None = None
     last_saved = time.perf_counter()  # of the resume checkpoint
+    saved_through = first_epoch - 1  # the epoch the resume checkpoint on disk ends with
     best_unsaved = False  # a better model than the best-model file holds
 
     def best_files() -> list[tuple[dict[str, Any], Path]]:
@@ -572,6 +573,11 @@ def _train(
 
     for epoch in range(first_epoch, config.budget.max_epochs + 1):
         if options.should_interrupt is not None and options.should_interrupt():
+            if ckpt_path is not None and epoch - 1 > saved_through:  # keep what was trained
+                state = _checkpoint(model, optimizer, schedule, scaler, epoch - 1, gen, np_rng,
+                                    hp, run, None, with_best_state=best_path is None)  # fmt: skip
+                writer.submit([*best_files(), (state, ckpt_path)])
+                run.checkpoint_path = ckpt_path
             run.stop_reason, run.message = "interrupted", f"interrupted before epoch {epoch}"
             return
         t_epoch = time.perf_counter()
@@ -693,7 +699,7 @@ def _train(
                                     run, None, with_best_state=best_path is None)  # fmt: skip
                 files.append((state, ckpt_path))
                 run.checkpoint_path = ckpt_path
-                last_saved = time.perf_counter()
+                last_saved, saved_through = time.perf_counter(), epoch
             if files:
                 writer.submit(files)
         if options.on_epoch is not None:

@@ -26,7 +26,7 @@ from hpsearch.packing import (
     visible_gpus,
     workers_per_gpu,
 )
-from hpsearch.probe import probe_shapes, train_steps
+from hpsearch.probe import data_bytes, probe_shapes, train_steps
 from hpsearch.storage import StorageSpec
 from hpsearch.worker import WorkerOptions, run_worker
 
@@ -113,6 +113,16 @@ def test_probe_training_step_runs_every_arch_of_the_study_on_cpu() -> None:
     for arch in archs:
         peak, step_s = train_steps(cfg, arch, 2, 32, steps=1, device_name="cpu")
         assert peak == 0 and step_s > 0
+
+
+def test_probe_counts_the_dataset_a_worker_keeps_on_the_gpu(flowers_root: Path) -> None:
+    cfg = load_config("tiny", data_dir=str(flowers_root))
+    # train 1020 + val limited to 510 (no test split in tiny), uint8 RGB at 36 px
+    assert data_bytes(cfg) == (1020 + 510) * 3 * 36 * 36
+    plan = plan_from_probe(["0"], 10 * GiB, [MemoryModel("resnet18", 32, GiB, 0, 0)], GiB,
+                           busy=1.0, max_per_gpu=4, data_bytes=GiB)  # fmt: skip
+    assert plan.trial_bytes("resnet18", 1, 32) == 2 * GiB
+    assert plan.workers_per_gpu == 1  # busy alone: packing more would only time-slice
 
 
 def test_probe_without_a_gpu_fails_in_one_line(subprocess_env: dict[str, str]) -> None:
@@ -216,3 +226,38 @@ def test_launch_workers_auto_without_a_gpu_runs_one(
     bad = hpsearch(["launch", "--study", "tiny", "--workers", "two"], env)
     assert bad.returncode != 0
     assert "'two': expected a whole number >= 1 or 'auto'" in bad.stderr
+
+
+def test_stop_while_waiting_for_gpu_memory_requeues_the_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker told to stop while its trial waits for room leaves the trial queued to run
+    again, not failed as an error."""
+    from optuna.trial import TrialState
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=1", "budget.max_epochs=1"])
+    models = [MemoryModel("resnet18", 32, 2 * GiB, 0, 0)]
+    plan = plan_from_probe(["0"], 10 * GiB, models, 2 * GiB, busy=0.2, max_per_gpu=4)
+    plan_file = tmp_path / "packing.json"
+    plan_file.write_text(plan.to_json())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    ledger = GpuLedger(tmp_path, "0", plan.total_bytes)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop = threading.Event()
+    try:
+        assert ledger.try_reserve(9 * GiB, pid=other.pid)  # the GPU stays full
+        threading.Timer(1.0, stop.set).start()
+        spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+        opts = WorkerOptions(
+            workdir=tmp_path, worker_id="w0", device="auto", packing=plan_file,
+            train_fn="dummy_trainer:train",
+        )  # fmt: skip
+        summary = run_worker(cfg, spec, opts, stop=stop)
+    finally:
+        other.kill()
+        other.wait()
+    assert summary.outcomes == {"interrupted": 1}
+    import hpsearch as hps
+
+    states = [t.state for t in hps.load_study("tiny", workdir=tmp_path).get_trials()]
+    assert states == [TrialState.FAIL, TrialState.WAITING]

@@ -110,3 +110,29 @@ def test_trial_reads_are_throttled_but_never_older_than_the_interval(
     own = mine.ask()  # a process's own running trial is read fresh
     mine.tell(own, 0.7)
     assert mine._storage.get_trial(own._trial_id).value == 0.7
+
+
+def test_a_queued_retry_is_claimed_even_within_the_refresh_interval(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """The budget count sees a retry another process just queued; the claim must take that
+    trial, not create a new one past the budget."""
+    from hpsearch.worker import _Budget, _next_trial
+
+    spec = resolve_storage(pg_url, tmp_path)
+    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
+    mine = create_or_load(cfg, open_storage(spec))
+    other = create_or_load(cfg, open_storage(spec))
+    throttle_trial_reads(mine, 60.0)  # nothing refreshes this view on its own here
+    first = mine.ask()
+    mine.tell(first, 0.5)
+    mine.get_trials(deepcopy=False)  # this process's view is now "fresh"
+    other.enqueue_trial({"lr": 0.01, "batch_size": 32, "loss": "ce"})
+    engine = mine._storage._backend.engine  # type: ignore[attr-defined]
+    claimed = _next_trial(mine, cfg, spec, engine, _Budget(mine, cfg))
+    assert isinstance(claimed, optuna.Trial) and claimed.number == 1
+    assert claimed.params == {} or claimed.suggest_float("lr", 1e-3, 0.5, log=True) == 0.01
+    states = [t.state for t in other.get_trials(deepcopy=False)]
+    assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING]
+    # the budget is used up: a further ask waits for the running trial instead of creating
+    assert _next_trial(mine, cfg, spec, engine, _Budget(mine, cfg)) == "wait"

@@ -236,6 +236,22 @@ def test_checkpoint_interval_saves_at_the_end_and_when_a_stop_is_asked(
     assert stopped.stop_reason == "interrupted" and stopped.epochs_run == 1
     assert [e for name, e in saved if name == "t2.pt"] == [1]
 
+    # a stop first seen before an epoch starts still saves the epochs trained since
+    calls["n"] = 0
+
+    def stop_before_third_epoch() -> bool:  # calls: before e1, after e1, before e2, ...
+        calls["n"] += 1
+        return calls["n"] >= 5
+
+    ckpt3 = tmp_path / "t3.pt"
+    late = train(cfg, TINY, options=TrainOptions(
+        device="cpu", workdir=tmp_path, checkpoint_path=ckpt3,
+        should_interrupt=stop_before_third_epoch,
+    ))  # fmt: skip
+    assert late.stop_reason == "interrupted" and late.epochs_run == 2
+    assert [e for name, e in saved if name == "t3.pt"] == [2]
+    assert torch.load(ckpt3, weights_only=False)["epoch"] == 2
+
 
 def test_failed_checkpoint_write_keeps_previous(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
