@@ -199,12 +199,12 @@ class _Heartbeat:
             self._thread.start()
 
     def _beat(self, storage: BaseHeartbeat, trial_id: int, period: float) -> None:
-        while not self._stop.is_set():
+        # The first beat was recorded when the trial was claimed, under the budget lock.
+        while not self._stop.wait(period):
             try:
                 storage.record_heartbeat(trial_id)
             except Exception as exc:  # best effort: a missed beat only risks a retry
                 warnings.warn(f"heartbeat failed: {exc}", stacklevel=1)
-            self._stop.wait(period)
 
     def stop(self) -> None:
         self._stop.set()
@@ -353,7 +353,9 @@ def _next_trial(
             return "wait" if counts.get("running", 0) > 0 else None
         trial_id = _claim_trial(study, counts, n_trials)
         if trial_id is None:  # an Optuna without the pieces: ask whole, under the lock
-            return study.ask()
+            asked = study.ask()
+            _first_heartbeat(study, asked._trial_id)
+            return asked
         if isinstance(trial_id, str):  # the queued retry went to another worker; budget spent
             return trial_id
     # Building the Trial (reading it back, the sampler's before_trial) needs no lock.
@@ -378,10 +380,14 @@ def _claim_trial(study: optuna.Study, counts: dict[str, int], n_trials: int) -> 
         if used >= n_trials:
             return "wait"
         trial_id = study._storage.create_new_trial(study._study_id)
+    _first_heartbeat(study, trial_id)
+    return int(trial_id)
+
+
+def _first_heartbeat(study: optuna.Study, trial_id: int) -> None:
     storage = study._storage
     if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
         storage.record_heartbeat(trial_id)
-    return int(trial_id)
 
 
 def run_trial(
