@@ -364,3 +364,59 @@ def fmt(value: float | None, spec: str = ".1f", missing: str = "n/a") -> str:
 
 def seconds_since(start: dt.datetime, when: dt.datetime | None) -> float | None:
     return None if when is None else (when - start).total_seconds()
+
+
+# --- PostgreSQL: throwaway databases for the benchmarks -----------------------------
+
+
+def _pg_connect(base: str) -> Any:
+    import psycopg2
+
+    try:
+        conn = psycopg2.connect(f"{base.rstrip('/')}/postgres", connect_timeout=5)
+    except psycopg2.Error as exc:
+        first = " ".join(str(exc).split())[:200]
+        raise BenchError(
+            f"PostgreSQL at {base} is not reachable ({first}); start it: "
+            "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
+        ) from exc
+    conn.autocommit = True
+    return conn
+
+
+def pg_version(base: str) -> str:
+    conn = _pg_connect(base)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SHOW server_version")
+            return str(cur.fetchone()[0])
+    finally:
+        conn.close()
+
+
+def create_database(base: str, name: str) -> str:
+    from psycopg2 import sql
+
+    conn = _pg_connect(base)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
+            cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    finally:
+        conn.close()
+    return f"{base.rstrip('/')}/{name}"
+
+
+def drop_database(base: str, name: str) -> None:
+    from psycopg2 import sql
+
+    conn = _pg_connect(base)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                (name,),
+            )
+            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
+    finally:
+        conn.close()

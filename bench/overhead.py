@@ -56,6 +56,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from common import BenchError, create_database, drop_database, pg_version
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 TARGET_RATIO = 1.10
@@ -74,10 +76,6 @@ LATENCIES = (
     ("train_s", "trainer epochs s"),  # the trainer's own epoch_seconds, summed per trial
     ("overhead_s", "trial - epochs s"),  # per trial: everything but the epochs
 )
-
-
-class BenchError(Exception):
-    """A one-line reason the benchmark cannot run or finish."""
 
 
 # --------------------------------------------------------------------------- arguments
@@ -195,65 +193,12 @@ def jsonable(obj: Any) -> Any:
 # --------------------------------------------------------------------------- PostgreSQL
 
 
-def _pg_connect(base: str) -> Any:
-    import psycopg2
-
-    try:
-        conn = psycopg2.connect(f"{base.rstrip('/')}/postgres", connect_timeout=5)
-    except psycopg2.Error as exc:
-        first = " ".join(str(exc).split())[:200]
-        raise BenchError(
-            f"PostgreSQL at {base} is not reachable ({first}); start it: "
-            "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
-        ) from exc
-    conn.autocommit = True
-    return conn
-
-
-def pg_version(base: str) -> str:
-    conn = _pg_connect(base)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SHOW server_version")
-            return str(cur.fetchone()[0])
-    finally:
-        conn.close()
-
-
-def create_database(base: str, name: str) -> str:
-    from psycopg2 import sql
-
-    conn = _pg_connect(base)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
-            cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    finally:
-        conn.close()
-    return f"{base.rstrip('/')}/{name}"
-
-
 def driver_url(url: str) -> str:
     """The URL with an installed driver (SQLAlchemy 2.1 defaults bare postgresql:// to
     psycopg 3, which hpsearch does not install): what hpsearch itself hands to Optuna."""
     from hpsearch.storage import normalize_url
 
     return normalize_url(url)
-
-
-def drop_database(base: str, name: str) -> None:
-    from psycopg2 import sql
-
-    conn = _pg_connect(base)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-                (name,),
-            )
-            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
-    finally:
-        conn.close()
 
 
 def init_schema(url: str) -> None:

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-import psycopg2
 import sqlalchemy as sa
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common import create_database, drop_database, pg_version  # noqa: E402
 from hpsearch.config import load_config  # noqa: E402
 from hpsearch.storage import StorageSpec, normalize_url  # noqa: E402
 from hpsearch.study import create_or_load, make_pruner, make_sampler, suggest  # noqa: E402
@@ -148,24 +148,6 @@ def _hpsearch_worker(
 # --- one run ------------------------------------------------------------------------------
 
 
-def _fresh_database(server: str, name: str) -> str:
-    conn = psycopg2.connect(f"{server}/postgres")
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        cur.execute(f'CREATE DATABASE "{name}"')
-    conn.close()
-    return normalize_url(f"{server}/{name}")
-
-
-def _drop_database(server: str, name: str) -> None:
-    conn = psycopg2.connect(f"{server}/postgres")
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    conn.close()
-
-
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -179,7 +161,7 @@ def run_one(args: argparse.Namespace, mode: str, workers: int) -> dict[str, Any]
         overrides=[f"budget.max_epochs={args.epochs}", "budget.n_trials=1000000"],
     )
     db = f"hpsearch_bench_storage_{os.getpid()}"
-    url = _fresh_database(args.pg, db)
+    url = normalize_url(create_database(args.pg, db))
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     try:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -221,7 +203,7 @@ def run_one(args: argparse.Namespace, mode: str, workers: int) -> dict[str, Any]
             )
     finally:
         engine.dispose()
-        _drop_database(args.pg, db)
+        drop_database(args.pg, db)
     trials = sum(r["trials"] for r in results)
     rate = sum(r["trials"] / r["elapsed"] for r in results if r["elapsed"] > 0)
     row: dict[str, Any] = {
@@ -276,23 +258,12 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "optuna": optuna.__version__,
             "sqlalchemy": sa.__version__,
-            "postgres": _server_version(args.pg),
+            "postgres": pg_version(args.pg),
             "args": vars(args),
             "rows": rows,
         }
         Path(args.json).write_text(json.dumps(info, indent=2))
     return 0
-
-
-def _server_version(server: str) -> str:
-    conn = psycopg2.connect(f"{server}/postgres")
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SHOW server_version")
-            row = cur.fetchone()
-            return str(row[0]) if row else "?"
-    finally:
-        conn.close()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import IO, Any
 import optuna
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import ConfigError, DeviceError
-from hpsearch.packing import MemoryModel, PackingPlan, plan_from_probe
+from hpsearch.packing import MemoryModel, PackingPlan, pid_alive, plan_from_probe
 from hpsearch.storage import StorageSpec, open_storage, with_db_retry
 from hpsearch.study import budget_counts, create_or_load, may_start_trial, study_budget
 from hpsearch.worker import (
@@ -192,16 +192,6 @@ def _set_pdeathsig() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def fail_trial(study: optuna.Study, trial: FrozenTrial, reason: str, max_retries: int) -> bool:
     """Mark a RUNNING trial FAIL with a reason and queue its params to resume. False if it
     had already finished (another process got there first)."""
@@ -224,7 +214,7 @@ def fail_orphans_on_this_host(study: optuna.Study, max_retries: int) -> list[int
     failed = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         pid = t.user_attrs.get(ATTR_PID)
-        gone = t.user_attrs.get(ATTR_HOST) == host and isinstance(pid, int) and not _pid_alive(pid)
+        gone = t.user_attrs.get(ATTR_HOST) == host and isinstance(pid, int) and not pid_alive(pid)
         if gone and fail_trial(study, t, f"worker pid {pid} is gone", max_retries):
             failed.append(t.number)
     return failed

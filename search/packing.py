@@ -174,7 +174,8 @@ class PackingPlan:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this machine still exists (signal 0 delivers nothing)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -204,7 +205,7 @@ class GpuLedger:
                     raw = json.loads(self.path.read_text() or "{}")
                 except (OSError, ValueError):
                     raw = {}
-                book = {int(k): int(v) for k, v in raw.items() if _pid_alive(int(k))}
+                book = {int(k): int(v) for k, v in raw.items() if pid_alive(int(k))}
                 yield book
                 tmp = self.path.with_suffix(".tmp")
                 tmp.write_text(json.dumps({str(k): v for k, v in book.items()}))
