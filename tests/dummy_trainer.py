@@ -3,7 +3,9 @@
 Used where the thing under test is the search layer (budgets, concurrency, crashes), not
 training. It reports a deterministic curve from the params, checkpoints each epoch as JSON
 and resumes from it, and honours report/should_interrupt like the real trainer.
-Environment knobs (for crash tests): HPSEARCH_DUMMY_EPOCH_S (seconds per epoch).
+Environment knobs: HPSEARCH_DUMMY_EPOCH_S (seconds per epoch, for crash tests) and
+HPSEARCH_DUMMY_BARRIER="<dir>:<n>" (each process's first trial waits until n processes have
+reached it, so a concurrency test really has n trials in flight however slowly they start).
 """
 
 from __future__ import annotations
@@ -16,6 +18,24 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpsearch.trainer import EpochRecord, TrainOptions, TrialResult
+
+_BARRIER_PASSED = False
+
+
+def _barrier() -> None:
+    global _BARRIER_PASSED
+    spec = os.environ.get("HPSEARCH_DUMMY_BARRIER")
+    if not spec or _BARRIER_PASSED:
+        return
+    folder, _, count = spec.rpartition(":")
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + 300  # s: 16 cold interpreters on 2 cores take ~60 s
+    while len(os.listdir(folder)) < int(count):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"dummy barrier: {len(os.listdir(folder))} of {count} arrived")
+        time.sleep(0.05)
+    _BARRIER_PASSED = True
 
 
 def score(params: Mapping[str, Any], epoch: int) -> float:
@@ -32,6 +52,7 @@ def train(
     options: TrainOptions | None = None,
 ) -> TrialResult:
     options = options or TrainOptions()
+    _barrier()
     epoch_s = float(os.environ.get("HPSEARCH_DUMMY_EPOCH_S", "0.01"))
     ckpt = options.checkpoint_path
     history: list[EpochRecord] = []

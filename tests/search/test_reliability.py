@@ -272,6 +272,8 @@ def test_sixteen_concurrent_workers(
         hpsearch(["launch", *common, "--workers", "1", "--trials", "1"], subprocess_env).returncode
         == 0
     )
+    # Every worker holds its first trial until all 16 hold one: 16 trials really in flight.
+    env = {**subprocess_env, "HPSEARCH_DUMMY_BARRIER": f"{tmp_path / 'barrier'}:16"}
     procs = [
         subprocess.Popen(
             [
@@ -285,7 +287,7 @@ def test_sixteen_concurrent_workers(
                 "--trials",
                 str(n_trials),
             ],
-            env=subprocess_env,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -305,4 +307,4 @@ def test_sixteen_concurrent_workers(
     assert sorted(numbers) == list(range(len(numbers)))
     assert len([t for t in trials if t.state in FINISHED]) == n_trials
     assert len(trials) == n_trials
-    assert len({t.user_attrs["worker"] for t in trials}) >= 8
+    assert {f"w{i}" for i in range(16)} <= {t.user_attrs["worker"] for t in trials}
