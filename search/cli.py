@@ -10,6 +10,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -206,6 +207,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
           --storage postgresql://postgres@127.0.0.1/test --set budget.max_epochs=1
       hpsearch launch --study flowers102 --workers auto --data-dir ../shared/datasets
     """
+    started = time.monotonic()  # --timeout counts from here: loading and probing included
     from hpsearch.config import config_to_yaml
     from hpsearch.launcher import (
         Launcher,
@@ -266,6 +268,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         max_retries=max_retries,
         heartbeat_interval_s=heartbeat,
         grace_s=grace,
+        started_at=started,
     )
 
     last: dict[str, Any] = {"line": "", "at": 0.0}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import json
 import os
 import signal
@@ -27,7 +28,12 @@ from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import ConfigError, DeviceError
 from hpsearch.packing import MemoryModel, PackingPlan, pid_alive, plan_from_probe
 from hpsearch.storage import StorageSpec, open_storage, with_db_retry
-from hpsearch.study import budget_counts, create_or_load, may_start_trial, study_budget
+from hpsearch.study import (
+    budget_counts,
+    create_or_load,
+    may_start_trial,
+    study_budget,
+)
 from hpsearch.worker import (
     ATTR_HOST,
     ATTR_MESSAGE,
@@ -134,6 +140,7 @@ class LaunchOptions:
     heartbeat_interval_s: int = 10
     grace_s: float = 120.0  # first Ctrl-C: wait this long for epoch boundaries
     progress_every_s: float = 2.0
+    started_at: float | None = None  # time.monotonic() when the command began: --timeout's 0
     placement: list[str] | None = None  # GPU per worker (--workers auto); else round-robin
     packing: Path | None = None  # the auto plan: workers reserve GPU memory by it
 
@@ -253,6 +260,8 @@ class Launcher:
         self._server: Any = None
         self._tracking_uri: str | None = None
         self._prepared = False  # _prepare_finish ran
+        self._finalizer: threading.Thread | None = None  # study artifacts, once all finished
+        self._finalized: list[str] = []
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
 
@@ -282,7 +291,7 @@ class Launcher:
         resolved.write_text(config_to_yaml(cfg))
         tracking_uri = self._start_tracking()
         self._tracking_uri = tracking_uri
-        self._t0 = time.monotonic()
+        self._t0 = opts.started_at if opts.started_at is not None else time.monotonic()
         stopped_by = "error"
         try:
             placement = opts.placement or assign_gpus(opts.workers, opts.gpus)
@@ -314,9 +323,14 @@ class Launcher:
         from hpsearch.runs import _client, finalize_study
         from hpsearch.tracking.mlflow_logger import close_study_run, find_study_runs
 
-        if stopped_by == "budget":
-            for item in finalize_study(self.cfg, self.spec, uri, self.study, self.opts.workdir):
-                self._messages.append(f"logged {item} on the study run")
+        if self._finalizer is not None:  # started when the last trial was told
+            self._finalizer.join()
+            logged = self._finalized
+        elif stopped_by == "budget":
+            logged = finalize_study(self.cfg, self.spec, uri, self.study, self.opts.workdir)
+        else:
+            logged = []
+        self._messages += [f"logged {item} on the study run" for item in logged]
         try:
             client = _client(uri)
             exp = client.get_experiment_by_name(self.cfg.name)
@@ -412,12 +426,16 @@ class Launcher:
                 self._wait_stopping()
                 return "interrupted"
             now = time.monotonic()
-            if now - last >= self.opts.progress_every_s:
+            # Once every trial is handed out, look more often: the study's artifacts start
+            # as soon as the last trial is told, while the workers still shut down.
+            every = min(self.opts.progress_every_s, 0.5) if self._prepared else None
+            if now - last >= (every or self.opts.progress_every_s):
                 last = now
                 progress = self._progress()
                 if self.on_progress is not None:
                     self.on_progress(progress)
                 self._prepare_finish(progress.counts)
+                self._finalize_early(progress.counts)
             if alive == 0:
                 return "budget" if not self._all_crashed() else "workers_failed"
             time.sleep(0.2)
@@ -438,10 +456,42 @@ class Launcher:
         self._prepared = True
 
         def warm_import() -> None:
-            with contextlib.suppress(ImportError):  # the export will say so; a head start only
-                import torch  # noqa: F401
+            # What the study's artifacts need: the model code (torch, torchvision: seconds),
+            # the ONNX runtime, the plotting libraries. A missing one is reported by the
+            # step that needs it; this is a head start only.
+            for name in ("hpsearch.trainer", "hpsearch.tracking.artifacts", "onnxruntime",
+                         "optuna.visualization", "optuna.visualization.matplotlib"):  # fmt: skip
+                with contextlib.suppress(ImportError):
+                    importlib.import_module(name)
 
         threading.Thread(target=warm_import, daemon=True, name="warm-import").start()
+
+    def _finalize_early(self, counts: dict[str, int]) -> None:
+        """Start the study's artifacts (finalize_study) on a thread once the budget is met
+        with nothing running or queued: the trials are final, and the workers' own
+        shut-down (their last MLflow runs, process exit) overlaps with it."""
+        if self._finalizer is not None or self._stop_requests or not self._tracking_uri:
+            return
+        try:
+            n_trials = study_budget(self.study, self.cfg)
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
+            return
+        if (
+            counts["running"]
+            or counts["waiting"]
+            or counts["complete"] + counts["pruned"] < n_trials
+        ):
+            return
+        from hpsearch.runs import finalize_study
+
+        uri = self._tracking_uri
+
+        def run() -> None:
+            self._finalized = finalize_study(self.cfg, self.spec, uri, self.study,
+                                             self.opts.workdir)  # fmt: skip
+
+        self._finalizer = threading.Thread(target=run, daemon=True, name="finalize-study")
+        self._finalizer.start()
 
     def _all_crashed(self) -> bool:
         return all(s.state == "crashed" for s in self._slots)

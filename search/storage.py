@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import threading
 import time
@@ -288,36 +289,75 @@ def set_trial_attrs(
     trial: optuna.Trial, attrs: dict[str, Any], constraints: dict[str, float] | None = None
 ) -> None:
     """User attributes and constraint values (`Trial.set_constraint`) of a running trial in
-    one transaction on RDBStorage: one commit instead of one per key (a worker sets about
-    ten per trial), and no read of the system attributes that set_constraint does first.
-    Other storages, or an Optuna without the internal helpers, take the public path."""
+    one transaction. On PostgreSQL that is one locked read of the trial and one multi-row
+    upsert per attribute table (Optuna's own models), where the public API takes a read and
+    an upsert per key, each in its own commit (a worker sets about ten per trial), plus the
+    read of the system attributes that set_constraint does first. Other storages, or an
+    Optuna without these internals, take the public path."""
     constraints = constraints or {}
     storage = trial.storage
     backend = getattr(storage, "_backend", storage)
-    write = getattr(backend, "_set_trial_attr_without_commit", None)
     try:
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
         from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
     except ImportError:
-        write = None
-    if not isinstance(backend, RDBStorage) or write is None:
+        backend = None
+    if not isinstance(backend, RDBStorage) or backend.engine.name != "postgresql":
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         for key, bound in constraints.items():
             trial.set_constraint(key, bound)
         return
-    from optuna.storages._rdb import models
-    from optuna.storages._rdb.storage import _create_scoped_session
+    from sqlalchemy.dialects.postgresql import insert
 
     system = {f"{_CONSTRAINTS_KEY}:{k}": float(v) for k, v in constraints.items()}
+    tid = trial._trial_id
     with _create_scoped_session(backend.scoped_session, True) as session:
-        for key, value in attrs.items():
-            write(session, models.TrialUserAttributeModel, trial._trial_id, key, value)
-        for key, value in system.items():
-            write(session, models.TrialSystemAttributeModel, trial._trial_id, key, value)
+        # FOR UPDATE: a concurrent tell (a stale-trial sweep elsewhere) waits for this
+        # transaction, so attributes never land on a trial that was finished meanwhile.
+        row = models.TrialModel.find_or_raise_by_id(tid, session, for_update=True)
+        backend.check_trial_is_updatable(tid, row.state)  # type: ignore[arg-type]
+        tables = (
+            (models.TrialUserAttributeModel, attrs),
+            (models.TrialSystemAttributeModel, system),
+        )
+        for model_cls, items in tables:
+            if not items:
+                continue
+            stmt = insert(model_cls).values(
+                [{"trial_id": tid, "key": k, "value_json": json.dumps(v)} for k, v in items.items()]
+            )
+            session.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=[model_cls.trial_id, model_cls.key],
+                    set_={"value_json": stmt.excluded.value_json},
+                )
+            )
     cached = getattr(trial, "_cached_frozen_trial", None)
     if cached is not None:  # what trial.user_attrs shows, as set_user_attr would keep it
         cached.user_attrs.update(attrs)
         cached.system_attrs.update(system)
+
+
+def tell(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    values: float | list[float] | None = None,
+    state: optuna.trial.TrialState | None = None,
+) -> None:
+    """`study.tell` without the read-back of the finished trial that `Study.tell` makes to
+    return it (six queries on RDBStorage, unused here). Optuna's own optimize loop calls the
+    same internal function; where it is gone, the public `study.tell`. Either way the next
+    read of the trials is fresh (`expire_trial_reads`)."""
+    try:
+        from optuna.study._tell import _tell_with_warning
+    except ImportError:
+        study.tell(trial, values, state=state)
+    else:
+        _tell_with_warning(study=study, trial=trial, value_or_values=values, state=state)
+    finally:
+        expire_trial_reads(study)
 
 
 TRIALS_REFRESH_S = 0.25  # seconds a worker's view of the other workers' trials may lag
@@ -353,7 +393,16 @@ def throttle_trial_reads(study: optuna.Study, min_interval_s: float = TRIALS_REF
         read(study_id)
 
     storage._hpsearch_read_now = read  # type: ignore[attr-defined]
+    storage._hpsearch_read_at = last  # type: ignore[attr-defined]
     storage._read_trials_from_remote_storage = throttled  # type: ignore[attr-defined]
+
+
+def expire_trial_reads(study: optuna.Study) -> None:
+    """Make this process's next read of the study's trials go to the database, throttle or
+    not: after its own tell, so its sampler sees the trial it just finished."""
+    last = getattr(study._storage, "_hpsearch_read_at", None)
+    if last is not None:
+        last.pop(study._study_id, None)
 
 
 def refresh_trials_now(study: optuna.Study) -> None:

@@ -193,6 +193,15 @@ def may_start_trial(counts: dict[str, int], n_trials: int) -> bool:
     return used < n_trials
 
 
+def budget_done(counts: dict[str, int], n_trials: int) -> bool:
+    """True when the study's results are final: `n_trials` completed or pruned, and nothing
+    running or queued (a queued retry, or a running trial that may fail and be retried,
+    can still change them)."""
+    if counts.get("running", 0) or counts.get("waiting", 0):
+        return False
+    return counts.get("complete", 0) + counts.get("pruned", 0) >= n_trials
+
+
 def objective_values(
     cfg: StudyConfig, best_val_acc: float | None, best_val_loss: float | None, train_seconds: float
 ) -> list[float] | None:

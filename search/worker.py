@@ -32,6 +32,7 @@ from hpsearch.storage import (
     refresh_trials_now,
     set_trial_attrs,
     study_lock,
+    tell,
     throttle_trial_reads,
     with_db_retry,
 )
@@ -472,7 +473,7 @@ def run_trial(
         except StorageError:
             raise  # the database stayed down past the limit: stop the worker, not the trial
         except AdmissionStopped as exc:  # never started: queue it again as it is
-            _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
+            _safe_tell(db, lambda: tell(study, trial, state=TrialState.FAIL))
             frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
             db(lambda: retry_callback(opts.max_retries)(study, frozen), "enqueue retry")
             if run is not None:
@@ -522,7 +523,7 @@ def _fail(
 ) -> None:
     attrs = {ATTR_OUTCOME: outcome, ATTR_MESSAGE: message[:500]}
     _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
-    _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
+    _safe_tell(db, lambda: tell(study, trial, state=TrialState.FAIL))
     if run is not None:
         run.finish_failed(outcome, message, tb)
 
@@ -558,7 +559,7 @@ def _tell(
     if reason == "interrupted":
         _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
         # Checkpointed at an epoch boundary: fail now, and queue the same params to resume.
-        _safe_tell(db, lambda: study.tell(trial, state=TrialState.FAIL))
+        _safe_tell(db, lambda: tell(study, trial, state=TrialState.FAIL))
         frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
         db(lambda: retry_callback(opts.max_retries)(study, frozen), "enqueue retry")
         if run is not None:
@@ -571,10 +572,10 @@ def _tell(
     if reason in ("pruned", "diverged", "out_of_memory") or values is None:
         # Pruned, diverged and OOM trials teach the sampler that region is bad; a FAIL
         # would hide it. Optuna uses the last reported value for a PRUNED trial.
-        _safe_tell(db, lambda: study.tell(trial, state=TrialState.PRUNED))
+        _safe_tell(db, lambda: tell(study, trial, state=TrialState.PRUNED))
     else:
         told = values if cfg.objective.multi else values[0]
-        _safe_tell(db, lambda: study.tell(trial, told))
+        _safe_tell(db, lambda: tell(study, trial, told))
     if run is not None:
         run.finish_result(result)
     return reason

@@ -10,7 +10,14 @@ from hpsearch.config import load_config
 from hpsearch.errors import ConfigError, DeviceError, StorageError
 from hpsearch.launcher import assign_gpus, check_gpus, eta_seconds, parse_gpus, should_restart
 from hpsearch.storage import normalize_url, redact, resolve_storage
-from hpsearch.study import grid_space, make_pruner, make_sampler, may_start_trial, suggest
+from hpsearch.study import (
+    budget_done,
+    grid_space,
+    make_pruner,
+    make_sampler,
+    may_start_trial,
+    suggest,
+)
 
 
 def test_may_start_trial_counts_finished_and_running_but_not_failed() -> None:
@@ -18,6 +25,14 @@ def test_may_start_trial_counts_finished_and_running_but_not_failed() -> None:
     assert not may_start_trial({"complete": 2, "pruned": 1, "running": 2}, 5)
     assert may_start_trial({"complete": 4, "fail": 3}, 5)
     assert may_start_trial({"complete": 5, "waiting": 1}, 5)  # a queued retry is always run
+
+
+def test_budget_done_only_when_results_are_final() -> None:
+    assert budget_done({"complete": 3, "pruned": 2, "fail": 1}, 5)
+    assert not budget_done({"complete": 3, "pruned": 1}, 5)
+    assert not budget_done({"complete": 5, "running": 1}, 5)  # it may fail and be retried
+    assert not budget_done({"complete": 5, "waiting": 1}, 5)  # a queued retry still runs
+    assert budget_done({"complete": 6}, 5)  # a relaunch with a lower --trials
 
 
 def test_assign_gpus_round_robin() -> None:

@@ -189,21 +189,29 @@ def test_launch_timeout_counts_worker_start_up(
     """--timeout is a deadline for the whole launch: no trial starts after it, however long
     the workers took to import and connect; running trials finish and are kept."""
     work = tmp_path / "w"
-    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1")
-    t0 = time.time()
-    r = hpsearch(
-        ["launch", "--study", "tiny", "--workers", "2", "--trials", "50", "--timeout", "6",
-         "--workdir", str(work), "--train-fn", DUMMY, "--no-tracking",
-         "--set", "budget.max_epochs=2", "--set", "pruner={name: none}"],
-        env,
+    # Unbuffered, so the first line is read when it is printed.
+    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", "launch", "--study", "tiny", "--workers", "2",
+         "--trials", "50", "--timeout", "6", "--workdir", str(work), "--train-fn", DUMMY,
+         "--no-tracking", "--set", "budget.max_epochs=2", "--set", "pruner={name: none}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert proc.stdout is not None
+    first_line_at, lines = None, []
+    for line in proc.stdout:  # the clock starts before the first line is printed
+        first_line_at = first_line_at or time.time()
+        lines.append(line)
+    assert proc.wait(60) == 0, "".join(lines)
+    assert first_line_at is not None
     study = hps.load_study("tiny", workdir=work)
     trials = study.get_trials(deepcopy=False)
     assert 1 <= len(trials) < 50
     assert all(t.state == TrialState.COMPLETE for t in trials)
     starts = [t.datetime_start.timestamp() for t in trials if t.datetime_start]
-    assert max(starts) <= t0 + 6 + 1.0, [s - t0 for s in starts]
+    # Workers take seconds to start: a deadline counted from their start would let trials
+    # begin seconds after this.
+    assert max(starts) <= first_line_at + 6 + 0.5, [s - first_line_at for s in starts]
 
 
 def test_bad_inputs_one_line_nonzero_nothing_written(

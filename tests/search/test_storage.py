@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import optuna
+import pytest
 import sqlalchemy as sa
 from hpsearch.config import load_config
 from hpsearch.storage import (
@@ -18,6 +19,7 @@ from hpsearch.storage import (
     resolve_storage,
     set_trial_attrs,
     study_lock,
+    tell,
     throttle_trial_reads,
 )
 from hpsearch.study import budget_counts, create_or_load
@@ -53,6 +55,21 @@ def test_aggregate_count_matches_optuna_and_attrs_land_in_one_go(
     assert fresh.trials[running.number].user_attrs == attrs
     # stored where Trial.set_constraint puts it, so Optuna's constrained samplers read it
     assert fresh.trials[running.number].system_attrs["constraints:memory"] == 1.0
+    # a second write updates keys in place (upsert) and adds new ones
+    set_trial_attrs(running, {"pid": 456, "outcome": "finished"}, {"memory": 0.0})
+    fresh = optuna.load_study(study_name=cfg.name, storage=normalize_url(pg_url))
+    stored = fresh.trials[running.number]
+    assert stored.user_attrs == {**attrs, "pid": 456, "outcome": "finished"}
+    assert stored.system_attrs["constraints:memory"] == 0.0
+    # a finished trial is not written to, as with Trial.set_user_attr
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        set_trial_attrs(failed, {"late": 1})
+    assert (
+        "late"
+        not in optuna.load_study(study_name=cfg.name, storage=normalize_url(pg_url))
+        .trials[failed.number]
+        .user_attrs
+    )
 
 
 def test_study_lock_excludes_other_processes_connections(pg_url: str, tmp_path: Path) -> None:
@@ -108,8 +125,11 @@ def test_trial_reads_are_throttled_but_never_older_than_the_interval(
     assert [x.state for x in mine.get_trials(deepcopy=False)] == [optuna.trial.TrialState.COMPLETE]
     assert reads["n"] == 2
     own = mine.ask()  # a process's own running trial is read fresh
-    mine.tell(own, 0.7)
+    mine.get_trials(deepcopy=False)  # the sampler's view, read within the interval...
+    tell(mine, own, 0.7)
     assert mine._storage.get_trial(own._trial_id).value == 0.7
+    # ...is not kept after this process's own tell: its next sampler call sees the result.
+    assert mine.get_trials(deepcopy=False)[-1].value == 0.7
 
 
 def test_a_queued_retry_is_claimed_even_within_the_refresh_interval(
