@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import optuna
 from hpsearch.config import StudyConfig, config_to_yaml
-from hpsearch.errors import ConfigError, DeviceError
+from hpsearch.errors import ConfigError, DeviceError, HpsearchError
 from hpsearch.packing import MemoryModel, PackingPlan, pid_alive, plan_from_probe
 from hpsearch.storage import StorageSpec, open_storage, with_db_retry
 from hpsearch.study import (
@@ -44,6 +44,8 @@ from hpsearch.worker import (
 )
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
+
+AWAIT_STUDY_RUN_S = 240.0  # s: the embedded server's start-up limit (180 s) plus margin
 
 # --- pure decisions ---------------------------------------------------------------------
 
@@ -261,6 +263,8 @@ class Launcher:
         self._tracking_uri: str | None = None
         self._prepared = False  # _prepare_finish ran
         self._finalizer: threading.Thread | None = None  # study artifacts, once all finished
+        self._tracking_thread: threading.Thread | None = None  # server start + study run
+        self._tracking_error: HpsearchError | None = None
         self._finalized: list[str] = []
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
@@ -303,7 +307,9 @@ class Launcher:
         finally:
             self._kill_all()
             self._cleanup_running()
-            if tracking_uri is not None:
+            if self._tracking_thread is not None:
+                self._tracking_thread.join()
+            if tracking_uri is not None and self._tracking_error is None:
                 self._finish_tracking(tracking_uri, stopped_by)
             if self._server is not None:
                 self._server.stop()
@@ -341,21 +347,45 @@ class Launcher:
             close_study_run(client, run_id, "FINISHED" if stopped_by == "budget" else "KILLED")
 
     def _start_tracking(self) -> str | None:
+        """The tracking URI, known at once. The slow part (starting the embedded server,
+        importing MLflow, opening the study run: seconds each) runs on a thread while the
+        workers start; they wait for the study run before their first trial."""
         if not self.opts.tracking:
             return None
+        from hpsearch.tracking.server import free_port, running_server_url
+
+        port = None
         if self.opts.tracking_uri:
             uri = self.opts.tracking_uri
+        elif (serving := running_server_url(self.opts.workdir)) is not None:
+            uri = serving  # one writer per SQLite store: `hpsearch ui` already serves it
         else:
-            from hpsearch.tracking.server import attach_or_start
-
-            # One writer per SQLite store: reuse a server already serving this workdir
-            # (`hpsearch ui`), and only stop the one we started.
-            uri, self._server = attach_or_start(self.opts.workdir)
-            self._event(f"MLflow UI: {uri}")
-        from hpsearch.runs import open_study_run
-
-        open_study_run(self.cfg, self.spec, uri)
+            port = free_port()
+            uri = f"http://127.0.0.1:{port}"
+        self._tracking_thread = threading.Thread(
+            target=self._prepare_tracking, args=(uri, port), daemon=True, name="tracking-setup"
+        )
+        self._tracking_thread.start()
         return uri
+
+    def _prepare_tracking(self, uri: str, port: int | None) -> None:
+        from hpsearch.runs import open_study_run
+        from hpsearch.tracking.server import start_local_server
+
+        try:
+            if port is not None:  # only the server started here is stopped at the end
+                self._server = start_local_server(self.opts.workdir, port=port)
+            if port is not None or not self.opts.tracking_uri:
+                self._event(f"MLflow UI: {uri}")
+            open_study_run(self.cfg, self.spec, uri)
+        except HpsearchError as exc:  # raised in the supervising loop, which stops the workers
+            self._tracking_error = exc
+
+    def _tracking_ready(self) -> bool:
+        """Whether the server and the study run are up; raises what setting them up raised."""
+        if self._tracking_error is not None:
+            raise self._tracking_error
+        return self._tracking_thread is None or not self._tracking_thread.is_alive()
 
     def _spawn(self, slot: _Slot, resolved: Path, tracking_uri: str | None) -> None:
         opts = self.opts
@@ -369,7 +399,9 @@ class Launcher:
             "--heartbeat", str(opts.heartbeat_interval_s),
         ]  # fmt: skip
         if tracking_uri:
-            cmd += ["--tracking-uri", tracking_uri]
+            # The study run may still be in the making (_prepare_tracking): wait for it
+            # rather than open a second one; as long as an embedded server may take to start.
+            cmd += ["--tracking-uri", tracking_uri, "--await-study-run", f"{AWAIT_STUDY_RUN_S:.0f}"]
         else:
             cmd += ["--no-tracking"]
         if opts.timeout_s is not None:
@@ -411,6 +443,7 @@ class Launcher:
     def _supervise(self, resolved: Path, tracking_uri: str | None) -> str:
         last = 0.0
         while True:
+            self._tracking_ready()
             alive = 0
             for slot in self._slots:
                 if slot.proc is None or slot.state != "running":
@@ -471,6 +504,8 @@ class Launcher:
         with nothing running or queued: the trials are final, and the workers' own
         shut-down (their last MLflow runs, process exit) overlaps with it."""
         if self._finalizer is not None or self._stop_requests or not self._tracking_uri:
+            return
+        if not self._tracking_ready():
             return
         try:
             n_trials = study_budget(self.study, self.cfg)

@@ -13,6 +13,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -311,7 +312,14 @@ def _snapshot(path: Path | None) -> Path | None:
 class TrackingSession:
     """A worker's connection to MLflow: experiment, parent run, and a TrialRun per trial."""
 
-    def __init__(self, cfg: StudyConfig, spec: StorageSpec, uri: str, worker_id: str) -> None:
+    def __init__(
+        self,
+        cfg: StudyConfig,
+        spec: StorageSpec,
+        uri: str,
+        worker_id: str,
+        await_study_run_s: float = 0.0,
+    ) -> None:
         self.cfg = cfg
         self.spec = spec
         self.uri = uri
@@ -321,7 +329,28 @@ class TrackingSession:
         self.parent_run_id: str | None = None
         self._input_bound: set[int] = set()
         self._finisher = _Finisher()
+        if await_study_run_s > 0:
+            self._await_study_run(await_study_run_s)
         self._connect()
+
+    def _await_study_run(self, limit_s: float) -> None:
+        """Wait, up to `limit_s`, until the server answers and the study run exists: the
+        launcher opens it while its workers start, and a worker that got there first would
+        open a second one. Past the limit, `_connect` opens or warns as usual."""
+        from hpsearch.tracking.mlflow_logger import find_study_runs
+        from hpsearch.tracking.server import health_ok
+        from mlflow.exceptions import MlflowException
+
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if health_ok(self.uri, timeout_s=1.0):
+                try:
+                    exp = self.client.get_experiment_by_name(self.cfg.name)
+                    if exp is not None and find_study_runs(self.client, exp.experiment_id):
+                        return
+                except MlflowException as exc:  # the server is starting; ask again
+                    logger.debug("study run not there yet: %s", exc)
+            time.sleep(0.2)
 
     def finish_later(self, job: Callable[[], None]) -> None:
         self._finisher.submit(job)

@@ -83,6 +83,7 @@ class WorkerOptions:
     max_trials: int | None = None  # this worker stops after so many trials
     timeout_s: float | None = None  # stop asking after this many seconds
     deadline: float | None = None  # or at this time.time(): the launcher's, start-up included
+    await_study_run_s: float = 0.0  # launched: wait so long for the launcher's MLflow study run
     heartbeat_interval_s: int = 10  # PostgreSQL only; stale after 2x
     max_retries: int = 2  # retries of a trial whose worker died or was interrupted
     max_errors: int = 3  # trials failing with an exception before the worker gives up
@@ -673,4 +674,6 @@ def _open_tracking(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> 
         return None
     from hpsearch.runs import TrackingSession
 
-    return TrackingSession(cfg, spec, opts.tracking_uri, opts.resolved_id())
+    return TrackingSession(
+        cfg, spec, opts.tracking_uri, opts.resolved_id(), await_study_run_s=opts.await_study_run_s
+    )

@@ -300,6 +300,24 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
     assert not (work / "optuna.journal").exists()
 
 
+def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """The study run is opened while the workers start; when MLflow cannot be reached the
+    launch ends with one line, and the workers, still waiting for that run, start nothing."""
+    work = tmp_path / "w"
+    r = hpsearch(
+        ["launch", "--study", "tiny", "--workers", "2", "--workdir", str(work), "--train-fn",
+         DUMMY, "--tracking-uri", "http://127.0.0.1:9", "--set", "budget.max_epochs=1"],
+        subprocess_env,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: MLflow: cannot get or create experiment 'tiny'"), r.stderr
+    assert "Traceback" not in r.stderr
+    assert hps.load_study("tiny", workdir=work).get_trials(deepcopy=False) == []
+
+
 def test_every_command_has_help_with_an_example() -> None:
     from hpsearch.cli import cli
 
