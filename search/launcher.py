@@ -474,8 +474,8 @@ class Launcher:
             time.sleep(0.2)
 
     def _prepare_finish(self, counts: dict[str, int]) -> None:
-        """Once every trial of the budget is handed out, import torch on a background thread
-        for the ONNX export at the end, while the last trials still train: the import costs
+        """Once every trial of the budget is handed out, import what the study's artifacts
+        need on a background thread, while the last trials still train: the imports cost
         seconds that would otherwise come after the last trial."""
         if self._prepared or not (self._tracking_uri and self.cfg.tracking.onnx):
             return
@@ -489,11 +489,11 @@ class Launcher:
         self._prepared = True
 
         def warm_import() -> None:
-            # What the study's artifacts need: the model code (torch, torchvision: seconds),
-            # the ONNX runtime, the plotting libraries. A missing one is reported by the
-            # step that needs it; this is a head start only.
-            for name in ("hpsearch.trainer", "hpsearch.tracking.artifacts", "onnxruntime",
-                         "optuna.visualization", "optuna.visualization.matplotlib"):  # fmt: skip
+            # What the study's artifacts need: MLflow and the plotting libraries (seconds).
+            # Not torch: the best trial's worker exports its ONNX. A missing one is
+            # reported by the step that needs it; this is a head start only.
+            for name in ("hpsearch.tracking.artifacts", "optuna.visualization",
+                         "optuna.visualization.matplotlib"):  # fmt: skip
                 with contextlib.suppress(ImportError):
                     importlib.import_module(name)
 

@@ -77,6 +77,7 @@ def open_study_run(cfg: StudyConfig, spec: StorageSpec, uri: str) -> str:
 
 
 INPUT_BOUND_ATTR = "input_bound_gpu_util"  # Optuna user attr: mean GPU % when flagged
+ONNX_ARTIFACT = "model/best_model.onnx"  # the best trial's model, on its run and the study's
 RESUME_ARTIFACT = "resume/checkpoint.pt"  # latest resume checkpoint (upload_checkpoints)
 
 
@@ -127,28 +128,40 @@ class _CheckpointUploader:
 
 class _Finisher:
     """Finishes trials' MLflow runs (plots, best-model upload, status) on one background
-    thread, in order, so the worker asks for its next trial at once. `close` drains it:
-    nothing queued is dropped when a worker stops."""
+    thread, in order, so the worker asks for its next trial at once. A job waits until the
+    next trial starts training (`release`), or `hold_s`: rendering plots holds the GIL, and
+    would otherwise slow the ask and start-up of the next trial instead of overlapping with
+    its training. `close` releases and drains it: nothing queued is dropped when a worker
+    stops."""
 
-    def __init__(self, backlog: int = 4) -> None:
+    def __init__(self, backlog: int = 4, hold_s: float = 30.0) -> None:
         # Bounded: when uploads are slower than trials, the worker waits here rather than
         # piling up runs that a stop could then drop.
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=backlog)
+        self._go = threading.Event()
+        self._hold_s = hold_s
         self._thread = threading.Thread(target=self._run, daemon=True, name="run-finisher")
         self._thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
+        self._go.clear()
         self._queue.put(job)
+
+    def release(self) -> None:
+        """The next trial is training (or none will come): finish the queued runs now."""
+        self._go.set()
 
     def _run(self) -> None:
         lower_priority()
         while (job := self._queue.get()) is not None:
+            self._go.wait(self._hold_s)
             try:
                 job()
             except Exception as exc:  # best effort: the trial's metrics are already logged
                 logger.warning("finishing a trial's MLflow run failed: %s", exc)
 
     def close(self, timeout_s: float = 600.0) -> None:
+        self._go.set()
         self._queue.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -170,6 +183,7 @@ class TrialRun:
         self.checkpoint = checkpoint
         self.uploader: _CheckpointUploader | None = None
         self._best_to_upload: Path | None = None
+        self._study_best = False  # the study's best trial so far when it was told
         if checkpoint is not None and session.cfg.tracking.upload_checkpoints and self.run_id:
             self.uploader = _CheckpointUploader(session.client, self.run_id)
 
@@ -215,7 +229,8 @@ class TrialRun:
         if outcome not in ("completed", "early_stopped", "time_limit") or not self.run_id:
             return None
         # Snapshot now, before the tell: once told, another worker's clean-up may delete it.
-        self._best_to_upload = _snapshot(self.session.checkpoint_to_upload(self.trial, result))
+        path, self._study_best = self.session.checkpoint_to_upload(self.trial, result)
+        self._best_to_upload = _snapshot(path)
         if self._best_to_upload is None:
             return None
         return f"runs:/{self.run_id}/{CHECKPOINT_ARTIFACT}/best.pt"
@@ -249,6 +264,8 @@ class TrialRun:
                 folder.mkdir()
                 (folder / "best.pt").symlink_to(best.resolve())
                 artifacts.append(folder)
+                if self._study_best and self.session.cfg.tracking.onnx:
+                    artifacts += self._onnx(best, tmp)
             self.tracker.finish(
                 outcome,
                 result.pruned_at_epoch,
@@ -261,6 +278,21 @@ class TrialRun:
             _rmtree(tmp)
             if best is not None:
                 _rmtree(best.parent)
+
+    def _onnx(self, weights: Path, tmp: Path) -> list[Path]:
+        """The model in ONNX, for the study's best trial so far: exported here, where torch
+        is loaded and the next trial trains, rather than by the launcher after the last
+        trial. The launcher copies the best trial's to the study run."""
+        if self.session.cfg.objective.multi:
+            return []
+        folder = tmp / ONNX_ARTIFACT.split("/")[0]
+        try:
+            export_model_onnx(self.session.cfg, dict(self.trial.params), weights,
+                              tmp / ONNX_ARTIFACT)  # fmt: skip
+        except (TrackingError, OSError, RuntimeError, ValueError) as exc:
+            logger.warning("trial %s: ONNX export failed: %s", self.trial.number, exc)
+            return []
+        return [folder]
 
     def _plots(self, result: Any, tmp: Path) -> list[Path]:
         from hpsearch.tracking import artifacts as art
@@ -355,6 +387,10 @@ class TrackingSession:
     def finish_later(self, job: Callable[[], None]) -> None:
         self._finisher.submit(job)
 
+    def trial_training(self) -> None:
+        """The next trial has started training: the previous trials' runs finish now."""
+        self._finisher.release()
+
     def _connect(self) -> bool:
         if self.parent_run_id is not None:
             return True
@@ -426,27 +462,29 @@ class TrackingSession:
             sampler = None
         return TrialRun(self, tracker, sampler, trial, ckpt)
 
-    def checkpoint_to_upload(self, trial: Any, result: Any) -> Path | None:
-        """The best-model file of a finished trial if it ranks in the study's top k."""
+    def checkpoint_to_upload(self, trial: Any, result: Any) -> tuple[Path | None, bool]:
+        """The best-model file of a finished trial if it ranks in the study's top k, and
+        whether it is the study's best so far."""
         path = result.best_model_path
         if path is None or not Path(path).exists() or self.cfg.tracking.keep_top_k == 0:
-            return None
+            return None, False
         value = result.best_val_acc
         if value is None:
-            return None
+            return None, False
         study = trial.study
         try:
             done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         except Exception as exc:  # storage hiccup: skip the upload rather than fail the trial
             logger.warning("could not rank trial %s for checkpoint upload: %s", trial.number, exc)
-            return None
+            return None, False
         maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
         better = [
             t
             for t in done
             if t.value is not None and (t.value > value if maximize else t.value < value)
         ]
-        return Path(path) if len(better) < self.cfg.tracking.keep_top_k else None
+        top_k = len(better) < self.cfg.tracking.keep_top_k
+        return (Path(path) if top_k else None), not better
 
     def fetch_checkpoint(self, previous_run_id: str, dest: Path) -> bool:
         """Download a failed trial's last resume checkpoint (uploaded by another host)."""
@@ -521,11 +559,11 @@ def finalize_study(cfg: StudyConfig, spec: StorageSpec, uri: str, study: optuna.
                 client.log_artifacts(parent, str(plots), "plots")
                 logged.append("plots")
             if cfg.tracking.onnx and not cfg.objective.multi:
-                onnx = _export_best_onnx(cfg, study, out)
+                onnx = _best_trial_onnx(client, study, out) or _export_best_onnx(cfg, study, out)
                 if onnx is not None:
                     client.log_artifact(parent, str(onnx), "model")
                     client.set_tag(parent, "hpsearch.best_trial", str(study.best_trial.number))
-                    logged.append("model/best_model.onnx")
+                    logged.append(ONNX_ARTIFACT)
         finally:
             _rmtree(out)
     except Exception as exc:  # best effort at the end of a launch
@@ -533,11 +571,46 @@ def finalize_study(cfg: StudyConfig, spec: StorageSpec, uri: str, study: optuna.
     return logged
 
 
-def _export_best_onnx(cfg: StudyConfig, study: optuna.Study, out: Path) -> Path | None:
+def export_model_onnx(cfg: StudyConfig, params: Mapping[str, Any], weights: Path,
+                      out: Path) -> Path:  # fmt: skip
+    """A trained model's weights file (`best_model`) as verified ONNX at `out`."""
     import torch
     from hpsearch.tracking.artifacts import export_onnx
     from hpsearch.trainer import load_trained_model
 
+    model = load_trained_model(cfg, dict(params), weights, device="cpu")
+    hp = cfg.resolve_params(dict(params))
+    size = hp.image_size or cfg.dataset.image_size
+    return Path(export_onnx(model, torch.randn(2, 3, size, size), out))
+
+
+def _best_trial_onnx(client: Any, study: optuna.Study, out: Path,
+                     wait_s: float = 60.0) -> Path | None:  # fmt: skip
+    """The ONNX file its worker logged on the best trial's run (TrialRun._onnx), downloaded
+    into `out`; None when that run has none. A run still finishing (its worker's last
+    uploads) is waited for, up to `wait_s`."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run_id = study.best_trial.user_attrs.get("mlflow_run_id")
+    except ValueError:
+        return None
+    if not run_id:
+        return None
+    deadline = time.monotonic() + wait_s
+    try:
+        while client.get_run(run_id).info.status == "RUNNING" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        names = {a.path for a in client.list_artifacts(run_id, ONNX_ARTIFACT.split("/")[0])}
+        if ONNX_ARTIFACT not in names:
+            return None
+        return Path(client.download_artifacts(run_id, ONNX_ARTIFACT, str(out)))
+    except MlflowException as exc:
+        logger.warning("could not fetch the best trial's ONNX from run %s: %s", run_id, exc)
+        return None
+
+
+def _export_best_onnx(cfg: StudyConfig, study: optuna.Study, out: Path) -> Path | None:
     try:
         best = study.best_trial
     except ValueError:
@@ -545,11 +618,7 @@ def _export_best_onnx(cfg: StudyConfig, study: optuna.Study, out: Path) -> Path 
     path = best.user_attrs.get("best_model")
     if not path or not Path(str(path)).exists():
         return None
-    model = load_trained_model(cfg, best.params, Path(str(path)), device="cpu")
-    hp = cfg.resolve_params(best.params)
-    size = hp.image_size or cfg.dataset.image_size
-    example = torch.randn(2, 3, size, size)
-    return Path(export_onnx(model, example, out / "best_model.onnx"))
+    return export_model_onnx(cfg, best.params, Path(str(path)), out / "best_model.onnx")
 
 
 def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: Path) -> Path:

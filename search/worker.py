@@ -466,6 +466,8 @@ def run_trial(
             warm=warm,
             should_interrupt=stop.is_set,
         )
+        if tracking is not None:
+            tracking.trial_training()
         handed_over = time.perf_counter()
         try:
             with _gpu_reservation(cfg, params, opts, stop) as waited:

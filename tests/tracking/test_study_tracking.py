@@ -95,6 +95,9 @@ def test_study_in_mlflow_and_best_model(
         best = study.best_trial
         model_files = {a.path for a in client.list_artifacts(parent.info.run_id, "model")}
         assert "model/best_model.onnx" in model_files
+        # exported by the best trial's worker, and copied to the study run at the end
+        best_run = by_number[best.number].info.run_id
+        assert "model/best_model.onnx" in {a.path for a in client.list_artifacts(best_run, "model")}
         import onnxruntime as ort
 
         onnx_path = client.download_artifacts(
