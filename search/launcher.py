@@ -30,6 +30,7 @@ from hpsearch.packing import MemoryModel, PackingPlan, pid_alive, plan_from_prob
 from hpsearch.storage import StorageSpec, open_storage, with_db_retry
 from hpsearch.study import (
     budget_counts,
+    budget_done,
     create_or_load,
     may_start_trial,
     study_budget,
@@ -511,11 +512,7 @@ class Launcher:
             n_trials = study_budget(self.study, self.cfg)
         except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
             return
-        if (
-            counts["running"]
-            or counts["waiting"]
-            or counts["complete"] + counts["pruned"] < n_trials
-        ):
+        if not budget_done(counts, n_trials):
             return
         from hpsearch.runs import finalize_study
 
