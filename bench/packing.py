@@ -65,6 +65,7 @@ from common import (
 )
 from hpsearch.config import CategoricalParam, StudyConfig
 from hpsearch.errors import HpsearchError
+from hpsearch.runner import fixed_params
 
 # A plain, GPU-friendly configuration inside flowers102's search space. image_size None: the
 # study's dataset.image_size (so `--set dataset.image_size=32` shrinks every trial).
@@ -122,18 +123,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.trials_per_worker < 1 or args.epochs < 1:
         p.error("--trials-per-worker and --epochs must be at least 1")
     return args
-
-
-def parse_params(text: str | None) -> dict[str, Any]:
-    if text is None:
-        return {}
-    try:
-        params = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BenchError(f"--params: {text!r}: not valid JSON: {exc.msg}") from exc
-    if not isinstance(params, dict):
-        raise BenchError(f"--params: {text!r}: must be a JSON object")
-    return params
 
 
 def _fits(spec: Any, value: Any) -> bool:
@@ -309,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(args.device)
         base_cfg = load_study_config(args.study, args.overrides, args.data_dir)
-        pinned = pinned_values(base_cfg, parse_params(args.params))
+        # the same parsing and checks as `hpsearch train --params`
+        pinned = pinned_values(base_cfg, fixed_params(base_cfg, args.params, None, None, Path()))
         sets = bench_overrides(pinned, args.epochs) + list(args.overrides)
         cfg = load_study_config(args.study, sets, args.data_dir)
     except (BenchError, HpsearchError) as exc:
