@@ -23,6 +23,7 @@ from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
 from hpsearch.storage import StorageSpec
+from hpsearch.worker import ATTR_BEST_MODEL, ATTR_RUN_ID
 from optuna.trial import FrozenTrial, TrialState
 
 logger = logging.getLogger("hpsearch.tracking")
@@ -516,7 +517,7 @@ def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:
 
 def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
     """The MLflow run of a trial whose worker died (FAILED) or was stopped (KILLED)."""
-    run_id = trial.user_attrs.get("mlflow_run_id")
+    run_id = trial.user_attrs.get(ATTR_RUN_ID)
     if not uri or not run_id:
         return
     from hpsearch.tracking.mlflow_logger import terminal_status, terminal_tags
@@ -592,7 +593,7 @@ def _best_trial_onnx(client: Any, study: optuna.Study, out: Path,
     from mlflow.exceptions import MlflowException
 
     try:
-        run_id = study.best_trial.user_attrs.get("mlflow_run_id")
+        run_id = study.best_trial.user_attrs.get(ATTR_RUN_ID)
     except ValueError:
         return None
     if not run_id:
@@ -615,7 +616,7 @@ def _export_best_onnx(cfg: StudyConfig, study: optuna.Study, out: Path) -> Path 
         best = study.best_trial
     except ValueError:
         return None
-    path = best.user_attrs.get("best_model")
+    path = best.user_attrs.get(ATTR_BEST_MODEL)
     if not path or not Path(str(path)).exists():
         return None
     return export_model_onnx(cfg, best.params, Path(str(path)), out / "best_model.onnx")
@@ -626,7 +627,7 @@ def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: P
     from hpsearch.tracking.server import resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
-    run_id = trial.user_attrs.get("mlflow_run_id")
+    run_id = trial.user_attrs.get(ATTR_RUN_ID)
     if not uri or not run_id:
         raise HpsearchError(
             f"trial {trial.number}: its checkpoint is not on this machine and no MLflow run "
