@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 import optuna
 import sqlalchemy as sa
 from hpsearch.errors import StorageError
+from optuna import distributions
+from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from sqlalchemy.engine import make_url
@@ -134,7 +136,11 @@ def open_storage(
             ) from exc
         backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
         return JournalStorage(backend)
-    engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    # No pool_pre_ping: it adds a round trip to every session Optuna opens (about 16 per
+    # trial). A connection a database restart broke fails its statement instead;
+    # SQLAlchemy then discards the pool's connections and `with_db_retry` runs the
+    # operation again on new ones.
+    engine_kwargs: dict[str, Any] = {}
     if spec.is_postgres:
         # Each worker process keeps a small pool: 16 workers x (2 + 2) stay far below
         # PostgreSQL's default max_connections=100.
@@ -285,16 +291,114 @@ def count_trials_sql(conn: sa.Connection, study: optuna.Study) -> dict[str, int]
     return counts
 
 
-def set_trial_attrs(
-    trial: optuna.Trial, attrs: dict[str, Any], constraints: dict[str, float] | None = None
+@dataclass(frozen=True)
+class PendingParam:
+    """A parameter the sampler drew, not yet written (see `deferred_params`)."""
+
+    name: str
+    internal: float  # Optuna's internal representation (a categorical's index)
+    distribution: BaseDistribution
+
+
+def _param_batching_backend(storage: BaseStorage) -> RDBStorage | None:
+    """The PostgreSQL RDBStorage behind Optuna's cache wrapper, where params can be written
+    in one transaction; None elsewhere (they are then written one by one, as Optuna does)."""
+    backend = getattr(storage, "_backend", None)
+    if (
+        isinstance(backend, RDBStorage)
+        and backend.engine.name == "postgresql"
+        and hasattr(backend, "_set_trial_param_without_commit")
+        and hasattr(storage, "_studies")
+    ):
+        return backend
+    return None
+
+
+@contextlib.contextmanager
+def deferred_params(trial: optuna.Trial) -> Iterator[list[PendingParam]]:
+    """Collect the params that `trial.suggest_*` draws instead of writing each in its own
+    transaction (a read of the trial, an insert and a commit per param), so that
+    `set_trial_attrs(..., params=...)` writes them with the trial's attributes in one.
+
+    The sampler sees them at once: `Trial` keeps drawn params in its own cached copy, and
+    only this trial's writes are held. Other storages write them as usual (nothing is
+    collected). A suggest retried after a connection error keeps what it had collected:
+    the trial's cached copy returns the drawn values again without a second write.
+    """
+    pending: list[PendingParam] = []
+    storage = trial.storage
+    if _param_batching_backend(storage) is None:
+        yield pending
+        return
+    write = storage.set_trial_param
+    tid = trial._trial_id
+
+    def collect(trial_id: int, name: str, internal: float, distribution: BaseDistribution) -> None:
+        if trial_id != tid:
+            write(trial_id, name, internal, distribution)
+            return
+        pending.append(PendingParam(name, internal, distribution))
+
+    storage.set_trial_param = collect  # type: ignore[method-assign,assignment]
+    try:
+        yield pending
+    finally:
+        del storage.set_trial_param  # the class's method again
+
+
+def _insert_params(
+    session: Any,
+    models: Any,
+    study_id: int,
+    trial_id: int,
+    params: list[PendingParam],
+    known: dict[str, BaseDistribution],
 ) -> None:
-    """User attributes and constraint values (`Trial.set_constraint`) of a running trial in
-    one transaction. On PostgreSQL that is one locked read of the trial and one multi-row
-    upsert per attribute table (Optuna's own models), where the public API takes a read and
-    an upsert per key, each in its own commit (a worker sets about ten per trial), plus the
-    read of the system attributes that set_constraint does first. Other storages, or an
-    Optuna without these internals, take the public path."""
+    """What Optuna's RDB `set_trial_param` does for each param (the check that a name keeps
+    a compatible distribution across the study, then the row), as one multi-row insert."""
+    from sqlalchemy.dialects.postgresql import insert
+
+    for p in params:
+        previous = known.get(p.name)
+        if previous is None:  # first use of this name in this process: ask the study
+            record = (
+                session.query(models.TrialParamModel)
+                .join(models.TrialModel)
+                .filter(models.TrialModel.study_id == study_id)
+                .filter(models.TrialParamModel.param_name == p.name)
+                .first()
+            )
+            if record is not None:
+                previous = distributions.json_to_distribution(record.distribution_json)
+        if previous is not None:
+            distributions.check_distribution_compatibility(previous, p.distribution)
+    rows = [
+        {
+            "trial_id": trial_id,
+            "param_name": p.name,
+            "param_value": p.internal,
+            "distribution_json": distributions.distribution_to_json(p.distribution),
+        }
+        for p in params
+    ]
+    session.execute(insert(models.TrialParamModel).values(rows))
+
+
+def set_trial_attrs(
+    trial: optuna.Trial,
+    attrs: dict[str, Any],
+    constraints: dict[str, float] | None = None,
+    params: list[PendingParam] | None = None,
+) -> None:
+    """User attributes, constraint values (`Trial.set_constraint`) and params collected by
+    `deferred_params` of a running trial, in one transaction. On PostgreSQL that is one
+    locked read of the trial, the param inserts and one multi-row upsert per attribute table
+    (Optuna's own models), where the public API takes a read and an upsert per key, each in
+    its own commit (a worker sets about ten per trial), plus the read of the system
+    attributes that set_constraint does first. Other storages, or an Optuna without these
+    internals, take the public path."""
     constraints = constraints or {}
+    params = params or []
     storage = trial.storage
     backend = getattr(storage, "_backend", storage)
     try:
@@ -304,6 +408,8 @@ def set_trial_attrs(
     except ImportError:
         backend = None
     if not isinstance(backend, RDBStorage) or backend.engine.name != "postgresql":
+        for p in params:
+            storage.set_trial_param(trial._trial_id, p.name, p.internal, p.distribution)
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         for key, bound in constraints.items():
@@ -318,6 +424,10 @@ def set_trial_attrs(
         # transaction, so attributes never land on a trial that was finished meanwhile.
         row = models.TrialModel.find_or_raise_by_id(tid, session, for_update=True)
         backend.check_trial_is_updatable(tid, row.state)  # type: ignore[arg-type]
+        known = getattr(storage, "_studies", {}).get(row.study_id)
+        dists = known.param_distribution if known is not None else {}
+        if params:
+            _insert_params(session, models, int(row.study_id), tid, params, dists)
         tables = (
             (models.TrialUserAttributeModel, attrs),
             (models.TrialSystemAttributeModel, system),
@@ -334,6 +444,8 @@ def set_trial_attrs(
                     set_={"value_json": stmt.excluded.value_json},
                 )
             )
+    for p in params:  # as Optuna's cache does after a param write: checked once per study
+        dists.setdefault(p.name, p.distribution)
     cached = getattr(trial, "_cached_frozen_trial", None)
     if cached is not None:  # what trial.user_attrs shows, as set_user_attr would keep it
         cached.user_attrs.update(attrs)

@@ -28,6 +28,7 @@ from hpsearch.packing import AdmissionStopped
 from hpsearch.storage import (
     StorageSpec,
     count_trials_sql,
+    deferred_params,
     open_storage,
     refresh_trials_now,
     set_trial_attrs,
@@ -374,9 +375,11 @@ def _claim_trial(study: optuna.Study, counts: dict[str, int], n_trials: int) -> 
     pop = getattr(study, "_pop_waiting_trial_id", None)
     if pop is None or not hasattr(study, "_thread_local"):
         return None
-    if counts.get("waiting", 0) > 0:
-        refresh_trials_now(study)  # the retry may be newer than this process's view
-    trial_id = pop()
+    trial_id = None
+    if counts.get("waiting", 0) > 0:  # the fresh count says whether a retry is queued:
+        refresh_trials_now(study)  # it may be newer than this process's view
+        trial_id = pop()
+    # else no read of the queue, which would refresh every trial's view under the lock
     if trial_id is None:
         used = counts.get("complete", 0) + counts.get("pruned", 0) + counts.get("running", 0)
         if used >= n_trials:
@@ -415,7 +418,8 @@ def run_trial(
     run = None
     try:
         t0 = time.perf_counter()
-        params = db(lambda: suggest(trial, cfg), "suggest")
+        with deferred_params(trial) as drawn:  # written below, with the attributes
+            params = db(lambda: suggest(trial, cfg), "suggest")
         timing.suggest_ms = (time.perf_counter() - t0) * 1e3
         root = root_trial_number(trial)
         ckpt = checkpoint_path(opts.workdir, cfg.name, root)
@@ -426,9 +430,10 @@ def run_trial(
             ATTR_CHECKPOINT: str(ckpt),
         }
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
-        # Who runs it, in one transaction, before anything slow: crash recovery finds a dead
-        # worker's trial by these (the launcher by worker, a relaunch by host and pid).
-        db(functools.partial(set_trial_attrs, trial, attrs), "set_user_attr")
+        # Params and who runs them, in one transaction, before anything slow: crash recovery
+        # finds a dead worker's trial by these (the launcher by worker, a relaunch by host
+        # and pid) and re-queues its params.
+        db(functools.partial(set_trial_attrs, trial, attrs, params=drawn), "set_user_attr")
         if tracking is not None and root != trial.number and previous_run and not ckpt.exists():
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
         if tracking is not None:

@@ -14,6 +14,7 @@ from hpsearch.config import load_config
 from hpsearch.storage import (
     StorageSpec,
     count_trials_sql,
+    deferred_params,
     normalize_url,
     open_storage,
     resolve_storage,
@@ -22,7 +23,7 @@ from hpsearch.storage import (
     tell,
     throttle_trial_reads,
 )
-from hpsearch.study import budget_counts, create_or_load
+from hpsearch.study import budget_counts, create_or_load, suggest
 
 
 def test_aggregate_count_matches_optuna_and_attrs_land_in_one_go(
@@ -156,3 +157,80 @@ def test_a_queued_retry_is_claimed_even_within_the_refresh_interval(
     assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING]
     # the budget is used up: a further ask waits for the running trial instead of creating
     assert _next_trial(mine, cfg, spec, engine, _Budget(mine, cfg)) == "wait"
+
+
+def test_drawn_params_are_written_with_the_attributes_in_one_commit(
+    pg_url: str, tmp_path: Path
+) -> None:
+    spec = resolve_storage(pg_url, tmp_path)
+    storage = open_storage(spec)
+    cfg = load_config("tiny")
+    study = create_or_load(cfg, storage)
+    other = study.ask()  # another trial of this process: its writes are not held
+    trial = study.ask()
+    engine = storage.engine  # type: ignore[attr-defined]
+    commits: list[int] = []
+    sa.event.listen(engine, "commit", lambda conn: commits.append(1))
+
+    def stored(t: optuna.Trial) -> optuna.trial.FrozenTrial:
+        fresh = optuna.load_study(study_name=cfg.name, storage=normalize_url(pg_url))
+        return fresh.trials[t.number]
+
+    with deferred_params(trial) as drawn:
+        params = suggest(trial, cfg)
+        other.suggest_float("lr", 1e-3, 0.5, log=True)
+        assert trial.params == params  # the sampler and the trial see them at once
+    assert [p.name for p in drawn] == list(params)
+    assert stored(trial).params == {}  # held: nothing written yet
+    assert "lr" in stored(other).params
+    commits.clear()
+    set_trial_attrs(trial, {"worker": "w0"}, params=drawn)
+    assert len(commits) == 1
+    assert stored(trial).params == params
+    assert stored(trial).user_attrs == {"worker": "w0"}
+    # the public path again once the block is left
+    trial.suggest_int("extra", 1, 3)
+    assert "extra" in stored(trial).params
+
+    # Optuna's rule stands: a name keeps a compatible distribution across the study, checked
+    # from this process's cache or, in a process that has not drawn it yet, the database
+    for late_study in (study, create_or_load(cfg, open_storage(spec))):
+        late = late_study.ask()
+        with deferred_params(late) as drawn:
+            late.suggest_categorical("loss", ["nosuch"])
+        with pytest.raises(ValueError, match="does not support dynamic value space"):
+            set_trial_attrs(late, {"worker": "w1"}, params=drawn)
+        assert stored(late).params == {} and stored(late).user_attrs == {}  # rolled back
+
+
+def test_drawn_params_on_the_journal_are_written_as_usual(tmp_path: Path) -> None:
+    spec = resolve_storage(None, tmp_path)
+    study = create_or_load(load_config("tiny"), open_storage(spec))
+    trial = study.ask()
+    with deferred_params(trial) as drawn:
+        params = suggest(trial, load_config("tiny"))
+    assert drawn == []
+    set_trial_attrs(trial, {"worker": "w0"}, params=drawn)
+    assert study.trials[trial.number].params == params
+
+
+def test_the_ask_reads_the_retry_queue_only_when_the_count_shows_one(
+    pg_url: str, tmp_path: Path
+) -> None:
+    from hpsearch.worker import _claim_trial
+
+    study = create_or_load(load_config("tiny"), open_storage(resolve_storage(pg_url, tmp_path)))
+    popped: list[int | None] = []
+    pop = study._pop_waiting_trial_id
+
+    def counting_pop() -> int | None:
+        popped.append(pop())
+        return popped[-1]
+
+    study._pop_waiting_trial_id = counting_pop  # type: ignore[method-assign]
+    trial_id = _claim_trial(study, {"waiting": 0, "running": 0}, 10)
+    assert isinstance(trial_id, int) and popped == []  # no read of the queue under the lock
+    study.enqueue_trial({"lr": 0.01})
+    queued = _claim_trial(study, {"waiting": 1, "running": 1}, 10)
+    assert popped == [queued]
+    assert study._storage.get_trial(queued).system_attrs["fixed_params"] == {"lr": 0.01}
