@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from hpsearch.background import lower_priority
+from hpsearch.background import Renderer, lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
 from hpsearch.storage import StorageSpec
@@ -288,31 +288,27 @@ class TrialRun:
             return []
         folder = tmp / ONNX_ARTIFACT.split("/")[0]
         try:
-            export_model_onnx(self.session.cfg, dict(self.trial.params), weights,
-                              tmp / ONNX_ARTIFACT)  # fmt: skip
+            self.session.renderer.run(export_model_onnx, self.session.cfg,
+                                      dict(self.trial.params), weights,
+                                      tmp / ONNX_ARTIFACT)  # fmt: skip
         except (TrackingError, OSError, RuntimeError, ValueError) as exc:
             logger.warning("trial %s: ONNX export failed: %s", self.trial.number, exc)
             return []
         return [folder]
 
     def _plots(self, result: Any, tmp: Path) -> list[Path]:
-        from hpsearch.tracking import artifacts as art
+        from hpsearch.tracking.artifacts import trial_artifacts
 
-        out: list[Path] = []
         try:
             history = [dict(vars(r)) for r in result.history]
-            if history:
-                out.append(art.learning_curve_png(history, tmp / "learning_curve.png",
-                                                  title=f"trial {self.trial.number}"))  # fmt: skip
-            if result.confusion:
-                names = list(result.class_names) or [str(i) for i in range(len(result.confusion))]
-                out.append(art.confusion_matrix_png(result.confusion, names,
-                                                    tmp / "confusion_matrix.png"))  # fmt: skip
-                out.append(art.per_class_accuracy_csv(result.confusion, names,
-                                                      tmp / "per_class_accuracy.csv"))  # fmt: skip
+            confusion = [list(row) for row in result.confusion or []]
+            names = list(result.class_names) or [str(i) for i in range(len(confusion))]
+            return self.session.renderer.run(
+                trial_artifacts, history, confusion, names, self.trial.number, tmp
+            )
         except Exception as exc:  # a plotting problem must not lose the run's metrics
             logger.warning("trial %s: artifacts failed: %s", self.trial.number, exc)
-        return out
+            return []
 
     def finish_failed(self, outcome: str, message: str, tb: str | None) -> None:
         summary = self._gpu_summary()
@@ -362,6 +358,7 @@ class TrackingSession:
         self.parent_run_id: str | None = None
         self._input_bound: set[int] = set()
         self._finisher = _Finisher()
+        self.renderer = Renderer()  # plots and ONNX exports, off this process's GIL
         if await_study_run_s > 0:
             self._await_study_run(await_study_run_s)
         self._connect()
@@ -504,6 +501,7 @@ class TrackingSession:
     def close(self) -> None:
         """Wait for the trials' runs to finish (a stopping worker loses none of them)."""
         self._finisher.close()
+        self.renderer.close()
 
 
 def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:

@@ -101,6 +101,26 @@ def learning_curve_png(history: Sequence[Mapping[str, Any]], path: Path, title: 
     return _save(fig, path)
 
 
+def trial_artifacts(
+    history: Sequence[Mapping[str, Any]],
+    confusion: Sequence[Sequence[float]],
+    class_names: Sequence[str],
+    number: int,
+    folder: Path,
+) -> list[Path]:
+    """A finished trial's files in `folder`: the learning curve (when epochs were logged),
+    and the confusion matrix with per-class accuracy (when there is one)."""
+    out: list[Path] = []
+    if history:
+        out.append(learning_curve_png(history, folder / "learning_curve.png", f"trial {number}"))
+    if confusion:
+        out.append(confusion_matrix_png(confusion, class_names, folder / "confusion_matrix.png"))
+        out.append(
+            per_class_accuracy_csv(confusion, class_names, folder / "per_class_accuracy.csv")
+        )
+    return out
+
+
 def _check_matrix(cm: Sequence[Sequence[float]], class_names: Sequence[str]) -> int:
     n = len(class_names)
     if len(cm) != n or any(len(row) != n for row in cm):

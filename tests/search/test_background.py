@@ -1,0 +1,53 @@
+"""The artifact helper process: jobs run off the worker's GIL, errors come back, and a dead
+helper never loses a job."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from hpsearch.background import Renderer
+from hpsearch.tracking.artifacts import trial_artifacts
+
+
+def _pid_and_nice() -> tuple[int, int]:
+    return os.getpid(), os.nice(0)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def _die_unless_in(pid: int) -> int:
+    if os.getpid() != pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return os.getpid()
+
+
+def test_jobs_run_in_a_lower_priority_helper_process(tmp_path: Path) -> None:
+    renderer = Renderer()
+    try:
+        pid, nice = renderer.run(_pid_and_nice)
+        assert pid != os.getpid() and nice > os.nice(0)
+        assert renderer.run(_pid_and_nice)[0] == pid  # one helper, kept across jobs
+        history = [{"epoch": 1, "train_loss": 2.0, "val_acc": 0.1}]
+        files = renderer.run(trial_artifacts, history, [[3, 1], [0, 4]], ["a", "b"], 7, tmp_path)
+        assert sorted(p.name for p in files) == [
+            "confusion_matrix.png", "learning_curve.png", "per_class_accuracy.csv"
+        ]  # fmt: skip
+        assert all(p.stat().st_size > 0 for p in files)
+        with pytest.raises(ValueError, match="bad plot"):
+            renderer.run(_fail, "bad plot")
+    finally:
+        renderer.close()
+
+
+def test_a_dead_helper_falls_back_to_this_process() -> None:
+    renderer = Renderer()
+    try:
+        assert renderer.run(_die_unless_in, os.getpid()) == os.getpid()  # the job still ran
+        assert renderer.run(_pid_and_nice)[0] == os.getpid()  # and later ones run here too
+    finally:
+        renderer.close()
