@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -26,9 +27,18 @@ def lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
 
 
-def _lower_process_priority() -> None:
+def _helper_init(parent_pid: int) -> None:
+    """In the helper: lower its priority, and end it when its parent is gone (a worker
+    killed with SIGKILL closes nothing, and the helper would wait for jobs forever)."""
     with contextlib.suppress(AttributeError, OSError):
         os.nice(NICE)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)  # seconds
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 class Renderer:
@@ -39,8 +49,10 @@ class Renderer:
     tiny study took 15-16 s instead of 12 s on 2 cores while the previous trial's plots and
     ONNX export ran on a thread (niced or not). The helper has its own GIL and a lower
     priority. It is started on the first job (a fresh interpreter: no inherited threads or
-    locks) and imports only what its jobs need. If it cannot start or dies, the job runs in
-    this process instead: artifacts are best effort, never lost for want of a helper.
+    locks) and imports only what its jobs need; like any `spawn` child it imports the main
+    module first, which `hpsearch`'s entry points guard. It ends with its parent. If it
+    cannot start or dies, the job runs in this process instead: artifacts are best effort,
+    never lost for want of a helper.
     """
 
     def __init__(self) -> None:
@@ -55,7 +67,8 @@ class Renderer:
                     self._pool = ProcessPoolExecutor(
                         max_workers=1,
                         mp_context=multiprocessing.get_context("spawn"),
-                        initializer=_lower_process_priority,
+                        initializer=_helper_init,
+                        initargs=(os.getpid(),),
                     )
                 except (OSError, ValueError) as exc:
                     logger.warning("artifact helper process unavailable: %s", exc)

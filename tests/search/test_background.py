@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,34 @@ def test_a_dead_helper_falls_back_to_this_process() -> None:
         assert renderer.run(_pid_and_nice)[0] == os.getpid()  # and later ones run here too
     finally:
         renderer.close()
+
+
+def test_the_helper_ends_with_its_killed_parent(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, time\n"
+        "from hpsearch.background import Renderer\n"
+        "if __name__ == '__main__':\n"
+        "    print(Renderer().run(os.getpid), flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        helper = int(parent.stdout.readline())
+        assert helper != parent.pid and Path(f"/proc/{helper}").exists()
+    finally:
+        parent.kill()  # SIGKILL: the parent closes nothing
+        parent.wait()
+    deadline = time.monotonic() + 10.0
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(helper), "helper outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # exited, waiting for whoever adopted it to reap it
