@@ -6,6 +6,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -28,10 +29,12 @@ def lower_priority() -> None:
 
 
 def _helper_init(parent_pid: int) -> None:
-    """In the helper: lower its priority, and end it when its parent is gone (a worker
-    killed with SIGKILL closes nothing, and the helper would wait for jobs forever)."""
+    """In the helper: lower its priority, ignore Ctrl-C (it reaches the whole process group;
+    the worker stops gracefully and ends the helper itself), and end it when its parent is
+    gone (a worker killed with SIGKILL closes nothing, and the helper would wait forever)."""
     with contextlib.suppress(AttributeError, OSError):
         os.nice(NICE)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -57,7 +60,7 @@ class Renderer:
 
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
-        self._broken = False
+        self._broken = False  # or closed: jobs run in this process from then on
         self._lock = threading.Lock()
 
     def _get(self) -> ProcessPoolExecutor | None:
@@ -81,17 +84,36 @@ class Renderer:
         pool = self._get()
         if pool is not None:
             try:
-                return pool.submit(fn, *args).result(timeout=timeout_s)
-            except (BrokenProcessPool, TimeoutError) as exc:
-                logger.warning("artifact helper process failed (%s); working here", exc)
-                with self._lock:
-                    self._broken = True
-                    self._pool = None
-                pool.shutdown(wait=False, cancel_futures=True)
+                future = pool.submit(fn, *args)  # starts the helper on the first job
+            except Exception as exc:  # it could not start (OSError, a broken pool, ...)
+                self._give_up(pool, exc)
+            else:
+                try:
+                    return future.result(timeout=timeout_s)
+                except (BrokenProcessPool, TimeoutError) as exc:
+                    self._give_up(pool, exc)
         return fn(*args)
 
+    def _give_up(self, pool: ProcessPoolExecutor, exc: BaseException) -> None:
+        logger.warning("artifact helper process failed (%s); working here", exc)
+        with self._lock:
+            self._broken = True
+            self._pool = None
+        _stop(pool)
+
     def close(self) -> None:
+        """End the helper; later jobs (a finisher that outlived its close) run here."""
         with self._lock:
             pool, self._pool = self._pool, None
+            self._broken = True
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Shut a pool down without waiting for a stuck job: its process is killed, so the
+    pool's manager thread (not a daemon) ends and a worker's exit never waits on it."""
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        with contextlib.suppress(OSError, AttributeError):
+            proc.kill()
+    pool.shutdown(wait=False, cancel_futures=True)

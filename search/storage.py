@@ -381,7 +381,10 @@ def _insert_params(
         }
         for p in params
     ]
-    session.execute(insert(models.TrialParamModel).values(rows))
+    # A commit whose reply a dropped connection lost is retried (`with_db_retry`): the rows
+    # are there already, and Optuna never writes a param of a trial twice otherwise.
+    stmt = insert(models.TrialParamModel).values(rows)
+    session.execute(stmt.on_conflict_do_nothing(index_elements=["trial_id", "param_name"]))
 
 
 def set_trial_attrs(

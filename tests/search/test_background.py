@@ -23,6 +23,12 @@ def _fail(message: str) -> None:
     raise ValueError(message)
 
 
+def _sleep_unless_in(pid: int) -> int:
+    if os.getpid() != pid:
+        time.sleep(60)
+    return os.getpid()
+
+
 def _die_unless_in(pid: int) -> int:
     if os.getpid() != pid:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -85,3 +91,26 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"  # exited, waiting for whoever adopted it to reap it
+
+
+def test_the_helper_ignores_ctrl_c_and_a_stuck_job_is_killed_and_redone_here() -> None:
+    renderer = Renderer()
+    try:
+        helper = renderer.run(_pid_and_nice)[0]
+        os.kill(helper, signal.SIGINT)  # what Ctrl-C sends to the whole process group
+        time.sleep(0.5)
+        assert renderer.run(_pid_and_nice)[0] == helper
+        assert renderer.run(_sleep_unless_in, os.getpid(), timeout_s=2.0) == os.getpid()
+        deadline = time.monotonic() + 10.0
+        while _alive(helper) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(helper)  # killed, so nothing waits on its stuck job at exit
+    finally:
+        renderer.close()
+
+
+def test_jobs_after_close_run_here() -> None:
+    renderer = Renderer()
+    assert renderer.run(_pid_and_nice)[0] != os.getpid()
+    renderer.close()
+    assert renderer.run(_pid_and_nice)[0] == os.getpid()  # no second helper is started

@@ -187,6 +187,9 @@ def test_drawn_params_are_written_with_the_attributes_in_one_commit(
     set_trial_attrs(trial, {"worker": "w0"}, params=drawn)
     assert len(commits) == 1
     assert stored(trial).params == params
+    # a retry after a commit whose reply was lost writes them again: no error, no change
+    set_trial_attrs(trial, {"worker": "w0"}, params=drawn)
+    assert stored(trial).params == params
     assert stored(trial).user_attrs == {"worker": "w0"}
     # the public path again once the block is left
     trial.suggest_int("extra", 1, 3)
