@@ -130,10 +130,10 @@ class _CheckpointUploader:
 class _Finisher:
     """Finishes trials' MLflow runs (plots, best-model upload, status) on one background
     thread, in order, so the worker asks for its next trial at once. A job waits until the
-    next trial starts training (`release`), or `hold_s`: rendering plots holds the GIL, and
-    would otherwise slow the ask and start-up of the next trial instead of overlapping with
-    its training. `close` releases and drains it: nothing queued is dropped when a worker
-    stops."""
+    next trial starts training (`release`), or `hold_s`: its uploads and the helper process
+    rendering its plots (`Renderer`) would otherwise compete with the ask and start-up of
+    the next trial instead of overlapping with its training. `close` releases and drains
+    it: nothing queued is dropped when a worker stops."""
 
     def __init__(self, backlog: int = 4, hold_s: float = 30.0) -> None:
         # Bounded: when uploads are slower than trials, the worker waits here rather than
@@ -281,9 +281,9 @@ class TrialRun:
                 _rmtree(best.parent)
 
     def _onnx(self, weights: Path, tmp: Path) -> list[Path]:
-        """The model in ONNX, for the study's best trial so far: exported here, where torch
-        is loaded and the next trial trains, rather than by the launcher after the last
-        trial. The launcher copies the best trial's to the study run."""
+        """The model in ONNX, for the study's best trial so far: exported by the worker's
+        helper process while the next trial trains, rather than by the launcher after the
+        last trial. The launcher copies the best trial's to the study run."""
         if self.session.cfg.objective.multi:
             return []
         folder = tmp / ONNX_ARTIFACT.split("/")[0]
