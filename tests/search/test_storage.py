@@ -10,7 +10,7 @@ from pathlib import Path
 import optuna
 import pytest
 import sqlalchemy as sa
-from hpsearch.config import load_config
+from hpsearch.config import StudyConfig, load_config
 from hpsearch.storage import (
     StorageSpec,
     count_trials_sql,
@@ -24,15 +24,23 @@ from hpsearch.storage import (
     throttle_trial_reads,
 )
 from hpsearch.study import budget_counts, create_or_load, suggest
+from optuna.storages import BaseStorage
+
+
+def _tiny_study(
+    pg_url: str, tmp_path: Path
+) -> tuple[StorageSpec, BaseStorage, StudyConfig, optuna.Study]:
+    """The tiny study on a fresh PostgreSQL database, opened as a worker opens it."""
+    spec = resolve_storage(pg_url, tmp_path)
+    storage = open_storage(spec)
+    cfg = load_config("tiny")
+    return spec, storage, cfg, create_or_load(cfg, storage)
 
 
 def test_aggregate_count_matches_optuna_and_attrs_land_in_one_go(
     pg_url: str, tmp_path: Path
 ) -> None:
-    spec = resolve_storage(pg_url, tmp_path)
-    storage = open_storage(spec)
-    cfg = load_config("tiny")
-    study = create_or_load(cfg, storage)
+    spec, storage, cfg, study = _tiny_study(pg_url, tmp_path)
     states = [optuna.trial.TrialState.COMPLETE] * 3 + [optuna.trial.TrialState.PRUNED]
     for state in states:
         t = study.ask()
@@ -162,10 +170,7 @@ def test_a_queued_retry_is_claimed_even_within_the_refresh_interval(
 def test_drawn_params_are_written_with_the_attributes_in_one_commit(
     pg_url: str, tmp_path: Path
 ) -> None:
-    spec = resolve_storage(pg_url, tmp_path)
-    storage = open_storage(spec)
-    cfg = load_config("tiny")
-    study = create_or_load(cfg, storage)
+    spec, storage, cfg, study = _tiny_study(pg_url, tmp_path)
     other = study.ask()  # another trial of this process: its writes are not held
     trial = study.ask()
     engine = storage.engine  # type: ignore[attr-defined]
@@ -222,7 +227,7 @@ def test_the_ask_reads_the_retry_queue_only_when_the_count_shows_one(
 ) -> None:
     from hpsearch.worker import _claim_trial
 
-    study = create_or_load(load_config("tiny"), open_storage(resolve_storage(pg_url, tmp_path)))
+    study = _tiny_study(pg_url, tmp_path)[3]
     popped: list[int | None] = []
     pop = study._pop_waiting_trial_id
 
