@@ -20,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -420,3 +421,100 @@ def drop_database(base: str, name: str) -> None:
             cur.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
     finally:
         conn.close()
+
+
+# --------------------------------------------------------------------------- CPU accounting
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_cpu(pid: int) -> tuple[float, str] | None:
+    """(user + system CPU seconds, cmdline) of a live process; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read().decode(errors="replace")
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK, cmd or stat.split()[1]
+
+
+def classify(cmd: str) -> str:
+    """A process's role in a bench run, from its command line."""
+    if cmd.startswith("postgres"):
+        return "postgres"
+    if "mlflow" in cmd and ("server" in cmd or "uvicorn" in cmd or "gunicorn" in cmd):
+        return "mlflow-server"
+    if "hpsearch.cli launch" in cmd:
+        return "launcher"
+    if "hpsearch.cli worker" in cmd:
+        return "worker"
+    if "multiprocessing" in cmd and ("spawn_main" in cmd or "forkserver" in cmd):
+        return "helper"
+    if "--child" in cmd:
+        return "plain"
+    return "other"
+
+
+class CpuSampler:
+    """CPU seconds by process role (see `classify`) over a span of time: a thread samples
+    /proc every `interval_s`. A process that exits between samples loses at most that much
+    of its CPU; long-lived ones (PostgreSQL, an MLflow server) are counted exactly as the
+    difference across the span. Linux only; elsewhere `totals()` is empty."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self.interval_s = interval_s
+        self._base: dict[int, float] = {}
+        self._last: dict[int, tuple[float, str]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._own = os.getpid()
+
+    def _pids(self) -> list[int]:
+        try:
+            return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        except OSError:
+            return []
+
+    def _sample(self) -> None:
+        for pid in self._pids():
+            if pid == self._own:
+                continue
+            got = _proc_cpu(pid)
+            if got is not None:
+                known = self._last.get(pid)
+                # An exiting process's cmdline reads empty: keep the one seen while it ran.
+                cmd = known[1] if known is not None and got[1].startswith("(") else got[1]
+                self._last[pid] = (got[0], cmd)
+
+    def start(self) -> CpuSampler:
+        for pid in self._pids():
+            got = _proc_cpu(pid)
+            if got is not None:
+                self._base[pid] = got[0]
+
+        def loop() -> None:
+            while not self._stop.wait(self.interval_s):
+                self._sample()
+
+        self._thread = threading.Thread(target=loop, name="cpu-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+        return self.totals()
+
+    def totals(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, (cpu, cmd) in self._last.items():
+            role = classify(cmd)
+            spent = cpu - self._base.get(pid, 0.0)
+            if spent > 0:
+                out[role] = out.get(role, 0.0) + spent
+        return {k: round(v, 2) for k, v in sorted(out.items())}

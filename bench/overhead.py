@@ -56,7 +56,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from common import BenchError, create_database, drop_database, pg_version
+from common import BenchError, CpuSampler, create_database, drop_database, pg_version
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
@@ -316,7 +316,7 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.kill()
             raise BenchError(
-                f"{' '.join(self.popen.args[:4])}... still running after the side timeout; "
+                f"{_shown(self.popen.args)}... still running after the side timeout; "
                 f"see {self.log_path}"
             ) from None
         if self._reader is not None:
@@ -338,6 +338,11 @@ class Proc:
     def tail(self, n: int = 3) -> str:
         text = " | ".join(line for _, line in self.lines[-n:] if line.strip())
         return text[-600:] or "(no output)"
+
+
+def _shown(args: Any) -> str:
+    """The first words of a Popen's command, for messages."""
+    return " ".join(map(str, args[:4])) if isinstance(args, list) else str(args)
 
 
 def run_child(spec: dict[str, Any], root: Path, tag: str, env: dict[str, str]) -> dict[str, Any]:
@@ -391,6 +396,7 @@ class Side:
     shutdown_s: float | None = None  # last tell to exit
     gaps_s: list[float] = field(default_factory=list)  # a worker's tell to its next ask
     counts: dict[str, int] = field(default_factory=dict)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by process role
 
     def finish(self, spawned_at: float, exited_at: float) -> None:
         counts: dict[str, int] = {}
@@ -407,9 +413,9 @@ class Side:
             self.shutdown_s = exited_at - max(ends)
         by_number = {t["number"]: t for t in self.trials}
         for r in self.timings or []:
-            t = by_number.get(int(r["trial"]))
-            if r.get("train_s") is None and t is not None:
-                r["train_s"] = t["train_s"]
+            t_ = by_number.get(int(r["trial"]))
+            if r.get("train_s") is None and t_ is not None:
+                r["train_s"] = t_["train_s"]
             if r.get("train_s") is not None and r.get("trial_s") is not None:
                 r["overhead_s"] = float(r["trial_s"]) - float(r["train_s"])
         worker_of = {int(r["trial"]): str(r.get("worker")) for r in self.timings or []}
@@ -447,11 +453,13 @@ def run_hpsearch(
     for item in ctx["overrides"]:
         cmd += ["--set", item]
     spawned_at = time.time()
+    cpu = CpuSampler().start()
     proc = Proc.start(cmd, child_env(), root, root / f"hpsearch-{rep}.log")
     try:
         code = proc.wait(time.perf_counter() + args.side_timeout)
     finally:
         proc.kill()  # a no-op once it exited; on Ctrl-C it stops the launch and its workers
+        cpu_s = cpu.stop()
     wall = time.perf_counter() - proc.t0
     exited_at = time.time()
     if code != 0:
@@ -466,6 +474,7 @@ def run_hpsearch(
         read_timings(workdir / "timings"),
         str(proc.log_path),
         ready_s=ready,
+        cpu_s=cpu_s,
     )
     side.finish(spawned_at, exited_at)
     return side
@@ -481,6 +490,7 @@ def run_plain(
     env = plain_env(w)
     procs: list[Proc] = []
     spawned_at = time.time()
+    cpu = CpuSampler().start()
     t0 = time.perf_counter()
     try:
         for i, quota in enumerate(quotas):
@@ -506,6 +516,7 @@ def run_plain(
     finally:
         for p in procs:
             p.kill()
+        cpu_s = cpu.stop()
     wall = time.perf_counter() - t0
     exited_at = time.time()
     bad = [(p, c) for p, c in zip(procs, codes, strict=True) if c != 0]
@@ -520,6 +531,7 @@ def run_plain(
         study_trials(url, ctx["study_name"]),
         read_timings(workdir / "timings"),
         str(procs[0].log_path),
+        cpu_s=cpu_s,
     )
     side.finish(spawned_at, exited_at)
     return side
@@ -713,6 +725,10 @@ def side_stats(sides: list[Side]) -> dict[str, Any]:
         "counts": counts,
         "timings_found": have_timings,
         "latency": lat,
+        "cpu_s": {
+            role: med([s.cpu_s.get(role) for s in sides])
+            for role in sorted({r for s in sides for r in s.cpu_s})
+        },
     }
 
 
@@ -781,6 +797,12 @@ def print_table(stats: dict[str, dict[str, Any]], ratio: float | None) -> None:
     for key, label in LATENCIES:
         digits = 2 if key.endswith("_s") else 1
         row(f"{label} p50/p99", pair(p["latency"][key], digits), pair(h["latency"][key], digits))
+    roles = sorted(set(p["cpu_s"]) | set(h["cpu_s"]))
+    for role in roles:
+        row(f"CPU s: {role}", fmt(p["cpu_s"].get(role)), fmt(h["cpu_s"].get(role)))
+    if roles:
+        tp, th = sum(v or 0 for v in p["cpu_s"].values()), sum(v or 0 for v in h["cpu_s"].values())
+        row("CPU s: all", fmt(tp), fmt(th), f"{th / tp:.3f}x" if tp else "")
     verdict = "n/a" if ratio is None else ("met" if ratio <= TARGET_RATIO else "MISSED")
     print(f"wall-time ratio hpsearch/plain: {fmt(ratio, 3)} (target <= {TARGET_RATIO}: {verdict})")
 

@@ -70,7 +70,7 @@ def dummy_train(
             break
     return TrialResult(
         history=[], best_val_acc=acc, best_val_loss=1 - acc, final_val_acc=acc, test_acc=None,
-        stop_reason=reason,  # type: ignore[arg-type]
+        stop_reason=reason,
         epochs_run=pruned_at or config.budget.max_epochs, pruned_at_epoch=pruned_at,
         checkpoint_path=None, best_model_path=None, effective_lr=0.1, effective_batch_size=64,
         micro_batch_size=64, train_seconds=0.0, setup_seconds=0.0, confusion=None, message="",
@@ -196,7 +196,7 @@ def run_one(args: argparse.Namespace, mode: str, workers: int) -> dict[str, Any]
                         lat["report"] += t["report_ms"]
                         lat["tell"].append(t["tell_ms"])
         with engine.connect() as conn:
-            states = dict(
+            states: dict[str, int] = dict(
                 conn.execute(
                     sa.text("SELECT state, count(*) FROM trials GROUP BY state")
                 ).fetchall()
