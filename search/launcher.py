@@ -269,6 +269,14 @@ class Launcher:
         self._finalized: list[str] = []
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
+        self._study: optuna.Study | None = None  # opened in run(), after the workers start
+        self._early_events: list[str] = []  # progress events from before that
+
+    @property
+    def study(self) -> optuna.Study:
+        if self._study is None:
+            raise RuntimeError("the launcher's study is opened in run()")
+        return self._study
 
     def stop(self) -> None:
         with self._lock:
@@ -281,36 +289,60 @@ class Launcher:
 
     def _event(self, msg: str) -> None:
         self._messages.append(msg)
-        if self.on_progress is not None:
-            self.on_progress(self._progress(msg))
+        if self.on_progress is None:
+            return
+        with self._lock:
+            if self._study is None:  # shown once the study is open (_open_study)
+                self._early_events.append(msg)
+                return
+        self.on_progress(self._progress(msg))
+
+    def _open_study(self) -> None:
+        storage = open_storage(self.spec, pool_size=1)
+        study = with_db_retry(lambda: create_or_load(self.cfg, storage), what="create study")
+        with self._lock:
+            self._study = study
+            early, self._early_events = self._early_events, []
+        for msg in early:
+            if self.on_progress is not None:
+                self.on_progress(self._progress(msg))
 
     def run(self) -> LaunchSummary:
         cfg, opts = self.cfg, self.opts
         opts.workdir.mkdir(parents=True, exist_ok=True)
-        storage = open_storage(self.spec, pool_size=1)
-        self.study = with_db_retry(lambda: create_or_load(cfg, storage), what="create study")
-        for n in fail_orphans_on_this_host(self.study, opts.max_retries):
-            self._messages.append(f"trial {n}: its worker was gone; re-queued to resume")
         resolved = opts.workdir / "run" / f"{cfg.name}.yaml"
         resolved.parent.mkdir(parents=True, exist_ok=True)
         resolved.write_text(config_to_yaml(cfg))
+        placement = opts.placement or assign_gpus(opts.workers, opts.gpus)
         tracking_uri = self._start_tracking()
         self._tracking_uri = tracking_uri
         self._t0 = opts.started_at if opts.started_at is not None else time.monotonic()
         stopped_by = "error"
         try:
-            placement = opts.placement or assign_gpus(opts.workers, opts.gpus)
+            # Workers start first: their imports (torch: seconds) overlap with this
+            # process's own connection and study set-up below. Optuna's create_study with
+            # load_if_exists tolerates the race of whoever creates the study first.
             for i, gpu in enumerate(placement):
                 slot = _Slot(i, gpu)
                 self._slots.append(slot)
                 self._spawn(slot, resolved, tracking_uri)
+            self._open_study()
+            # Orphans are RUNNING trials of dead processes on this host: the workers just
+            # started have none yet (they are still importing).
+            for n in fail_orphans_on_this_host(self.study, opts.max_retries):
+                self._messages.append(f"trial {n}: its worker was gone; re-queued to resume")
             stopped_by = self._supervise(resolved, tracking_uri)
         finally:
             self._kill_all()
-            self._cleanup_running()
+            if self._study is not None:
+                self._cleanup_running()
             if self._tracking_thread is not None:
                 self._tracking_thread.join()
-            if tracking_uri is not None and self._tracking_error is None:
+            if (
+                tracking_uri is not None
+                and self._tracking_error is None
+                and self._study is not None
+            ):
                 self._finish_tracking(tracking_uri, stopped_by)
             if self._server is not None:
                 self._server.stop()
