@@ -85,6 +85,19 @@ def test_pruning_stops_at_that_epoch(tmp_path: Path) -> None:
     assert result.test_acc is None
 
 
+def test_pruned_trial_writes_no_best_model(tmp_path: Path) -> None:
+    """A pruned trial never ranks among the study's best and its files are deleted once it
+    is told: its best model is not written (nor waited for before the tell)."""
+    cfg = synthetic(budget={"max_epochs": 3})
+    ckpt = tmp_path / "ckpt" / "t.pt"
+    opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt)
+    pruned = train(cfg, TINY, lambda e, v: e == 1, opts)
+    assert pruned.stop_reason == "pruned" and pruned.best_val_acc is not None
+    assert pruned.best_model_path is None and not any(ckpt.parent.glob("*"))
+    finished = train(cfg, TINY, lambda e, v: False, opts)  # the same options keep it
+    assert finished.best_model_path is not None and finished.best_model_path.is_file()
+
+
 def test_eval_every_and_patience(tmp_path: Path) -> None:
     cfg = synthetic(
         budget={"max_epochs": 3}, trainer={"eval_every": 2, "patience": 1, "evaluate_test": True}
