@@ -656,9 +656,16 @@ def _exit_without_teardown() -> None:
     and 0.6 s with MLflow, Optuna and matplotlib (the launcher), after the last result is
     stored. What a normal exit waits for still happens: non-daemon threads are joined,
     atexit handlers run (logging, MLflow's own), stdio is flushed."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What a normal exit does first: threading's own exit hooks wake idle thread pools
+    # (an MLflow artifact download leaves one behind, unreachable but not yet collected),
+    # then every non-daemon thread is joined. Joining without the hooks would wait forever.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # not CPython: join what is left
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):

@@ -338,11 +338,8 @@ class Launcher:
                 self._cleanup_running()
             if self._tracking_thread is not None:
                 self._tracking_thread.join()
-            if (
-                tracking_uri is not None
-                and self._tracking_error is None
-                and self._study is not None
-            ):
+            if tracking_uri is not None and self._tracking_error is None:
+                # Also when the study never opened: its MLflow run is then closed as KILLED.
                 self._finish_tracking(tracking_uri, stopped_by)
             if self._server is not None:
                 self._server.stop()
@@ -430,6 +427,9 @@ class Launcher:
             "--worker-id", slot.worker_id,
             "--max-retries", str(opts.max_retries),
             "--heartbeat", str(opts.heartbeat_interval_s),
+            # The launch's budget, which the worker records on the study itself: it may
+            # ask before this process has opened the study (workers start first).
+            "--trials", str(self.cfg.budget.n_trials),
         ]  # fmt: skip
         if tracking_uri:
             # The study run may still be in the making (_prepare_tracking): wait for it

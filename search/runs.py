@@ -300,12 +300,14 @@ class TrialRun:
         cfg = self.session.cfg
         if not cfg.tracking.onnx or cfg.objective.multi:
             return None
-        tmp = Path(tempfile.mkdtemp(prefix="hpsearch-onnx-"))
+        tmp: Path | None = None
         try:
+            tmp = Path(tempfile.mkdtemp(prefix="hpsearch-onnx-"))
             export_model_onnx(cfg, dict(self.trial.params), weights, tmp / ONNX_ARTIFACT)
         except Exception as exc:  # best effort, like the plots: the run must still finish
             logger.warning("trial %s: ONNX export failed: %s", self.trial.number, exc)
-            _rmtree(tmp)
+            if tmp is not None:
+                _rmtree(tmp)
             return None
         return tmp / ONNX_ARTIFACT.split("/")[0]
 
@@ -371,7 +373,7 @@ class TrackingSession:
         self.parent_run_id: str | None = None
         self._input_bound: set[int] = set()
         self._finisher = _Finisher()
-        self.renderer = Renderer()  # plots and ONNX exports, off this process's GIL
+        self.renderer = Renderer()  # plots, off this process's GIL
         if await_study_run_s > 0:
             self._await_study_run(await_study_run_s)
         self._connect()

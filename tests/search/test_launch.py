@@ -328,3 +328,30 @@ def test_every_command_has_help_with_an_example() -> None:
             if getattr(p, "hidden", False) or p.name == "help":
                 continue
             assert getattr(p, "help", None), f"{name} --{p.name} has no help"
+
+
+HANG_SCRIPT = """
+import concurrent.futures, gc, sys
+from hpsearch.cli import _exit_without_teardown
+
+class Holder:  # like an MLflow artifact repository: a pool kept alive by a reference cycle
+    def __init__(self):
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.me = self
+        self.pool.submit(print, "job ran").result()
+
+gc.disable()
+Holder()
+sys.stdout.write("exiting\\n")
+_exit_without_teardown()
+"""
+
+
+def test_exit_without_teardown_wakes_idle_thread_pools() -> None:
+    """The fast exit of a launcher or worker runs threading's exit hooks before it joins the
+    non-daemon threads: an idle pool no one can reach any more must not keep it waiting."""
+    done = subprocess.run(
+        [sys.executable, "-c", HANG_SCRIPT], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["job ran", "exiting"]
