@@ -192,8 +192,13 @@ class TrialRun:
         self.tracker.log_epoch(int(record.epoch), epoch_metrics(record))
         if self.sampler is not None and self.sampler.input_bound:
             self._note_input_bound()
-        if self.uploader is not None and self.checkpoint is not None and self.checkpoint.exists():
-            self.uploader.submit(self.checkpoint)
+
+    def checkpoint_written(self, path: Path) -> None:
+        """The trainer's hook (`TrainOptions.on_checkpoint`, on its writer thread): a resume
+        checkpoint is on disk, so the upload (tracking.upload_checkpoints) takes that save
+        and not the one before it; an interrupted trial's last save is uploaded too."""
+        if self.uploader is not None:
+            self.uploader.submit(path)
 
     def stop_input_bound(self) -> bool:
         """True when the study's policy stops input-bound trials and this one is."""

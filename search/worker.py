@@ -468,6 +468,7 @@ def run_trial(
             checkpoint_path=ckpt if cfg.trainer.checkpoint else None,
             seed=cfg.trainer.seed + root,
             on_epoch=on_epoch,
+            on_checkpoint=run.checkpoint_written if run is not None else None,
             warm=warm,
             should_interrupt=stop.is_set,
         )

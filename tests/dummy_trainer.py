@@ -77,6 +77,8 @@ def train(
             tmp = ckpt.with_suffix(".tmp")
             tmp.write_text(json.dumps({"epoch": epoch, "history": [r.__dict__ for r in history]}))
             os.replace(tmp, ckpt)
+            if options.on_checkpoint is not None:
+                options.on_checkpoint(ckpt)
         if report(epoch, acc):
             reason, pruned_at = "pruned", epoch
             break

@@ -17,7 +17,7 @@ import random
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,7 +296,10 @@ class _CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def submit(self, files: list[tuple[dict[str, Any], Path]]) -> None:
+    def submit(
+        self, files: list[tuple[dict[str, Any], Path]], done: Callable[[], None] | None = None
+    ) -> None:
+        """Write `files` in order, then call `done` (when every write succeeded)."""
         self.wait()
         snapshot = [(_cpu_copy(obj), path) for obj, path in files]
 
@@ -307,6 +310,12 @@ class _CheckpointWriter:
                     atomic_save(obj, path)
             except BaseException as exc:  # re-raised on the training thread
                 self._error = exc
+                return
+            if done is not None:
+                try:
+                    done()
+                except Exception as exc:  # a hook (an upload hand-off) must not fail training
+                    log.warning("after-checkpoint hook failed: %s", exc)
 
         self._thread = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
         self._thread.start()
@@ -567,6 +576,10 @@ def _train(
         epoch_, acc = int(run.best_epoch or 0), float(run.best_acc or 0.0)
         return [(_best_file(run.best_state, hp, run, epoch_, acc), best_path)]
 
+    def checkpoint_written() -> None:  # on the writer thread
+        if options.on_checkpoint is not None and ckpt_path is not None:
+            options.on_checkpoint(ckpt_path)
+
     def save_best() -> None:  # a trial stopped by its time limit keeps its best model
         if files := best_files():
             writer.submit(files)
@@ -576,7 +589,7 @@ def _train(
             if ckpt_path is not None and epoch - 1 > saved_through:  # keep what was trained
                 state = _checkpoint(model, optimizer, schedule, scaler, epoch - 1, gen, np_rng,
                                     hp, run, None, with_best_state=best_path is None)  # fmt: skip
-                writer.submit([*best_files(), (state, ckpt_path)])
+                writer.submit([*best_files(), (state, ckpt_path)], checkpoint_written)
                 run.checkpoint_path = ckpt_path
             run.stop_reason, run.message = "interrupted", f"interrupted before epoch {epoch}"
             return
@@ -698,14 +711,16 @@ def _train(
         discard = run.stop_reason in ("pruned", "diverged")
         if ckpt_path is not None and (due or ending) and not discard:
             files = best_files()  # the best model first: the checkpoint refers to it
+            done = None
             if not ending:
                 state = _checkpoint(model, optimizer, schedule, scaler, epoch, gen, np_rng, hp,
                                     run, None, with_best_state=best_path is None)  # fmt: skip
                 files.append((state, ckpt_path))
+                done = checkpoint_written
                 run.checkpoint_path = ckpt_path
                 last_saved, saved_through = time.perf_counter(), epoch
             if files:
-                writer.submit(files)
+                writer.submit(files, done)
         if options.on_epoch is not None:
             options.on_epoch(record)
         if run.stop_reason != "finished":

@@ -92,3 +92,6 @@ class TrainOptions:
     on_epoch: Callable[[EpochRecord], None] | None = None
     warm: WarmCache | None = None
     should_interrupt: Callable[[], bool] | None = None  # polled between epochs
+    # Called with checkpoint_path on the writer thread once a resume checkpoint is on disk
+    # (the file then holds that save, not the previous one); exceptions are only warned of.
+    on_checkpoint: Callable[[Path], None] | None = None

@@ -98,6 +98,31 @@ def test_pruned_trial_writes_no_best_model(tmp_path: Path) -> None:
     assert finished.best_model_path is not None and finished.best_model_path.is_file()
 
 
+def test_on_checkpoint_sees_the_save_just_written(tmp_path: Path) -> None:
+    """The hook runs once each resume checkpoint is on disk (what an upload must take), with
+    the file holding that epoch, not the previous one; a stop's last save included."""
+    cfg = synthetic(budget={"max_epochs": 3})
+    ckpt = tmp_path / "ckpt" / "t.pt"
+    seen: list[int] = []
+
+    def hook(path: Path) -> None:
+        assert path == ckpt
+        seen.append(int(torch.load(path, weights_only=False)["epoch"]))
+
+    opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt, on_checkpoint=hook)
+    full = train(cfg, TINY, lambda e, v: False, opts)
+    assert full.stop_reason == "finished" and seen == [1, 2]  # the last epoch ends the trial
+    seen.clear()
+    ckpt.unlink(missing_ok=True)
+    epochs: list[int] = []
+    stop = dataclasses.replace(
+        opts, on_epoch=lambda r: epochs.append(r.epoch), should_interrupt=lambda: bool(epochs)
+    )
+    spaced = synthetic(budget={"max_epochs": 3}, trainer={"checkpoint_every_s": 3600})
+    stopped = train(spaced, TINY, lambda e, v: False, stop)  # saved only because it stops
+    assert stopped.stop_reason == "interrupted" and seen == [1]
+
+
 def test_eval_every_and_patience(tmp_path: Path) -> None:
     cfg = synthetic(
         budget={"max_epochs": 3}, trainer={"eval_every": 2, "patience": 1, "evaluate_test": True}

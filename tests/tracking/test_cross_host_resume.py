@@ -1,0 +1,79 @@
+"""Resume on another machine through MLflow (tracking.upload_checkpoints): a trial stopped in
+one work folder is resumed in another that has none of its files, from the checkpoint its
+run uploaded. Real PostgreSQL, a real MLflow server, the fast dummy trainer."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hpsearch as hps
+import pytest
+from cli_util import DUMMY, hpsearch
+from hpsearch.tracking.server import LocalServer
+from mlflow.tracking import MlflowClient
+from optuna.trial import TrialState
+
+pytestmark = pytest.mark.slow
+
+
+def test_stopped_trial_resumes_elsewhere_from_its_uploaded_checkpoint(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str], mlflow_server: LocalServer
+) -> None:
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.5"}
+    name = "tiny-xhost"
+
+    def args(workdir: Path) -> list[str]:
+        return ["launch", "--study", "tiny", "--workers", "1", "--trials", "1",
+                "--storage", pg_url, "--tracking-uri", mlflow_server.url,
+                "--workdir", str(workdir), "--train-fn", DUMMY,
+                "--set", f"name={name}", "--set", "budget.max_epochs=8",
+                "--set", "pruner.name=none", "--set", "pruner.options={}",
+                "--set", "tracking.upload_checkpoints=true"]  # fmt: skip
+
+    first = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", *args(tmp_path / "host-a")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                trials = hps.load_study(name, storage=pg_url).get_trials()
+            except hps.HpsearchError:  # not created yet
+                trials = []
+            if any(len(t.intermediate_values) >= 3 for t in trials):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the trial never got 3 epochs in")
+        assert first.poll() is None
+        first.send_signal(signal.SIGINT)
+        out, _ = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 130, out
+    trials = hps.load_study(name, storage=pg_url).get_trials()
+    [stopped] = [t for t in trials if t.state == TrialState.FAIL]
+    last = max(stopped.intermediate_values)
+    assert 3 <= last < 8
+
+    # The run holds the stop's own save (the last epoch), not an earlier one.
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    local = client.download_artifacts(
+        stopped.user_attrs["mlflow_run_id"], "resume/checkpoint.pt", str(tmp_path / "dl")
+    )
+    assert json.loads(Path(local).read_text())["epoch"] == last
+
+    # Another machine: a fresh work folder, no checkpoint on disk.
+    r = hpsearch(args(tmp_path / "host-b"), env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    trials = hps.load_study(name, storage=pg_url).get_trials()
+    [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == stopped.number]
+    assert retry.state == TrialState.COMPLETE
+    assert retry.user_attrs["resumed_from_epoch"] == last + 1
+    assert max(retry.intermediate_values) == 8
