@@ -363,7 +363,8 @@ class Launcher:
             self._finalizer.join()
             logged = self._finalized
         elif stopped_by == "budget":
-            logged = finalize_study(self.cfg, self.spec, uri, self.study, self.opts.workdir)
+            logged = finalize_study(self.cfg, self.spec, uri, self.study, self.opts.workdir,
+                                    self._any_worker_alive)  # fmt: skip
         else:
             logged = []
         self._messages += [f"logged {item} on the study run" for item in logged]
@@ -552,10 +553,14 @@ class Launcher:
 
         def run() -> None:
             self._finalized = finalize_study(self.cfg, self.spec, uri, self.study,
-                                             self.opts.workdir)  # fmt: skip
+                                             self.opts.workdir,
+                                             self._any_worker_alive)  # fmt: skip
 
         self._finalizer = threading.Thread(target=run, daemon=True, name="finalize-study")
         self._finalizer.start()
+
+    def _any_worker_alive(self) -> bool:
+        return any(s.proc is not None and s.proc.poll() is None for s in self._slots)
 
     def _all_crashed(self) -> bool:
         return all(s.state == "crashed" for s in self._slots)

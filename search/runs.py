@@ -554,8 +554,11 @@ def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
 
 
 def finalize_study(cfg: StudyConfig, spec: StorageSpec, uri: str, study: optuna.Study,
-                   workdir: Path) -> list[str]:  # fmt: skip
+                   workdir: Path,
+                   workers_alive: Callable[[], bool] = lambda: True) -> list[str]:  # fmt: skip
     """Study-level artifacts on the parent run: plots, a trials CSV, the best model in ONNX.
+    `workers_alive`: whether a worker may still finish the best trial's MLflow run (the
+    launcher knows; a run whose worker is gone never finishes, so it is not waited for).
     Returns what was logged; problems are warned about, never raised."""
     from hpsearch.tracking import artifacts as art
     from hpsearch.tracking.mlflow_logger import ensure_experiment, find_study_runs
@@ -578,7 +581,8 @@ def finalize_study(cfg: StudyConfig, spec: StorageSpec, uri: str, study: optuna.
                 client.log_artifacts(parent, str(plots), "plots")
                 logged.append("plots")
             if cfg.tracking.onnx and not cfg.objective.multi:
-                onnx = _best_trial_onnx(client, study, out) or _export_best_onnx(cfg, study, out)
+                onnx = _best_trial_onnx(client, study, out, workers_alive=workers_alive)
+                onnx = onnx or _export_best_onnx(cfg, study, out)
                 if onnx is not None:
                     client.log_artifact(parent, str(onnx), "model")
                     client.set_tag(parent, "hpsearch.best_trial", str(study.best_trial.number))
@@ -603,11 +607,11 @@ def export_model_onnx(cfg: StudyConfig, params: Mapping[str, Any], weights: Path
     return Path(export_onnx(model, torch.randn(2, 3, size, size), out))
 
 
-def _best_trial_onnx(client: Any, study: optuna.Study, out: Path,
-                     wait_s: float = 60.0) -> Path | None:  # fmt: skip
+def _best_trial_onnx(client: Any, study: optuna.Study, out: Path, wait_s: float = 60.0,
+                     workers_alive: Callable[[], bool] = lambda: True) -> Path | None:  # fmt: skip
     """The ONNX file its worker logged on the best trial's run (TrialRun._onnx), downloaded
     into `out`; None when that run has none. A run still finishing (its worker's last
-    uploads) is waited for, up to `wait_s`."""
+    uploads) is waited for, up to `wait_s`, while `workers_alive()`."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -618,7 +622,11 @@ def _best_trial_onnx(client: Any, study: optuna.Study, out: Path,
         return None
     deadline = time.monotonic() + wait_s
     try:
-        while client.get_run(run_id).info.status == "RUNNING" and time.monotonic() < deadline:
+        while (
+            client.get_run(run_id).info.status == "RUNNING"
+            and time.monotonic() < deadline
+            and workers_alive()
+        ):
             time.sleep(0.5)
         names = {a.path for a in client.list_artifacts(run_id, ONNX_ARTIFACT.split("/")[0])}
         if ONNX_ARTIFACT not in names:

@@ -1,6 +1,7 @@
 """Resume on another machine through MLflow (tracking.upload_checkpoints): a trial stopped in
 one work folder is resumed in another that has none of its files, from the checkpoint its
-run uploaded. Real PostgreSQL, a real MLflow server, the fast dummy trainer."""
+run uploaded; and a run that a killed worker left RUNNING, which the end of a launch must
+not wait for. Real PostgreSQL, a real MLflow server, the fast dummy trainer."""
 
 from __future__ import annotations
 
@@ -77,3 +78,29 @@ def test_stopped_trial_resumes_elsewhere_from_its_uploaded_checkpoint(
     assert retry.state == TrialState.COMPLETE
     assert retry.user_attrs["resumed_from_epoch"] == last + 1
     assert max(retry.intermediate_values) == 8
+
+
+def test_best_trial_onnx_does_not_wait_for_a_run_whose_worker_is_gone(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """A best trial's run left RUNNING by a killed worker never finishes: the launcher's
+    study artifacts wait for it only while a worker is alive (then export ONNX themselves)."""
+    import optuna
+    from hpsearch.runs import _best_trial_onnx
+    from hpsearch.storage import normalize_url
+
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    exp = client.create_experiment(f"orphan-{tmp_path.name}")
+    run = client.create_run(exp)  # RUNNING, and stays so: no one will end it
+    study = optuna.create_study(storage=normalize_url(pg_url), direction="maximize")
+    trial = study.ask()
+    trial.set_user_attr("mlflow_run_id", run.info.run_id)
+    study.tell(trial, 0.5)
+
+    t0 = time.monotonic()
+    got = _best_trial_onnx(client, study, tmp_path, wait_s=30.0, workers_alive=lambda: False)
+    assert got is None and time.monotonic() - t0 < 10.0
+    alive = iter([True, True, False])  # a worker finishing for a while, then gone
+    t0 = time.monotonic()
+    got = _best_trial_onnx(client, study, tmp_path, wait_s=30.0, workers_alive=lambda: next(alive))
+    assert got is None and 0.9 < time.monotonic() - t0 < 10.0
