@@ -641,7 +641,8 @@ def _train(
             kind = "nan" if math.isnan(bad) else "inf"
             run.stop_reason = "diverged"
             run.message = f"loss is {kind} at epoch {epoch} step {bad_step}"
-            return  # no best model written: see `discard` below
+            # No best model written: told PRUNED, it is never ranked (see `discard` below).
+            return
         if timeout is not None and time.perf_counter() - start > timeout:
             run.stop_reason = "time_limit"
             run.message = (
@@ -704,11 +705,10 @@ def _train(
         ending = run.stop_reason != "finished" or epoch == config.budget.max_epochs
         stopping = options.should_interrupt is not None and options.should_interrupt()
         due = stopping or time.perf_counter() - last_saved >= tc.checkpoint_every_s
-        # A pruned (or diverged) trial is never among the study's best, which Optuna ranks
-        # from complete trials only, and the worker deletes its files once it is told: its
-        # best model is not written (about 45 MB and an fsync for a ResNet-18, waited for
-        # before the tell).
-        discard = run.stop_reason in ("pruned", "diverged")
+        # A pruned trial is never among the study's best, which Optuna ranks from complete
+        # trials only, and the worker deletes its files once it is told: its best model is
+        # not written (about 45 MB and an fsync for a ResNet-18, waited for before the tell).
+        discard = run.stop_reason == "pruned"
         if ckpt_path is not None and (due or ending) and not discard:
             files = best_files()  # the best model first: the checkpoint refers to it
             done = None
