@@ -2,19 +2,21 @@
 # The GPU benchmarks in one device call, from the repo root, after bench/gpu/prepare.sh here:
 #   run(command="bash bench/gpu/run.sh", carry=[".whl", ".benchdata"], timeout_s=600)
 #
-# Steps, most important first (STEPS="..." picks and orders them); each is capped with
+# Steps in the order they run (STEPS="..." picks and orders them); each is capped with
 # `timeout` inside one budget (BUDGET_S, default 540 s, so the call ends inside its 10
-# minutes), and a step that no longer fits is skipped. One summary line per step, repeated
-# at the end:
+# minutes), and a step that no longer fits is skipped. The study runs before packing so that
+# its 200 s always fit. One summary line per step, repeated at the end:
 #   nvml             hpsearch.tracking.gpu against the real GPU      bench/gpu/nvml_check.py
 #   trainer          img/s, eager: resnet18 128px b256 and b32,      bench/trainer.py
 #                    resnet50 224px b256
-#   packing          trials/h, img/s, GPU util with 1, 2, 4 workers  bench/packing.py
 #   study            flowers102 for 200 s, 4 workers (STUDY_WORKERS) bench/study.py
+#   packing          trials/h, img/s, GPU util with 1, 2, 4 workers  bench/packing.py
+#                    (ResNet-18 at 112 px, batch 64: the packing reference batch)
+#   paths            fp16, a real CUDA OOM and recovery, compile reuse bench/gpu/paths_check.py
 #   trainer-compile  resnet18 128px b256 and resnet50 224px b256     bench/trainer.py --compile
 #   packing-auto     --workers auto, as many trials as W=4 had       bench/packing.py
-# With the default budget the last two run only as far as time is left (BUDGET_S=570 gives
-# them 30 s more). Results: $OUT/{nvml,trainer,packing,study,packing-auto}.json and
+# With the default budget the last steps run only as far as time is left (BUDGET_S=570 gives
+# them 30 s more). Results: $OUT/{nvml,trainer,packing,study,paths,packing-auto}.json and
 # $OUT/run.log (8 files at most come back from the machine).
 # Exit status 1 when a step failed or timed out (its summary line says which).
 #
@@ -141,9 +143,9 @@ if [ -n "${QUICK:-}" ]; then  # the CPU rehearsal: tiny images, one epoch, short
     --set 'search_space.image_size={type: categorical, choices: [32]}')
   STUDY_S=30
 else
-  PACK=(--trials-per-worker 2 --epochs 10 --launch-timeout 90)
+  PACK=(--trials-per-worker 2 --epochs 10 --launch-timeout 90 --params '{"batch_size": 64}')
   PACK_W=(1 2 4)
-  TRAIN=(--steps 15 --warmup 3)
+  TRAIN=(--steps 15 --warmup 3 --workers 16)  # 16 DataLoader workers, as the 1,900 img/s
   EAGER=("r18-128-b256 resnet18 128 256" "r18-128-b32 resnet18 128 32" "r50-224-b256 resnet50 224 256")
   COMPILED=("r18-128-b256-compile resnet18 128 256" "r50-224-b256-compile resnet50 224 256")
   STUDY=(--workers "${STUDY_WORKERS:-4}" --grace 30 --target 0.2 0.3 0.4 0.5)
@@ -151,7 +153,7 @@ else
 fi
 COMMON=(--device "$DEVICE" --data-dir "$DATA" --workdir "$WORK")
 local name config label arch res batch probe study_s
-for name in ${STEPS:-nvml trainer packing study trainer-compile packing-auto}; do
+for name in ${STEPS:-nvml trainer study packing paths trainer-compile packing-auto}; do
   case $name in
     nvml)
       [ "$DEVICE" = cuda ] && step nvml 20 45 nvml "$OUT/nvml.json" -- \
@@ -170,6 +172,10 @@ for name in ${STEPS:-nvml trainer packing study trainer-compile packing-auto}; d
       step packing 60 200 packing "$OUT/packing.json" -- \
         "$PY" bench/packing.py "${COMMON[@]}" --workers "${PACK_W[@]}" "${PACK[@]}" \
         --json "$OUT/packing.json" ;;
+    paths)
+      [ "$DEVICE" = cuda ] && step paths 40 150 paths "$OUT/paths.json" -- \
+        "$PY" bench/gpu/paths_check.py --data-dir "$DATA" --workdir "$WORK/paths" \
+        --json "$OUT/paths.json" ;;
     packing-auto)  # the launcher's own choice, with as many trials as the largest W above
       [ "$DEVICE" = cuda ] && step packing-auto 90 150 packing "$OUT/packing-auto.json" -- \
         "$PY" bench/packing.py "${COMMON[@]}" --workers auto "${PACK[@]}" \
@@ -184,7 +190,7 @@ for name in ${STEPS:-nvml trainer packing study trainer-compile packing-auto}; d
       step study $((130 + probe)) $((study_s + 90 + probe)) study "$OUT/study.json" -- \
         "$PY" bench/study.py "${COMMON[@]}" --timeout "$study_s" "${STUDY[@]}" \
         --json "$OUT/study.json" ;;
-    *) echo "== unknown step $name (steps: nvml trainer packing study trainer-compile packing-auto)" ;;
+    *) echo "== unknown step $name (steps: nvml trainer study packing paths trainer-compile packing-auto)" ;;
   esac
 done
 

@@ -54,7 +54,22 @@ def nvml(d: dict[str, Any]) -> str:
     )
 
 
-KINDS = {"trainer": trainer, "packing": packing, "study": study, "nvml": nvml}
+def paths(d: dict[str, Any]) -> str:
+    parts = []
+    for name in ("fp16", "oom", "compile"):
+        if name in d:
+            r = d[name]
+            parts.append(f"{name} {'ok' if r.get('ok') else 'FAILED ' + str(r.get('error', ''))}")
+    if "compile" in d and "first" in d["compile"]:
+        c = d["compile"]
+        parts.append(
+            f"compiled 1st epoch {_f(c['first']['epoch_seconds'], '.1f')}s, "
+            f"reused {_f(c['second']['epoch_seconds'], '.1f')}s"
+        )
+    return "; ".join(parts) or "no checks ran"
+
+
+KINDS = {"trainer": trainer, "packing": packing, "study": study, "nvml": nvml, "paths": paths}
 
 
 def main(argv: list[str]) -> int:
