@@ -27,6 +27,7 @@ from hpsearch.errors import DeviceError
 MiB = 1 << 20
 TARGET_BUSY = 0.95  # fraction of the GPU's time packed workers together aim to keep busy
 HEADROOM = 0.90  # fraction of a GPU's memory reservations may take (fragmentation, other users)
+REFERENCE_FACTOR = 4  # the probe's reference batch: this many times the study's largest
 
 
 class AdmissionStopped(Exception):
@@ -77,6 +78,34 @@ def busy_fraction(
         return 1.0
     ideal = step_s_large * batch_small / batch_large
     return max(0.01, min(1.0, ideal / step_s_small))
+
+
+def reference_batch(
+    largest: int,
+    model: MemoryModel,
+    total_bytes: int,
+    factor: int = REFERENCE_FACTOR,
+    share: float = 0.5,
+) -> int:
+    """The batch the probe times as filling the GPU: `factor` times the study's largest,
+    halved while the memory model says it needs over `share` of the card; never below
+    `largest`. A study's own largest batch is no such reference: on an H200, ResNet-18 at
+    128 px still takes about the same 9 ms a step at batch 32 as at 256 (launch-bound)."""
+    ref = largest * factor
+    while ref > largest and model.trial_bytes(ref, model.image_size) > share * total_bytes:
+        ref //= 2
+    return max(ref, largest)
+
+
+def busy_from_step_times(step_s: Mapping[int, float], batch: int) -> float:
+    """`busy_fraction` of one worker at `batch` against the fastest rate (images/s) any
+    probed batch reached; `step_s` maps batch size to median step seconds and holds
+    `batch`. 1.0 (pack nothing) when `batch` was not timed."""
+    timed = {b: t for b, t in step_s.items() if t > 0}
+    if batch not in timed:
+        return 1.0
+    fastest = max(timed, key=lambda b: b / timed[b])
+    return busy_fraction(timed[batch], batch, timed[fastest], fastest)
 
 
 def workers_per_gpu(

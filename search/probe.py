@@ -3,6 +3,9 @@
 For each architecture the study may pick, at its largest image size, the probe trains a
 few steps on synthetic data at the smallest and largest batch sizes of the search space
 and records `max_memory_reserved` (what the caching allocator really holds) and step time.
+For the first architecture it also times the median batch and a reference batch four times
+the largest (`packing.reference_batch`): how busy one worker keeps the GPU is the median
+batch's images/s over the fastest rate seen (`packing.busy_from_step_times`).
 It runs in its own process (`python -m hpsearch.probe`), so the launcher never holds a
 CUDA context, and prints one JSON object.
 
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.config import CategoricalParam, FloatParam, IntParam, StudyConfig, load_config
+from hpsearch.packing import MemoryModel
 
 CONTEXT_FALLBACK = 512 << 20  # bytes: CUDA context + cuBLAS/cuDNN workspaces, when NVML can't tell
 
@@ -90,6 +94,36 @@ def train_steps(
     return peak, statistics.median(times[1:])
 
 
+def time_speed_batches(
+    cfg: StudyConfig,
+    model: MemoryModel,
+    mid: int,
+    ref: int,
+    steps: int,
+    known: dict[int, float],
+    device_name: str = "cuda",
+) -> dict[int, float]:
+    """Median step seconds at the worker's batch `mid` and the reference batch `ref` (of
+    `model`'s arch and size) that `known` does not hold yet. A reference that runs out of
+    memory is left out: the busy estimate then compares against the batches it has."""
+    import torch
+
+    out: dict[int, float] = {}
+    for batch in (mid, ref):
+        if batch in known or batch in out:
+            continue
+        try:
+            out[batch] = train_steps(cfg, model.arch, batch, model.image_size, steps, device_name)[
+                1
+            ]
+        except torch.OutOfMemoryError:
+            if batch == mid:
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return out
+
+
 def _context_bytes() -> int:
     """Device memory this process holds beyond what PyTorch's allocator reserved."""
     import os
@@ -137,27 +171,30 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
     """Probe the current CUDA device. Returns the measurements as plain JSON values."""
     import torch
     from hpsearch.errors import DeviceError
-    from hpsearch.packing import busy_fraction, fit_memory
+    from hpsearch.packing import busy_from_step_times, fit_memory, reference_batch
 
     if not torch.cuda.is_available():
         raise DeviceError("--workers auto: the probe needs a CUDA GPU; none is visible")
     torch.backends.cudnn.benchmark = True
     archs, size, small, mid, large = probe_shapes(cfg)
     total = int(torch.cuda.get_device_properties(0).total_memory)
-    models, busy = [], 1.0
+    models: list[MemoryModel] = []
+    step_s: dict[int, float] = {}  # batch -> median step seconds, the first arch's
     for i, arch in enumerate(archs):
-        peak_small, _ = train_steps(cfg, arch, small, size, steps)
+        peak_small, t_small = train_steps(cfg, arch, small, size, steps)
         peak_large, t_large = train_steps(cfg, arch, large, size, steps) if large > small else (
-            peak_small, 0.0)  # fmt: skip
+            peak_small, t_small)  # fmt: skip
         context = _context_bytes()
         if large > small:
             model = fit_memory(arch, size, (small, peak_small), (large, peak_large), context)
         else:
             model = fit_memory(arch, size, (0, 0), (small, peak_small), context)
         models.append(model)
-        if i == 0 and mid < large:
-            _, t_mid = train_steps(cfg, arch, mid, size, steps)
-            busy = busy_fraction(t_mid, mid, t_large, large)
+        if i == 0:  # the first arch stands for the study's speed (its cheapest, as a rule)
+            step_s = {small: t_small, large: t_large}
+            step_s |= time_speed_batches(cfg, model, mid, reference_batch(large, model, total),
+                                         steps, step_s)  # fmt: skip
+    busy = busy_from_step_times(step_s, mid)
     worst = max(m.trial_bytes(large, size) for m in models)
     return {
         "device": torch.cuda.get_device_name(0),
@@ -165,6 +202,7 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
         "image_size": size,
         "batches": [small, mid, large],
         "busy": busy,
+        "step_seconds": {str(b): t for b, t in sorted(step_s.items())},
         "worst_trial_bytes": worst,
         "data_bytes": data_bytes(cfg),
         "models": [m.__dict__ for m in models],

@@ -20,13 +20,15 @@ from hpsearch.packing import (
     PackingPlan,
     admit,
     busy_fraction,
+    busy_from_step_times,
     fit_memory,
     place_workers,
     plan_from_probe,
+    reference_batch,
     visible_gpus,
     workers_per_gpu,
 )
-from hpsearch.probe import data_bytes, probe_shapes, train_steps
+from hpsearch.probe import data_bytes, probe_shapes, time_speed_batches, train_steps
 from hpsearch.storage import StorageSpec
 from hpsearch.worker import WorkerOptions, run_worker
 
@@ -51,6 +53,35 @@ def test_busy_fraction_from_step_times() -> None:
     assert 0.15 < busy < 0.17
     assert busy_fraction(0.01, 256, 0.01, 256) == 1.0
     assert busy_fraction(0.0, 32, 0.01, 256) == 1.0  # no timing: assume busy, pack nothing
+
+
+def test_reference_batch_grows_past_the_study_until_memory_says_stop() -> None:
+    # 10 MiB per image at the probe's size, 1 GiB fixed
+    m = MemoryModel("resnet18", 128, GiB, 10 * MiB, 512 * MiB)
+    assert reference_batch(128, m, 140 * GiB) == 512  # 4x the study's largest fits
+    # 512 needs 6 GiB: half of a 12 GiB card holds it, half of an 11 GiB one only 256 (3.5)
+    assert reference_batch(128, m, 12 * GiB) == 512
+    assert reference_batch(128, m, 11 * GiB) == 256
+    assert reference_batch(128, m, GiB) == 128  # never below the study's largest
+
+
+def test_busy_from_step_times_compares_against_the_fastest_batch() -> None:
+    # The H200's ResNet-18 at 128 px (bench/results/h200-trainer.json): launch-bound at about
+    # 9.1 ms a step up to batch 128 or so, 26,700 images/s at batch 256 and beyond.
+    def step(batch: int) -> float:
+        return max(0.0091, batch / 26700)
+
+    # A study with one batch size (64): the old probe had nothing to compare with and
+    # reported 100% busy, so `--workers auto` packed one worker where four gave 2.8x.
+    one = {64: step(64), 256: step(256)}
+    busy = busy_from_step_times(one, 64)
+    assert 0.2 < busy < 0.3
+    assert workers_per_gpu(140 * GiB, 2 * GiB, GiB // 2, busy) == 4
+    # flowers102's 32/64/128: the largest is not saturating either; the reference is
+    times = {b: step(b) for b in (32, 64, 128, 512)}
+    assert busy_from_step_times(times, 64) == pytest.approx(busy, rel=1e-6)
+    assert busy_from_step_times({128: step(128)}, 128) == 1.0  # alone: nothing to compare
+    assert busy_from_step_times({128: step(128)}, 64) == 1.0  # the batch was not timed
 
 
 def test_workers_per_gpu_takes_the_tighter_limit() -> None:
@@ -113,6 +144,24 @@ def test_probe_training_step_runs_every_arch_of_the_study_on_cpu() -> None:
     for arch in archs:
         peak, step_s = train_steps(cfg, arch, 2, 32, steps=1, device_name="cpu")
         assert peak == 0 and step_s > 0
+
+
+def test_probe_times_the_worker_batch_and_a_reference_four_times_the_largest() -> None:
+    """The probe's timing on the CPU for a study with one batch size (the packing bench's
+    case): the worker's batch alone says nothing about how busy it keeps the GPU, so a
+    reference batch is timed too, and the busy estimate compares the two."""
+    cfg = load_config(
+        "tiny", ["search_space={}", "trainer.defaults.batch_size=2", "dataset.image_size=32"]
+    )
+    archs, size, small, mid, large = probe_shapes(cfg)
+    assert (small, mid, large) == (2, 2, 2)
+    model = MemoryModel(archs[0], size, 0, MiB, 0)
+    ref = reference_batch(large, model, 140 * GiB)
+    assert ref == 8
+    times = time_speed_batches(cfg, model, mid, ref, 1, {}, device_name="cpu")
+    assert sorted(times) == [2, 8] and all(t > 0 for t in times.values())
+    assert time_speed_batches(cfg, model, mid, ref, 1, times, device_name="cpu") == {}
+    assert 0.0 < busy_from_step_times(times, mid) <= 1.0
 
 
 def test_probe_counts_the_dataset_a_worker_keeps_on_the_gpu(flowers_root: Path) -> None:
