@@ -352,7 +352,9 @@ def trial_timings(workdir: Path) -> dict[str, float]:
             with contextlib.suppress(ValueError):
                 rows.append(json.loads(line))
     out: dict[str, float] = {"trials": float(len(rows))} if rows else {}
-    for key in ("ask_ms", "suggest_ms", "startup_s", "admission_wait_s", "tell_ms", "trial_s"):
+    keys = ("ask_ms", "suggest_ms", "startup_s", "admission_wait_s", "setup_s", "epochs_s",
+            "finish_s", "tell_ms", "trial_s")  # fmt: skip
+    for key in keys:
         values = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
         if values:
             out[f"{key}_mean"] = statistics.fmean(values)

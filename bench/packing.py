@@ -15,6 +15,8 @@ the one-time decode. Per W:
   img/s steady  W x the median per-epoch training images/s of a trial (epochs after the
                 first): the throughput while all W workers train at once
   s/trial       mean trial duration, ask to tell
+  warm trials/h W x 3600 / the mean duration of trials that were not their worker's first
+                (the packed rate once start-up and first-trial warm-up are behind)
   1st trial s   launch start to the first trial's start (process start-up)
   GPU util %    mean NVML device utilization during the launch (hpsearch.tracking.gpu);
                 n/a on a CPU
@@ -227,6 +229,14 @@ def measure(
             }
         )
     durations = [r["duration_s"] for r in rows if r["duration_s"] is not None]
+    firsts: dict[Any, int] = {}  # worker -> its first trial's number
+    for r in sorted(rows, key=lambda r: r["start_s"] if r["start_s"] is not None else 0.0):
+        firsts.setdefault(r["worker"], r["number"])
+    warm = [r["duration_s"] for r in rows
+            if r["duration_s"] is not None and r["number"] not in firsts.values()]  # fmt: skip
+    # training only: the images of each epoch over its training rate (val not included)
+    train_s = [sum(per_epoch / x for x in r["images_per_second"] if x > 0) for r in rows]
+    timings = trial_timings(workdir)
     starts = [r["start_s"] for r in rows if r["start_s"] is not None]
     result: dict[str, Any] = {
         "workers_arg": label,
@@ -244,10 +254,13 @@ def measure(
         "images_per_second_e2e": epochs * per_epoch / run.wall_s,
         "images_per_second_steady": statistics.fmean(steady) * workers if steady else None,
         "trial_seconds_mean": statistics.fmean(durations) if durations else None,
+        "warm_trial_seconds_mean": statistics.fmean(warm) if warm else None,
+        "warm_trials_per_hour": workers * 3600.0 / statistics.fmean(warm) if warm else None,
+        "train_seconds_mean": statistics.fmean(train_s) if train_s else None,
         "first_trial_start_s": min(starts) if starts else None,
         "gpu_utilization_mean": gpu.utilization,
         "gpu": gpu.summary,
-        "timings": trial_timings(workdir),
+        "timings": timings,
         "trials": rows,
     }
     if run.returncode != 0 or len(done) < n_trials:
@@ -285,6 +298,32 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
             f"{r['images_per_second_e2e']:>10.1f} {fmt(r['images_per_second_steady']):>12} "
             f"{fmt(r['trial_seconds_mean']):>8} {fmt(r['first_trial_start_s']):>11} "
             f"{fmt(r['gpu_utilization_mean']):>10} {fmt(mem, '.0f'):>11}"
+        )
+    # Where a trial's time went (means, s): the trainer's set-up, training, validation (its
+    # epochs minus training), the finish (test pass, best model's write), and the rest of
+    # the trial (ask, tell, start-up outside the trainer).
+    head = (
+        f"{'workers':>7} {'warm s/trial':>12} {'warm trials/h':>13} {'setup':>6} {'train':>6} "
+        f"{'val':>6} {'finish':>6} {'other':>6}"
+    )
+    print("\n" + head)
+    print("-" * len(head))
+    for r in results:
+        t = r["timings"]
+        label = r["workers_arg"] if r["workers_arg"] != "auto" else f"auto:{r['workers']}"
+        train, epochs = r.get("train_seconds_mean"), t.get("epochs_s_mean")
+        val = epochs - train if train is not None and epochs is not None else None
+        parts = [t.get("setup_s_mean"), t.get("epochs_s_mean"), t.get("finish_s_mean")]
+        other = (
+            t["trial_s_mean"] - sum(p for p in parts if p is not None)
+            if "trial_s_mean" in t and None not in parts
+            else None
+        )
+        print(
+            f"{label:>7} {fmt(r.get('warm_trial_seconds_mean'), '.2f'):>12} "
+            f"{fmt(r.get('warm_trials_per_hour')):>13} {fmt(t.get('setup_s_mean'), '.2f'):>6} "
+            f"{fmt(train, '.2f'):>6} {fmt(val, '.2f'):>6} {fmt(t.get('finish_s_mean'), '.2f'):>6} "
+            f"{fmt(other, '.2f'):>6}"
         )
     for r in results:
         if r["auto_reason"]:

@@ -113,6 +113,11 @@ class TrialTiming:
     report_ms: list[float] = field(default_factory=list)  # per epoch: report + should_prune
     log_ms: list[float] = field(default_factory=list)  # per epoch: hand-off to MLflow thread
     admission_wait_s: float = 0.0  # waiting for GPU memory beside packed trials
+    # The trainer's call, split: set-up (data, model), the epochs it ran (train + val), and
+    # the rest: the test pass and waiting for the best model's write, after the last epoch.
+    setup_s: float = 0.0
+    epochs_s: float = 0.0
+    finish_s: float = 0.0
     tell_ms: float = 0.0  # result attributes + tell
     trial_s: float = 0.0
 
@@ -497,8 +502,17 @@ def run_trial(
             return "error"
         if first_epoch and root != trial.number:  # a retry: where it picked up
             db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, first_epoch[0]), "set_user_attr")
+        called_s = time.perf_counter() - handed_over - timing.admission_wait_s
         setup_s = float(getattr(result, "setup_seconds", 0.0) or 0.0)
         timing.startup_s = handed_over - began + setup_s
+        first = first_epoch[0] if first_epoch else None
+        timing.setup_s = setup_s
+        timing.epochs_s = sum(
+            float(r.epoch_seconds)
+            for r in getattr(result, "history", [])
+            if first is not None and r.epoch >= first
+        )
+        timing.finish_s = max(0.0, called_s - setup_s - timing.epochs_s)
         t0 = time.perf_counter()
         outcome = _tell(study, trial, cfg, opts, result, run, db, timing.startup_s)
         timing.tell_ms = (time.perf_counter() - t0) * 1e3
