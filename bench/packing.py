@@ -230,7 +230,7 @@ def measure(
         )
     durations = [r["duration_s"] for r in rows if r["duration_s"] is not None]
     firsts: dict[Any, int] = {}  # worker -> its first trial's number
-    for r in sorted(rows, key=lambda r: r["start_s"] if r["start_s"] is not None else 0.0):
+    for r in sorted((r for r in rows if r["start_s"] is not None), key=lambda r: r["start_s"]):
         firsts.setdefault(r["worker"], r["number"])
     warm = [r["duration_s"] for r in rows
             if r["duration_s"] is not None and r["number"] not in firsts.values()]  # fmt: skip
@@ -299,12 +299,14 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
             f"{fmt(r['trial_seconds_mean']):>8} {fmt(r['first_trial_start_s']):>11} "
             f"{fmt(r['gpu_utilization_mean']):>10} {fmt(mem, '.0f'):>11}"
         )
-    # Where a trial's time went (means, s): the trainer's set-up, training, validation (its
-    # epochs minus training), the finish (test pass, best model's write), and the rest of
-    # the trial (ask, tell, start-up outside the trainer).
+    # Where a trial's time went (means over trials, s): the trainer's set-up; training; the
+    # rest of its epochs (validation, report, checkpoint hand-off, logging: the worker's
+    # epochs_s minus training); the finish (test pass, best model's write); and the rest of
+    # the trial (ask, tell, start-up outside the trainer). The bench runs no retries
+    # (--max-restarts 0), so every epoch in a trial's history ran in its timed call.
     head = (
         f"{'workers':>7} {'warm s/trial':>12} {'warm trials/h':>13} {'setup':>6} {'train':>6} "
-        f"{'val':>6} {'finish':>6} {'other':>6}"
+        f"{'epoch rest':>10} {'finish':>6} {'other':>6}"
     )
     print("\n" + head)
     print("-" * len(head))
@@ -322,7 +324,7 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
         print(
             f"{label:>7} {fmt(r.get('warm_trial_seconds_mean'), '.2f'):>12} "
             f"{fmt(r.get('warm_trials_per_hour')):>13} {fmt(t.get('setup_s_mean'), '.2f'):>6} "
-            f"{fmt(train, '.2f'):>6} {fmt(val, '.2f'):>6} {fmt(t.get('finish_s_mean'), '.2f'):>6} "
+            f"{fmt(train, '.2f'):>6} {fmt(val, '.2f'):>10} {fmt(t.get('finish_s_mean'), '.2f'):>6} "
             f"{fmt(other, '.2f'):>6}"
         )
     for r in results:

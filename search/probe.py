@@ -99,28 +99,32 @@ def time_speed_batches(
     model: MemoryModel,
     mid: int,
     ref: int,
+    largest: int,
     steps: int,
     known: dict[int, float],
     device_name: str = "cuda",
 ) -> dict[int, float]:
-    """Median step seconds at the worker's batch `mid` and the reference batch `ref` (of
-    `model`'s arch and size) that `known` does not hold yet. A reference that runs out of
-    memory is left out: the busy estimate then compares against the batches it has."""
+    """Median step seconds at the worker's batch `mid` and at the reference batch `ref` (of
+    `model`'s arch and size) that `known` does not hold yet. A reference that fails (out of
+    memory, or a cuDNN/cuBLAS workspace error, which torch raises as RuntimeError) is halved
+    and tried again while it stays above `largest`; the busy estimate then compares
+    against the batches it has."""
     import torch
 
     out: dict[int, float] = {}
-    for batch in (mid, ref):
-        if batch in known or batch in out:
-            continue
+    if mid not in known:
+        out[mid] = train_steps(cfg, model.arch, mid, model.image_size, steps, device_name)[1]
+    while ref > largest and ref not in known and ref not in out:
+        failed = False
         try:
-            out[batch] = train_steps(cfg, model.arch, batch, model.image_size, steps, device_name)[
-                1
-            ]
-        except torch.OutOfMemoryError:
-            if batch == mid:
-                raise
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            out[ref] = train_steps(cfg, model.arch, ref, model.image_size, steps, device_name)[1]
+        except RuntimeError:  # torch.OutOfMemoryError included
+            failed = True
+        if not failed:
+            break
+        if torch.cuda.is_available():  # after the except: the traceback no longer holds memory
+            torch.cuda.empty_cache()
+        ref //= 2
     return out
 
 
@@ -192,8 +196,8 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
         models.append(model)
         if i == 0:  # the first arch stands for the study's speed (its cheapest, as a rule)
             step_s = {small: t_small, large: t_large}
-            step_s |= time_speed_batches(cfg, model, mid, reference_batch(large, model, total),
-                                         steps, step_s)  # fmt: skip
+            ref = reference_batch(large, model, total)
+            step_s |= time_speed_batches(cfg, model, mid, ref, large, steps, step_s)
     busy = busy_from_step_times(step_s, mid)
     worst = max(m.trial_bytes(large, size) for m in models)
     return {

@@ -113,8 +113,10 @@ class TrialTiming:
     report_ms: list[float] = field(default_factory=list)  # per epoch: report + should_prune
     log_ms: list[float] = field(default_factory=list)  # per epoch: hand-off to MLflow thread
     admission_wait_s: float = 0.0  # waiting for GPU memory beside packed trials
-    # The trainer's call, split: set-up (data, model), the epochs it ran (train + val), and
-    # the rest: the test pass and waiting for the best model's write, after the last epoch.
+    # The trainer's call, split: set-up (data, model); its epochs, each up to the end of its
+    # last report or log callback (train, val, report, checkpoint hand-off, logging); and the
+    # finish after the last epoch's callbacks (test pass, the best model's write). A call
+    # that ends inside its first epoch (out of memory, say) is all set-up and epochs.
     setup_s: float = 0.0
     epochs_s: float = 0.0
     finish_s: float = 0.0
@@ -446,6 +448,7 @@ def run_trial(
             if run is not None and run.run_id:
                 db(lambda: trial.set_user_attr(ATTR_RUN_ID, run.run_id), "set_user_attr")
         first_epoch: list[int] = []
+        epoch_done = [0.0]  # perf_counter at the end of the latest epoch callback
 
         def on_epoch(record: Any) -> None:
             if not first_epoch:
@@ -454,6 +457,7 @@ def run_trial(
                 t0 = time.perf_counter()
                 run.log_epoch(record)
                 timing.log_ms.append((time.perf_counter() - t0) * 1e3)
+            epoch_done[0] = time.perf_counter()
 
         def report(epoch: int, value: float) -> bool:
             t0 = time.perf_counter()
@@ -465,7 +469,8 @@ def run_trial(
                     return True
                 return bool(db(trial.should_prune, "should_prune"))
             finally:
-                timing.report_ms.append((time.perf_counter() - t0) * 1e3)
+                epoch_done[0] = time.perf_counter()
+                timing.report_ms.append((epoch_done[0] - t0) * 1e3)
 
         options = TrainOptions(
             device=opts.device,
@@ -484,6 +489,7 @@ def run_trial(
             with _gpu_reservation(cfg, params, opts, stop) as waited:
                 timing.admission_wait_s = waited
                 result = train_fn(cfg, params, report, options)
+                returned = time.perf_counter()
         except StorageError:
             raise  # the database stayed down past the limit: stop the worker, not the trial
         except AdmissionStopped as exc:  # never started: queue it again as it is
@@ -502,17 +508,13 @@ def run_trial(
             return "error"
         if first_epoch and root != trial.number:  # a retry: where it picked up
             db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, first_epoch[0]), "set_user_attr")
-        called_s = time.perf_counter() - handed_over - timing.admission_wait_s
         setup_s = float(getattr(result, "setup_seconds", 0.0) or 0.0)
         timing.startup_s = handed_over - began + setup_s
-        first = first_epoch[0] if first_epoch else None
         timing.setup_s = setup_s
-        timing.epochs_s = sum(
-            float(r.epoch_seconds)
-            for r in getattr(result, "history", [])
-            if first is not None and r.epoch >= first
-        )
-        timing.finish_s = max(0.0, called_s - setup_s - timing.epochs_s)
+        training_from = handed_over + timing.admission_wait_s + setup_s
+        last = epoch_done[0] if epoch_done[0] > training_from else returned
+        timing.epochs_s = max(0.0, last - training_from)
+        timing.finish_s = max(0.0, returned - last)
         t0 = time.perf_counter()
         outcome = _tell(study, trial, cfg, opts, result, run, db, timing.startup_s)
         timing.tell_ms = (time.perf_counter() - t0) * 1e3

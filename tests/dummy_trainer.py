@@ -3,7 +3,10 @@
 Used where the thing under test is the search layer (budgets, concurrency, crashes), not
 training. It reports a deterministic curve from the params, checkpoints each epoch as JSON
 and resumes from it, and honours report/should_interrupt like the real trainer.
-Environment knobs: HPSEARCH_DUMMY_EPOCH_S (seconds per epoch, for crash tests) and
+Environment knobs: HPSEARCH_DUMMY_EPOCH_S (seconds per epoch, for crash tests),
+HPSEARCH_DUMMY_FINISH_S (seconds after the last epoch, like the real trainer's test pass),
+HPSEARCH_DUMMY_AFTER_EPOCH_S (seconds of per-epoch work after the epoch's record, before its
+report, like the real trainer's best-weights copy and checkpoint hand-off) and
 HPSEARCH_DUMMY_BARRIER="<dir>:<n>" (each process's first trial waits until n processes have
 reached it, so a concurrency test really has n trials in flight however slowly they start).
 """
@@ -79,12 +82,14 @@ def train(
             os.replace(tmp, ckpt)
             if options.on_checkpoint is not None:
                 options.on_checkpoint(ckpt)
+        time.sleep(float(os.environ.get("HPSEARCH_DUMMY_AFTER_EPOCH_S", "0")))
         if report(epoch, acc):
             reason, pruned_at = "pruned", epoch
             break
         if options.should_interrupt is not None and options.should_interrupt():
             reason = "interrupted"
             break
+    time.sleep(float(os.environ.get("HPSEARCH_DUMMY_FINISH_S", "0")))
     best = max((r.val_acc for r in history if r.val_acc is not None), default=None)
     return TrialResult(
         history=history,

@@ -158,10 +158,40 @@ def test_probe_times_the_worker_batch_and_a_reference_four_times_the_largest() -
     model = MemoryModel(archs[0], size, 0, MiB, 0)
     ref = reference_batch(large, model, 140 * GiB)
     assert ref == 8
-    times = time_speed_batches(cfg, model, mid, ref, 1, {}, device_name="cpu")
+    times = time_speed_batches(cfg, model, mid, ref, large, 1, {}, device_name="cpu")
     assert sorted(times) == [2, 8] and all(t > 0 for t in times.values())
-    assert time_speed_batches(cfg, model, mid, ref, 1, times, device_name="cpu") == {}
+    assert time_speed_batches(cfg, model, mid, ref, large, 1, times, device_name="cpu") == {}
     assert 0.0 < busy_from_step_times(times, mid) <= 1.0
+
+
+def test_probe_halves_a_reference_batch_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of memory (or a cuDNN workspace error, a RuntimeError) at the reference batch:
+    the probe tries half of it while that stays above the study's largest, instead of
+    failing the launch or falling back to "100% busy"."""
+    import hpsearch.probe as probe
+    import torch
+
+    cfg = load_config("tiny")
+    tried: list[int] = []
+
+    def fake_steps(cfg: object, arch: str, batch: int, size: int, steps: int,
+                   device_name: str = "cuda") -> tuple[int, float]:  # fmt: skip
+        tried.append(batch)
+        if batch >= 512:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        if batch == 256:
+            raise RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR")
+        return 0, max(0.0091, batch / 26700)
+
+    monkeypatch.setattr(probe, "train_steps", fake_steps)
+    model = MemoryModel("resnet18", 128, GiB, MiB, 0)
+    times = probe.time_speed_batches(cfg, model, 64, 1024, 128, 1, {128: 0.0091})
+    assert tried == [64, 1024, 512, 256]  # 128 is the study's own largest: known, not retried
+    assert sorted(times) == [64]
+    tried.clear()
+    times = probe.time_speed_batches(cfg, model, 64, 2048, 64, 1, {})
+    assert tried == [64, 2048, 1024, 512, 256, 128]
+    assert sorted(times) == [64, 128]
 
 
 def test_probe_counts_the_dataset_a_worker_keeps_on_the_gpu(flowers_root: Path) -> None:
