@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -317,14 +317,28 @@ class GpuWatch:
         self.gpu = gpu or "0"
         self.interval_s = interval_s
         self.summary: dict[str, float] = {}
+        # (local naive time, like Optuna's trial datetimes; device utilization %)
+        self.series: list[tuple[dt.datetime, float]] = []
         self._sampler: Any = None
+
+    def _record(self, metrics: Mapping[str, float]) -> None:  # the sampler's sink
+        util = metrics.get("system/gpu_utilization")
+        if util is not None:
+            self.series.append((dt.datetime.now(), float(util)))
+
+    def mean_between(self, start: dt.datetime | None, end: dt.datetime | None) -> float | None:
+        """Mean device utilization of the samples taken in [start, end]; None if none."""
+        if start is None or end is None:
+            return None
+        values = [u for t, u in self.series if start <= t <= end]
+        return sum(values) / len(values) if values else None
 
     def __enter__(self) -> GpuWatch:
         if self.device == "cuda":
             from hpsearch.tracking.gpu import GpuSampler
 
             # The launcher sets CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA index N is NVML index N.
-            sampler = GpuSampler(None, interval_s=self.interval_s, visible_devices=self.gpu)
+            sampler = GpuSampler(self._record, interval_s=self.interval_s, visible_devices=self.gpu)
             if sampler.start():
                 self._sampler = sampler
         return self

@@ -14,7 +14,8 @@ checkpoint at their next epoch and are re-queued: counted as interrupted). Repor
   time to X         launch start to the first completed trial reaching value X (--target)
   trials            complete, pruned, failed, interrupted; epochs and images trained
   GPU util %        mean NVML device utilization during the launch (hpsearch.tracking.gpu),
-                    n/a on a CPU
+                    and from the first trial's start to the time-out (without start-up and
+                    the stop); n/a on a CPU
 
 Example (CPU, about 3 minutes on 2 cores; image_size is searched, so it is pinned here):
     python bench/study.py --device cpu --workers 2 --timeout 150 --grace 45 \\
@@ -31,6 +32,7 @@ Example (GPU):
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import shutil
 import sys
@@ -260,6 +262,11 @@ def run(
         "time_to_target_s": {str(x): time_to(curve, x, maximize) for x in args.target},
         "curve": curve,
         "gpu_utilization_mean": gpu.utilization,
+        # from the first trial's start to the time-out: without start-up and the stop
+        "gpu_utilization_working": gpu.mean_between(
+            min((t.datetime_start for t in trials if t.datetime_start), default=None),
+            launch.started + dt.timedelta(seconds=args.timeout),
+        ),
         "gpu": gpu.summary,
         "timings": trial_timings(workdir),
     }
@@ -306,6 +313,7 @@ def print_table(
         ("time to best s", fmt(r["time_to_best_s"])),
         *((f"time to {k} s", fmt(v)) for k, v in r["time_to_target_s"].items()),
         ("GPU util mean %", fmt(r["gpu_utilization_mean"])),
+        ("GPU util %, 1st trial to time-out", fmt(r["gpu_utilization_working"])),
     ]  # fmt: skip
     workers = f"auto ({r['workers']})" if args.workers == "auto" else args.workers
     print(

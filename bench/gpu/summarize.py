@@ -40,7 +40,8 @@ def study(d: dict[str, Any]) -> str:
         f"best {r['metric']} {_f(r['best_value'], '.4f')} test {_f(r['test_acc'], '.4f')} "
         f"at {_f(r['time_to_best_s'])}s; complete {s['complete']} pruned {s['pruned']} "
         f"failed {s['fail']}; {_f(r['images_per_second_e2e'])} img/s; "
-        f"util {_f(r['gpu_utilization_mean'])}%"
+        f"util {_f(r['gpu_utilization_mean'])}% "
+        f"({_f(r.get('gpu_utilization_working'))}% from the 1st trial to the time-out)"
     )
 
 
