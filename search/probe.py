@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.config import CategoricalParam, FloatParam, IntParam, StudyConfig, load_config
-from hpsearch.packing import MemoryModel
+from hpsearch.packing import MemoryModel, busy_from_step_times, fit_memory, reference_batch
 
 CONTEXT_FALLBACK = 512 << 20  # bytes: CUDA context + cuBLAS/cuDNN workspaces, when NVML can't tell
 
@@ -114,14 +114,12 @@ def time_speed_batches(
     out: dict[int, float] = {}
     if mid not in known:
         out[mid] = train_steps(cfg, model.arch, mid, model.image_size, steps, device_name)[1]
-    while ref > largest and ref not in known and ref not in out:
-        failed = False
+    while ref > largest and ref not in known:
         try:
             out[ref] = train_steps(cfg, model.arch, ref, model.image_size, steps, device_name)[1]
-        except RuntimeError:  # torch.OutOfMemoryError included
-            failed = True
-        if not failed:
             break
+        except RuntimeError:  # torch.OutOfMemoryError included
+            pass
         if torch.cuda.is_available():  # after the except: the traceback no longer holds memory
             torch.cuda.empty_cache()
         ref //= 2
@@ -175,7 +173,6 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
     """Probe the current CUDA device. Returns the measurements as plain JSON values."""
     import torch
     from hpsearch.errors import DeviceError
-    from hpsearch.packing import busy_from_step_times, fit_memory, reference_batch
 
     if not torch.cuda.is_available():
         raise DeviceError("--workers auto: the probe needs a CUDA GPU; none is visible")
