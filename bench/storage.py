@@ -45,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--seconds", type=float, default=15.0, help="asking time per run")
     p.add_argument("--epochs", type=int, default=3, help="reports per trial")
+    p.add_argument(
+        "--epoch-s",
+        type=float,
+        default=0.0,
+        help="seconds of simulated training per epoch (a sleep), so that reads are not\n"
+        "served from a cache refreshed a moment before (as with real epochs)",
+    )
     p.add_argument("--modes", nargs="+", default=["plain", "hpsearch"])
     p.add_argument("--study", default="tiny", help="study file whose search space is sampled")
     p.add_argument(
@@ -52,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
+
+
+EPOCH_S_ENV = "HPSEARCH_BENCH_EPOCH_S"  # --epoch-s, read by the forked workers
 
 
 # --- the dummy trainer (the hpsearch worker loads it as "__main__:dummy_train") ---------
@@ -63,7 +73,9 @@ def dummy_train(
     from hpsearch.trainer import TrialResult
 
     reason, pruned_at, acc = "finished", None, 0.0
+    epoch_s = float(os.environ.get(EPOCH_S_ENV, "0"))
     for epoch in range(1, config.budget.max_epochs + 1):
+        time.sleep(epoch_s)
         acc = min(1.0, float(params.get("lr", 0.1)) * epoch)
         if report(epoch, acc):
             reason, pruned_at = "pruned", epoch
@@ -88,6 +100,7 @@ def _plain_worker(url: str, cfg: Any, start_at: float, seconds: float, out: Any)
         study_name=cfg.name, storage=storage, sampler=make_sampler(cfg), pruner=make_pruner(cfg)
     )
     lat: dict[str, list[float]] = {"ask": [], "report": [], "tell": []}
+    epoch_s = float(os.environ.get(EPOCH_S_ENV, "0"))
     time.sleep(max(0.0, start_at - time.time()))
     t_end = time.monotonic() + seconds
     n = 0
@@ -99,6 +112,7 @@ def _plain_worker(url: str, cfg: Any, start_at: float, seconds: float, out: Any)
         params = suggest(trial, cfg)
         state, value = optuna.trial.TrialState.COMPLETE, 0.0
         for epoch in range(1, cfg.budget.max_epochs + 1):
+            time.sleep(epoch_s)
             value = min(1.0, float(params.get("lr", 0.1)) * epoch)
             t0 = time.perf_counter()
             trial.report(value, epoch)
@@ -226,6 +240,7 @@ def _fmt(x: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.environ[EPOCH_S_ENV] = str(args.epoch_s)
     rows = []
     for workers in args.workers:
         for mode in args.modes:

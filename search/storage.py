@@ -496,20 +496,48 @@ def throttle_trial_reads(study: optuna.Study, min_interval_s: float = TRIALS_REF
     read = getattr(storage, "_read_trials_from_remote_storage", None)
     if read is None or not isinstance(getattr(storage, "_backend", None), RDBStorage):
         return
-    last: dict[int, float] = {}
+    last: dict[int, float] = {}  # study id -> time.monotonic() of the latest read's start
+    interval = [min_interval_s]  # seconds; raised while a trial trains (relaxed_trial_reads)
     lock = threading.Lock()
 
     def throttled(study_id: int) -> None:
         with lock:
             now = time.monotonic()
-            if now - last.get(study_id, -float("inf")) < min_interval_s:
+            if now - last.get(study_id, -float("inf")) < interval[0]:
                 return
             last[study_id] = now
         read(study_id)
 
-    storage._hpsearch_read_now = read  # type: ignore[attr-defined]
+    def read_now(study_id: int, older_than_s: float = 0.0) -> None:
+        with lock:
+            now = time.monotonic()
+            if now - last.get(study_id, -float("inf")) < older_than_s:
+                return
+            last[study_id] = now
+        read(study_id)
+
+    storage._hpsearch_read_now = read_now  # type: ignore[attr-defined]
     storage._hpsearch_read_at = last  # type: ignore[attr-defined]
+    storage._hpsearch_interval = interval  # type: ignore[attr-defined]
     storage._read_trials_from_remote_storage = throttled  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def relaxed_trial_reads(study: optuna.Study, max_age_s: float) -> Iterator[None]:
+    """While a trial trains, let reads of the other trials on any thread of this process be
+    served from a view up to `max_age_s` old (the trial's reporter refreshes it in the
+    background after each report, `refresh_trials_now`). A storage without the throttle is
+    left alone."""
+    interval = getattr(study._storage, "_hpsearch_interval", None)
+    if interval is None:
+        yield
+        return
+    before = interval[0]
+    interval[0] = max(before, max_age_s)
+    try:
+        yield
+    finally:
+        interval[0] = before
 
 
 def expire_trial_reads(study: optuna.Study) -> None:
@@ -520,11 +548,15 @@ def expire_trial_reads(study: optuna.Study) -> None:
         last.pop(study._study_id, None)
 
 
-def refresh_trials_now(study: optuna.Study) -> None:
-    """Bring this process's view of the study's trials up to date, throttle or not."""
+def refresh_trials_now(study: optuna.Study, older_than_s: float = 0.0) -> None:
+    """Bring this process's view of the study's trials up to date, throttle or not, unless
+    it was read less than `older_than_s` ago; the throttle counts the view's age from this
+    read."""
     storage = study._storage
-    read = getattr(storage, "_hpsearch_read_now", None) or getattr(
-        storage, "_read_trials_from_remote_storage", None
-    )
+    read_now = getattr(storage, "_hpsearch_read_now", None)
+    if read_now is not None:
+        read_now(study._study_id, older_than_s)
+        return
+    read = getattr(storage, "_read_trials_from_remote_storage", None)
     if read is not None:
         read(study._study_id)

@@ -25,6 +25,7 @@ import optuna
 from hpsearch.config import StudyConfig
 from hpsearch.errors import HpsearchError, StorageError
 from hpsearch.packing import AdmissionStopped
+from hpsearch.reporting import TrialReports
 from hpsearch.storage import (
     StorageSpec,
     count_trials_sql,
@@ -462,12 +463,12 @@ def run_trial(
         def report(epoch: int, value: float) -> bool:
             t0 = time.perf_counter()
             try:
-                db(lambda: trial.report(value, epoch), "report")
-                if run is not None and run.stop_input_bound():
+                stop = reports.report(epoch, value)
+                if not stop and run is not None and run.stop_input_bound():
                     # tracking.stop_input_bound: a starved GPU is stopped like a pruned trial.
                     db(lambda: trial.set_user_attr("stopped_by", "input_bound"), "set_user_attr")
                     return True
-                return bool(db(trial.should_prune, "should_prune"))
+                return stop
             finally:
                 epoch_done[0] = time.perf_counter()
                 timing.report_ms.append((epoch_done[0] - t0) * 1e3)
@@ -485,8 +486,11 @@ def run_trial(
         if tracking is not None:
             tracking.trial_training()
         handed_over = time.perf_counter()
+        reports = TrialReports(study, trial, db)
         try:
-            with _gpu_reservation(cfg, params, opts, stop) as waited:
+            # Every reported value is in the database before the trial is told, whatever
+            # the outcome: the reports' close() waits for their writes.
+            with reports, _gpu_reservation(cfg, params, opts, stop) as waited:
                 timing.admission_wait_s = waited
                 result = train_fn(cfg, params, report, options)
                 returned = time.perf_counter()

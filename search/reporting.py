@@ -1,0 +1,187 @@
+"""A trial's per-epoch report and pruning decision, kept off the training thread's clock.
+
+Optuna's `trial.report` + `trial.should_prune` wait on the database on the calling thread
+every epoch: the write of the value, then what the pruner reads. The median pruner re-reads
+the study's trials. Hyperband's bracket builds a new `Study` (the study's id and
+directions: two queries) and reads the trial's system attributes. That is one to four round
+trips between two epochs, about 8–10 ms on the 2-core CI machine (docs/performance.md),
+which is a fifth of a 50 ms epoch of small images on a fast GPU.
+
+Here the training thread only:
+- records the value in the trial's own cached copy and queues its write;
+- asks the study's own pruner, on this process's view of the study: the other trials as of
+  the latest refresh, and this trial's values and system attributes as this process wrote
+  them (Hyperband's rung records included: they are queued like the values).
+
+A writer thread writes the queued values in order, with the worker's retry on a lost
+connection, then refreshes the view of the other trials (at most every `TRIALS_REFRESH_S`,
+as before). So a decision sees the others as of this trial's previous report, and never
+older than `VIEW_MAX_AGE_S`: past that the training thread re-reads them itself, a cost
+that is small beside an epoch that long.
+
+`close()` waits for every write. The worker tells Optuna only after it, so the database
+holds every reported value before the trial is finished. A write that fails for good (the
+database gone past the outage limit, or the trial finished elsewhere) is raised by the
+next report and by `close()`. Training goes on during a short outage; the values are
+written, in order, once the database is back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import optuna
+from hpsearch.storage import TRIALS_REFRESH_S, refresh_trials_now, relaxed_trial_reads
+
+VIEW_MAX_AGE_S = 5.0  # seconds the other trials' view may lag a pruning decision
+
+Db = Callable[[Callable[[], Any], str], Any]  # runs a storage call with the retry policy
+Job = tuple[Callable[[], Any], str]  # (storage call, what it is, for the error message)
+
+
+class _PruneStorage:
+    """The storage as the pruner sees it while it decides.
+
+    The study's identity and this trial's system attributes come from this process, and
+    the pruner's writes to this trial go to the writer thread; anything else is the real
+    storage. Hyperband's bracket study is built on this object, so its `Study.__init__`
+    asks here for the study's id and directions instead of the database.
+    """
+
+    def __init__(
+        self,
+        real: Any,
+        study: optuna.Study,
+        trial_id: int,
+        attrs: dict[str, Any],
+        submit: Callable[[Job], None],
+    ) -> None:
+        self._real = real
+        self._study_name = study.study_name
+        self._study_id = study._study_id
+        self._directions = list(study.directions)
+        self._trial_id = trial_id
+        self._attrs = attrs
+        self._submit = submit
+
+    def get_study_id_from_name(self, study_name: str) -> int:
+        if study_name == self._study_name:
+            return self._study_id
+        return int(self._real.get_study_id_from_name(study_name))
+
+    def get_study_directions(self, study_id: int) -> list[Any]:
+        if study_id == self._study_id:
+            return list(self._directions)
+        return list(self._real.get_study_directions(study_id))
+
+    def get_trial_system_attrs(self, trial_id: int) -> dict[str, Any]:
+        if trial_id == self._trial_id:
+            return dict(self._attrs)
+        return dict(self._real.get_trial_system_attrs(trial_id))
+
+    def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+        if trial_id != self._trial_id:
+            self._real.set_trial_system_attr(trial_id, key, value)
+            return
+        self._attrs[key] = value
+        real = self._real
+        self._submit((lambda: real.set_trial_system_attr(trial_id, key, value), "prune"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class TrialReports:
+    """`report(epoch, value) -> should_stop` for one trial, as described in the module doc.
+
+    Use as a context manager around the trainer's call, or call `close()`.
+    """
+
+    def __init__(self, study: optuna.Study, trial: optuna.Trial, db: Db) -> None:
+        self._study = study
+        self._trial = trial
+        self._db = db
+        self._multi = len(study.directions) > 1
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._error: Exception | None = None
+        self._raised = False
+        storage = study._storage
+        tid = trial._trial_id
+        # Read once, before training: the sampler and the worker wrote this trial's system
+        # attributes since it was created. Afterwards only this process writes them.
+        self._attrs = dict(db(lambda: storage.get_trial_system_attrs(tid), "get_trial"))
+        view = optuna.Study.__new__(type(study))
+        view.__dict__.update(study.__dict__)
+        view._storage = _PruneStorage(storage, study, tid, self._attrs, self._submit)  # type: ignore[assignment]
+        self._view = view
+        self._relaxed = contextlib.ExitStack()
+        self._relaxed.enter_context(relaxed_trial_reads(study, VIEW_MAX_AGE_S))
+        self._thread = threading.Thread(target=self._write, name="hpsearch-reports", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> TrialReports:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __call__(self, epoch: int, value: float) -> bool:
+        return self.report(epoch, value)
+
+    def report(self, epoch: int, value: float) -> bool:
+        """Record `value` at `epoch` and return whether the study's pruner stops the trial."""
+        if self._error is not None:
+            self._raised = True
+            raise self._error
+        if self._multi:
+            return False  # Optuna keeps no intermediate values for multi-objective studies
+        step, value = int(epoch), float(value)
+        if step < 0:
+            raise ValueError(f"report: epoch {step} must be non-negative")
+        cached = self._trial._cached_frozen_trial
+        if step not in cached.intermediate_values:  # Optuna ignores a repeated step
+            cached.intermediate_values[step] = value
+            storage, tid = self._study._storage, self._trial._trial_id
+            self._submit((lambda: storage.set_trial_intermediate_value(tid, step, value), "report"))
+        frozen = copy.copy(cached)
+        frozen.system_attrs = dict(self._attrs)
+        return bool(self._study.pruner.prune(self._view, frozen))
+
+    def close(self) -> None:
+        """Wait for every queued write; raise the first one that failed for good."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        self._relaxed.close()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._error is not None and not self._raised:
+            self._raised = True
+            raise self._error
+
+    def _submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def _write(self) -> None:
+        # At most as often as any read of this process's (TRIALS_REFRESH_S): a trial that
+        # reports several times a second adds no database load.
+        refresh = (lambda: refresh_trials_now(self._study, TRIALS_REFRESH_S), "refresh trials")
+        while (job := self._jobs.get()) is not None:
+            self._run(job)
+            if self._jobs.empty():  # one refresh after a burst of writes
+                self._run(refresh)
+
+    def _run(self, job: Job) -> None:
+        if self._error is not None:
+            return  # after a failure nothing more is written; close() raises it
+        fn, what = job
+        try:
+            self._db(fn, what)
+        except Exception as exc:  # re-raised on the training thread
+            self._error = exc

@@ -1,0 +1,161 @@
+"""A trial's reports on the real PostgreSQL: the training thread decides as Optuna's own
+`report` + `should_prune` would, without a database round trip, and every value and rung
+record is in the database once the reports are closed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import sqlalchemy as sa
+from hpsearch.config import load_config
+from hpsearch.reporting import TrialReports
+from hpsearch.storage import (
+    StorageSpec,
+    open_storage,
+    resolve_storage,
+    throttle_trial_reads,
+    with_db_retry,
+)
+from hpsearch.study import create_or_load
+from hpsearch.worker import WorkerOptions, run_worker
+from stack_util import create_database, drop_database
+
+# Per-epoch values of the finished trials, then of the trial under test: the median pruner
+# stops it after a few epochs, Hyperband promotes it through several rungs.
+HISTORY = [
+    [0.2, 0.3, 0.5, 0.6, 0.62, 0.64, 0.66, 0.68, 0.7],
+    [0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5],
+    [0.3, 0.4, 0.45, 0.5, 0.52, 0.55, 0.6, 0.62, 0.63],
+    [0.05, 0.1, 0.12, 0.15, 0.2, 0.22, 0.25, 0.3, 0.32],
+]
+UNDER_TEST = [0.25, 0.35, 0.45, 0.46, 0.47, 0.48, 0.49, 0.5, 0.51]
+PRUNERS = {
+    "median": ["pruner.name=median", "pruner.options={n_startup_trials: 2, n_warmup_steps: 1}"],
+    "hyperband": ["pruner.name=hyperband", "pruner.options={min_resource: 1, reduction_factor: 2}"],
+}
+
+
+@pytest.fixture
+def twin_urls() -> Iterator[tuple[str, str]]:
+    a, b = create_database("rpa"), create_database("rpb")
+    try:
+        yield a, b
+    finally:
+        drop_database(a)
+        drop_database(b)
+
+
+def _study_with_history(url: str, tmp_path: Path, pruner: str) -> optuna.Study:
+    cfg = load_config("tiny", overrides=["budget.max_epochs=9", *PRUNERS[pruner]])
+    study = create_or_load(cfg, open_storage(resolve_storage(url, tmp_path)))
+    for curve in HISTORY:
+        trial = study.ask()
+        for epoch, value in enumerate(curve, 1):
+            trial.report(value, epoch)
+            trial.should_prune()  # Hyperband records its rungs here
+        study.tell(trial, curve[-1])
+    return study
+
+
+def _db(fn: Any, what: str) -> Any:
+    return with_db_retry(fn, give_up_after_s=10, what=what)
+
+
+def _stored(study: optuna.Study, trial_id: int) -> tuple[dict[int, float], dict[str, Any]]:
+    frozen = study._storage.get_trial(trial_id)
+    rungs = {k: v for k, v in frozen.system_attrs.items() if k.startswith("completed_rung")}
+    return frozen.intermediate_values, rungs
+
+
+@pytest.mark.parametrize("pruner", sorted(PRUNERS))
+def test_decisions_and_stored_values_match_optunas_own(
+    twin_urls: tuple[str, str], tmp_path: Path, pruner: str
+) -> None:
+    optunas = _study_with_history(twin_urls[0], tmp_path, pruner)
+    ours = _study_with_history(twin_urls[1], tmp_path, pruner)
+    throttle_trial_reads(ours)  # as a worker opens its study
+    a, b = optunas.ask(), ours.ask()
+    assert a.number == b.number  # the same Hyperband bracket on both sides
+    expected, got = [], []
+    with TrialReports(ours, b, _db) as reports:
+        for epoch, value in enumerate(UNDER_TEST, 1):
+            a.report(value, epoch)
+            expected.append(a.should_prune())
+            got.append(reports.report(epoch, value))
+            if expected[-1] or got[-1]:
+                break
+    assert got == expected
+    values, rungs = _stored(ours, b._trial_id)
+    assert (values, rungs) == _stored(optunas, a._trial_id)
+    assert values == dict(enumerate(UNDER_TEST[: len(expected)], 1))
+    if pruner == "median":
+        assert expected[-1] and len(expected) >= 3  # reported several epochs, then pruned
+    else:
+        assert len(rungs) >= 2  # promoted at least twice: the pruner's own writes
+
+
+def test_the_training_thread_makes_no_database_round_trip(pg_url: str, tmp_path: Path) -> None:
+    study = _study_with_history(pg_url, tmp_path, "hyperband")
+    throttle_trial_reads(study)
+    engine = study._storage._backend.engine  # type: ignore[attr-defined]
+    training = threading.get_ident()
+    on_training_thread: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if threading.get_ident() == training:
+            on_training_thread.append(statement.split()[0])
+
+    trial = study.ask()
+    reports = TrialReports(study, trial, _db)  # reads the trial's attributes once, here
+    sa.event.listen(engine, "before_cursor_execute", count)
+    try:
+        for epoch, value in enumerate(UNDER_TEST, 1):
+            if reports.report(epoch, value):
+                break
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", count)
+        reports.close()
+    assert epoch >= 3  # several reports, rungs written (the pruner's own writes) included
+    assert on_training_thread == []
+    values, rungs = _stored(study, trial._trial_id)
+    assert values == dict(enumerate(UNDER_TEST[:epoch], 1)) and rungs
+
+
+def test_a_failed_write_is_raised_on_the_training_thread(pg_url: str, tmp_path: Path) -> None:
+    study = _study_with_history(pg_url, tmp_path, "median")
+    other = create_or_load(load_config("tiny"), open_storage(resolve_storage(pg_url, tmp_path)))
+    trial = study.ask()
+    reports = TrialReports(study, trial, _db)
+    reports.report(1, 0.3)
+    reports.close()  # the first value is written
+    reports = TrialReports(study, trial, _db)
+    other.tell(trial.number, state=optuna.trial.TrialState.FAIL)  # stale-failed elsewhere
+    reports.report(2, 0.4)  # queued: the training thread does not wait for it
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        reports.close()
+    reports.close()  # raised once
+
+
+def test_a_multi_objective_trial_finishes(tmp_path: Path) -> None:
+    """Optuna keeps no intermediate values for multi-objective studies (its `report`
+    raises): the worker reports nothing to it and tells both values."""
+    cfg = load_config(
+        "tiny",
+        overrides=[
+            "budget.n_trials=2",
+            "budget.max_epochs=2",
+            "objective={metric: [val_acc, train_seconds], direction: [maximize, minimize]}",
+            "pruner.name=none",
+            "pruner.options={}",
+        ],
+    )
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    opts = WorkerOptions(workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train")
+    assert run_worker(cfg, spec, opts).outcomes == {"finished": 2}
+    study = optuna.load_study(study_name=cfg.name, storage=open_storage(spec))
+    assert all(len(t.values) == 2 for t in study.trials)
