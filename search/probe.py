@@ -108,7 +108,7 @@ def time_speed_batches(
     `model`'s arch and size) that `known` does not hold yet. A reference that fails (out of
     memory, or a cuDNN/cuBLAS workspace error, which torch raises as RuntimeError) is halved
     and tried again while it stays above `largest`; the busy estimate then compares
-    against the batches it has."""
+    against the batches it has. Any other error is the probe's own and is raised."""
     import torch
 
     out: dict[int, float] = {}
@@ -118,12 +118,26 @@ def time_speed_batches(
         try:
             out[ref] = train_steps(cfg, model.arch, ref, model.image_size, steps, device_name)[1]
             break
-        except RuntimeError:  # torch.OutOfMemoryError included
-            pass
+        except RuntimeError as exc:  # torch.OutOfMemoryError included
+            if not is_resource_error(exc):
+                raise
         if torch.cuda.is_available():  # after the except: the traceback no longer holds memory
             torch.cuda.empty_cache()
         ref //= 2
     return out
+
+
+# What CUDA and its libraries raise, as RuntimeError, when a batch needs more memory or
+# workspace than the device has: out of memory in the allocator or a library's own
+# allocation, cuDNN/cuBLAS failing to get a workspace (seen with large batches), cuFFT.
+RESOURCE_ERROR_MARKERS = ("out of memory", "CUDNN_STATUS_", "CUBLAS_STATUS_", "CUFFT_")
+
+
+def is_resource_error(exc: BaseException) -> bool:
+    """Whether a RuntimeError from a training step is the device running out of memory or
+    workspace (a smaller batch may work), rather than a bug."""
+    text = str(exc)
+    return any(marker in text for marker in RESOURCE_ERROR_MARKERS)
 
 
 def _context_bytes() -> int:

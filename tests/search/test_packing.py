@@ -194,6 +194,28 @@ def test_probe_halves_a_reference_batch_that_fails(monkeypatch: pytest.MonkeyPat
     assert sorted(times) == [64, 128]
 
 
+def test_probe_raises_its_own_errors_at_the_reference_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only running out of memory or workspace is retried with a smaller batch: a bug (here
+    a shape error) fails the probe instead of quietly weakening its busy estimate."""
+    import hpsearch.probe as probe
+
+    def fake_steps(cfg: object, arch: str, batch: int, size: int, steps: int,
+                   device_name: str = "cuda") -> tuple[int, float]:  # fmt: skip
+        if batch > 128:
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (64x512 and 256x102)")
+        return 0, 0.0091
+
+    monkeypatch.setattr(probe, "train_steps", fake_steps)
+    model = MemoryModel("resnet18", 128, GiB, MiB, 0)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        probe.time_speed_batches(load_config("tiny"), model, 64, 1024, 128, 1, {})
+    assert probe.is_resource_error(RuntimeError("CUDA error: out of memory"))
+    assert probe.is_resource_error(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling ..."))
+    assert not probe.is_resource_error(RuntimeError("CUDA error: an illegal memory access"))
+
+
 def test_probe_counts_the_dataset_a_worker_keeps_on_the_gpu(flowers_root: Path) -> None:
     cfg = load_config("tiny", data_dir=str(flowers_root))
     # train 1020 + val limited to 510 (no test split in tiny), uint8 RGB at 36 px

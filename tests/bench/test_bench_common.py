@@ -1,0 +1,82 @@
+"""The measuring pieces the benchmarks share (`bench/common.py`): a figure in
+docs/performance.md is only as right as these."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def common() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("hpsearch_bench_common", BENCH / "common.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_process_roles(common: ModuleType) -> None:
+    roles = {
+        "postgres: 15/main: postgres test 127.0.0.1(5432) idle": "postgres",
+        "python -m mlflow server --host 127.0.0.1 --port 5001": "mlflow-server",
+        "python -m hpsearch.cli launch --study tiny": "launcher",
+        "python -m hpsearch.cli worker --study tiny --worker-id w0": "worker",
+        "python -c from multiprocessing.spawn import spawn_main; spawn_main()": "helper",
+        "python bench/overhead.py --child plain": "plain",
+        "bash": "other",
+    }
+    assert {cmd: common.classify(cmd) for cmd in roles} == roles
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_cpu_sampler_counts_a_child_by_role(common: ModuleType) -> None:
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+    sampler = common.CpuSampler(interval_s=0.05).start()
+    # "--child" makes it the plain loop's role; it exits before the sampler stops.
+    subprocess.run([sys.executable, "-c", burn, "--child"], check=True)
+    time.sleep(0.1)
+    totals = sampler.stop()
+    assert 0.5 <= totals.get("plain", 0.0) <= 1.5  # its 0.6 s of CPU and its start-up
+
+
+def test_gpu_watch_mean_between(common: ModuleType) -> None:
+    watch = common.GpuWatch("cpu", None)
+    t0 = dt.datetime(2026, 11, 30, 12, 0, 0)
+    watch.series = [(t0 + dt.timedelta(seconds=s), u) for s, u in [(0, 10), (1, 50), (2, 90)]]
+    assert watch.mean_between(t0 + dt.timedelta(seconds=1), t0 + dt.timedelta(seconds=2)) == 70
+    assert watch.mean_between(t0, t0 + dt.timedelta(seconds=5)) == 50
+    assert watch.mean_between(t0 + dt.timedelta(seconds=3), t0 + dt.timedelta(seconds=4)) is None
+    assert watch.mean_between(None, t0) is None
+    watch._record({"system/gpu_utilization": 42.0, "system/gpu_memory_used_mb": 1.0})
+    watch._record({"system/gpu_memory_used_mb": 1.0})  # no utilization: not a sample
+    assert [u for _, u in watch.series[3:]] == [42.0]
+
+
+def test_trial_timings_means(common: ModuleType, tmp_path: Path) -> None:
+    folder = tmp_path / "timings"
+    folder.mkdir()
+    rows = [
+        {"ask_ms": 10.0, "epochs_s": 2.0, "finish_s": 0.5, "trial_s": 3.0},
+        {"ask_ms": 20.0, "epochs_s": 4.0, "finish_s": None, "trial_s": 5.0},
+    ]
+    (folder / "w0.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{torn")
+    out = common.trial_timings(tmp_path)
+    assert out == {
+        "trials": 2.0,
+        "ask_ms_mean": 15.0,
+        "epochs_s_mean": 3.0,
+        "finish_s_mean": 0.5,  # a missing figure is left out, not counted as 0
+        "trial_s_mean": 4.0,
+    }
