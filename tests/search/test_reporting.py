@@ -5,6 +5,7 @@ record is in the database once the reports are closed."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,7 @@ def test_the_training_thread_makes_no_database_round_trip(pg_url: str, tmp_path:
     sa.event.listen(engine, "before_cursor_execute", count)
     try:
         for epoch, value in enumerate(UNDER_TEST, 1):
+            time.sleep(0.3)  # an epoch: longer than the 0.25 s refresh throttle
             if reports.report(epoch, value):
                 break
     finally:
