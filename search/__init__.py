@@ -10,6 +10,9 @@ processes, everything in MLflow.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
 from hpsearch.config import StudyConfig, load_config
@@ -22,7 +25,22 @@ from hpsearch.errors import (
     StudyNotFoundError,
     TrackingError,
 )
-from hpsearch.query import best_trials, list_studies, load_best_model, load_study, study_status
+
+if TYPE_CHECKING:
+    from hpsearch.query import best_trials, list_studies, load_best_model, load_study, study_status
+
+# The query functions load on first use: they need pandas and Optuna (about 0.5 s of
+# imports), which a worker's plot helper and `hpsearch --help` do not.
+_LAZY = ("best_trials", "list_studies", "load_best_model", "load_study", "study_status")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hpsearch' has no attribute {name!r}")
+    value = getattr(importlib.import_module("hpsearch.query"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ConfigError",
