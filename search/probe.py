@@ -129,8 +129,16 @@ def time_speed_batches(
 
 # What CUDA and its libraries raise, as RuntimeError, when a batch needs more memory or
 # workspace than the device has: out of memory in the allocator or a library's own
-# allocation, cuDNN/cuBLAS failing to get a workspace (seen with large batches), cuFFT.
-RESOURCE_ERROR_MARKERS = ("out of memory", "CUDNN_STATUS_", "CUBLAS_STATUS_", "CUFFT_")
+# allocation, and cuDNN's statuses for a workspace it could not get (INTERNAL_ERROR and
+# NOT_SUPPORTED are what cuDNN reports for some large-batch convolutions it cannot fit).
+RESOURCE_ERROR_MARKERS = (
+    "out of memory",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUFFT_ALLOC_FAILED",
+)
 
 
 def is_resource_error(exc: BaseException) -> bool:

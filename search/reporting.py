@@ -14,16 +14,22 @@ Here the training thread only:
   them (Hyperband's rung records included: they are queued like the values).
 
 A writer thread writes the queued values in order, with the worker's retry on a lost
-connection, then refreshes the view of the other trials (at most every `TRIALS_REFRESH_S`,
-as before). So a decision sees the others as of this trial's previous report, and never
-older than `VIEW_MAX_AGE_S`: past that the training thread re-reads them itself, a cost
-that is small beside an epoch that long.
+connection. After each write, and every `max_age_s / 2` while an epoch runs, it refreshes
+the view of the other trials (at most every `TRIALS_REFRESH_S`, as before). So a decision
+sees the others as of a moment before, never older than `max_age_s` (5 s) while the
+database answers. When the view is older than that, the training thread reads the trials
+itself, with the same retry.
+
+At most one report's writes are in flight: a report first waits for the previous one's.
+Normally they were done an epoch ago and it does not wait. While the database is away,
+training runs one epoch on the view it has, then waits at the next report, as it did when
+the write was made on the training thread; checkpoints never get more than one epoch ahead
+of the stored values.
 
 `close()` waits for every write. The worker tells Optuna only after it, so the database
 holds every reported value before the trial is finished. A write that fails for good (the
 database gone past the outage limit, or the trial finished elsewhere) is raised by the
-next report and by `close()`. Training goes on during a short outage; the values are
-written, in order, once the database is back.
+next report, or by `close()` when no report came after it.
 """
 
 from __future__ import annotations
@@ -100,14 +106,20 @@ class TrialReports:
     """`report(epoch, value) -> should_stop` for one trial, as described in the module doc.
 
     Use as a context manager around the trainer's call, or call `close()`.
+    `max_age_s`: how old the view of the other trials may get before the training thread
+    reads them itself; the writer thread refreshes it every half of that while the trial
+    trains.
     """
 
-    def __init__(self, study: optuna.Study, trial: optuna.Trial, db: Db) -> None:
+    def __init__(
+        self, study: optuna.Study, trial: optuna.Trial, db: Db, max_age_s: float = VIEW_MAX_AGE_S
+    ) -> None:
         self._study = study
         self._trial = trial
         self._db = db
+        self._max_age_s = max_age_s
         self._multi = len(study.directions) > 1
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._error: Exception | None = None
         self._raised = False
         storage = study._storage
@@ -119,10 +131,10 @@ class TrialReports:
         view.__dict__.update(study.__dict__)
         view._storage = _PruneStorage(storage, study, tid, self._attrs, self._submit)  # type: ignore[assignment]
         self._view = view
-        self._relaxed = contextlib.ExitStack()
-        self._relaxed.enter_context(relaxed_trial_reads(study, VIEW_MAX_AGE_S))
         self._thread = threading.Thread(target=self._write, name="hpsearch-reports", daemon=True)
         self._thread.start()
+        self._relaxed = contextlib.ExitStack()
+        self._relaxed.enter_context(relaxed_trial_reads(study, max_age_s))
 
     def __enter__(self) -> TrialReports:
         return self
@@ -135,33 +147,45 @@ class TrialReports:
 
     def report(self, epoch: int, value: float) -> bool:
         """Record `value` at `epoch` and return whether the study's pruner stops the trial."""
-        if self._error is not None:
-            self._raised = True
-            raise self._error
         if self._multi:
             return False  # Optuna keeps no intermediate values for multi-objective studies
         step, value = int(epoch), float(value)
         if step < 0:
             raise ValueError(f"report: epoch {step} must be non-negative")
+        # At most one report's writes in flight: while the database is away, training (and
+        # its checkpoints) runs at most one epoch ahead of the stored values, then waits
+        # here as it did when the write was made on this thread. Normally the previous
+        # epoch's writes were done long ago and this does not wait.
+        self._jobs.join()
+        self._raise_failure(again=True)
         cached = self._trial._cached_frozen_trial
         if step not in cached.intermediate_values:  # Optuna ignores a repeated step
             cached.intermediate_values[step] = value
             storage, tid = self._study._storage, self._trial._trial_id
             self._submit((lambda: storage.set_trial_intermediate_value(tid, step, value), "report"))
-        frozen = copy.copy(cached)
-        frozen.system_attrs = dict(self._attrs)
-        return bool(self._study.pruner.prune(self._view, frozen))
+
+        def decide() -> bool:
+            frozen = copy.copy(cached)
+            frozen.system_attrs = dict(self._attrs)
+            return bool(self._study.pruner.prune(self._view, frozen))
+
+        # The pruner reads the database only when the view is older than max_age_s (the
+        # writer could not refresh it: an outage); that read gets the usual retry. It
+        # fails before the pruner's own writes, so running it again decides the same.
+        return bool(self._db(decide, "should_prune"))
 
     def close(self) -> None:
         """Wait for every queued write; raise the first one that failed for good."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
-        self._relaxed.close()
+        try:
+            if self._thread.is_alive():
+                self._jobs.put(None)
+                self._thread.join()
+        finally:
+            self._relaxed.close()
         self._raise_failure()
 
-    def _raise_failure(self) -> None:
-        if self._error is not None and not self._raised:
+    def _raise_failure(self, again: bool = False) -> None:
+        if self._error is not None and (again or not self._raised):
             self._raised = True
             raise self._error
 
@@ -172,10 +196,20 @@ class TrialReports:
         # At most as often as any read of this process's (TRIALS_REFRESH_S): a trial that
         # reports several times a second adds no database load.
         refresh = (lambda: refresh_trials_now(self._study, TRIALS_REFRESH_S), "refresh trials")
-        while (job := self._jobs.get()) is not None:
-            self._run(job)
-            if self._jobs.empty():  # one refresh after a burst of writes
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._max_age_s / 2)
+            except queue.Empty:  # a long epoch: keep the view within max_age_s
                 self._run(refresh)
+                continue
+            try:
+                if job is None:
+                    return
+                self._run(job)
+                if self._jobs.empty():  # one refresh after a burst of writes
+                    self._run(refresh)
+            finally:
+                self._jobs.task_done()
 
     def _run(self, job: Job) -> None:
         if self._error is not None:

@@ -464,7 +464,7 @@ def run_trial(
             t0 = time.perf_counter()
             try:
                 stop = reports.report(epoch, value)
-                if not stop and run is not None and run.stop_input_bound():
+                if run is not None and run.stop_input_bound():
                     # tracking.stop_input_bound: a starved GPU is stopped like a pruned trial.
                     db(lambda: trial.set_user_attr("stopped_by", "input_bound"), "set_user_attr")
                     return True

@@ -214,6 +214,7 @@ def test_probe_raises_its_own_errors_at_the_reference_batch(
     assert probe.is_resource_error(RuntimeError("CUDA error: out of memory"))
     assert probe.is_resource_error(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling ..."))
     assert not probe.is_resource_error(RuntimeError("CUDA error: an illegal memory access"))
+    assert not probe.is_resource_error(RuntimeError("cuDNN error: CUDNN_STATUS_BAD_PARAM"))
 
 
 def test_probe_counts_the_dataset_a_worker_keeps_on_the_gpu(flowers_root: Path) -> None:

@@ -139,8 +139,15 @@ def test_a_failed_write_is_raised_on_the_training_thread(pg_url: str, tmp_path: 
     other.tell(trial.number, state=optuna.trial.TrialState.FAIL)  # stale-failed elsewhere
     reports.report(2, 0.4)  # queued: the training thread does not wait for it
     with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        reports.report(3, 0.5)  # the next report raises it on the training thread
+    reports.close()  # already raised where the trainer sees it: not again
+    trial = study.ask()
+    reports = TrialReports(study, trial, _db)
+    other.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+    reports.report(1, 0.3)  # the last report: the error comes with the close
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
         reports.close()
-    reports.close()  # raised once
+    reports.close()  # once
 
 
 def test_a_multi_objective_trial_finishes(tmp_path: Path) -> None:
@@ -161,3 +168,114 @@ def test_a_multi_objective_trial_finishes(tmp_path: Path) -> None:
     assert run_worker(cfg, spec, opts).outcomes == {"finished": 2}
     study = optuna.load_study(study_name=cfg.name, storage=open_storage(spec))
     assert all(len(t.values) == 2 for t in study.trials)
+
+
+def _cut_off(url: str, seconds: float) -> threading.Thread:
+    """Make the database unreachable for `seconds`: new connections refused, current ones
+    terminated (what a restart or a network cut does to a worker), on a thread."""
+    from hpsearch.storage import normalize_url
+
+    name = url.rsplit("/", 1)[1]
+    admin = sa.create_engine(
+        normalize_url(url.rsplit("/", 1)[0] + "/postgres"),
+        isolation_level="AUTOCOMMIT",
+        poolclass=sa.pool.NullPool,
+    )
+
+    def outage() -> None:
+        with admin.connect() as c:
+            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+            c.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"
+                ),
+                {"n": name},
+            )
+        time.sleep(seconds)
+        with admin.connect() as c:
+            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        admin.dispose()
+
+    thread = threading.Thread(target=outage)
+    thread.start()
+    return thread
+
+
+def test_a_short_outage_neither_fails_the_trial_nor_loses_a_value(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """The database goes away for 2 s mid-trial. Training goes on for one epoch on the view
+    it has; the next report waits for that epoch's write (training never runs more than one
+    epoch ahead of the stored values), and every value is written once it is back."""
+    study = _study_with_history(pg_url, tmp_path, "median")
+    throttle_trial_reads(study)
+    trial = study.ask()
+    with TrialReports(study, trial, _db, max_age_s=0.4) as reports:
+        reports.report(1, 0.3)
+        outage = _cut_off(pg_url, 2.0)
+        time.sleep(0.6)  # an epoch, during the outage
+        assert reports.report(2, 0.35) is False
+        t0 = time.monotonic()
+        reports.report(3, 0.4)  # a short epoch later: epoch 2's write is not done yet
+        waited = time.monotonic() - t0
+        outage.join()
+    assert waited >= 0.5  # it waited for the database instead of failing the trial
+    assert _stored(study, trial._trial_id)[0] == {1: 0.3, 2: 0.35, 3: 0.4}
+
+
+def test_a_trial_finished_elsewhere_counts_at_the_next_report(pg_url: str, tmp_path: Path) -> None:
+    """Another worker completes a trial while this one trains: the writer thread's timed
+    refresh brings it into the view, and the median pruner, which needed one more complete
+    trial to start, prunes at the next report without a read on the training thread."""
+    cfg = load_config(
+        "tiny",
+        overrides=[
+            "budget.max_epochs=9",
+            "pruner.name=median",
+            f"pruner.options={{n_startup_trials: {len(HISTORY) + 1}, n_warmup_steps: 0}}",
+        ],
+    )
+    spec = resolve_storage(pg_url, tmp_path)
+    study = create_or_load(cfg, open_storage(spec))
+    for curve in HISTORY:
+        done = study.ask()
+        for epoch, value in enumerate(curve, 1):
+            done.report(value, epoch)
+        study.tell(done, curve[-1])
+    other = create_or_load(cfg, open_storage(spec))
+    throttle_trial_reads(study)
+    late, trial = other.ask(), study.ask()
+    engine = study._storage._backend.engine  # type: ignore[attr-defined]
+    training = threading.get_ident()
+    on_training_thread: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if threading.get_ident() == training:
+            on_training_thread.append(statement.split()[0])
+
+    with TrialReports(study, trial, _db, max_age_s=2.0) as reports:
+        sa.event.listen(engine, "before_cursor_execute", count)
+        try:
+            assert reports.report(1, 0.01) is False  # 4 complete trials: still starting up
+            late.report(0.5, 1)
+            other.tell(late, 0.9)
+            time.sleep(1.3)  # an epoch longer than the writer's 1 s refresh period
+            assert reports.report(2, 0.02) is True  # 5 complete: far below their median
+        finally:
+            sa.event.remove(engine, "before_cursor_execute", count)
+    assert on_training_thread == []
+
+
+def test_close_restores_the_throttle_and_ends_the_writer(pg_url: str, tmp_path: Path) -> None:
+    study = _study_with_history(pg_url, tmp_path, "median")
+    throttle_trial_reads(study)
+    interval = study._storage._hpsearch_interval  # type: ignore[attr-defined]
+    before = list(interval)
+    trial = study.ask()
+    reports = TrialReports(study, trial, _db)
+    assert interval[0] > before[0]  # relaxed while the trial trains
+    reports.report(1, 0.3)
+    reports.close()
+    assert interval == before
+    assert not reports._thread.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "hpsearch-reports"]
