@@ -206,10 +206,10 @@ class TrialReports:
                 if job is None:
                     return
                 self._run(job)
-                if self._jobs.empty():  # one refresh after a burst of writes
-                    self._run(refresh)
             finally:
-                self._jobs.task_done()
+                self._jobs.task_done()  # a waiting report waits for the write, not the refresh
+            if self._jobs.empty():  # one refresh after a burst of writes
+                self._run(refresh)
 
     def _run(self, job: Job) -> None:
         if self._error is not None:
