@@ -442,7 +442,7 @@ def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> Non
     counts = " ".join(f"{k} {v}" for k, v in st.counts.items())
     click.echo(f"study {st.name} ({st.storage}): {counts}")
     if st.best:
-        click.echo(f"best: trial {st.best['number']} value {st.best['value']:.6g} "
+        click.echo(f"best: trial {st.best['number']} value {format_value(st.best['value'])} "
                    f"params {_params_of(st.best)}")  # fmt: skip
     else:
         click.echo("best: - (no completed trial yet)")
@@ -465,6 +465,16 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
             v = v.item()
         out[str(k)] = v
     return out
+
+
+def format_value(value: Any) -> str:
+    """A trial's objective value for the terminal: one number, or a list of them in a
+    multi-objective study."""
+    if value is None:
+        return "-"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    return f"{float(value):.6g}"
 
 
 def _params_of(row: dict[str, Any]) -> dict[str, Any]:
@@ -499,7 +509,8 @@ def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) 
         return
     for r in rows:
         run = r.get("mlflow_run_id") or "-"
-        click.echo(f"trial {r['number']}: value {r['value']:.6g} run {run} params {_params_of(r)}")
+        value = format_value(r["value"])
+        click.echo(f"trial {r['number']}: value {value} run {run} params {_params_of(r)}")
 
 
 @cli.command()
@@ -524,7 +535,7 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
         click.echo("no studies")
     for r in rows:
         best_v = (
-            f"{r['best_value']:.6g} (trial {r['best_trial']})"
+            f"{format_value(r['best_value'])} (trial {r['best_trial']})"
             if r["best_value"] is not None
             else "-"
         )

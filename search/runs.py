@@ -23,6 +23,7 @@ from hpsearch.background import Renderer, lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
 from hpsearch.storage import StorageSpec
+from hpsearch.study import dominates, objective_values
 from hpsearch.worker import ATTR_BEST_MODEL, ATTR_RUN_ID
 from optuna.trial import FrozenTrial, TrialState
 
@@ -481,13 +482,16 @@ class TrackingSession:
         return TrialRun(self, tracker, sampler, trial, ckpt)
 
     def checkpoint_to_upload(self, trial: Any, result: Any) -> tuple[Path | None, bool]:
-        """The best-model file of a finished trial if it ranks in the study's top k, and
-        whether it is the study's best so far."""
+        """The best-model file of a finished trial if it ranks in the study's top k by its
+        objective (in a multi-objective study: if no complete trial dominates it), and
+        whether it is the study's best so far (never, in a multi-objective study)."""
         path = result.best_model_path
         if path is None or not Path(path).exists() or self.cfg.tracking.keep_top_k == 0:
             return None, False
-        value = result.best_val_acc
-        if value is None:
+        values = objective_values(
+            self.cfg, result.best_val_acc, result.best_val_loss, result.train_seconds
+        )
+        if values is None:
             return None, False
         study = trial.study
         try:
@@ -495,7 +499,11 @@ class TrackingSession:
         except Exception as exc:  # storage hiccup: skip the upload rather than fail the trial
             logger.warning("could not rank trial %s for checkpoint upload: %s", trial.number, exc)
             return None, False
-        maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+        directions = self.cfg.objective.directions
+        if self.cfg.objective.multi:
+            on_front = not any(t.values and dominates(t.values, values, directions) for t in done)
+            return (Path(path) if on_front else None), False
+        value, maximize = values[0], directions[0] == "maximize"
         better = [
             t
             for t in done

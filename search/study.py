@@ -213,4 +213,19 @@ def objective_values(
     return [float(v) for v in values if v is not None]
 
 
+def dominates(a: Sequence[float], b: Sequence[float], directions: Sequence[str]) -> bool:
+    """Whether objective values `a` Pareto-dominate `b`: no worse in every objective and
+    better in one. `directions`: "maximize" or "minimize", one per objective."""
+    if not (len(a) == len(b) == len(directions)):
+        raise ValueError(f"dominates: {len(a)}, {len(b)} values for {len(directions)} objectives")
+    better = False
+    for x, y, d in zip(a, b, directions, strict=True):
+        if d == "maximize":
+            x, y = -x, -y  # compare as minimization
+        if x > y:
+            return False
+        better = better or x < y
+    return better
+
+
 Callback = Callable[[optuna.Study, FrozenTrial], None]

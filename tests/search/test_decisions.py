@@ -12,6 +12,7 @@ from hpsearch.launcher import assign_gpus, check_gpus, eta_seconds, parse_gpus, 
 from hpsearch.storage import normalize_url, redact, resolve_storage
 from hpsearch.study import (
     budget_done,
+    dominates,
     grid_space,
     make_pruner,
     make_sampler,
@@ -158,3 +159,23 @@ def test_background_threads_yield_the_cpu_to_training() -> None:
     t.join()
     assert seen == [min(19, before + NICE)]
     assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the training thread keeps its own
+
+
+def test_pareto_dominance() -> None:
+    both = ("maximize", "minimize")  # accuracy up, seconds down
+    assert dominates([0.8, 10.0], [0.7, 12.0], both)
+    assert dominates([0.8, 10.0], [0.8, 12.0], both)  # equal in one, better in the other
+    assert not dominates([0.8, 10.0], [0.8, 10.0], both)  # equal: neither dominates
+    assert not dominates([0.9, 20.0], [0.8, 10.0], both)  # a trade-off
+    assert not dominates([0.8, 10.0], [0.9, 20.0], both)
+    assert dominates([0.1], [0.2], ("minimize",))
+    with pytest.raises(ValueError, match="2 objectives"):
+        dominates([0.1], [0.2], both)
+
+
+def test_terminal_values() -> None:
+    from hpsearch.cli import format_value
+
+    assert format_value(0.123456789) == "0.123457"
+    assert format_value([0.5, 12.25]) == "[0.5, 12.25]"
+    assert format_value(None) == "-"

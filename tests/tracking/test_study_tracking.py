@@ -127,3 +127,41 @@ def test_study_in_mlflow_and_best_model(
         ["best", "--study", "tiny", "--storage", pg_url, "--json"], subprocess_env
     ).stdout
     assert json.loads(out)[0]["mlflow_run_id"] == df.iloc[0]["mlflow_run_id"]
+
+
+def test_multi_objective_study_with_mlflow(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str], flowers_root: Path
+) -> None:
+    """A two-objective study (accuracy up, training seconds down) through the real launch,
+    MLflow included: every trial completes with both values, a trial on the Pareto front
+    gets its best model uploaded, and the CLI shows both values."""
+    from hpsearch.tracking.server import start_local_server
+    from mlflow.tracking import MlflowClient
+
+    work = tmp_path / "w"
+    storage = ["--storage", pg_url, "--workdir", str(work)]
+    r = hpsearch(
+        ["launch", "--study", "tiny", "--workers", "1", "--trials", "2", *storage,
+         "--device", "cpu", "--data-dir", str(flowers_root),
+         "--set", "budget.max_epochs=1", "--set", "pruner.name=none",
+         "--set", "pruner.options={}", "--set", "sampler.options={}",
+         "--set", "objective={metric: [val_acc, train_seconds], direction: [maximize, minimize]}"],
+        subprocess_env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    trials = hps.load_study("tiny", storage=pg_url).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert all(len(t.values) == 2 for t in trials)
+    # The first trial to complete has nothing to dominate it: its model is in MLflow.
+    assert "checkpoint_uri" in trials[0].user_attrs
+    for args in (["best", "--study", "tiny"], ["status", "--study", "tiny"]):
+        out = hpsearch([*args, *storage], subprocess_env, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "value [" in out.stdout
+    with start_local_server(work) as server:  # the launch's own server stopped with it
+        client = MlflowClient(server.url)
+        exp = client.get_experiment_by_name("tiny")
+        assert exp is not None
+        runs = client.search_runs([exp.experiment_id], max_results=10)
+        trial_runs = [x for x in runs if x.data.tags.get("hpsearch.role") == "trial"]
+        assert [x.info.status for x in trial_runs] == ["FINISHED", "FINISHED"]
