@@ -644,6 +644,9 @@ def dashboard(storage: str | None, workdir: Path, host: str, port: int) -> None:
 
 def main() -> None:
     """Console entry point: every error, click's own included, is one line and a non-zero exit."""
+    # MLflow draws a progress bar for each artifact download (the launcher copies the best
+    # trial's ONNX file to the study run) into the progress lines; a user's setting wins.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:

@@ -32,6 +32,7 @@ def test_study_in_mlflow_and_best_model(
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "MLflow UI: http://127.0.0.1:" in r.stdout
+    assert "Downloading artifacts" not in r.stdout + r.stderr  # no MLflow progress bars
     study = hps.load_study("tiny", storage=pg_url)
     trials = study.get_trials()
     assert len(trials) == 4
