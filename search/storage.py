@@ -500,14 +500,6 @@ def throttle_trial_reads(study: optuna.Study, min_interval_s: float = TRIALS_REF
     interval = [min_interval_s]  # seconds; raised while a trial trains (relaxed_trial_reads)
     lock = threading.Lock()
 
-    def throttled(study_id: int) -> None:
-        with lock:
-            now = time.monotonic()
-            if now - last.get(study_id, -float("inf")) < interval[0]:
-                return
-            last[study_id] = now
-        read(study_id)
-
     def read_now(study_id: int, older_than_s: float = 0.0) -> None:
         with lock:
             now = time.monotonic()
@@ -515,6 +507,9 @@ def throttle_trial_reads(study: optuna.Study, min_interval_s: float = TRIALS_REF
                 return
             last[study_id] = now
         read(study_id)
+
+    def throttled(study_id: int) -> None:
+        read_now(study_id, interval[0])
 
     storage._hpsearch_read_now = read_now  # type: ignore[attr-defined]
     storage._hpsearch_read_at = last  # type: ignore[attr-defined]
