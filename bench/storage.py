@@ -240,6 +240,9 @@ def _fmt(x: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.epoch_s < 0:
+        print(f"--epoch-s: {args.epoch_s}: must be >= 0 (seconds per epoch)", file=sys.stderr)
+        return 2
     os.environ[EPOCH_S_ENV] = str(args.epoch_s)
     rows = []
     for workers in args.workers:
