@@ -182,6 +182,19 @@ def test_embedded_default_several_workers(tmp_path: Path, subprocess_env: dict[s
     assert "MLflow UI: http://127.0.0.1:" in r.stdout
     assert (work / "mlflow" / "mlflow.db").exists()
 
+    # Plots for the trials that trained to their end; a pruned trial has its metrics only.
+    from hpsearch.tracking.server import start_local_server
+    from mlflow.tracking import MlflowClient
+
+    states = {t.user_attrs["mlflow_run_id"]: t.state.name for t in study.get_trials()}
+    assert {"COMPLETE", "PRUNED"} <= set(states.values()), states
+    with start_local_server(work) as server:
+        client = MlflowClient(server.url)
+        for run_id, state in states.items():
+            files = {a.path for a in client.list_artifacts(run_id)}
+            assert ("learning_curve.png" in files) == (state == "COMPLETE"), (state, files)
+            assert client.get_metric_history(run_id, "val_acc"), state
+
 
 def test_launch_timeout_counts_worker_start_up(
     tmp_path: Path, subprocess_env: dict[str, str]
