@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_the_package_loads_the_query_api_on_first_use() -> None:
@@ -21,5 +22,17 @@ def test_the_package_loads_the_query_api_on_first_use() -> None:
         "    assert 'no_such_name' in str(exc)\n"
         "else:\n"
         "    raise SystemExit('no AttributeError')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_workers_onnx_export_does_not_load_matplotlib(tmp_path: Path) -> None:
+    # A worker exports each new study best right after its tell; the plots are drawn in
+    # the helper process, so matplotlib (0.3 s of CPU) has no business in the worker.
+    code = (
+        "import sys, torch\n"
+        "from hpsearch.tracking.onnx_export import export_onnx\n"
+        f"export_onnx(torch.nn.Linear(4, 3), torch.randn(2, 4), {str(tmp_path)!r} + '/m.onnx')\n"
+        "assert 'matplotlib' not in sys.modules, 'matplotlib imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

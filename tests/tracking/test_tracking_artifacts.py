@@ -16,13 +16,13 @@ import torchvision
 from hpsearch.errors import TrackingError
 from hpsearch.tracking.artifacts import (
     confusion_matrix_png,
-    export_onnx,
     learning_curve_png,
     per_class_accuracy,
     per_class_accuracy_csv,
     study_plots,
     trials_csv,
 )
+from hpsearch.tracking.onnx_export import export_onnx
 from PIL import Image
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
