@@ -227,6 +227,12 @@ class _StaleWatcher:
     """Fails and re-queues trials whose heartbeat stopped, even while this worker trains."""
 
     def __init__(self, study: optuna.Study, period_s: float) -> None:
+        # Once for the process, not per call: `catch_warnings` is not thread-safe, and every
+        # filter change elsewhere re-arms a "default" warning, which then repeated in the
+        # worker's log after each trial.
+        warnings.filterwarnings(
+            "ignore", r".*fail_stale_trials", optuna.exceptions.ExperimentalWarning
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(study, period_s), daemon=True)
         self._thread.start()
