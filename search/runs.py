@@ -323,14 +323,14 @@ class TrialRun:
         return tmp / ONNX_ARTIFACT.split("/")[0]
 
     def _plots(self, result: Any, tmp: Path) -> list[Path]:
-        from hpsearch.tracking.artifacts import trial_artifacts
+        from hpsearch.background import trial_plots
 
         try:
             history = [dict(vars(r)) for r in result.history]
             confusion = [list(row) for row in result.confusion or []]
             names = list(result.class_names) or [str(i) for i in range(len(confusion))]
             return self.session.renderer.run(
-                trial_artifacts, history, confusion, names, self.trial.number, tmp
+                trial_plots, history, confusion, names, self.trial.number, tmp
             )
         except Exception as exc:  # a plotting problem must not lose the run's metrics
             logger.warning("trial %s: artifacts failed: %s", self.trial.number, exc)

@@ -107,16 +107,21 @@ def skip_databricks_probe() -> None:
     `set_terminated`; it imports IPython to look for `dbutils` in a notebook shell, which
     costs 0.35-0.4 s of CPU in each worker and in the launcher where IPython is installed
     (IPython 8.12, measured). Without IPython, or outside a notebook, the probe raises the
-    same `_NoDbutilsError`. A Databricks runtime sets DATABRICKS_RUNTIME_VERSION: there
-    nothing changes, nor with an MLflow without this probe."""
-    if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
-        return
+    same `_NoDbutilsError`. In a Databricks runtime (MLflow's own check: its environment
+    variables or /databricks/DBR_VERSION) nothing changes, nor with an MLflow without this
+    probe."""
     try:
         from mlflow.utils import databricks_utils
     except ImportError:
         return
     no_dbutils = getattr(databricks_utils, "_NoDbutilsError", None)
-    if no_dbutils is None or not callable(getattr(databricks_utils, "_get_dbutils", None)):
+    in_runtime = getattr(databricks_utils, "is_in_databricks_runtime", None)
+    if (
+        no_dbutils is None
+        or in_runtime is None
+        or not callable(getattr(databricks_utils, "_get_dbutils", None))
+        or in_runtime()
+    ):
         return
 
     def _get_dbutils() -> Any:

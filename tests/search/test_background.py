@@ -114,3 +114,27 @@ def test_jobs_after_close_run_here() -> None:
     assert renderer.run(_pid_and_nice)[0] != os.getpid()
     renderer.close()
     assert renderer.run(_pid_and_nice)[0] == os.getpid()  # no second helper is started
+
+
+def test_a_workers_trial_plots_leave_matplotlib_to_the_helper(tmp_path: Path) -> None:
+    # The worker's own path (TrialRun._plots) in a fresh interpreter, as a worker has it:
+    # the files come back from the helper, and the worker never loads matplotlib (0.3 s of
+    # CPU on a thread that shares the GIL with training).
+    code = f"""
+import sys
+from pathlib import Path
+from types import SimpleNamespace as NS
+from hpsearch.background import Renderer
+from hpsearch.runs import TrialRun
+
+renderer = Renderer()
+run = NS(session=NS(renderer=renderer), trial=NS(number=3))
+result = NS(history=[NS(epoch=1, train_loss=2.0, val_acc=0.1)], confusion=[[3, 1], [0, 4]],
+            class_names=["a", "b"])
+files = TrialRun._plots(run, result, Path({str(tmp_path)!r}))
+renderer.close()
+assert sorted(p.name for p in files) == [
+    "confusion_matrix.png", "learning_curve.png", "per_class_accuracy.csv"], files
+assert "matplotlib" not in sys.modules, "the worker imported matplotlib"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
