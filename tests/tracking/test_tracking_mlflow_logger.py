@@ -428,7 +428,7 @@ def test_outage_mid_trial_buffers_and_delivers_after_restart(
     assert "reachable again" in tracking_logs.text
 
 
-_HEADERS_PROBE = """
+_NOTEBOOK_PROBE = """
 import json, sys
 from hpsearch.tracking.mlflow_logger import apply_http_policy
 from mlflow.tracking import MlflowClient
@@ -451,7 +451,7 @@ def test_databricks_notebook_probe_is_skipped_outside_databricks(
     if databricks:
         env["DATABRICKS_RUNTIME_VERSION"] = "15.4"
     out = subprocess.run(
-        [sys.executable, "-c", _HEADERS_PROBE, mlflow_server.url],
+        [sys.executable, "-c", _NOTEBOOK_PROBE, mlflow_server.url],
         env=env, capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     seen = json.loads(out.stdout.strip().splitlines()[-1])
