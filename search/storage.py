@@ -16,13 +16,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import optuna
 import sqlalchemy as sa
 from hpsearch.errors import StorageError
+from hpsearch.rdb_reads import FastReadRDBStorage
 from optuna import distributions
 from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
@@ -152,11 +153,11 @@ def open_storage(
         )
     try:
         with _schema_lock(spec):
-            return RDBStorage(
+            return FastReadRDBStorage(
                 spec.url,
                 engine_kwargs=engine_kwargs,
-                heartbeat_interval=heartbeat_interval,  # type: ignore[arg-type]
-                grace_period=grace_period,  # type: ignore[arg-type]
+                heartbeat_interval=heartbeat_interval,
+                grace_period=grace_period,
                 heartbeat_stale_trial_callback=failed_trial_callback,
             )
     except (SQLAlchemyError, NoSuchModuleError) as exc:
@@ -314,36 +315,55 @@ def _param_batching_backend(storage: BaseStorage) -> RDBStorage | None:
     return None
 
 
-@contextlib.contextmanager
-def deferred_params(trial: optuna.Trial) -> Iterator[list[PendingParam]]:
-    """Collect the params that `trial.suggest_*` draws instead of writing each in its own
-    transaction (a read of the trial, an insert and a commit per param), so that
-    `set_trial_attrs(..., params=...)` writes them with the trial's attributes in one.
+@dataclass
+class Drawn:
+    """What the sampler wrote for one trial while `deferred_params` held it: the drawn
+    params, and system attributes (TPE's constant liar shares its relative params there)."""
 
-    The sampler sees them at once: `Trial` keeps drawn params in its own cached copy, and
-    only this trial's writes are held. Other storages write them as usual (nothing is
+    params: list[PendingParam] = field(default_factory=list)
+    system_attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def deferred_params(trial: optuna.Trial) -> Iterator[Drawn]:
+    """Collect the params that `trial.suggest_*` draws, and the system attributes the
+    sampler sets on the trial, instead of writing each in its own transaction (a read of
+    the trial, an insert and a commit each), so that `set_trial_attrs(..., drawn=...)`
+    writes them with the trial's attributes in one.
+
+    The sampler sees the params at once: `Trial` keeps drawn params in its own cached copy,
+    and only this trial's writes are held. Other storages write them as usual (nothing is
     collected). A suggest retried after a connection error keeps what it had collected:
     the trial's cached copy returns the drawn values again without a second write.
     """
-    pending: list[PendingParam] = []
+    drawn = Drawn()
     storage = trial.storage
     if _param_batching_backend(storage) is None:
-        yield pending
+        yield drawn
         return
-    write = storage.set_trial_param
+    write_param = storage.set_trial_param
+    write_system_attr = storage.set_trial_system_attr
     tid = trial._trial_id
 
     def collect(trial_id: int, name: str, internal: float, distribution: BaseDistribution) -> None:
         if trial_id != tid:
-            write(trial_id, name, internal, distribution)
+            write_param(trial_id, name, internal, distribution)
             return
-        pending.append(PendingParam(name, internal, distribution))
+        drawn.params.append(PendingParam(name, internal, distribution))
+
+    def collect_system_attr(trial_id: int, key: str, value: Any) -> None:
+        if trial_id != tid:
+            write_system_attr(trial_id, key, value)
+            return
+        drawn.system_attrs[key] = value
 
     storage.set_trial_param = collect  # type: ignore[method-assign,assignment]
+    storage.set_trial_system_attr = collect_system_attr  # type: ignore[method-assign]
     try:
-        yield pending
+        yield drawn
     finally:
-        del storage.set_trial_param  # the class's method again
+        del storage.set_trial_param  # the class's methods again
+        del storage.set_trial_system_attr
 
 
 def _insert_params(
@@ -391,17 +411,19 @@ def set_trial_attrs(
     trial: optuna.Trial,
     attrs: dict[str, Any],
     constraints: dict[str, float] | None = None,
-    params: list[PendingParam] | None = None,
+    drawn: Drawn | None = None,
 ) -> None:
-    """User attributes, constraint values (`Trial.set_constraint`) and params collected by
-    `deferred_params` of a running trial, in one transaction. On PostgreSQL that is one
+    """User attributes, constraint values (`Trial.set_constraint`) and what
+    `deferred_params` collected (params, the sampler's system attributes) of a running
+    trial, in one transaction. On PostgreSQL that is one
     locked read of the trial, the param inserts and one multi-row upsert per attribute table
     (Optuna's own models), where the public API takes a read and an upsert per key, each in
     its own commit (a worker sets about ten per trial), plus the read of the system
     attributes that set_constraint does first. Other storages, or an Optuna without these
     internals, take the public path."""
     constraints = constraints or {}
-    params = params or []
+    params = drawn.params if drawn is not None else []
+    sampler_attrs = drawn.system_attrs if drawn is not None else {}
     storage = trial.storage
     backend = getattr(storage, "_backend", storage)
     try:
@@ -413,6 +435,8 @@ def set_trial_attrs(
     if not isinstance(backend, RDBStorage) or backend.engine.name != "postgresql":
         for p in params:
             storage.set_trial_param(trial._trial_id, p.name, p.internal, p.distribution)
+        for key, value in sampler_attrs.items():
+            storage.set_trial_system_attr(trial._trial_id, key, value)
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         for key, bound in constraints.items():
@@ -420,7 +444,8 @@ def set_trial_attrs(
         return
     from sqlalchemy.dialects.postgresql import insert
 
-    system = {f"{_CONSTRAINTS_KEY}:{k}": float(v) for k, v in constraints.items()}
+    system: dict[str, Any] = {f"{_CONSTRAINTS_KEY}:{k}": float(v) for k, v in constraints.items()}
+    system.update(sampler_attrs)
     tid = trial._trial_id
     with _create_scoped_session(backend.scoped_session, True) as session:
         # FOR UPDATE: a concurrent tell (a stale-trial sweep elsewhere) waits for this

@@ -447,7 +447,7 @@ def run_trial(
         # Params and who runs them, in one transaction, before anything slow: crash recovery
         # finds a dead worker's trial by these (the launcher by worker, a relaunch by host
         # and pid) and re-queues its params.
-        db(functools.partial(set_trial_attrs, trial, attrs, params=drawn), "set_user_attr")
+        db(functools.partial(set_trial_attrs, trial, attrs, drawn=drawn), "set_user_attr")
         if tracking is not None and root != trial.number and previous_run and not ckpt.exists():
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
         if tracking is not None:

@@ -3,6 +3,7 @@ batched trial attributes must agree with what Optuna's own API reports."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -171,6 +172,11 @@ def test_drawn_params_are_written_with_the_attributes_in_one_commit(
     pg_url: str, tmp_path: Path
 ) -> None:
     spec, storage, cfg, study = _tiny_study(pg_url, tmp_path)
+    for lr in (0.01, 0.1):  # past TPE's startup trials: relative sampling and constant liar
+        study.enqueue_trial({"lr": lr, "batch_size": 32, "loss": "ce"})
+        done = study.ask()
+        suggest(done, cfg)
+        study.tell(done, lr)
     other = study.ask()  # another trial of this process: its writes are not held
     trial = study.ask()
     engine = storage.engine  # type: ignore[attr-defined]
@@ -185,15 +191,19 @@ def test_drawn_params_are_written_with_the_attributes_in_one_commit(
         params = suggest(trial, cfg)
         other.suggest_float("lr", 1e-3, 0.5, log=True)
         assert trial.params == params  # the sampler and the trial see them at once
-    assert [p.name for p in drawn] == list(params)
-    assert stored(trial).params == {}  # held: nothing written yet
+    assert [p.name for p in drawn.params] == list(params)
+    # TPE's constant liar shares the relative params through a system attribute
+    liar = {k: v for k, v in drawn.system_attrs.items() if k.startswith("tpe:relative_params")}
+    assert liar and json.loads("".join(liar.values())).keys() <= set(params)
+    assert stored(trial).params == {} and stored(trial).system_attrs == {}  # held
     assert "lr" in stored(other).params
     commits.clear()
-    set_trial_attrs(trial, {"worker": "w0"}, params=drawn)
+    set_trial_attrs(trial, {"worker": "w0"}, drawn=drawn)
     assert len(commits) == 1
     assert stored(trial).params == params
+    assert stored(trial).system_attrs == liar == trial._cached_frozen_trial.system_attrs
     # a retry after a commit whose reply was lost writes them again: no error, no change
-    set_trial_attrs(trial, {"worker": "w0"}, params=drawn)
+    set_trial_attrs(trial, {"worker": "w0"}, drawn=drawn)
     assert stored(trial).params == params
     assert stored(trial).user_attrs == {"worker": "w0"}
     # the public path again once the block is left
@@ -207,7 +217,7 @@ def test_drawn_params_are_written_with_the_attributes_in_one_commit(
         with deferred_params(late) as drawn:
             late.suggest_categorical("loss", ["nosuch"])
         with pytest.raises(ValueError, match="does not support dynamic value space"):
-            set_trial_attrs(late, {"worker": "w1"}, params=drawn)
+            set_trial_attrs(late, {"worker": "w1"}, drawn=drawn)
         assert stored(late).params == {} and stored(late).user_attrs == {}  # rolled back
 
 
@@ -217,8 +227,8 @@ def test_drawn_params_on_the_journal_are_written_as_usual(tmp_path: Path) -> Non
     trial = study.ask()
     with deferred_params(trial) as drawn:
         params = suggest(trial, load_config("tiny"))
-    assert drawn == []
-    set_trial_attrs(trial, {"worker": "w0"}, params=drawn)
+    assert drawn.params == [] and drawn.system_attrs == {}
+    set_trial_attrs(trial, {"worker": "w0"}, drawn=drawn)
     assert study.trials[trial.number].params == params
 
 
