@@ -10,7 +10,6 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
-import json
 import os
 import threading
 import time
@@ -23,8 +22,7 @@ from typing import Any, TypeVar
 import optuna
 import sqlalchemy as sa
 from hpsearch.errors import StorageError
-from hpsearch.rdb_reads import FastReadRDBStorage
-from optuna import distributions
+from hpsearch.rdb import FastRDBStorage
 from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
@@ -153,7 +151,7 @@ def open_storage(
         )
     try:
         with _schema_lock(spec):
-            return FastReadRDBStorage(
+            return FastRDBStorage(
                 spec.url,
                 engine_kwargs=engine_kwargs,
                 heartbeat_interval=heartbeat_interval,
@@ -301,16 +299,12 @@ class PendingParam:
     distribution: BaseDistribution
 
 
-def _param_batching_backend(storage: BaseStorage) -> RDBStorage | None:
-    """The PostgreSQL RDBStorage behind Optuna's cache wrapper, where params can be written
-    in one transaction; None elsewhere (they are then written one by one, as Optuna does)."""
+def _param_batching_backend(storage: BaseStorage) -> FastRDBStorage | None:
+    """The PostgreSQL storage behind Optuna's cache wrapper, where a trial's params and
+    attributes are written in one statement; None elsewhere (they are then written one by
+    one, as Optuna does)."""
     backend = getattr(storage, "_backend", None)
-    if (
-        isinstance(backend, RDBStorage)
-        and backend.engine.name == "postgresql"
-        and hasattr(backend, "_set_trial_param_without_commit")
-        and hasattr(storage, "_studies")
-    ):
+    if isinstance(backend, FastRDBStorage) and backend.fast_sql() and hasattr(storage, "_studies"):
         return backend
     return None
 
@@ -366,47 +360,6 @@ def deferred_params(trial: optuna.Trial) -> Iterator[Drawn]:
         del storage.set_trial_system_attr
 
 
-def _insert_params(
-    session: Any,
-    models: Any,
-    study_id: int,
-    trial_id: int,
-    params: list[PendingParam],
-    known: dict[str, BaseDistribution],
-) -> None:
-    """What Optuna's RDB `set_trial_param` does for each param (the check that a name keeps
-    a compatible distribution across the study, then the row), as one multi-row insert."""
-    from sqlalchemy.dialects.postgresql import insert
-
-    for p in params:
-        previous = known.get(p.name)
-        if previous is None:  # first use of this name in this process: ask the study
-            record = (
-                session.query(models.TrialParamModel)
-                .join(models.TrialModel)
-                .filter(models.TrialModel.study_id == study_id)
-                .filter(models.TrialParamModel.param_name == p.name)
-                .first()
-            )
-            if record is not None:
-                previous = distributions.json_to_distribution(record.distribution_json)
-        if previous is not None:
-            distributions.check_distribution_compatibility(previous, p.distribution)
-    rows = [
-        {
-            "trial_id": trial_id,
-            "param_name": p.name,
-            "param_value": p.internal,
-            "distribution_json": distributions.distribution_to_json(p.distribution),
-        }
-        for p in params
-    ]
-    # A commit whose reply a dropped connection lost is retried (`with_db_retry`): the rows
-    # are there already, and Optuna never writes a param of a trial twice otherwise.
-    stmt = insert(models.TrialParamModel).values(rows)
-    session.execute(stmt.on_conflict_do_nothing(index_elements=["trial_id", "param_name"]))
-
-
 def set_trial_attrs(
     trial: optuna.Trial,
     attrs: dict[str, Any],
@@ -415,24 +368,21 @@ def set_trial_attrs(
 ) -> None:
     """User attributes, constraint values (`Trial.set_constraint`) and what
     `deferred_params` collected (params, the sampler's system attributes) of a running
-    trial, in one transaction. On PostgreSQL that is one
-    locked read of the trial, the param inserts and one multi-row upsert per attribute table
-    (Optuna's own models), where the public API takes a read and an upsert per key, each in
-    its own commit (a worker sets about ten per trial), plus the read of the system
-    attributes that set_constraint does first. Other storages, or an Optuna without these
-    internals, take the public path."""
+    trial, in one transaction. On PostgreSQL that is one statement
+    (`FastRDBStorage.write_running_trial`), where the public API takes a read and an upsert
+    per key, each in its own commit (a worker sets about ten per trial), plus the read of
+    the system attributes that set_constraint does first. Other storages, or an Optuna
+    without these internals, take the public path."""
     constraints = constraints or {}
     params = drawn.params if drawn is not None else []
     sampler_attrs = drawn.system_attrs if drawn is not None else {}
     storage = trial.storage
-    backend = getattr(storage, "_backend", storage)
+    backend = _param_batching_backend(storage)
     try:
-        from optuna.storages._rdb import models
-        from optuna.storages._rdb.storage import _create_scoped_session
         from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
     except ImportError:
         backend = None
-    if not isinstance(backend, RDBStorage) or backend.engine.name != "postgresql":
+    if backend is None:
         for p in params:
             storage.set_trial_param(trial._trial_id, p.name, p.internal, p.distribution)
         for key, value in sampler_attrs.items():
@@ -442,36 +392,19 @@ def set_trial_attrs(
         for key, bound in constraints.items():
             trial.set_constraint(key, bound)
         return
-    from sqlalchemy.dialects.postgresql import insert
-
     system: dict[str, Any] = {f"{_CONSTRAINTS_KEY}:{k}": float(v) for k, v in constraints.items()}
     system.update(sampler_attrs)
-    tid = trial._trial_id
-    with _create_scoped_session(backend.scoped_session, True) as session:
-        # FOR UPDATE: a concurrent tell (a stale-trial sweep elsewhere) waits for this
-        # transaction, so attributes never land on a trial that was finished meanwhile.
-        row = models.TrialModel.find_or_raise_by_id(tid, session, for_update=True)
-        backend.check_trial_is_updatable(tid, row.state)  # type: ignore[arg-type]
-        known = getattr(storage, "_studies", {}).get(row.study_id)
-        dists = known.param_distribution if known is not None else {}
-        if params:
-            _insert_params(session, models, int(row.study_id), tid, params, dists)
-        tables = (
-            (models.TrialUserAttributeModel, attrs),
-            (models.TrialSystemAttributeModel, system),
-        )
-        for model_cls, items in tables:
-            if not items:
-                continue
-            stmt = insert(model_cls).values(
-                [{"trial_id": tid, "key": k, "value_json": json.dumps(v)} for k, v in items.items()]
-            )
-            session.execute(
-                stmt.on_conflict_do_update(
-                    index_elements=[model_cls.trial_id, model_cls.key],
-                    set_={"value_json": stmt.excluded.value_json},
-                )
-            )
+    study_id = trial.study._study_id
+    known = getattr(storage, "_studies", {}).get(study_id)
+    dists = known.param_distribution if known is not None else {}
+    backend.write_running_trial(
+        trial._trial_id,
+        study_id,
+        [(p.name, p.internal, p.distribution) for p in params],
+        attrs,
+        system,
+        dists,
+    )
     for p in params:  # as Optuna's cache does after a param write: checked once per study
         dists.setdefault(p.name, p.distribution)
     cached = getattr(trial, "_cached_frozen_trial", None)

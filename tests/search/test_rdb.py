@@ -1,10 +1,14 @@
-"""`FastReadRDBStorage` reads trials in one statement; it must give exactly what Optuna's
-own RDBStorage gives, for every kind of value a trial can hold, on the real PostgreSQL."""
+"""`FastRDBStorage` makes a trial's hot-path storage calls in plain SQL; each must give
+exactly what Optuna's own RDBStorage gives, on the real PostgreSQL: reads for every kind of
+value a trial can hold, trial numbers under concurrent creation by both, heartbeats as
+Optuna's stale-trial check reads them."""
 
 from __future__ import annotations
 
 import math
+import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +16,7 @@ from typing import Any
 import optuna
 import pytest
 import sqlalchemy as sa
-from hpsearch.rdb_reads import FastReadRDBStorage, trials_where
+from hpsearch.rdb import FastRDBStorage, trials_where
 from hpsearch.storage import normalize_url, open_storage, resolve_storage
 from optuna.distributions import (
     CategoricalDistribution,
@@ -99,7 +103,7 @@ def test_reads_match_optuna_for_every_kind_of_trial(pg_url: str, tmp_path: Path)
     other = optuna.create_study(storage=optuna_storage, study_name="empty")
 
     fast = open_storage(resolve_storage(pg_url, tmp_path))
-    assert isinstance(fast, FastReadRDBStorage) and fast._fast_reads()
+    assert isinstance(fast, FastRDBStorage) and fast.fast_sql()
     sid, mid = study._study_id, multi._study_id
     all_ids = [t._trial_id for t in study.get_trials()]
     first_ids = sorted(all_ids)[:3]
@@ -156,9 +160,107 @@ def test_the_filter_selects_as_optunas_own() -> None:
 
 
 def test_other_databases_take_optunas_own_reads(tmp_path: Path) -> None:
-    storage = FastReadRDBStorage(f"sqlite:///{tmp_path / 'o.db'}")
-    assert not storage._fast_reads()
+    storage = FastRDBStorage(f"sqlite:///{tmp_path / 'o.db'}")
+    assert not storage.fast_sql()
     study = optuna.create_study(storage=storage)
     study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
     assert [t.state for t in storage.get_all_trials(study._study_id)] == [TrialState.COMPLETE] * 2
     assert sa.inspect(storage.engine).has_table("trials")
+
+
+def _two_storages(pg_url: str, tmp_path: Path) -> tuple[RDBStorage, FastRDBStorage]:
+    fast = open_storage(resolve_storage(pg_url, tmp_path))
+    assert isinstance(fast, FastRDBStorage) and fast.fast_sql()
+    with warnings.catch_warnings():  # Optuna calls heartbeats experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return RDBStorage(normalize_url(pg_url), heartbeat_interval=60), fast
+
+
+@pytest.mark.usefixtures("away_from_utc")
+def test_new_trials_are_numbered_as_optunas_even_when_both_create_at_once(
+    pg_url: str, tmp_path: Path
+) -> None:
+    plain, fast = _two_storages(pg_url, tmp_path)
+    sid = plain.create_new_study([optuna.study.StudyDirection.MAXIMIZE], "numbers")
+    created = fast._create_new_trial(sid)
+    stored = plain.get_trial(created._trial_id)
+    assert _comparable(created) == _comparable(stored)
+    assert (created.number, created.state, created.params) == (0, TrialState.RUNNING, {})
+    # a template trial (a retry, an enqueued trial) is Optuna's own
+    template = optuna.trial.create_trial(state=TrialState.WAITING, params={}, distributions={})
+    assert fast._create_new_trial(sid, template).state == TrialState.WAITING
+
+    errors: list[BaseException] = []
+
+    def create(storage: RDBStorage, n: int) -> None:
+        try:
+            for _ in range(n):
+                storage.create_new_trial(sid)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create, args=(s, 15)) for s in (plain, fast) * 3]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    trials = plain.get_all_trials(sid)
+    assert len(trials) == 2 + 6 * 15
+    by_id = sorted(trials, key=lambda t: t._trial_id)
+    assert [t.number for t in by_id] == list(range(len(trials)))  # unique, in id order
+    with pytest.raises(KeyError):
+        fast._create_new_trial(10**6)
+
+
+def test_heartbeats_are_read_by_optunas_stale_trial_check(pg_url: str, tmp_path: Path) -> None:
+    plain, fast = _two_storages(pg_url, tmp_path)
+    sid = plain.create_new_study([optuna.study.StudyDirection.MAXIMIZE], "beats")
+    mine, theirs = fast.create_new_trial(sid), plain.create_new_trial(sid)
+    fast.record_heartbeat(mine)
+    plain.record_heartbeat(theirs)
+    engine = fast.engine
+
+    def beats() -> dict[int, Any]:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT trial_id, heartbeat FROM trial_heartbeats"))
+            return {int(tid): at for tid, at in rows}
+
+    first = beats()
+    assert set(first) == {mine, theirs}
+    time.sleep(0.05)
+    fast.record_heartbeat(mine)  # a later beat updates the one row
+    fast.record_heartbeat(theirs)  # and works on a row Optuna wrote
+    later = beats()
+    assert later[mine] > first[mine] and later[theirs] > first[theirs]
+    # both old enough for Optuna's check with a tiny grace period: both found stale
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '1 h'"))
+    assert sorted(plain._get_stale_trial_ids(sid)) == sorted([mine, theirs])
+    fast.record_heartbeat(mine)
+    assert plain._get_stale_trial_ids(sid) == [theirs]
+    fast.record_heartbeat(10**6)  # no such trial: ignored, as Optuna ignores it
+
+
+def test_a_finished_trial_takes_no_more_params_or_attributes(pg_url: str, tmp_path: Path) -> None:
+    plain, fast = _two_storages(pg_url, tmp_path)
+    sid = plain.create_new_study([optuna.study.StudyDirection.MAXIMIZE], "finished")
+    tid = fast.create_new_trial(sid)
+    lr = FloatDistribution(1e-3, 1.0, log=True)
+    fast.write_running_trial(tid, sid, [("lr", 0.01, lr)], {"a": [1, "x"]}, {"s": None}, {})
+    trial = plain.get_trial(tid)
+    assert (trial.params, trial.user_attrs, trial.system_attrs) == (
+        {"lr": 0.01},
+        {"a": [1, "x"]},
+        {"s": None},
+    )
+    plain.set_trial_state_values(tid, TrialState.COMPLETE, [1.0])
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        fast.write_running_trial(tid, sid, [("x", 0.5, lr)], {"b": 1}, {}, {})
+    assert _comparable(plain.get_trial(tid)) == _comparable(trial) | {
+        "state": TrialState.COMPLETE,
+        "_values": [1.0],
+        "datetime_complete": plain.get_trial(tid).datetime_complete,
+    }
+    with pytest.raises(KeyError):
+        fast.write_running_trial(10**6, sid, [], {"b": 1}, {}, {})
