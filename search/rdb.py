@@ -17,9 +17,13 @@ rows Optuna would write or read, and leaves everything else to Optuna:
 - **Creating a trial** (no template; a retry's template trial is Optuna's): the study row
   locked as Optuna locks it, then one insert that numbers the trial as Optuna does.
 - **Heartbeats**: one upsert.
+- **Finishing a trial** (`set_trial_state_values` to COMPLETE, PRUNED or FAIL: the tell):
+  one statement that locks the trial, checks it is not finished, writes its values and
+  state. Moving a waiting trial to RUNNING (a retry's claim) is Optuna's.
+- **An intermediate value**: one upsert, written only while the trial is not finished.
 - **A running trial's params and attributes** (`write_running_trial`, which
   `hpsearch.storage.set_trial_attrs` uses): one statement that locks the trial, checks it
-  is still running and writes all rows.
+  is not finished (Optuna's rule for every write to a trial) and writes all rows.
 
 `tests/search/test_rdb.py` checks each against Optuna's own on the real PostgreSQL. Other
 databases, and an Optuna whose schema version this SQL was not written for, take Optuna's
@@ -103,13 +107,14 @@ INSERT INTO trial_heartbeats (trial_id, heartbeat) VALUES (:trial_id, CURRENT_TI
 ON CONFLICT (trial_id) DO UPDATE SET heartbeat = EXCLUDED.heartbeat
 """
 
-# Locks the trial while it is running (a concurrent tell waits for this transaction, so
-# nothing lands on a trial finished meanwhile) and writes every row only if it is. A param
+# Locks the trial unless it is finished (a concurrent tell waits for this transaction, so
+# nothing lands on a trial finished meanwhile) and writes every row only then. A param
 # row that exists already is kept: a commit whose reply a dropped connection lost is
 # retried, and Optuna never writes a trial's param twice otherwise.
 _WRITE_RUNNING_SQL = """
 WITH t AS (
-    SELECT trial_id FROM trials WHERE trial_id = :trial_id AND state = 'RUNNING' FOR UPDATE
+    SELECT trial_id FROM trials WHERE trial_id = :trial_id AND state IN ('RUNNING', 'WAITING')
+        FOR UPDATE
 ), p AS (
     INSERT INTO trial_params (trial_id, param_name, param_value, distribution_json)
     SELECT t.trial_id, n, v, d
@@ -128,6 +133,37 @@ WITH t AS (
     ON CONFLICT (trial_id, key) DO UPDATE SET value_json = EXCLUDED.value_json
 )
 SELECT count(*) FROM t
+"""
+
+# Values as Optuna stores them (`TrialValueModel.value_to_stored_repr`). The PostgreSQL enum
+# types are the ones SQLAlchemy names after Optuna's enum classes.
+_FINISH_SQL = """
+WITH t AS (
+    SELECT trial_id FROM trials WHERE trial_id = :trial_id AND state IN ('RUNNING', 'WAITING')
+        FOR UPDATE
+), v AS (
+    INSERT INTO trial_values (trial_id, objective, value, value_type)
+    SELECT t.trial_id, o, v, CAST(vt AS trialvaluetype)
+    FROM t, unnest(CAST(:objectives AS int[]), CAST(:values AS float8[]),
+                   CAST(:value_types AS text[])) AS r(o, v, vt)
+    ON CONFLICT (trial_id, objective)
+        DO UPDATE SET value = EXCLUDED.value, value_type = EXCLUDED.value_type
+)
+UPDATE trials SET state = CAST(:state AS trialstate), datetime_complete = :complete
+FROM t WHERE trials.trial_id = t.trial_id
+RETURNING trials.trial_id
+"""
+
+# Optuna reads the trial (no lock) and writes only while it is not finished.
+_INTERMEDIATE_SQL = """
+INSERT INTO trial_intermediate_values
+    (trial_id, step, intermediate_value, intermediate_value_type)
+SELECT trial_id, :step, :value, CAST(:value_type AS trialintermediatevaluetype)
+FROM trials WHERE trial_id = :trial_id AND state IN ('RUNNING', 'WAITING')
+ON CONFLICT (trial_id, step) DO UPDATE SET
+    intermediate_value = EXCLUDED.intermediate_value,
+    intermediate_value_type = EXCLUDED.intermediate_value_type
+RETURNING trial_id
 """
 
 _TRIAL_STATE_SQL = "SELECT state FROM trials WHERE trial_id = :trial_id"
@@ -301,6 +337,60 @@ class FastRDBStorage(RDBStorage):
         with _create_scoped_session(self.scoped_session, True) as session:
             session.execute(sa.text(_HEARTBEAT_SQL), {"trial_id": trial_id})
 
+    def set_trial_state_values(
+        self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
+    ) -> bool:
+        if not (self.fast_sql() and state.is_finished()):
+            return super().set_trial_state_values(trial_id, state, values)
+        stored = [models.TrialValueModel.value_to_stored_repr(v) for v in values or ()]
+        # Optuna's `datetime.now()`, stored as naive UTC.
+        complete = datetime.datetime.now().astimezone(datetime.UTC).replace(tzinfo=None)
+        try:
+            with _create_scoped_session(self.scoped_session) as session:
+                done = session.execute(
+                    sa.text(_FINISH_SQL),
+                    {
+                        "trial_id": trial_id,
+                        "objectives": list(range(len(stored))),
+                        "values": [value for value, _ in stored],
+                        "value_types": [value_type.name for _, value_type in stored],
+                        "state": state.name,
+                        "complete": complete,
+                    },
+                ).first()
+                if done is None:
+                    self._raise_not_running(session, trial_id)
+        except sa.exc.IntegrityError:  # as Optuna
+            return False
+        return True
+
+    def set_trial_intermediate_value(
+        self, trial_id: int, step: int, intermediate_value: float
+    ) -> None:
+        if not self.fast_sql():
+            super().set_trial_intermediate_value(trial_id, step, intermediate_value)
+            return
+        value, value_type = models.TrialIntermediateValueModel.intermediate_value_to_stored_repr(
+            intermediate_value
+        )
+        params = {"trial_id": trial_id, "step": step, "value": value}
+        # As Optuna: an integrity error (two writers of one step at once) is ignored.
+        with _create_scoped_session(self.scoped_session, True) as session:
+            written = session.execute(
+                sa.text(_INTERMEDIATE_SQL), {**params, "value_type": value_type.name}
+            ).first()
+            if written is None:
+                self._raise_not_running(session, trial_id)
+
+    def _raise_not_running(self, session: Any, trial_id: int) -> None:
+        """Optuna's error for a write to a trial that is not running: KeyError for no such
+        trial, else `UpdateFinishedTrialError`."""
+        state = session.execute(sa.text(_TRIAL_STATE_SQL), {"trial_id": trial_id}).scalar()
+        if state is None:
+            raise KeyError(models.NOT_FOUND_MSG)
+        self.check_trial_is_updatable(trial_id, TrialState[state])
+        raise RuntimeError(f"trial {trial_id} is {state}, but was not written")
+
     def write_running_trial(
         self,
         trial_id: int,
@@ -311,8 +401,8 @@ class FastRDBStorage(RDBStorage):
         known: dict[str, BaseDistribution],
     ) -> None:
         """Params (name, internal value, distribution) and attributes of a running trial,
-        in one transaction of one statement; nothing is written unless the trial is still
-        running (Optuna's `UpdateFinishedTrialError` then, or KeyError for no trial).
+        in one transaction of one statement; nothing is written to a finished trial
+        (Optuna's `UpdateFinishedTrialError` then, or KeyError for no trial).
 
         A param name keeps a compatible distribution across the study, as Optuna checks:
         against `known` (this process's view of the study's distributions), else against
@@ -344,8 +434,4 @@ class FastRDBStorage(RDBStorage):
                 },
             ).scalar()
             if not written:
-                state = session.execute(sa.text(_TRIAL_STATE_SQL), {"trial_id": trial_id}).scalar()
-                if state is None:
-                    raise KeyError(models.NOT_FOUND_MSG)
-                self.check_trial_is_updatable(trial_id, TrialState[state])
-                raise RuntimeError(f"trial {trial_id} is {state}, but was not written")
+                self._raise_not_running(session, trial_id)

@@ -264,3 +264,48 @@ def test_a_finished_trial_takes_no_more_params_or_attributes(pg_url: str, tmp_pa
     }
     with pytest.raises(KeyError):
         fast.write_running_trial(10**6, sid, [], {"b": 1}, {}, {})
+
+
+def test_finishing_trials_and_intermediate_values_match_optunas(
+    pg_url: str, tmp_path: Path
+) -> None:
+    plain, fast = _two_storages(pg_url, tmp_path)
+    sid = plain.create_new_study(
+        [optuna.study.StudyDirection.MINIMIZE, optuna.study.StudyDirection.MAXIMIZE], "finish"
+    )
+    waiting = optuna.trial.create_trial(state=TrialState.WAITING, params={}, distributions={})
+    cases: list[tuple[TrialState, list[float] | None]] = [
+        (TrialState.COMPLETE, [0.5, -1e-300]),
+        (TrialState.COMPLETE, [INF, -INF]),
+        (TrialState.PRUNED, None),
+        (TrialState.FAIL, None),
+    ]
+    for template in (None, waiting):  # a running trial, and a waiting one (Optuna allows it)
+        for state, values in cases:
+            twins = []
+            for storage in (plain, fast):
+                tid = plain._create_new_trial(sid, template)._trial_id
+                for step, value in ((0, 0.25), (1, float("nan")), (2, INF), (3, -INF), (0, 2.0)):
+                    storage.set_trial_intermediate_value(tid, step, value)
+                assert storage.set_trial_state_values(tid, state, values) is True
+                twins.append(plain.get_trial(tid))
+            mine, theirs = (_comparable(t) for t in twins)
+            assert theirs["datetime_complete"] is not None and mine["datetime_complete"]
+            for key in ("_trial_id", "_number", "_datetime_start", "datetime_complete"):
+                mine.pop(key), theirs.pop(key)
+            assert mine == theirs, (template, state)
+            assert twins[0].intermediate_values[0] == 2.0  # the later write of a step wins
+    # a waiting trial made running is Optuna's own path
+    tid = plain._create_new_trial(sid, waiting)._trial_id
+    assert fast.set_trial_state_values(tid, TrialState.RUNNING) is True
+    assert fast.set_trial_state_values(tid, TrialState.RUNNING) is False
+    # a finished trial takes nothing more; no trial is a KeyError, as in Optuna
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        fast.set_trial_state_values(tid - 1, TrialState.COMPLETE, [1.0, 1.0])
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        fast.set_trial_intermediate_value(tid - 1, 9, 1.0)
+    assert 9 not in plain.get_trial(tid - 1).intermediate_values
+    with pytest.raises(KeyError):
+        fast.set_trial_state_values(10**6, TrialState.FAIL)
+    with pytest.raises(KeyError):
+        fast.set_trial_intermediate_value(10**6, 0, 1.0)
