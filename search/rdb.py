@@ -26,8 +26,8 @@ rows Optuna would write or read, and leaves everything else to Optuna:
   is not finished (Optuna's rule for every write to a trial) and writes all rows.
 
 `tests/search/test_rdb.py` checks each against Optuna's own on the real PostgreSQL. Other
-databases, and an Optuna whose schema version this SQL was not written for, take Optuna's
-own methods throughout.
+databases, and a database at an Optuna schema revision this SQL was not written for, take
+Optuna's own methods throughout.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ from optuna.storages._rdb import models
 from optuna.storages._rdb.storage import _create_scoped_session
 from optuna.trial import FrozenTrial, TrialState
 
-SCHEMA_VERSIONS = (12,)  # Optuna's `models.SCHEMA_VERSION`s whose tables this SQL uses
+# The alembic revisions of Optuna's schema whose tables this SQL was written for (Optuna's
+# `RDBStorage` refuses a database that is not at its own head revision).
+SCHEMA_REVISIONS = ("v3.2.0.a",)
 
 # One row per trial; each child table aggregated in its own ordered JSON array. Floats
 # travel as their text form, which is what the driver parses for the ORM too (so -0.0 and
@@ -110,7 +112,8 @@ ON CONFLICT (trial_id) DO UPDATE SET heartbeat = EXCLUDED.heartbeat
 # Locks the trial unless it is finished (a concurrent tell waits for this transaction, so
 # nothing lands on a trial finished meanwhile) and writes every row only then. A param
 # row that exists already is kept: a commit whose reply a dropped connection lost is
-# retried, and Optuna never writes a trial's param twice otherwise.
+# retried, and Optuna never writes a trial's param twice otherwise. Params get their ids
+# in the order drawn: that is their order in `FrozenTrial.params`.
 _WRITE_RUNNING_SQL = """
 WITH t AS (
     SELECT trial_id FROM trials WHERE trial_id = :trial_id AND state IN ('RUNNING', 'WAITING')
@@ -119,7 +122,8 @@ WITH t AS (
     INSERT INTO trial_params (trial_id, param_name, param_value, distribution_json)
     SELECT t.trial_id, n, v, d
     FROM t, unnest(CAST(:p_names AS text[]), CAST(:p_values AS float8[]),
-                   CAST(:p_dists AS text[])) AS r(n, v, d)
+                   CAST(:p_dists AS text[])) WITH ORDINALITY AS r(n, v, d, i)
+    ORDER BY i
     ON CONFLICT (trial_id, param_name) DO NOTHING
 ), u AS (
     INSERT INTO trial_user_attributes (trial_id, key, value_json)
@@ -262,9 +266,15 @@ class FastRDBStorage(RDBStorage):
     """`RDBStorage` whose per-trial hot path is plain SQL on PostgreSQL (module
     docstring). Construct it as `RDBStorage`."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fast = (
+            self.engine.name == "postgresql" and self.get_current_version() in SCHEMA_REVISIONS
+        )
+
     def fast_sql(self) -> bool:
-        """True where this class's SQL is used: PostgreSQL, an Optuna schema it knows."""
-        return self.engine.name == "postgresql" and models.SCHEMA_VERSION in SCHEMA_VERSIONS
+        """True where this class's SQL is used: PostgreSQL, at a schema revision it knows."""
+        return self._fast
 
     def get_trial(self, trial_id: int) -> FrozenTrial:
         if not self.fast_sql():
@@ -298,9 +308,9 @@ class FastRDBStorage(RDBStorage):
     ) -> FrozenTrial:
         if template_trial is not None or not self.fast_sql():
             return super()._create_new_trial(study_id, template_trial)
-        # Optuna's `datetime.now()`, stored as naive UTC; handed back as it reads it back.
-        start = datetime.datetime.now().astimezone(datetime.UTC).replace(tzinfo=None)
         for attempt in range(1, CREATE_RETRIES + 1):
+            # Optuna's `datetime.now()`, stored as naive UTC; handed back as read back.
+            start = datetime.datetime.now().astimezone(datetime.UTC).replace(tzinfo=None)
             try:
                 with _create_scoped_session(self.scoped_session) as session:
                     locked = session.execute(sa.text(_LOCK_STUDY_SQL), {"study_id": study_id})

@@ -5,6 +5,7 @@ Optuna's stale-trial check reads them."""
 
 from __future__ import annotations
 
+import datetime
 import math
 import threading
 import time
@@ -27,6 +28,7 @@ from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
 INF = float("inf")
+ONE_MINUTE = datetime.timedelta(minutes=1)
 
 
 def _comparable(t: FrozenTrial) -> dict[str, Any]:
@@ -266,6 +268,7 @@ def test_a_finished_trial_takes_no_more_params_or_attributes(pg_url: str, tmp_pa
         fast.write_running_trial(10**6, sid, [], {"b": 1}, {}, {})
 
 
+@pytest.mark.usefixtures("away_from_utc")
 def test_finishing_trials_and_intermediate_values_match_optunas(
     pg_url: str, tmp_path: Path
 ) -> None:
@@ -290,7 +293,8 @@ def test_finishing_trials_and_intermediate_values_match_optunas(
                 assert storage.set_trial_state_values(tid, state, values) is True
                 twins.append(plain.get_trial(tid))
             mine, theirs = (_comparable(t) for t in twins)
-            assert theirs["datetime_complete"] is not None and mine["datetime_complete"]
+            # both local time, a moment apart (UTC would be 5.5 h off)
+            assert abs(twins[1].datetime_complete - twins[0].datetime_complete) < ONE_MINUTE
             for key in ("_trial_id", "_number", "_datetime_start", "datetime_complete"):
                 mine.pop(key), theirs.pop(key)
             assert mine == theirs, (template, state)
@@ -309,3 +313,50 @@ def test_finishing_trials_and_intermediate_values_match_optunas(
         fast.set_trial_state_values(10**6, TrialState.FAIL)
     with pytest.raises(KeyError):
         fast.set_trial_intermediate_value(10**6, 0, 1.0)
+
+
+def test_two_workers_finishing_one_trial_at_once_finish_it_once(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """Optuna's stale-trial check fails a trial only where `set_trial_state_values` says it
+    did: two workers failing the same trial at once must not both succeed (each would queue
+    a retry)."""
+    plain, fast = _two_storages(pg_url, tmp_path)
+    other = open_storage(resolve_storage(pg_url, tmp_path))
+    sid = plain.create_new_study([optuna.study.StudyDirection.MAXIMIZE], "race")
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def fail(storage: RDBStorage, tid: int, go: threading.Barrier) -> None:
+        go.wait()
+        try:
+            done = storage.set_trial_state_values(tid, TrialState.FAIL)
+            result = "failed it" if done else "not failed"
+        except optuna.exceptions.UpdateFinishedTrialError:
+            result = "already finished"
+        with lock:
+            outcomes.append(result)
+
+    for _ in range(20):
+        tid = plain.create_new_trial(sid)
+        go = threading.Barrier(2)
+        threads = [threading.Thread(target=fail, args=(s, tid, go)) for s in (fast, other)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert outcomes.count("failed it") == 20
+    assert outcomes.count("already finished") == 20
+
+
+def test_an_unknown_schema_revision_takes_optunas_own_methods(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hpsearch.rdb
+
+    monkeypatch.setattr(hpsearch.rdb, "SCHEMA_REVISIONS", ("v9.9.9",))
+    storage = open_storage(resolve_storage(pg_url, tmp_path))
+    assert isinstance(storage, FastRDBStorage) and not storage.fast_sql()
+    study = optuna.create_study(storage=storage)
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2

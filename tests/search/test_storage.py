@@ -201,6 +201,7 @@ def test_drawn_params_are_written_with_the_attributes_in_one_commit(
     set_trial_attrs(trial, {"worker": "w0"}, drawn=drawn)
     assert len(commits) == 1
     assert stored(trial).params == params
+    assert list(stored(trial).params) == list(params)  # stored in the order drawn
     assert stored(trial).system_attrs == liar == trial._cached_frozen_trial.system_attrs
     # a retry after a commit whose reply was lost writes them again: no error, no change
     set_trial_attrs(trial, {"worker": "w0"}, drawn=drawn)
