@@ -109,16 +109,22 @@ INSERT INTO trial_heartbeats (trial_id, heartbeat) VALUES (:trial_id, CURRENT_TI
 ON CONFLICT (trial_id) DO UPDATE SET heartbeat = EXCLUDED.heartbeat
 """
 
-# Locks the trial unless it is finished (a concurrent tell waits for this transaction, so
-# nothing lands on a trial finished meanwhile) and writes every row only then. A param
+# Optuna's rule for every write to a trial (`check_trial_is_updatable`): not finished.
+_UNFINISHED = "state IN ('RUNNING', 'WAITING')"
+
+# The trial as `t`, locked unless it is finished: a concurrent tell waits for this
+# transaction, so nothing lands on a trial finished meanwhile, and a statement built on it
+# writes only while `t` has its row.
+_LOCKED_UNFINISHED_TRIAL = f"""
+t AS (SELECT trial_id FROM trials WHERE trial_id = :trial_id AND {_UNFINISHED} FOR UPDATE)
+"""
+
+# Every row of a running trial's params and attributes, only if it is not finished. A param
 # row that exists already is kept: a commit whose reply a dropped connection lost is
 # retried, and Optuna never writes a trial's param twice otherwise. Params get their ids
 # in the order drawn: that is their order in `FrozenTrial.params`.
-_WRITE_RUNNING_SQL = """
-WITH t AS (
-    SELECT trial_id FROM trials WHERE trial_id = :trial_id AND state IN ('RUNNING', 'WAITING')
-        FOR UPDATE
-), p AS (
+_WRITE_RUNNING_SQL = f"""
+WITH {_LOCKED_UNFINISHED_TRIAL}, p AS (
     INSERT INTO trial_params (trial_id, param_name, param_value, distribution_json)
     SELECT t.trial_id, n, v, d
     FROM t, unnest(CAST(:p_names AS text[]), CAST(:p_values AS float8[]),
@@ -141,11 +147,8 @@ SELECT count(*) FROM t
 
 # Values as Optuna stores them (`TrialValueModel.value_to_stored_repr`). The PostgreSQL enum
 # types are the ones SQLAlchemy names after Optuna's enum classes.
-_FINISH_SQL = """
-WITH t AS (
-    SELECT trial_id FROM trials WHERE trial_id = :trial_id AND state IN ('RUNNING', 'WAITING')
-        FOR UPDATE
-), v AS (
+_FINISH_SQL = f"""
+WITH {_LOCKED_UNFINISHED_TRIAL}, v AS (
     INSERT INTO trial_values (trial_id, objective, value, value_type)
     SELECT t.trial_id, o, v, CAST(vt AS trialvaluetype)
     FROM t, unnest(CAST(:objectives AS int[]), CAST(:values AS float8[]),
@@ -159,11 +162,11 @@ RETURNING trials.trial_id
 """
 
 # Optuna reads the trial (no lock) and writes only while it is not finished.
-_INTERMEDIATE_SQL = """
+_INTERMEDIATE_SQL = f"""
 INSERT INTO trial_intermediate_values
     (trial_id, step, intermediate_value, intermediate_value_type)
 SELECT trial_id, :step, :value, CAST(:value_type AS trialintermediatevaluetype)
-FROM trials WHERE trial_id = :trial_id AND state IN ('RUNNING', 'WAITING')
+FROM trials WHERE trial_id = :trial_id AND {_UNFINISHED}
 ON CONFLICT (trial_id, step) DO UPDATE SET
     intermediate_value = EXCLUDED.intermediate_value,
     intermediate_value_type = EXCLUDED.intermediate_value_type
