@@ -40,6 +40,7 @@ from hpsearch.worker import (
     ATTR_MESSAGE,
     ATTR_OUTCOME,
     ATTR_PID,
+    ATTR_RUN_ID,
     ATTR_WORKER,
     retry_callback,
 )
@@ -602,13 +603,29 @@ class Launcher:
         running = with_db_retry(
             lambda: self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         )
-        for t in running:
-            if t.user_attrs.get(ATTR_WORKER) == worker_id and with_db_retry(
-                lambda t=t: fail_trial(self.study, t, reason, self.opts.max_retries)
-            ):
-                failed.append(t.number)
-                from hpsearch.runs import mark_run_failed
+        mine = [t for t in running if t.user_attrs.get(ATTR_WORKER) == worker_id]
+        if self._tracking_thread is not None and any(
+            not t.user_attrs.get(ATTR_RUN_ID) for t in mine
+        ):
+            # A trial that died before its MLflow run was made: its run goes under the study
+            # run, which the tracking thread may still be making (the embedded server starts).
+            self._tracking_thread.join()
+        for t in mine:
+            from hpsearch.runs import mark_run_failed, record_dead_trial_run
 
+            # A trial that died before its MLflow run was made gets one, linked while the
+            # trial still runs (a finished trial takes no attributes).
+            uri = self._tracking_uri if self._tracking_error is None else None
+            run_id = record_dead_trial_run(self.cfg, uri, t, reason)
+            if run_id is not None:
+                with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                    with_db_retry(
+                        lambda t=t, r=run_id: self.study._storage.set_trial_user_attr(
+                            t._trial_id, ATTR_RUN_ID, r
+                        )
+                    )
+            if with_db_retry(lambda t=t: fail_trial(self.study, t, reason, self.opts.max_retries)):
+                failed.append(t.number)
                 mark_run_failed(self._tracking_uri, t, reason)
         return failed
 

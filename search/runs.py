@@ -24,7 +24,7 @@ from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
 from hpsearch.storage import StorageSpec
 from hpsearch.study import dominates, objective_values
-from hpsearch.worker import ATTR_BEST_MODEL, ATTR_RUN_ID
+from hpsearch.worker import ATTR_BEST_MODEL, ATTR_HOST, ATTR_RUN_ID, ATTR_WORKER
 from optuna.trial import FrozenTrial, TrialState
 
 logger = logging.getLogger("hpsearch.tracking")
@@ -194,8 +194,8 @@ class TrialRun:
         if checkpoint is not None and session.cfg.tracking.upload_checkpoints and self.run_id:
             self.uploader = _CheckpointUploader(session.client, self.run_id)
 
-    def log_epoch(self, record: Any) -> None:
-        self.tracker.log_epoch(int(record.epoch), epoch_metrics(record))
+    def log_epoch(self, record: Any, timestamp_ms: int | None = None) -> None:
+        self.tracker.log_epoch(int(record.epoch), epoch_metrics(record), timestamp_ms)
         if self.sampler is not None and self.sampler.input_bound:
             self._note_input_bound()
 
@@ -374,20 +374,74 @@ class TrackingSession:
         uri: str,
         worker_id: str,
         await_study_run_s: float = 0.0,
+        background: bool = False,
     ) -> None:
+        """background: set up (import MLflow, wait for the study run, connect) on a thread,
+        so that a worker's first trial trains meanwhile; `when_ready` runs what needs it."""
         self.cfg = cfg
         self.spec = spec
         self.uri = uri
         self.worker_id = worker_id
-        self.client = _client(uri)
+        self.client: Any = None
         self.experiment_id: str | None = None
         self.parent_run_id: str | None = None
         self._input_bound: set[int] = set()
         self._finisher = _Finisher()
         self.renderer = Renderer()  # plots, off this process's GIL
-        if await_study_run_s > 0:
-            self._await_study_run(await_study_run_s)
-        self._connect()
+        self._ready_lock = threading.Lock()
+        self._on_ready: list[Callable[[], None]] = []
+        self._setup_error: BaseException | None = None
+        self._setup_thread: threading.Thread | None = None
+        self._setup_done = False
+        if background:
+            self._setup_thread = threading.Thread(
+                target=self._setup, args=(await_study_run_s,), daemon=True, name="mlflow-setup"
+            )
+            self._setup_thread.start()
+        else:
+            self._setup(await_study_run_s)
+            self.wait_ready()
+
+    def _setup(self, await_study_run_s: float) -> None:
+        try:
+            self.client = _client(self.uri)  # imports MLflow: about 1.3 s of CPU
+            if await_study_run_s > 0:
+                self._await_study_run(await_study_run_s)
+            self._connect()
+        except BaseException as exc:  # re-raised by wait_ready, on the worker's thread
+            self._setup_error = exc
+        finally:
+            with self._ready_lock:
+                jobs, self._on_ready = self._on_ready, []
+                self._setup_done = True
+            if self._setup_error is None:
+                for job in jobs:
+                    try:
+                        job()
+                    except Exception as exc:  # one trial's run must not stop the others'
+                        logger.warning("MLflow: a trial's run failed to start: %s", exc)
+
+    def ready(self) -> bool:
+        """Whether the set-up is over (its jobs may still be running)."""
+        return self._setup_done
+
+    def wait_ready(self) -> None:
+        """Until the set-up and the jobs it ran are done; raises what the set-up raised."""
+        thread = self._setup_thread
+        if thread is not None and thread is not threading.current_thread():  # a job's call
+            thread.join()
+        if self._setup_error is not None:
+            raise self._setup_error
+
+    def when_ready(self, job: Callable[[], None]) -> None:
+        """Run `job` now if the set-up is over, else on the set-up thread once it is. A job
+        must not raise (it runs on a thread nobody joins but `wait_ready`)."""
+        with self._ready_lock:
+            if not self.ready():
+                self._on_ready.append(job)
+                return
+        if self._setup_error is None:
+            job()
 
     def _await_study_run(self, limit_s: float) -> None:
         """Wait, up to `limit_s`, until the server answers and the study run exists: the
@@ -433,11 +487,19 @@ class TrackingSession:
         self._input_bound.add(number)
 
     def start_trial(
-        self, trial: optuna.Trial, params: Mapping[str, Any], root: int, ckpt: Path
+        self,
+        trial: optuna.Trial,
+        params: Mapping[str, Any],
+        root: int,
+        ckpt: Path,
+        start_time_ms: int | None = None,
     ) -> TrialRun | None:
+        """The trial's MLflow run, its GPU sampler started; None without MLflow. The run
+        starts at `start_time_ms` (ms since the epoch) when given, else now."""
         from hpsearch.tracking.gpu import sampler_for_tracker
         from hpsearch.tracking.mlflow_logger import TrialTracker, trial_params
 
+        self.wait_ready()
         if not self._connect():
             return None
         assert self.experiment_id is not None and self.parent_run_id is not None
@@ -468,6 +530,7 @@ class TrackingSession:
             worker=self.worker_id,
             host=socket.gethostname(),
             tags={"hpsearch.root_trial": str(root)} if root != trial.number else None,
+            start_time_ms=start_time_ms,
         )
         if not tracker.enabled:
             return None
@@ -521,6 +584,7 @@ class TrackingSession:
         """Download a failed trial's last resume checkpoint (uploaded by another host)."""
         tmp = Path(tempfile.mkdtemp(prefix="hpsearch-fetch-"))
         try:
+            self.wait_ready()
             local = self.client.download_artifacts(previous_run_id, RESUME_ARTIFACT, str(tmp))
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(local, dest)
@@ -533,6 +597,8 @@ class TrackingSession:
 
     def close(self) -> None:
         """Wait for the trials' runs to finish (a stopping worker loses none of them)."""
+        if self._setup_thread is not None:
+            self._setup_thread.join()  # its jobs start runs that the finisher then closes
         self._finisher.close()
         self.renderer.close()
 
@@ -544,6 +610,55 @@ def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:
         float(scaled_lr(hp.lr, hp.batch_size, cfg.trainer.base_batch_size, hp.lr_scaling)),
         int(hp.batch_size),
     )
+
+
+def record_dead_trial_run(
+    cfg: StudyConfig, uri: str | None, trial: FrozenTrial, reason: str
+) -> str | None:
+    """The MLflow run of a trial whose worker died before the run was made (a worker's first
+    trial trains while its MLflow session is set up: worker._LateRun), made now from what
+    Optuna holds: params, worker, host, start time and reported values, ended FAILED (KILLED
+    for "interrupted"). Returns its run id; None when the trial had a run, or without MLflow."""
+    if not uri or trial.user_attrs.get(ATTR_RUN_ID):
+        return None
+    from hpsearch.tracking.mlflow_logger import (
+        TrialTracker,
+        ensure_experiment,
+        find_study_runs,
+        trial_params,
+    )
+
+    try:
+        client = _client(uri)
+        experiment_id = ensure_experiment(client, cfg.name)
+        runs = find_study_runs(client, experiment_id)
+        if not runs:
+            return None
+        started = trial.datetime_start
+        host = trial.user_attrs.get(ATTR_HOST)
+        tracker = TrialTracker(
+            client,
+            experiment_id,
+            runs[0],
+            trial_number=trial.number,
+            study_name=cfg.name,
+            params=trial_params(trial.params),
+            worker=str(trial.user_attrs.get(ATTR_WORKER, "")),
+            host=str(host) if host else None,
+            start_time_ms=int(started.timestamp() * 1000) if started is not None else None,
+        )
+        if not tracker.enabled:
+            return None
+        outcome = "interrupted" if reason == "interrupted" else "failed"
+        try:
+            for step, value in sorted(trial.intermediate_values.items()):
+                tracker.log_epoch(step, {"val_acc": value})  # what the trainer reports
+        finally:
+            tracker.finish(outcome, None, {}, [], None, reason=reason)
+        return tracker.run_id
+    except Exception as exc:  # best effort: the Optuna state is what counts
+        logger.warning("could not record the MLflow run of trial %s: %s", trial.number, exc)
+        return None
 
 
 def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:

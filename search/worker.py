@@ -10,6 +10,7 @@ import contextlib
 import functools
 import importlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -50,6 +51,8 @@ from hpsearch.study import (
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.trial import TrialState
+
+logger = logging.getLogger("hpsearch.tracking")
 
 # Optuna user attributes a trial carries (read by `status`, the launcher and the query API).
 ATTR_WORKER = "worker"
@@ -409,6 +412,98 @@ def _first_heartbeat(study: optuna.Study, trial_id: int) -> None:
         storage.record_heartbeat(trial_id)
 
 
+class _LateRun:
+    """A trial's MLflow run (`TrialRun`), started as soon as the worker's MLflow session is
+    set up: at once for every trial but a worker's first, which trains meanwhile (importing
+    MLflow alone is 1.3 s of CPU on the path to the GPU's first step). Epoch records and the
+    latest resume checkpoint from before the start are handed to the run when it starts, and
+    the run is dated from the trial's start; its GPU samples begin with the run. `wait`
+    returns the run (or None) for the tell."""
+
+    def __init__(
+        self, tracking: Any, trial: optuna.Trial, params: Mapping[str, Any], root: int,
+        ckpt: Path, db: Db,
+    ) -> None:  # fmt: skip
+        self.run: Any = None
+        self._tracking = tracking
+        self._lock = threading.Lock()
+        self._started = False  # the start was tried: `run` is final
+        self._pending: list[tuple[Any, int]] = []  # epoch records (and ms) before the start
+        self._checkpoint: Path | None = None  # the latest resume checkpoint from before it
+        self._error: StorageError | None = None
+        self._cancelled = False
+        self._args = (trial, params, root, ckpt, db, int(time.time() * 1000))
+        tracking.when_ready(self._start)
+        if self._error is not None:  # started here, and the database is down: stop now
+            error, self._error = self._error, None
+            raise error
+
+    def cancel(self) -> None:
+        """The trial was given up before its run started (the worker stops): none starts."""
+        with self._lock:
+            self._cancelled = True
+
+    def _start(self) -> None:  # here, or on the session's set-up thread
+        trial, params, root, ckpt, db, start_ms = self._args
+        with self._lock:
+            if self._cancelled:
+                self._started = True
+                return
+        run = None
+        try:
+            run = self._tracking.start_trial(trial, params, root, ckpt, start_time_ms=start_ms)
+            run_id = run.run_id if run is not None else None
+            if run_id:
+                db(lambda: trial.set_user_attr(ATTR_RUN_ID, run_id), "set_user_attr")
+        except StorageError as exc:  # the database stayed down: raised here or by `wait`
+            self._error = exc
+            if run is not None:  # not linked: ended now, not left running
+                run.finish_failed("failed", f"the trial's database write failed: {exc}", None)
+                run = None
+        except Exception as exc:  # tracking is best effort: the trial goes on untracked
+            logger.warning("trial %s: no MLflow run: %s", trial.number, exc)
+        with self._lock:
+            self.run, self._started = run, True
+            pending, self._pending = self._pending, []
+            if run is not None:
+                for record, ms in pending:  # queued only: log_epoch never waits for the server
+                    run.log_epoch(record, ms)
+            checkpoint = self._checkpoint
+        if run is not None and checkpoint is not None:
+            run.checkpoint_written(checkpoint)
+
+    def log_epoch(self, record: Any) -> None:
+        with self._lock:
+            if not self._started:
+                self._pending.append((record, int(time.time() * 1000)))
+                return
+            run = self.run
+        if run is not None:
+            run.log_epoch(record)
+
+    def checkpoint_written(self, path: Path) -> None:
+        """The trainer's hook, on its checkpoint writer thread."""
+        with self._lock:
+            if not self._started:
+                self._checkpoint = path
+                return
+            run = self.run
+        if run is not None:
+            run.checkpoint_written(path)
+
+    def wait(self) -> Any:
+        """The run, once started (after the session's set-up, waited for here)."""
+        try:
+            self._tracking.wait_ready()
+        except Exception as exc:  # the set-up itself failed: no run for any trial
+            logger.warning("MLflow set-up failed, trials go on untracked: %s", exc)
+            return None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self.run
+
+
 def run_trial(
     study: optuna.Study,
     trial: optuna.Trial,
@@ -430,6 +525,7 @@ def run_trial(
 
     heartbeat = _Heartbeat(study._storage, trial._trial_id)
     run = None
+    late: _LateRun | None = None
     try:
         t0 = time.perf_counter()
         with deferred_params(trial) as drawn:  # written below, with the attributes
@@ -444,25 +540,26 @@ def run_trial(
             ATTR_CHECKPOINT: str(ckpt),
         }
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
+        if previous_run:
+            # Not this try's run: cleared until its own is linked, so that the launcher
+            # knows a try that dies before that has no run (record_dead_trial_run).
+            attrs[ATTR_RUN_ID] = ""
         # Params and who runs them, in one transaction, before anything slow: crash recovery
         # finds a dead worker's trial by these (the launcher by worker, a relaunch by host
         # and pid) and re-queues its params.
         db(functools.partial(set_trial_attrs, trial, attrs, drawn=drawn), "set_user_attr")
         if tracking is not None and root != trial.number and previous_run and not ckpt.exists():
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
-        if tracking is not None:
-            run = tracking.start_trial(trial, params, root, ckpt)
-            if run is not None and run.run_id:
-                db(lambda: trial.set_user_attr(ATTR_RUN_ID, run.run_id), "set_user_attr")
+        late = _LateRun(tracking, trial, params, root, ckpt, db) if tracking is not None else None
         first_epoch: list[int] = []
         epoch_done = [0.0]  # perf_counter at the end of the latest epoch callback
 
         def on_epoch(record: Any) -> None:
             if not first_epoch:
                 first_epoch.append(int(record.epoch))
-            if run is not None:
+            if late is not None:
                 t0 = time.perf_counter()
-                run.log_epoch(record)
+                late.log_epoch(record)
                 timing.log_ms.append((time.perf_counter() - t0) * 1e3)
             epoch_done[0] = time.perf_counter()
 
@@ -470,6 +567,7 @@ def run_trial(
             t0 = time.perf_counter()
             try:
                 stop = reports.report(epoch, value)
+                run = late.run if late is not None else None
                 if run is not None and run.stop_input_bound():
                     # tracking.stop_input_bound: a starved GPU is stopped like a pruned trial.
                     db(lambda: trial.set_user_attr("stopped_by", "input_bound"), "set_user_attr")
@@ -485,7 +583,7 @@ def run_trial(
             checkpoint_path=ckpt if cfg.trainer.checkpoint else None,
             seed=cfg.trainer.seed + root,
             on_epoch=on_epoch,
-            on_checkpoint=run.checkpoint_written if run is not None else None,
+            on_checkpoint=late.checkpoint_written if late is not None else None,
             warm=warm,
             should_interrupt=stop.is_set,
         )
@@ -503,6 +601,7 @@ def run_trial(
         except StorageError:
             raise  # the database stayed down past the limit: stop the worker, not the trial
         except AdmissionStopped as exc:  # never started: queue it again as it is
+            run = late.wait() if late is not None else None
             _safe_tell(db, lambda: tell(study, trial, state=TrialState.FAIL))
             frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
             db(lambda: retry_callback(opts.max_retries)(study, frozen), "enqueue retry")
@@ -510,12 +609,16 @@ def run_trial(
                 run.finish_failed("interrupted", f"waiting for GPU memory: {exc}", None)
             return "interrupted"
         except HpsearchError as exc:
+            run = late.wait() if late is not None else None
             _fail(study, trial, "error", str(exc), run, traceback.format_exc(), db)
             return "error"
         except Exception as exc:  # a trial's bug must not kill the worker; it is recorded
             tb = traceback.format_exc()
+            run = late.wait() if late is not None else None
             _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run, tb, db)
             return "error"
+        # A first trial that ended before MLflow's set-up did waits here for its run.
+        run = late.wait() if late is not None else None
         if first_epoch and root != trial.number:  # a retry: where it picked up
             db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, first_epoch[0]), "set_user_attr")
         setup_s = float(getattr(result, "setup_seconds", 0.0) or 0.0)
@@ -532,6 +635,8 @@ def run_trial(
             _prune_checkpoints(study, cfg, opts.workdir)
         return outcome
     finally:
+        if late is not None:
+            late.cancel()  # a no-op once its run started; else (the worker stops) none will
         heartbeat.stop()
 
 
@@ -708,6 +813,10 @@ def _open_tracking(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> 
         return None
     from hpsearch.runs import TrackingSession
 
+    # The first trial trains while MLflow is imported and the study run awaited (_LateRun).
+    # Not with checkpoint uploads (workers on several hosts): there a trial's run exists
+    # before it trains, so that another host can resume it from the run's uploads.
     return TrackingSession(
-        cfg, spec, opts.tracking_uri, opts.resolved_id(), await_study_run_s=opts.await_study_run_s
-    )
+        cfg, spec, opts.tracking_uri, opts.resolved_id(), await_study_run_s=opts.await_study_run_s,
+        background=not cfg.tracking.upload_checkpoints,
+    )  # fmt: skip

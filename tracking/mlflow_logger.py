@@ -455,7 +455,8 @@ class TrialTracker:
     Creating it creates the run synchronously (``run_id`` is ready to be stored as the Optuna
     user attr ``mlflow_run_id``); if the server cannot be reached within ``start_timeout_s`` the
     tracker is disabled (``run_id is None``, every method a no-op) and a warning is logged.
-    No method raises because of tracking problems.
+    ``start_time_ms`` (ms since the epoch) dates the run's start, when it began before the
+    run could be created. No method raises because of tracking problems.
     """
 
     def __init__(
@@ -471,6 +472,7 @@ class TrialTracker:
         host: str | None = None,
         gpu: str | None = None,
         tags: Mapping[str, str] | None = None,
+        start_time_ms: int | None = None,
         max_buffer: int = 1000,
         flush_timeout_s: float = 30.0,
         start_timeout_s: float = 15.0,
@@ -513,7 +515,7 @@ class TrialTracker:
             "hpsearch.gpu": gpu if gpu is not None else _default_gpu_label(),
         }
         run_tags.update({k: _safe_tag_value(v) for k, v in (tags or {}).items()})
-        self.run_id = self._create_run(experiment_id, run_tags, start_timeout_s)
+        self.run_id = self._create_run(experiment_id, run_tags, start_timeout_s, start_time_ms)
         if self.run_id is None:
             return
         param_list = [Param(k, param_value(v)) for k, v in params.items()]
@@ -530,14 +532,17 @@ class TrialTracker:
     def enabled(self) -> bool:
         return self.run_id is not None
 
-    def log_epoch(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Queue one epoch's metrics (step = epoch); returns immediately. GPU samples and tags
-        that arrived since the previous epoch ride along in the same request."""
+    def log_epoch(
+        self, step: int, metrics: Mapping[str, float], timestamp_ms: int | None = None
+    ) -> None:
+        """Queue one epoch's metrics (step = epoch), timed now or at `timestamp_ms` (ms since
+        the epoch); returns immediately. GPU samples and tags that arrived since the previous
+        epoch ride along in the same request."""
         if self.run_id is None or self.finished:
             return
         t0 = time.perf_counter()
         try:
-            now_ms = int(time.time() * 1000)
+            now_ms = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
             entities, bad = metric_entities(metrics, step, now_ms)
             if bad and not self._warned_bad_metrics:
                 self._warned_bad_metrics = True
@@ -687,13 +692,18 @@ class TrialTracker:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _create_run(self, experiment_id: str, tags: dict[str, str], timeout_s: float) -> str | None:
+    def _create_run(
+        self, experiment_id: str, tags: dict[str, str], timeout_s: float, start_time_ms: int | None
+    ) -> str | None:
         deadline = time.monotonic() + timeout_s
         delays = backoff_delays(self.initial_backoff_s, 2.0, self.max_backoff_s)
         while True:
             try:
                 run = self.client.create_run(
-                    experiment_id, tags=tags, run_name=f"trial-{self.trial_number}"
+                    experiment_id,
+                    start_time=start_time_ms,
+                    tags=tags,
+                    run_name=f"trial-{self.trial_number}",
                 )
                 return str(run.info.run_id)
             except Exception as exc:  # telemetry: a dead server must not stop the trial

@@ -1,0 +1,171 @@
+"""A worker's first trial trains while its MLflow session is still being set up (importing
+MLflow costs 1.3 s of CPU): the trial's run starts once the session is ready, dated from the
+trial's start, with the epochs from before it timed when they ended. A trial that fails
+before the session is ready still gets its run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from hpsearch.config import load_config
+from hpsearch.storage import StorageSpec
+from hpsearch.tracking.server import LocalServer
+from hpsearch.worker import WorkerOptions, run_worker
+from mlflow.tracking import MlflowClient
+
+SETUP_S = 2.0  # s: the MLflow set-up is held up this long, past the first trial's epochs
+
+
+@pytest.fixture
+def slow_setup(monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    import hpsearch.runs as runs
+
+    seen: dict[str, float] = {}
+    real = runs._client
+
+    def slow(uri: str) -> Any:
+        time.sleep(SETUP_S)
+        seen["ready_ms"] = time.time() * 1000
+        return real(uri)
+
+    monkeypatch.setattr(runs, "_client", slow)
+    return seen
+
+
+def _study(journal: Path, name: str) -> optuna.Study:
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(journal))
+    )
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def test_first_trial_trains_before_mlflow_is_ready(
+    tmp_path: Path,
+    mlflow_server: LocalServer,
+    slow_setup: dict[str, float],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.2")  # 3 epochs end well before SETUP_S
+    name = f"late-{time.time_ns()}"
+    cfg = load_config(
+        "tiny",
+        overrides=[
+            f"name={name}",
+            "budget.n_trials=2",
+            "budget.max_epochs=3",
+            "pruner={name: none}",
+        ],
+    )
+    journal = tmp_path / "optuna.journal"
+    spec = StorageSpec("journal", str(journal), "journal")
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train",
+        tracking_uri=mlflow_server.url,
+    )  # fmt: skip
+    began_ms = time.time() * 1000
+    assert run_worker(cfg, spec, opts).outcomes == {"finished": 2}
+
+    client = MlflowClient(mlflow_server.url)
+    exp = client.get_experiment_by_name(name)
+    assert exp is not None
+    runs = client.search_runs([exp.experiment_id], "tags.`hpsearch.role` = 'trial'")
+    by_number = {int(r.data.tags["optuna.trial_number"]): r for r in runs}
+    assert sorted(by_number) == [0, 1]
+    for t in _study(journal, name).trials:
+        run = by_number[t.number]
+        assert t.user_attrs["mlflow_run_id"] == run.info.run_id
+        assert run.info.status == "FINISHED"
+        history = client.get_metric_history(run.info.run_id, "val_acc")
+        assert [m.step for m in history] == [1, 2, 3]
+        assert [m.value for m in history] == [t.intermediate_values[s] for s in (1, 2, 3)]
+        assert run.info.start_time <= min(m.timestamp for m in history)
+    first = by_number[0]
+    epochs = client.get_metric_history(first.info.run_id, "val_acc")
+    # The first trial trained while MLflow was held up: its epochs ended before the set-up
+    # did, and keep those times (not the time they were sent); its run is dated from the
+    # trial's start, not from the set-up's end.
+    assert max(m.timestamp for m in epochs) < slow_setup["ready_ms"]
+    assert began_ms <= first.info.start_time < slow_setup["ready_ms"] - 0.5 * SETUP_S * 1000
+
+
+def test_a_trial_failing_before_mlflow_is_ready_gets_its_run(
+    tmp_path: Path,
+    mlflow_server: LocalServer,
+    slow_setup: dict[str, float],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.01")
+    name = f"late-fail-{time.time_ns()}"
+    cfg = load_config(
+        "tiny", overrides=[f"name={name}", "budget.n_trials=1", "budget.max_epochs=2"]
+    )
+    journal = tmp_path / "optuna.journal"
+    spec = StorageSpec("journal", str(journal), "journal")
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn="test_tracking_late_run:failing_train",
+        tracking_uri=mlflow_server.url, max_errors=1,
+    )  # fmt: skip
+    assert run_worker(cfg, spec, opts).outcomes == {"error": 1}
+    trial = _study(journal, name).trials[0]
+    assert trial.state == optuna.trial.TrialState.FAIL
+
+    client = MlflowClient(mlflow_server.url)
+    exp = client.get_experiment_by_name(name)
+    assert exp is not None
+    runs = client.search_runs([exp.experiment_id], "tags.`hpsearch.role` = 'trial'")
+    assert len(runs) == 1
+    assert runs[0].info.run_id == trial.user_attrs["mlflow_run_id"]
+    assert runs[0].info.status == "FAILED"
+    assert "broken before its first epoch" in str(runs[0].data.tags)
+
+
+def failing_train(config: Any, params: Any, report: Any, options: Any) -> Any:
+    raise RuntimeError("broken before its first epoch")
+
+
+def test_a_dead_trial_without_a_run_gets_one_from_optuna(
+    tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """What the launcher records for a trial whose worker died before its run was made."""
+    from hpsearch.runs import open_study_run, record_dead_trial_run
+
+    name = f"dead-{time.time_ns()}"
+    cfg = load_config("tiny", overrides=[f"name={name}"])
+    journal = tmp_path / "optuna.journal"
+    spec = StorageSpec("journal", str(journal), "journal")
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(journal))
+    )
+    study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    trial = study.ask()
+    trial.suggest_float("lr", 1e-3, 0.5, log=True)
+    trial.set_user_attr("worker", "vm:w1")
+    for epoch, value in ((1, 0.25), (2, 0.5)):
+        trial.report(value, epoch)
+    frozen = study.trials[0]
+    assert (
+        record_dead_trial_run(cfg, mlflow_server.url, frozen, "worker died") is None
+    )  # no study run
+
+    parent = open_study_run(cfg, spec, mlflow_server.url)
+    run_id = record_dead_trial_run(cfg, mlflow_server.url, frozen, "worker died (signal 9)")
+    assert run_id is not None
+    client = MlflowClient(mlflow_server.url)
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["mlflow.parentRunId"] == parent
+    assert run.data.tags["optuna.trial_number"] == "0"
+    assert run.data.tags["hpsearch.worker"] == "vm:w1"
+    assert "worker died (signal 9)" in run.data.tags["hpsearch.reason"]
+    assert float(run.data.params["lr"]) == frozen.params["lr"]
+    history = client.get_metric_history(run_id, "val_acc")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.5)]
+    assert frozen.datetime_start is not None
+    assert run.info.start_time == int(frozen.datetime_start.timestamp() * 1000)
+    trial.set_user_attr("mlflow_run_id", run_id)  # as the launcher links it
+    linked = study.trials[0]
+    assert record_dead_trial_run(cfg, mlflow_server.url, linked, "again") is None  # it has one
