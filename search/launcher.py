@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import optuna
 from hpsearch.config import StudyConfig, config_to_yaml
-from hpsearch.errors import ConfigError, DeviceError, HpsearchError
+from hpsearch.errors import ConfigError, DeviceError, HpsearchError, TrackingError
 from hpsearch.packing import MemoryModel, PackingPlan, pid_alive, plan_from_probe
 from hpsearch.storage import StorageSpec, open_storage, with_db_retry
 from hpsearch.study import (
@@ -384,11 +384,20 @@ class Launcher:
         workers start; they wait for the study run before their first trial."""
         if not self.opts.tracking:
             return None
-        from hpsearch.tracking.server import free_port, running_server_url
+        from hpsearch.tracking.server import (
+            answers_http,
+            free_port,
+            redact_uri,
+            running_server_url,
+        )
 
         port = None
         if self.opts.tracking_uri:
             uri = self.opts.tracking_uri
+            if uri.startswith(("http://", "https://")) and not answers_http(uri):
+                # Before any worker starts: their first trials train before the study run
+                # exists (worker._LateRun), and a launch that cannot log would stop them.
+                raise TrackingError(f"MLflow: no server answers at {redact_uri(uri)}")
         elif (serving := running_server_url(self.opts.workdir)) is not None:
             uri = serving  # one writer per SQLite store: `hpsearch ui` already serves it
         else:

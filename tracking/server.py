@@ -227,6 +227,18 @@ def health_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def answers_http(url: str, timeout_s: float = 5.0) -> bool:
+    """True when a server answers HTTP at ``url`` (any status: a hosted MLflow may have no
+    ``/health``); False when none can be reached."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 def _read_tail(path: Path, max_bytes: int = 8192) -> str:
     try:
         with open(path, "rb") as f:
