@@ -381,20 +381,17 @@ class Launcher:
     def _start_tracking(self) -> str | None:
         """The tracking URI, known at once. The slow part (starting the embedded server,
         importing MLflow, opening the study run: seconds each) runs on a thread while the
-        workers start; they wait for the study run before their first trial."""
+        workers start; their first trials train meanwhile (worker._LateRun). An explicit
+        server that does not answer is refused here, before any worker starts."""
         if not self.opts.tracking:
             return None
-        from hpsearch.tracking.server import (
-            answers_http,
-            free_port,
-            redact_uri,
-            running_server_url,
-        )
+        from hpsearch.tracking.server import free_port, health_ok, redact_uri, running_server_url
 
         port = None
         if self.opts.tracking_uri:
             uri = self.opts.tracking_uri
-            if uri.startswith(("http://", "https://")) and not answers_http(uri):
+            remote = uri.startswith(("http://", "https://"))
+            if remote and not health_ok(uri, timeout_s=5.0, any_status=True):
                 # Before any worker starts: their first trials train before the study run
                 # exists (worker._LateRun), and a launch that cannot log would stop them.
                 raise TrackingError(f"MLflow: no server answers at {redact_uri(uri)}")
@@ -619,9 +616,9 @@ class Launcher:
             # A trial that died before its MLflow run was made: its run goes under the study
             # run, which the tracking thread may still be making (the embedded server starts).
             self._tracking_thread.join()
-        for t in mine:
-            from hpsearch.runs import mark_run_failed, record_dead_trial_run
+        from hpsearch.runs import mark_run_failed, record_dead_trial_run
 
+        for t in mine:
             # A trial that died before its MLflow run was made gets one, linked while the
             # trial still runs (a finished trial takes no attributes).
             uri = self._tracking_uri if self._tracking_error is None else None

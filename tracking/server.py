@@ -218,23 +218,14 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def health_ok(url: str, timeout_s: float = 2.0) -> bool:
-    """True when ``<url>/health`` answers 200."""
+def health_ok(url: str, timeout_s: float = 2.0, *, any_status: bool = False) -> bool:
+    """True when ``<url>/health`` answers 200; with ``any_status``, when a server answers
+    there at all (a hosted MLflow may have no ``/health``)."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
-            return int(resp.status) == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def answers_http(url: str, timeout_s: float = 5.0) -> bool:
-    """True when a server answers HTTP at ``url`` (any status: a hosted MLflow may have no
-    ``/health``); False when none can be reached."""
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s):
-            return True
-    except urllib.error.HTTPError:
-        return True
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as resp:
+            return any_status or int(resp.status) == 200
+    except urllib.error.HTTPError:  # an answer, not a 2xx one
+        return any_status
     except (urllib.error.URLError, OSError, ValueError):
         return False
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import subprocess
 import sys
@@ -122,6 +123,29 @@ def test_running_server_url_ignores_stale_or_broken_state(tmp_path: Path) -> Non
 def test_one_line() -> None:
     assert one_line("a\n\n b \nc") == "a | b | c"
     assert one_line("x" * 50, limit=10) == "..." + "x" * 10
+
+
+def test_health_ok_tells_a_server_without_health_from_none(tmp_path: Path) -> None:
+    """`launch --tracking-uri` refuses a URL where nothing answers, not one that answers
+    404 to /health (a hosted MLflow may not serve it)."""
+    import http.server
+    import threading
+
+    httpd = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0),
+        functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path)),
+    )
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        assert not srv.health_ok(url)  # 404: not an MLflow health check
+        assert srv.health_ok(url, any_status=True)
+        assert srv.health_ok(url + "/", any_status=True)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    closed = srv.free_port()
+    assert not srv.health_ok(f"http://127.0.0.1:{closed}", timeout_s=1.0, any_status=True)
 
 
 # --------------------------------------------------------------------------- failures (fast)
