@@ -434,8 +434,8 @@ class TrackingSession:
             raise self._setup_error
 
     def when_ready(self, job: Callable[[], None]) -> None:
-        """Run `job` now if the set-up is over, else on the set-up thread once it is. A job
-        must not raise (it runs on a thread nobody joins but `wait_ready`)."""
+        """Run `job` now if the set-up is over, else on the set-up thread once it is (where
+        an exception it raises is logged, not raised)."""
         with self._ready_lock:
             if not self.ready():
                 self._on_ready.append(job)
@@ -646,6 +646,7 @@ def record_dead_trial_run(
             worker=str(trial.user_attrs.get(ATTR_WORKER, "")),
             host=str(host) if host else None,
             start_time_ms=int(started.timestamp() * 1000) if started is not None else None,
+            start_timeout_s=5.0,  # on the launcher's supervising loop
         )
         if not tracker.enabled:
             return None
