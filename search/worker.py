@@ -619,8 +619,9 @@ def run_trial(
             return "error"
         # A first trial that ended before MLflow's set-up did waits here for its run.
         run = late.wait() if late is not None else None
-        if first_epoch and root != trial.number:  # a retry: where it picked up
-            db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, first_epoch[0]), "set_user_attr")
+        if root != trial.number:  # a retry: where it picked up
+            resumed = resumed_from_epoch(first_epoch, result.history)
+            db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, resumed), "set_user_attr")
         setup_s = float(getattr(result, "setup_seconds", 0.0) or 0.0)
         timing.startup_s = handed_over - began + setup_s
         timing.setup_s = setup_s
@@ -719,6 +720,15 @@ def _tell(
     if run is not None:
         run.finish_result(result)
     return reason
+
+
+def resumed_from_epoch(trained: list[int], history: list[Any]) -> int:
+    """The first epoch a retry trained, 1-based. A retry whose checkpoint already held every
+    epoch (its try died after the last checkpoint, before the tell) trained none: it picked
+    up after the last epoch of its restored history."""
+    if trained:
+        return trained[0]
+    return max((int(r.epoch) for r in history), default=0) + 1
 
 
 def checkpoints_to_delete(

@@ -75,7 +75,9 @@ def train(
         history.append(rec)
         if options.on_epoch is not None:
             options.on_epoch(rec)
-        if ckpt is not None:
+        # Like the real trainer: no resume checkpoint at the trial's last epoch (it is told
+        # next), so a retry always has an epoch left to train.
+        if ckpt is not None and epoch < config.budget.max_epochs:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             tmp = ckpt.with_suffix(".tmp")
             tmp.write_text(json.dumps({"epoch": epoch, "history": [r.__dict__ for r in history]}))

@@ -19,6 +19,8 @@ from hpsearch.study import (
     may_start_trial,
     suggest,
 )
+from hpsearch.trainer import EpochRecord
+from hpsearch.worker import resumed_from_epoch
 
 
 def test_may_start_trial_counts_finished_and_running_but_not_failed() -> None:
@@ -179,3 +181,13 @@ def test_terminal_values() -> None:
     assert format_value(0.123456789) == "0.123457"
     assert format_value([0.5, 12.25]) == "[0.5, 12.25]"
     assert format_value(None) == "-"
+
+
+def test_resumed_from_is_the_first_epoch_trained_or_the_one_after_the_history() -> None:
+    def rec(epoch: int) -> EpochRecord:
+        return EpochRecord(epoch, 0.5, 0.5, 0.5, 0.5, 0.1, 1.0, 100.0)
+
+    assert resumed_from_epoch([3, 4, 5], [rec(1), rec(2), rec(3), rec(4), rec(5)]) == 3
+    # The checkpoint held every epoch: nothing left to train, it picked up after the last.
+    assert resumed_from_epoch([], [rec(1), rec(2), rec(3)]) == 4
+    assert resumed_from_epoch([], []) == 1  # no checkpoint and stopped before epoch 1

@@ -70,7 +70,7 @@ def test_kill_9_worker_mid_trial_resumes_from_checkpoint(
         assert isinstance(victim, optuna.trial.FrozenTrial)
         pid = victim.user_attrs["pid"]
         os.kill(pid, signal.SIGKILL)
-        killed_at = len(victim.intermediate_values)
+        seen = len(victim.intermediate_values)  # >= 2
         out, _ = proc.communicate(timeout=240)
     finally:
         proc.kill()
@@ -84,9 +84,15 @@ def test_kill_9_worker_mid_trial_resumes_from_checkpoint(
     retry = [t for t in trials if t.system_attrs.get("failed_trial") == victim.number]
     assert len(retry) == 1 and retry[0].state in FINISHED and retry[0].params == victim.params
     resumed_from = retry[0].user_attrs["resumed_from_epoch"]
-    # The retry trains from the epoch after the last checkpoint: at most the epoch in flight
-    # when the worker died is lost.
-    assert resumed_from in (killed_at + 1, killed_at + 2), (resumed_from, killed_at)
+    # The retry trains from the epoch after the last checkpoint, which comes before its
+    # epoch's report: nothing the victim had reported when it was seen is trained again
+    # (but the last epoch, which has no checkpoint).
+    assert resumed_from >= min(seen + 1, 5), (resumed_from, seen)
+    # At most the epoch in flight is lost. The kill lands a poll after the victim was seen, so
+    # what it had reported by then is read from the dead trial, plus one report whose write
+    # may have been in flight; no checkpoint is written at the last epoch (told next).
+    reported = len(dead.intermediate_values)
+    assert resumed_from <= min(reported + 3, 5), (resumed_from, reported)
     assert sorted(retry[0].intermediate_values) == list(range(1, 6))
     assert "worker 0 died (signal 9)" in out or "worker 1 died (signal 9)" in out
     # The dead worker's MLflow run (embedded server of the launch) is FAILED, not RUNNING.
@@ -100,7 +106,7 @@ def test_kill_9_worker_mid_trial_resumes_from_checkpoint(
         assert "worker died (signal 9)" in run.data.tags["hpsearch.reason"]
         again = client.get_run(retry[0].user_attrs["mlflow_run_id"])
         assert again.info.status == "FINISHED" and again.info.run_id != run.info.run_id
-    print(f"killed after epoch {killed_at}; retry resumed at epoch {resumed_from}")
+    print(f"killed after epoch {reported}; retry resumed at epoch {resumed_from}")
 
 
 def test_independent_worker_killed_is_detected_stale_and_retried(
