@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import optuna
+from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import ConfigError, DeviceError, HpsearchError, TrackingError
 from hpsearch.packing import MemoryModel, PackingPlan, pid_alive, plan_from_probe
@@ -415,6 +416,9 @@ class Launcher:
                 self._server = start_local_server(self.opts.workdir, port=port)
             if port is not None or not self.opts.tracking_uri:
                 self._event(f"MLflow UI: {uri}")
+            # After the server's start (it would inherit the policy; users browse it): the
+            # MLflow import and the study run take only CPU time the workers leave.
+            lower_priority()
             open_study_run(self.cfg, self.spec, uri)
         except HpsearchError as exc:  # raised in the supervising loop, which stops the workers
             self._tracking_error = exc
@@ -530,6 +534,7 @@ class Launcher:
         self._prepared = True
 
         def warm_import() -> None:
+            lower_priority()
             # What the study's artifacts need: MLflow and the plotting libraries (seconds).
             # Not torch: the best trial's worker exports its ONNX. A missing one is
             # reported by the step that needs it; this is a head start only.
@@ -559,6 +564,7 @@ class Launcher:
         uri = self._tracking_uri
 
         def run() -> None:
+            lower_priority()
             self._finalized = finalize_study(self.cfg, self.spec, uri, self.study,
                                              self.opts.workdir,
                                              self._any_worker_alive)  # fmt: skip

@@ -403,6 +403,8 @@ class TrackingSession:
             self.wait_ready()
 
     def _setup(self, await_study_run_s: float) -> None:
+        if self._setup_thread is not None:  # beside a trial's training, in idle CPU time
+            lower_priority()
         try:
             self.client = _client(self.uri)  # imports MLflow: about 1.3 s of CPU
             if await_study_run_s > 0:
@@ -493,9 +495,12 @@ class TrackingSession:
         root: int,
         ckpt: Path,
         start_time_ms: int | None = None,
+        early_gpu: tuple[Any, Any] | None = None,
     ) -> TrialRun | None:
         """The trial's MLflow run, its GPU sampler started; None without MLflow. The run
-        starts at `start_time_ms` (ms since the epoch) when given, else now."""
+        starts at `start_time_ms` (ms since the epoch) when given, else now. `early_gpu`
+        (`early_gpu_sampler`) is a sampler already running since the trial's start: the run
+        takes it and its samples so far; it stays the caller's when no run is returned."""
         from hpsearch.tracking.gpu import sampler_for_tracker
         from hpsearch.tracking.mlflow_logger import TrialTracker, trial_params
 
@@ -534,20 +539,39 @@ class TrackingSession:
         )
         if not tracker.enabled:
             return None
-        t = self.cfg.tracking
-        sampler = sampler_for_tracker(
-            tracker,
-            interval_s=t.gpu_interval_s,
-            window_s=t.input_bound_window_s,
-            threshold_pct=t.input_bound_threshold,
-            stop_when_input_bound=t.stop_input_bound,
-        )
+        if early_gpu is not None:
+            sampler, relay = early_gpu
+            relay.attach(tracker)
+            return TrialRun(self, tracker, sampler, trial, ckpt)
+        sampler = sampler_for_tracker(tracker, **self._sampler_options())
         try:
             sampler.start()
         except Exception as exc:  # telemetry never fails a trial
             logger.warning("GPU sampler failed to start: %s", exc)
             sampler = None
         return TrialRun(self, tracker, sampler, trial, ckpt)
+
+    def early_gpu_sampler(self) -> tuple[Any, Any] | None:
+        """A GPU sampler started now, for a trial whose run starts later (a worker's first
+        trial trains while MLflow is set up): `(sampler, relay)` for `start_trial`, which
+        hands its samples so far to the run with their times; None without a GPU."""
+        from hpsearch.tracking.gpu import relayed_sampler
+
+        sampler, relay = relayed_sampler(**self._sampler_options())
+        try:
+            return (sampler, relay) if sampler.start() else None
+        except Exception as exc:  # telemetry never fails a trial
+            logger.warning("GPU sampler failed to start: %s", exc)
+            return None
+
+    def _sampler_options(self) -> dict[str, Any]:
+        t = self.cfg.tracking
+        return {
+            "interval_s": t.gpu_interval_s,
+            "window_s": t.input_bound_window_s,
+            "threshold_pct": t.input_bound_threshold,
+            "stop_when_input_bound": t.stop_input_bound,
+        }
 
     def checkpoint_to_upload(self, trial: Any, result: Any) -> tuple[Path | None, bool]:
         """The best-model file of a finished trial if it ranks in the study's top k by its

@@ -417,8 +417,8 @@ class _LateRun:
     set up: at once for every trial but a worker's first, which trains meanwhile (importing
     MLflow alone is 1.3 s of CPU on the path to the GPU's first step). Epoch records and the
     latest resume checkpoint from before the start are handed to the run when it starts, and
-    the run is dated from the trial's start; its GPU samples begin with the run. `wait`
-    returns the run (or None) for the tell."""
+    the run is dated from the trial's start; so are its GPU samples, whose sampler starts
+    with the trial and is handed to the run. `wait` returns the run (or None) for the tell."""
 
     def __init__(
         self, tracking: Any, trial: optuna.Trial, params: Mapping[str, Any], root: int,
@@ -433,25 +433,38 @@ class _LateRun:
         self._error: StorageError | None = None
         self._cancelled = False
         self._args = (trial, params, root, ckpt, db, int(time.time() * 1000))
+        # (sampler, relay) running from the trial's start, until the run takes it
+        self._gpu: tuple[Any, Any] | None = None
+        if not tracking.ready():
+            self._gpu = tracking.early_gpu_sampler()
         tracking.when_ready(self._start)
         if self._error is not None:  # started here, and the database is down: stop now
             error, self._error = self._error, None
             raise error
 
     def cancel(self) -> None:
-        """The trial was given up before its run started (the worker stops): none starts."""
+        """The trial is over: a run that has not started now never starts (the worker
+        stops, or MLflow's set-up failed), and a GPU sampler no run took is stopped."""
         with self._lock:
             self._cancelled = True
+            gpu, self._gpu = self._gpu, None
+        _stop_sampler(gpu)
 
     def _start(self) -> None:  # here, or on the session's set-up thread
         trial, params, root, ckpt, db, start_ms = self._args
         with self._lock:
+            gpu, self._gpu = self._gpu, None
             if self._cancelled:
                 self._started = True
+                _stop_sampler(gpu)
                 return
         run = None
         try:
-            run = self._tracking.start_trial(trial, params, root, ckpt, start_time_ms=start_ms)
+            run = self._tracking.start_trial(
+                trial, params, root, ckpt, start_time_ms=start_ms, early_gpu=gpu
+            )
+            if run is not None:
+                gpu = None  # the run's now: it stops the sampler when it ends
             run_id = run.run_id if run is not None else None
             if run_id:
                 db(lambda: trial.set_user_attr(ATTR_RUN_ID, run_id), "set_user_attr")
@@ -462,6 +475,7 @@ class _LateRun:
                 run = None
         except Exception as exc:  # tracking is best effort: the trial goes on untracked
             logger.warning("trial %s: no MLflow run: %s", trial.number, exc)
+        _stop_sampler(gpu)  # no run took it
         with self._lock:
             self.run, self._started = run, True
             pending, self._pending = self._pending, []
@@ -502,6 +516,15 @@ class _LateRun:
             error, self._error = self._error, None
             raise error
         return self.run
+
+
+def _stop_sampler(gpu: tuple[Any, Any] | None) -> None:
+    if gpu is None:
+        return
+    try:
+        gpu[0].stop()
+    except Exception as exc:  # telemetry never fails a trial
+        logger.warning("GPU sampler stop failed: %s", exc)
 
 
 def run_trial(

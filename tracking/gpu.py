@@ -560,28 +560,79 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class TrackerRelay:
+    """A sampler's sink and input-bound hook before its tracker exists (a trial that trains
+    before its MLflow run starts): samples keep the time they were taken and a raised flag
+    is kept, both at most ``limit`` deep, until :meth:`attach` hands them to the tracker;
+    later ones go straight to it. Thread-safe (the sampler's thread calls it)."""
+
+    def __init__(
+        self, on_input_bound: Callable[[float], None] | None = None, limit: int = 1000
+    ) -> None:
+        self._lock = threading.Lock()
+        self._tracker: TrackerLike | None = None
+        self._samples: deque[tuple[dict[str, float], int]] = deque(maxlen=limit)
+        self._input_bound: float | None = None
+        self._user_cb = on_input_bound
+
+    def __call__(self, metrics: Mapping[str, float]) -> None:
+        with self._lock:
+            if self._tracker is None:
+                self._samples.append((dict(metrics), int(time.time() * 1000)))  # ms
+                return
+            self._tracker.log_system(metrics)
+
+    def flag(self, mean: float) -> None:
+        """The sampler's ``on_input_bound``: tags the run ``hpsearch.input_bound=true``."""
+        with self._lock:
+            if self._tracker is None:
+                self._input_bound = mean
+            else:
+                self._tag(self._tracker, mean)
+        if self._user_cb is not None:
+            self._user_cb(mean)
+
+    def attach(self, tracker: TrackerLike) -> None:
+        """Send what was kept to ``tracker`` (in order, with its times), then forward."""
+        with self._lock:  # held: a new sample must not overtake the kept ones
+            for metrics, ts_ms in self._samples:
+                tracker.log_system(metrics, ts_ms)
+            self._samples.clear()
+            if self._input_bound is not None:
+                self._tag(tracker, self._input_bound)
+            self._tracker = tracker
+
+    @staticmethod
+    def _tag(tracker: TrackerLike, mean: float) -> None:
+        tracker.set_tags(
+            {"hpsearch.input_bound": "true", "hpsearch.input_bound_utilization": f"{mean:.1f}"}
+        )
+
+
+def relayed_sampler(**kwargs: Any) -> tuple[GpuSampler, TrackerRelay]:
+    """A GpuSampler that can start before its tracker exists; ``relay.attach(tracker)``
+    sends its samples and its input-bound flag to the tracker from then on."""
+    relay = TrackerRelay(kwargs.pop("on_input_bound", None))
+    return GpuSampler(relay, on_input_bound=relay.flag, **kwargs), relay
+
+
 def sampler_for_tracker(tracker: TrackerLike, **kwargs: Any) -> GpuSampler:
     """A GpuSampler whose samples go to ``tracker.log_system`` and whose input-bound flag sets
     ``hpsearch.input_bound=true`` on the run. Call ``.start()`` / ``.stop()`` around training
     and log ``.stop()``'s summary with the trial's summary metrics."""
-
-    def flag(mean: float) -> None:
-        tracker.set_tags(
-            {"hpsearch.input_bound": "true", "hpsearch.input_bound_utilization": f"{mean:.1f}"}
-        )
-        if user_cb is not None:
-            user_cb(mean)
-
-    user_cb: Callable[[float], None] | None = kwargs.pop("on_input_bound", None)
-    return GpuSampler(tracker.log_system, on_input_bound=flag, **kwargs)
+    sampler, relay = relayed_sampler(**kwargs)
+    relay.attach(tracker)
+    return sampler
 
 
 __all__ = [
     "DeviceRef",
     "GpuSampler",
+    "TrackerRelay",
     "device_labels",
     "integrate_power",
     "is_input_bound",
+    "relayed_sampler",
     "reset_warnings",
     "resolve_visible_devices",
     "sampler_for_tracker",

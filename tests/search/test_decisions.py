@@ -149,18 +149,23 @@ def test_background_threads_yield_the_cpu_to_training() -> None:
 
     from hpsearch.background import NICE, lower_priority
 
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
 
     def background() -> None:
         lower_priority()
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        tid = threading.get_native_id()
+        seen.append((os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)))
 
     before = os.getpriority(os.PRIO_PROCESS, 0)
+    policy = os.sched_getscheduler(0)
     t = threading.Thread(target=background)
     t.start()
     t.join()
-    assert seen == [min(19, before + NICE)]
-    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the training thread keeps its own
+    # Idle time only (Linux): it never takes a core from a thread of the normal class.
+    assert seen == [(min(19, before + NICE), os.SCHED_IDLE)]
+    # The training thread keeps its own.
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    assert os.sched_getscheduler(0) == policy != os.SCHED_IDLE
 
 
 def test_pareto_dominance() -> None:

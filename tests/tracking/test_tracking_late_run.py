@@ -5,6 +5,7 @@ before the session is ready still gets its run."""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from hpsearch.storage import StorageSpec
 from hpsearch.tracking.server import LocalServer
 from hpsearch.worker import WorkerOptions, run_worker
 from mlflow.tracking import MlflowClient
+from test_tracking_gpu import UUIDS, FakeGpu, FakeNVML
 
 SETUP_S = 2.0  # s: the MLflow set-up is held up this long, past the first trial's epochs
 
@@ -50,6 +52,9 @@ def test_first_trial_trains_before_mlflow_is_ready(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.2")  # 3 epochs end well before SETUP_S
+    # One fake GPU (NVML's functions) the worker's sampler reads every 0.1 s.
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML([FakeGpu(UUIDS[0])]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     name = f"late-{time.time_ns()}"
     cfg = load_config(
         "tiny",
@@ -57,6 +62,7 @@ def test_first_trial_trains_before_mlflow_is_ready(
             f"name={name}",
             "budget.n_trials=2",
             "budget.max_epochs=3",
+            "tracking.gpu_interval_s=0.1",
             "pruner={name: none}",
         ],
     )
@@ -90,6 +96,15 @@ def test_first_trial_trains_before_mlflow_is_ready(
     # trial's start, not from the set-up's end.
     assert max(m.timestamp for m in epochs) < slow_setup["ready_ms"]
     assert began_ms <= first.info.start_time < slow_setup["ready_ms"] - 0.5 * SETUP_S * 1000
+    # Its GPU was sampled from its start too: the samples taken before the run existed
+    # reached it with their own times, in order.
+    gpu = client.get_metric_history(first.info.run_id, "system/gpu_utilization")
+    stamps = [m.timestamp for m in sorted(gpu, key=lambda m: m.step)]
+    assert stamps == sorted(stamps) and all(m.value == 90.0 for m in gpu)
+    assert first.info.start_time <= stamps[0] < first.info.start_time + 500  # ms
+    assert len([t for t in stamps if t < slow_setup["ready_ms"]]) >= 10
+    later = client.get_metric_history(by_number[1].info.run_id, "system/gpu_utilization")
+    assert later and min(m.timestamp for m in later) >= by_number[1].info.start_time
 
 
 def test_a_trial_failing_before_mlflow_is_ready_gets_its_run(
