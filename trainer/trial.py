@@ -254,17 +254,38 @@ def evaluate(
 # --- checkpoints -------------------------------------------------------------------------
 
 
-def atomic_save(obj: Any, path: Path) -> None:
+class _Dropped(Exception):
+    """A write given up half-way (`_CheckpointWriter.drop`): the old file stays."""
+
+
+class _DroppableFile:
+    """The file torch.save writes to, in pieces: a write after `drop` is set raises."""
+
+    def __init__(self, fh: Any, drop: threading.Event) -> None:
+        self._fh, self._drop = fh, drop
+
+    def write(self, data: Any) -> int:
+        if self._drop.is_set():
+            raise _Dropped
+        return int(self._fh.write(data))
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+
+def atomic_save(obj: Any, path: Path, drop: threading.Event | None = None) -> bool:
     """torch.save to a temp file in the same folder, fsync, os.replace: readers see the old
-    file or the new one, never half of one. Any OSError -> CheckpointError, old file kept."""
+    file or the new one, never half of one. Any OSError -> CheckpointError, old file kept.
+    With `drop`, the write is given up once it is set (False; the old file is kept)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
+            torch.save(obj, fh if drop is None else _DroppableFile(fh, drop))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        return True
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -272,6 +293,13 @@ def atomic_save(obj: Any, path: Path) -> None:
         raise CheckpointError(
             f"checkpoint {path}: write failed ({reason}); the previous checkpoint is intact"
         ) from exc
+    except BaseException:
+        if drop is None or not drop.is_set():
+            raise
+        # torch.save may hand our exception back wrapped (it crossed its C++ writer)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return False
 
 
 def _cpu_copy(obj: Any) -> Any:
@@ -290,24 +318,40 @@ class _CheckpointWriter:
     """Writes checkpoint files on a background thread while the next epoch trains: on a fast
     GPU an epoch can take less than writing ~100 MB. One job at a time, in order; a failed
     write raises CheckpointError at the next submit or at `wait` (the previous file is
-    intact either way, atomic_save sees to that)."""
+    intact either way, atomic_save sees to that). `drop` gives up a resume checkpoint that
+    is not on disk yet, for a trial that has ended for good."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._drop = threading.Event()
+        self._droppable: Path | None = None
 
     def submit(
-        self, files: list[tuple[dict[str, Any], Path]], done: Callable[[], None] | None = None
+        self,
+        files: list[tuple[dict[str, Any], Path]],
+        done: Callable[[], None] | None = None,
+        droppable: Path | None = None,
     ) -> None:
-        """Write `files` in order, then call `done` (when every write succeeded)."""
+        """Write `files` in order, then call `done` (when every write succeeded). The file
+        at `droppable` (the resume checkpoint) is not written, nor `done` called, once
+        `drop` was called."""
         self.wait()
         snapshot = [(_cpu_copy(obj), path) for obj, path in files]
+        self._droppable = droppable
+        drop = self._drop
 
         def write() -> None:
+            # Idle CPU time only: a training thread waits for this at the next submit and at
+            # the trial's end, which frees the core it needs (lower_priority).
             lower_priority()
             try:
                 for obj, path in snapshot:
-                    atomic_save(obj, path)
+                    if path == droppable:
+                        if drop.is_set() or not atomic_save(obj, path, drop):
+                            return
+                    else:
+                        atomic_save(obj, path)
             except BaseException as exc:  # re-raised on the training thread
                 self._error = exc
                 return
@@ -319,6 +363,11 @@ class _CheckpointWriter:
 
         self._thread = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
         self._thread.start()
+
+    def drop(self) -> None:
+        """Give up the resume checkpoint still being written (its temp file is removed and
+        the previous one kept); the best-model file is still written in full."""
+        self._drop.set()
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -383,6 +432,10 @@ class _Run:
     best_model_path: Path | None = None
 
 
+# Stop reasons after which a trial is never resumed (it is pruned, or trained to its end).
+ENDED_FOR_GOOD = frozenset({"pruned", "finished", "early_stopped"})
+
+
 def train(
     config: StudyConfig,
     params: Mapping[str, Any],
@@ -398,6 +451,10 @@ def train(
     writer = _CheckpointWriter()
     try:
         _train(config, hp, dict(params), report, options, device, run, start, writer)
+        if run.stop_reason in ENDED_FOR_GOOD:
+            # Told next, and its resume checkpoint deleted unread: one still being written
+            # (the epoch before the last; it gets idle CPU time only) is not waited for.
+            writer.drop()
     except torch.OutOfMemoryError:
         oom = True  # handled below, outside the except block, so the traceback is gone
     finally:
@@ -720,7 +777,7 @@ def _train(
                 run.checkpoint_path = ckpt_path
                 last_saved, saved_through = time.perf_counter(), epoch
             if files:
-                writer.submit(files, done)
+                writer.submit(files, done, droppable=ckpt_path)
         if options.on_epoch is not None:
             options.on_epoch(record)
         if run.stop_reason != "finished":

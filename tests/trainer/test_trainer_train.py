@@ -111,7 +111,9 @@ def test_on_checkpoint_sees_the_save_just_written(tmp_path: Path) -> None:
 
     opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt, on_checkpoint=hook)
     full = train(cfg, TINY, lambda e, v: False, opts)
-    assert full.stop_reason == "finished" and seen == [1, 2]  # the last epoch ends the trial
+    # The last epoch ends the trial (no save); epoch 2's save, written while epoch 3 trains,
+    # is given up if it is not on disk when the trial ends (nothing resumes a finished one).
+    assert full.stop_reason == "finished" and seen in ([1], [1, 2])
     seen.clear()
     ckpt.unlink(missing_ok=True)
     epochs: list[int] = []
@@ -241,9 +243,9 @@ def test_checkpoint_interval_saves_at_the_end_and_when_a_stop_is_asked(
     saved: list[tuple[str, Any]] = []
     real = train_module.atomic_save
 
-    def spy(obj: Any, path: Path) -> None:
+    def spy(obj: Any, path: Path, drop: Any = None) -> bool:
         saved.append((path.name, obj.get("epoch")))
-        real(obj, path)
+        return bool(real(obj, path, drop))
 
     monkeypatch.setattr(train_module, "atomic_save", spy)
     cfg = synthetic(
@@ -308,14 +310,46 @@ def test_failed_checkpoint_write_keeps_previous(
 
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(CheckpointError, match=r"No space left on device.*previous checkpoint"):
-        train(
-            synthetic(budget={"max_epochs": 3}),
+        train(  # 4 epochs: epoch 3's save waits for epoch 2's (one that ends the trial won't)
+            synthetic(budget={"max_epochs": 4}),
             TINY,
             options=TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt),
         )
     kept = torch.load(ckpt, weights_only=False)
     assert kept["epoch"] == 1 and len(kept["history"]) == 1
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tmp") == []
+
+
+def test_a_dropped_resume_checkpoint_keeps_the_previous_one_and_the_best_model(
+    tmp_path: Path,
+) -> None:
+    """A trial that ends while its resume checkpoint is being written gives that write up
+    half-way: the previous file stays whole, no temp file is left, the hook is not called;
+    the best model, written first, is written in full."""
+    writer = train_module._CheckpointWriter()
+    ckpt, best = tmp_path / "t.pt", tmp_path / "t.best.pt"
+    train_module.atomic_save({"epoch": 1}, ckpt)
+    done: list[int] = []
+
+    class EndsTheTrial:  # pickled while the checkpoint is being written
+        def __reduce__(self) -> tuple[Any, ...]:
+            writer.drop()
+            return (dict, ())
+
+    state = {"epoch": 2, "end": EndsTheTrial(), "weights": torch.zeros(1000)}
+    writer.submit(
+        [({"model": {"w": torch.ones(3)}}, best), (state, ckpt)],
+        lambda: done.append(1),
+        droppable=ckpt,
+    )
+    writer.wait()
+    assert torch.load(ckpt, weights_only=False) == {"epoch": 1}
+    assert torch.equal(torch.load(best, weights_only=False)["model"]["w"], torch.ones(3))
+    assert done == [] and sorted(p.name for p in tmp_path.iterdir()) == ["t.best.pt", "t.pt"]
+    # Once dropped, a later resume checkpoint of the same writer is not written at all.
+    writer.submit([({"epoch": 3}, ckpt)], lambda: done.append(1), droppable=ckpt)
+    writer.wait()
+    assert torch.load(ckpt, weights_only=False) == {"epoch": 1} and done == []
 
 
 def test_time_limit(tmp_path: Path) -> None:
