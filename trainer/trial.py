@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -281,7 +281,7 @@ def atomic_save(obj: Any, path: Path, drop: threading.Event | None = None) -> bo
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:
-            torch.save(obj, fh if drop is None else _DroppableFile(fh, drop))
+            torch.save(obj, fh if drop is None else cast(IO[bytes], _DroppableFile(fh, drop)))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
