@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import multiprocessing
 import os
@@ -17,36 +18,59 @@ from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
-NICE = 10  # added to the thread's nice value where SCHED_IDLE is unavailable
+NICE = 10  # added to a background thread's nice value
 T = TypeVar("T")
 
 
-def lower_priority() -> None:
+def lower_priority(idle: bool = False) -> None:
     """Call first thing in a background thread (MLflow set-up and uploads, plots, checkpoint
-    writes): the scheduler then gives it only CPU time that training leaves idle. On Linux a
-    thread has its own scheduling policy, set here to SCHED_IDLE (any unprivileged thread
-    may take it), and its own nice value. A nice value alone still lets the thread take a
-    core from a training thread for a time slice, and torch's other threads then wait for
-    that one at the next parallel region: on 2 cores, the overhead bench's worker spent
-    73 s of CPU with nice 10 and 66 s with SCHED_IDLE for the same work (plain Optuna: 65).
-    The thread waits for idle time, not for its turn, so a training thread that waits for it
-    (the checkpoint writer before the next write, the MLflow set-up before the tell) frees
-    the core it needs. Threads and processes it starts inherit the policy, so only threads
-    that start no worker or server call this. Elsewhere, or when not allowed, the nice
-    value alone is raised, or nothing happens."""
+    writes). On Linux a thread has its own nice value and scheduling policy.
+
+    Its nice value is raised by NICE: the thread gets less CPU time than training threads,
+    but still a share when they fill every core, so work that others wait for with a time
+    limit while training goes on (a run's ending and uploads, plots, the launcher's study
+    run) is never starved.
+
+    With `idle`, the thread also takes SCHED_IDLE (any unprivileged thread may): it runs
+    only in CPU time that training leaves idle. A nice value alone still lets it take a
+    core from a training thread for a time slice, and torch's other threads wait for that
+    one at the next parallel region. Only for work a training thread waits for without a
+    time limit when it needs it (the checkpoint writer at the next save, MLflow's import
+    before the first tell: `import_in_idle_time`), so that the waiting itself frees a core
+    for it. Threads and processes it starts inherit the policy. Elsewhere, or when not
+    allowed, less happens."""
     tid = threading.get_native_id()
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, tid, NICE)
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    if idle:
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+
+
+def import_in_idle_time(name: str) -> None:
+    """Import module `name` (if it is not yet) on a thread of its own that runs in idle CPU
+    time only (`lower_priority(idle=True)`), and wait for it. For an import that costs
+    seconds of CPU beside training: a thread that goes on to start threads of its own (a
+    run's sender) stays out of the idle class, which they would inherit."""
+
+    def run() -> None:
+        lower_priority(idle=True)
+        with contextlib.suppress(ImportError):  # the caller's own import reports it
+            importlib.import_module(name)
+
+    thread = threading.Thread(target=run, daemon=True, name=f"import-{name}")
+    thread.start()
+    thread.join()
 
 
 def _helper_init(parent_pid: int) -> None:
-    """In the helper: lower its priority (SCHED_IDLE), ignore Ctrl-C (it reaches the whole
+    """In the helper: lower its priority, ignore Ctrl-C (it reaches the whole
     process group; the worker stops gracefully and ends the helper itself), and end it when
     its parent is gone (a worker killed with SIGKILL closes nothing, and the helper would
     wait forever)."""
     lower_priority()  # this process's only thread so far: its threads inherit it
+    # (not SCHED_IDLE: the worker's run endings wait for its jobs, with a time limit, while
+    # training goes on)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:

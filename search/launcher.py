@@ -416,8 +416,8 @@ class Launcher:
                 self._server = start_local_server(self.opts.workdir, port=port)
             if port is not None or not self.opts.tracking_uri:
                 self._event(f"MLflow UI: {uri}")
-            # After the server's start (it would inherit the policy; users browse it): the
-            # MLflow import and the study run take only CPU time the workers leave.
+            # After the server's start (it would inherit it; users browse it). Not idle:
+            # workers wait for the study run, with a time limit, while they train.
             lower_priority()
             open_study_run(self.cfg, self.spec, uri)
         except HpsearchError as exc:  # raised in the supervising loop, which stops the workers

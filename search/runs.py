@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from hpsearch.background import Renderer, lower_priority
+from hpsearch.background import Renderer, import_in_idle_time, lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
 from hpsearch.storage import StorageSpec
@@ -403,8 +403,9 @@ class TrackingSession:
             self.wait_ready()
 
     def _setup(self, await_study_run_s: float) -> None:
-        if self._setup_thread is not None:  # beside a trial's training, in idle CPU time
+        if self._setup_thread is not None:  # beside the first trial's training
             lower_priority()
+            import_in_idle_time("mlflow")  # 1.3 s of CPU; the tell waits for it
         try:
             self.client = _client(self.uri)  # imports MLflow: about 1.3 s of CPU
             if await_study_run_s > 0:

@@ -325,7 +325,6 @@ class _CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._drop = threading.Event()
-        self._droppable: Path | None = None
 
     def submit(
         self,
@@ -338,13 +337,12 @@ class _CheckpointWriter:
         `drop` was called."""
         self.wait()
         snapshot = [(_cpu_copy(obj), path) for obj, path in files]
-        self._droppable = droppable
         drop = self._drop
 
         def write() -> None:
-            # Idle CPU time only: a training thread waits for this at the next submit and at
-            # the trial's end, which frees the core it needs (lower_priority).
-            lower_priority()
+            # Idle CPU time only: the training thread waits for it, when it must, at the next
+            # save and at the trial's end, which frees a core for it (lower_priority).
+            lower_priority(idle=True)
             try:
                 for obj, path in snapshot:
                     if path == droppable:
@@ -459,6 +457,8 @@ def train(
         oom = True  # handled below, outside the except block, so the traceback is gone
     finally:
         writer.wait()  # the last checkpoint is on disk before the result is
+    if run.checkpoint_path is not None and not run.checkpoint_path.is_file():
+        run.checkpoint_path = None  # its only save was given up
     if oom:
         gc.collect()
         if device.type == "cuda":
@@ -767,6 +767,8 @@ def _train(
         # not written (about 45 MB and an fsync for a ResNet-18, waited for before the tell).
         discard = run.stop_reason == "pruned"
         if ckpt_path is not None and (due or ending) and not discard:
+            if ending and run.stop_reason in ENDED_FOR_GOOD:
+                writer.drop()  # the resume checkpoint in flight: see train()
             files = best_files()  # the best model first: the checkpoint refers to it
             done = None
             if not ending:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import optuna
@@ -143,27 +145,31 @@ def test_progress_line_names_input_bound_trials() -> None:
     assert "w0:t5 w1:t6" in line and "input-bound t6 (32% GPU)" in line
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
 def test_background_threads_yield_the_cpu_to_training() -> None:
-    import os
     import threading
 
-    from hpsearch.background import NICE, lower_priority
+    from hpsearch.background import NICE, import_in_idle_time, lower_priority
 
     seen: list[tuple[int, int]] = []
 
-    def background() -> None:
-        lower_priority()
+    def background(idle: bool) -> None:
+        lower_priority(idle=idle)
         tid = threading.get_native_id()
         seen.append((os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)))
 
     before = os.getpriority(os.PRIO_PROCESS, 0)
     policy = os.sched_getscheduler(0)
-    t = threading.Thread(target=background)
-    t.start()
-    t.join()
-    # Idle time only (Linux): it never takes a core from a thread of the normal class.
-    assert seen == [(min(19, before + NICE), os.SCHED_IDLE)]
-    # The training thread keeps its own.
+    for idle in (False, True):
+        t = threading.Thread(target=background, args=(idle,))
+        t.start()
+        t.join()
+    nice = min(19, before + NICE)
+    # A lower share of the CPU; with idle, idle time only: it never takes a training core.
+    assert seen == [(nice, policy), (nice, os.SCHED_IDLE)]
+    # The training thread keeps its own, also after an import in idle time.
+    import_in_idle_time("colorsys")
+    assert "colorsys" in sys.modules
     assert os.getpriority(os.PRIO_PROCESS, 0) == before
     assert os.sched_getscheduler(0) == policy != os.SCHED_IDLE
 

@@ -89,8 +89,10 @@ def test_kill_9_worker_mid_trial_resumes_from_checkpoint(
     # (but the last epoch, which has no checkpoint).
     assert resumed_from >= min(seen + 1, 5), (resumed_from, seen)
     # At most the epoch in flight is lost. The kill lands a poll after the victim was seen, so
-    # what it had reported by then is read from the dead trial, plus one report whose write
-    # may have been in flight; no checkpoint is written at the last epoch (told next).
+    # what it had reported by then is read from the dead trial: its last checkpoint is at
+    # most one epoch past its last stored report, or two when that report's write (made
+    # off the training thread, at most one in flight) had not landed; the retry starts one
+    # epoch later. No checkpoint is written at the last epoch (told next).
     reported = len(dead.intermediate_values)
     assert resumed_from <= min(reported + 3, 5), (resumed_from, reported)
     assert sorted(retry[0].intermediate_values) == list(range(1, 6))

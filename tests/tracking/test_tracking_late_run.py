@@ -17,7 +17,7 @@ from hpsearch.storage import StorageSpec
 from hpsearch.tracking.server import LocalServer
 from hpsearch.worker import WorkerOptions, run_worker
 from mlflow.tracking import MlflowClient
-from test_tracking_gpu import UUIDS, FakeGpu, FakeNVML
+from tracking_helpers import UUIDS, FakeGpu, FakeNVML
 
 SETUP_S = 2.0  # s: the MLflow set-up is held up this long, past the first trial's epochs
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from mlflow import MlflowClient
@@ -50,3 +52,107 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             out.append(int(stat.parent.name))
     return out
+
+
+UUIDS = [f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}" for i in range(4)]
+MIG = "MIG-11111111-2222-3333-4444-555555555555"
+PID = 4242
+
+
+class FakeNVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    util: float = 90.0
+    mem_used: int = 1024 * 1024 * 1024  # 1 GiB
+    power_mw: int = 250_000
+    temp: int = 60
+    sm_clock: int = 1980
+    energy_mj: float | None = 1_000_000.0  # None = not supported
+    proc_util: dict[int, float] | None = field(default_factory=dict)  # None = not supported
+    proc_mem: dict[int, int] = field(default_factory=dict)
+    ts: int = 0
+
+
+class FakeNVML:
+    """The NVML calls GpuSampler makes, over a list of fake GPUs."""
+
+    NVMLError = FakeNVMLError
+
+    def __init__(self, gpus: list[FakeGpu], *, init_error: bool = False) -> None:
+        self.gpus = gpus
+        self.init_error = init_error
+        self.initialized = False
+        self.shutdowns = 0
+        self.queried: set[int] = set()
+
+    def nvmlInit(self) -> None:
+        if self.init_error:
+            raise FakeNVMLError(12)  # library not found
+        self.initialized = True
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        for i, g in enumerate(self.gpus):
+            if g.uuid == uuid:
+                return i
+        raise FakeNVMLError(13)
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return self.gpus[h].uuid
+
+    def _q(self, h: int) -> FakeGpu:
+        self.queried.add(h)
+        return self.gpus[h]
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+        return SimpleNamespace(gpu=self._q(h).util, memory=10)
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return SimpleNamespace(used=self._q(h).mem_used, total=80 * 1024**3)
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        return self._q(h).power_mw
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        assert sensor == 0
+        return self._q(h).temp
+
+    def nvmlDeviceGetClockInfo(self, h: int, clock: int) -> int:
+        assert clock == 1
+        return self._q(h).sm_clock
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: int) -> float:
+        g = self._q(h)
+        if g.energy_mj is None:
+            raise FakeNVMLError(3)
+        return g.energy_mj
+
+    def nvmlDeviceGetProcessUtilization(self, h: int, last_seen: int) -> list[Any]:
+        g = self._q(h)
+        if g.proc_util is None:
+            raise FakeNVMLError(3)
+        g.ts += 1_000_000
+        if not g.proc_util:
+            raise FakeNVMLError(6)  # NOT_FOUND: no sample
+        return [
+            SimpleNamespace(pid=pid, smUtil=u, memUtil=0, timeStamp=g.ts)
+            for pid, u in g.proc_util.items()
+        ]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        g = self._q(h)
+        return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in g.proc_mem.items()]

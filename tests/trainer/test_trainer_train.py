@@ -352,6 +352,42 @@ def test_a_dropped_resume_checkpoint_keeps_the_previous_one_and_the_best_model(
     assert torch.load(ckpt, weights_only=False) == {"epoch": 1} and done == []
 
 
+def test_a_trial_that_ended_gives_up_its_resume_checkpoint_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Epoch 2's resume checkpoint is held up until it is given up: a finished trial gives
+    it up at its end (the file keeps epoch 1; it would be deleted unread after the tell),
+    an interrupted one waits for it (a retry resumes from it)."""
+    real = train_module.atomic_save
+    hold = {"s": 30.0}  # how long epoch 2's save waits to be given up
+    given_up: list[bool] = []
+
+    def slow(obj: Any, path: Path, drop: Any = None) -> bool:
+        if drop is not None and obj.get("epoch") == 2:
+            given_up.append(drop.wait(hold["s"]))
+        return bool(real(obj, path, drop))
+
+    monkeypatch.setattr(train_module, "atomic_save", slow)
+    cfg = synthetic(budget={"max_epochs": 3}, trainer={"checkpoint_every_s": 0})
+    ckpt = tmp_path / "t.pt"
+    opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt)
+    finished = train(cfg, TINY, lambda e, v: False, opts)
+    # Given up half-way, or not begun: the best model before it took long enough.
+    assert finished.stop_reason == "finished" and given_up in ([True], [])
+    assert torch.load(ckpt, weights_only=False)["epoch"] == 1
+    assert finished.best_model_path is not None and finished.best_model_path.is_file()
+
+    given_up.clear()
+    hold["s"] = 1.0
+    ckpt.unlink()
+    epochs: list[int] = []
+    stop = dataclasses.replace(opts, on_epoch=lambda r: epochs.append(r.epoch),
+                               should_interrupt=lambda: len(epochs) >= 2)  # fmt: skip
+    stopped = train(cfg, TINY, lambda e, v: False, stop)
+    assert stopped.stop_reason == "interrupted" and given_up == [False]
+    assert torch.load(ckpt, weights_only=False)["epoch"] == 2 and stopped.checkpoint_path == ckpt
+
+
 def test_time_limit(tmp_path: Path) -> None:
     cfg = synthetic(budget={"max_epochs": 50, "trial_timeout_s": 0.5})
     result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
