@@ -449,10 +449,6 @@ def train(
     writer = _CheckpointWriter()
     try:
         _train(config, hp, dict(params), report, options, device, run, start, writer)
-        if run.stop_reason in ENDED_FOR_GOOD:
-            # Told next, and its resume checkpoint deleted unread: one still being written
-            # (the epoch before the last; it gets idle CPU time only) is not waited for.
-            writer.drop()
     except torch.OutOfMemoryError:
         oom = True  # handled below, outside the except block, so the traceback is gone
     finally:
@@ -766,9 +762,11 @@ def _train(
         # trials only, and the worker deletes its files once it is told: its best model is
         # not written (about 45 MB and an fsync for a ResNet-18, waited for before the tell).
         discard = run.stop_reason == "pruned"
+        if ending and run.stop_reason in ENDED_FOR_GOOD:
+            # Told next, and its resume checkpoint deleted unread: one still being written
+            # (the epoch before; it gets idle CPU time only) is given up, not waited for.
+            writer.drop()
         if ckpt_path is not None and (due or ending) and not discard:
-            if ending and run.stop_reason in ENDED_FOR_GOOD:
-                writer.drop()  # the resume checkpoint in flight: see train()
             files = best_files()  # the best model first: the checkpoint refers to it
             done = None
             if not ending:
