@@ -405,9 +405,10 @@ class TrackingSession:
     def _setup(self, await_study_run_s: float) -> None:
         if self._setup_thread is not None:  # beside the first trial's training
             lower_priority()
-            import_in_idle_time("mlflow")  # 1.3 s of CPU; the tell waits for it
+            # What _client imports (MLflow: about 1.3 s of CPU); the tell waits for it.
+            import_in_idle_time("hpsearch.tracking.mlflow_logger")
         try:
-            self.client = _client(self.uri)  # imports MLflow: about 1.3 s of CPU
+            self.client = _client(self.uri)
             if await_study_run_s > 0:
                 self._await_study_run(await_study_run_s)
             self._connect()
