@@ -24,7 +24,7 @@ from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
 from hpsearch.storage import StorageSpec
 from hpsearch.study import dominates, objective_values
-from hpsearch.worker import ATTR_BEST_MODEL, ATTR_HOST, ATTR_RUN_ID, ATTR_WORKER
+from hpsearch.worker import ATTR_BEST_MODEL, ATTR_HOST, ATTR_RUN_ID, ATTR_RUN_KEY, ATTR_WORKER
 from optuna.trial import FrozenTrial, TrialState
 
 logger = logging.getLogger("hpsearch.tracking")
@@ -498,11 +498,13 @@ class TrackingSession:
         ckpt: Path,
         start_time_ms: int | None = None,
         early_gpu: tuple[Any, Any] | None = None,
+        run_key: str | None = None,
     ) -> TrialRun | None:
         """The trial's MLflow run, its GPU sampler started; None without MLflow. The run
         starts at `start_time_ms` (ms since the epoch) when given, else now. `early_gpu`
         (`early_gpu_sampler`) is a sampler already running since the trial's start: the run
-        takes it and its samples so far; it stays the caller's when no run is returned."""
+        takes it and its samples so far; it stays the caller's when no run is returned.
+        `run_key` (the trial's `mlflow_run_key`) tags the run, to find it again unlinked."""
         from hpsearch.tracking.gpu import sampler_for_tracker
         from hpsearch.tracking.mlflow_logger import TrialTracker, trial_params
 
@@ -538,6 +540,7 @@ class TrackingSession:
             host=socket.gethostname(),
             tags={"hpsearch.root_trial": str(root)} if root != trial.number else None,
             start_time_ms=start_time_ms,
+            run_key=run_key,
         )
         if not tracker.enabled:
             return None
@@ -641,22 +644,31 @@ def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:
 def record_dead_trial_run(
     cfg: StudyConfig, uri: str | None, trial: FrozenTrial, reason: str
 ) -> str | None:
-    """The MLflow run of a trial whose worker died before the run was made (a worker's first
-    trial trains while its MLflow session is set up: worker._LateRun), made now from what
-    Optuna holds: params, worker, host, start time and reported values, ended FAILED (KILLED
-    for "interrupted"). Returns its run id; None when the trial had a run, or without MLflow."""
+    """The MLflow run of a trial whose worker died before it linked the run (Optuna's
+    `mlflow_run_id`), ended FAILED (KILLED for "interrupted"); the caller links it. The run
+    the worker made is found by the trial's `mlflow_run_key` when it got that far; else one
+    is made now from what Optuna holds: params, worker, host, start time and reported values
+    (a worker's first trial trains while its MLflow session is set up: worker._LateRun).
+    None when the trial had a linked run, or without MLflow."""
     if not uri or trial.user_attrs.get(ATTR_RUN_ID):
         return None
     from hpsearch.tracking.mlflow_logger import (
         TrialTracker,
         ensure_experiment,
+        find_run_by_key,
         find_study_runs,
         trial_params,
     )
 
+    outcome = "interrupted" if reason == "interrupted" else "failed"
     try:
         client = _client(uri)
         experiment_id = ensure_experiment(client, cfg.name)
+        key = trial.user_attrs.get(ATTR_RUN_KEY)
+        made = find_run_by_key(client, experiment_id, str(key)) if key else None
+        if made is not None:  # died after making its run, before linking it
+            _end_run(client, made, outcome, reason)
+            return made
         runs = find_study_runs(client, experiment_id)
         if not runs:
             return None
@@ -672,11 +684,11 @@ def record_dead_trial_run(
             worker=str(trial.user_attrs.get(ATTR_WORKER, "")),
             host=str(host) if host else None,
             start_time_ms=int(started.timestamp() * 1000) if started is not None else None,
+            run_key=str(key) if key else None,
             start_timeout_s=5.0,  # on the launcher's supervising loop
         )
         if not tracker.enabled:
             return None
-        outcome = "interrupted" if reason == "interrupted" else "failed"
         try:
             for step, value in sorted(trial.intermediate_values.items()):
                 tracker.log_epoch(step, {"val_acc": value})  # what the trainer reports
@@ -693,19 +705,23 @@ def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
     run_id = trial.user_attrs.get(ATTR_RUN_ID)
     if not uri or not run_id:
         return
-    from hpsearch.tracking.mlflow_logger import terminal_status, terminal_tags
-
-    outcome = "interrupted" if reason == "interrupted" else "failed"
     try:
-        client = _client(uri)
-        run = client.get_run(run_id)
-        if run.info.status != "RUNNING":
-            return
-        for k, v in terminal_tags(outcome, None, reason).items():
-            client.set_tag(run_id, k, v)
-        client.set_terminated(run_id, status=terminal_status(outcome))
+        _end_run(_client(uri), str(run_id), "interrupted" if reason == "interrupted" else "failed",
+                 reason)  # fmt: skip
     except Exception as exc:  # best effort: the Optuna state is what counts
         logger.warning("could not mark MLflow run %s: %s", run_id, exc)
+
+
+def _end_run(client: Any, run_id: str, outcome: str, reason: str) -> None:
+    """End a run its worker left RUNNING, with the outcome's status and tags."""
+    from hpsearch.tracking.mlflow_logger import terminal_status, terminal_tags
+
+    run = client.get_run(run_id)
+    if run.info.status != "RUNNING":
+        return
+    for k, v in terminal_tags(outcome, None, reason).items():
+        client.set_tag(run_id, k, v)
+    client.set_terminated(run_id, status=terminal_status(outcome))
 
 
 def finalize_study(cfg: StudyConfig, spec: StorageSpec, uri: str, study: optuna.Study,

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import traceback
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,7 @@ ATTR_PID = "pid"
 ATTR_OUTCOME = "outcome"
 ATTR_MESSAGE = "message"
 ATTR_RUN_ID = "mlflow_run_id"
+ATTR_RUN_KEY = "mlflow_run_key"  # tags the try's MLflow run: found again if never linked
 ATTR_CHECKPOINT = "checkpoint"
 ATTR_BEST_MODEL = "best_model"
 ATTR_HISTORY = "history"
@@ -422,7 +424,7 @@ class _LateRun:
 
     def __init__(
         self, tracking: Any, trial: optuna.Trial, params: Mapping[str, Any], root: int,
-        ckpt: Path, db: Db,
+        ckpt: Path, db: Db, run_key: str | None = None,
     ) -> None:  # fmt: skip
         self.run: Any = None
         self._tracking = tracking
@@ -432,7 +434,7 @@ class _LateRun:
         self._checkpoint: Path | None = None  # the latest resume checkpoint from before it
         self._error: StorageError | None = None
         self._cancelled = False
-        self._args = (trial, params, root, ckpt, db, int(time.time() * 1000))
+        self._args = (trial, params, root, ckpt, db, int(time.time() * 1000), run_key)
         # (sampler, relay) running from the trial's start, until the run takes it
         self._gpu: tuple[Any, Any] | None = None
         if not tracking.ready():
@@ -451,7 +453,7 @@ class _LateRun:
         _stop_sampler(gpu)
 
     def _start(self) -> None:  # here, or on the session's set-up thread
-        trial, params, root, ckpt, db, start_ms = self._args
+        trial, params, root, ckpt, db, start_ms, run_key = self._args
         with self._lock:
             gpu, self._gpu = self._gpu, None
             if self._cancelled:
@@ -461,7 +463,7 @@ class _LateRun:
         run = None
         try:
             run = self._tracking.start_trial(
-                trial, params, root, ckpt, start_time_ms=start_ms, early_gpu=gpu
+                trial, params, root, ckpt, start_time_ms=start_ms, early_gpu=gpu, run_key=run_key
             )
             if run is not None:
                 gpu = None  # the run's now: it stops the sampler when it ends
@@ -556,11 +558,13 @@ def run_trial(
         timing.suggest_ms = (time.perf_counter() - t0) * 1e3
         root = root_trial_number(trial)
         ckpt = checkpoint_path(opts.workdir, cfg.name, root)
+        run_key = uuid.uuid4().hex
         attrs = {
             ATTR_WORKER: opts.resolved_id(),
             ATTR_HOST: socket.gethostname(),
             ATTR_PID: os.getpid(),
             ATTR_CHECKPOINT: str(ckpt),
+            ATTR_RUN_KEY: run_key,
         }
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
         if previous_run:
@@ -573,7 +577,11 @@ def run_trial(
         db(functools.partial(set_trial_attrs, trial, attrs, drawn=drawn), "set_user_attr")
         if tracking is not None and root != trial.number and previous_run and not ckpt.exists():
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
-        late = _LateRun(tracking, trial, params, root, ckpt, db) if tracking is not None else None
+        late = (
+            _LateRun(tracking, trial, params, root, ckpt, db, run_key)
+            if tracking is not None
+            else None
+        )
         first_epoch: list[int] = []
         epoch_done = [0.0]  # perf_counter at the end of the latest epoch callback
 

@@ -49,6 +49,10 @@ REASON_TAG = "hpsearch.reason"
 PRUNED_AT_TAG = "hpsearch.pruned_at_epoch"
 INPUT_BOUND_TAG = "hpsearch.input_bound"
 PARENT_TAG = "mlflow.parentRunId"
+# A trial run's idempotency key (the trial's Optuna user attr `mlflow_run_key`, written
+# before the run is made): finds the run of a create that timed out after the server made
+# it, or of a worker that died before it linked its run.
+RUN_KEY_TAG = "hpsearch.run_key"
 
 EPOCH_METRICS = (
     "train_loss",
@@ -365,6 +369,20 @@ def find_study_runs(client: MlflowClient, experiment_id: str) -> list[str]:
     return [rid for _, rid in sorted(ids)]
 
 
+def find_run_by_key(client: MlflowClient, experiment_id: str, key: str) -> str | None:
+    """The oldest run of the experiment tagged ``hpsearch.run_key = key``, or None. Raises
+    what the search raises."""
+    if not key.isalnum():  # a uuid4 hex: nothing to quote in the filter
+        raise ValueError(f"run key {key!r}: letters and digits only")
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'",
+        order_by=["attributes.start_time ASC"],
+        max_results=5,
+    )
+    return str(runs[0].info.run_id) if runs else None
+
+
 def open_study_run(
     client: MlflowClient,
     experiment_id: str,
@@ -473,6 +491,7 @@ class TrialTracker:
         gpu: str | None = None,
         tags: Mapping[str, str] | None = None,
         start_time_ms: int | None = None,
+        run_key: str | None = None,
         max_buffer: int = 1000,
         flush_timeout_s: float = 30.0,
         start_timeout_s: float = 15.0,
@@ -515,7 +534,11 @@ class TrialTracker:
             "hpsearch.gpu": gpu if gpu is not None else _default_gpu_label(),
         }
         run_tags.update({k: _safe_tag_value(v) for k, v in (tags or {}).items()})
-        self.run_id = self._create_run(experiment_id, run_tags, start_timeout_s, start_time_ms)
+        if run_key:
+            run_tags[RUN_KEY_TAG] = run_key
+        self.run_id = self._create_run(
+            experiment_id, run_tags, start_timeout_s, start_time_ms, run_key
+        )
         if self.run_id is None:
             return
         param_list = [Param(k, param_value(v)) for k, v in params.items()]
@@ -693,12 +716,23 @@ class TrialTracker:
     # -- internals ----------------------------------------------------------------------------
 
     def _create_run(
-        self, experiment_id: str, tags: dict[str, str], timeout_s: float, start_time_ms: int | None
+        self,
+        experiment_id: str,
+        tags: dict[str, str],
+        timeout_s: float,
+        start_time_ms: int | None,
+        run_key: str | None,
     ) -> str | None:
         deadline = time.monotonic() + timeout_s
         delays = backoff_delays(self.initial_backoff_s, 2.0, self.max_backoff_s)
+        tried = False
         while True:
             try:
+                if tried and run_key:  # the failed try may have made it (a timed-out reply)
+                    made = find_run_by_key(self.client, experiment_id, run_key)
+                    if made is not None:
+                        return made
+                tried = True
                 run = self.client.create_run(
                     experiment_id,
                     start_time=start_time_ms,

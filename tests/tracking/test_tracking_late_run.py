@@ -84,6 +84,8 @@ def test_first_trial_trains_before_mlflow_is_ready(
     for t in _study(journal, name).trials:
         run = by_number[t.number]
         assert t.user_attrs["mlflow_run_id"] == run.info.run_id
+        assert run.data.tags["hpsearch.run_key"] == t.user_attrs["mlflow_run_key"]  # unique
+        assert len(t.user_attrs["mlflow_run_key"]) == 32
         assert run.info.status == "FINISHED"
         history = client.get_metric_history(run.info.run_id, "val_acc")
         assert [m.step for m in history] == [1, 2, 3]
@@ -184,3 +186,44 @@ def test_a_dead_trial_without_a_run_gets_one_from_optuna(
     trial.set_user_attr("mlflow_run_id", run_id)  # as the launcher links it
     linked = study.trials[0]
     assert record_dead_trial_run(cfg, mlflow_server.url, linked, "again") is None  # it has one
+
+
+def test_a_dead_trial_whose_run_was_made_gets_that_run_not_a_second(
+    tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """The worker made the trial's run, then died before it linked it in Optuna: the
+    launcher finds that run by the trial's run key and ends it, instead of making another."""
+    from hpsearch.runs import open_study_run, record_dead_trial_run
+    from hpsearch.tracking.mlflow_logger import TrialTracker, ensure_experiment
+
+    name = f"dead-keyed-{time.time_ns()}"
+    cfg = load_config("tiny", overrides=[f"name={name}"])
+    journal = tmp_path / "optuna.journal"
+    spec = StorageSpec("journal", str(journal), "journal")
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(journal))
+    )
+    study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    trial = study.ask()
+    trial.suggest_float("lr", 1e-3, 0.5, log=True)
+    key = "ab12" * 8
+    trial.set_user_attr("mlflow_run_key", key)  # as the worker writes it, before the run
+    parent = open_study_run(cfg, spec, mlflow_server.url)
+    client = MlflowClient(mlflow_server.url)
+    experiment_id = ensure_experiment(client, name)
+    made = TrialTracker(
+        client, experiment_id, parent, trial_number=0, study_name=name, params={"lr": 0.01},
+        run_key=key,
+    )  # fmt: skip
+    made.log_epoch(1, {"val_acc": 0.3})
+    made.flush(timeout_s=10.0)
+    # ... and the worker is killed here: the run is RUNNING, and not linked.
+
+    run_id = record_dead_trial_run(cfg, mlflow_server.url, study.trials[0], "worker died")
+    assert run_id == made.run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert "worker died" in run.data.tags["hpsearch.reason"]
+    assert [m.value for m in client.get_metric_history(run_id, "val_acc")] == [0.3]
+    trial_runs = client.search_runs([experiment_id], "tags.`hpsearch.role` = 'trial'")
+    assert [r.info.run_id for r in trial_runs] == [run_id]

@@ -9,7 +9,9 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hpsearch.errors import TrackingError
@@ -22,6 +24,7 @@ from hpsearch.tracking.mlflow_logger import (
     backoff_delays,
     chunk_batch,
     ensure_experiment,
+    find_run_by_key,
     find_study_runs,
     is_permanent_error,
     open_study_run,
@@ -361,6 +364,48 @@ def test_unreachable_server_disables_tracker_without_raising(
     assert tracker.finish("completed") is False
     assert time.monotonic() - t0 < 30
     assert "tracking disabled" in tracking_logs.text
+
+
+class LostReplyClient(CountingClient):
+    """The server makes the run, and the reply to the first create is lost (a 503 from a
+    proxy, a timeout): what a retry must not turn into a second run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.creates = 0
+
+    def create_run(self, *args: Any, **kwargs: Any) -> Any:
+        run = super().create_run(*args, **kwargs)
+        self.creates += 1
+        if self.creates == 1:
+            raise MlflowException("reply lost", error_code="TEMPORARILY_UNAVAILABLE")
+        return run
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_create_retried_after_a_lost_reply_makes_one_run(
+    mlflow_server: LocalServer, experiment_id: str, keyed: bool
+) -> None:
+    parent = open_study_run(MlflowClient(mlflow_server.url), experiment_id, "s", {}, "x: 1\n")
+    client = LostReplyClient(tracking_uri=mlflow_server.url)
+    key = uuid.uuid4().hex
+    number = 40 + keyed
+    tracker = make_tracker(
+        client, experiment_id, parent, number, run_key=key if keyed else None,
+        initial_backoff_s=0.05,
+    )  # fmt: skip
+    assert tracker.run_id is not None
+    tracker.finish("completed")
+    runs = client.search_runs(
+        [experiment_id], filter_string=f"tags.`optuna.trial_number` = '{number}'"
+    )
+    if keyed:  # the retry found the run the lost reply had made
+        assert client.creates == 1
+        assert [r.info.run_id for r in runs] == [tracker.run_id]
+        assert find_run_by_key(client, experiment_id, key) == tracker.run_id
+        assert runs[0].data.tags["hpsearch.run_key"] == key
+    else:  # what the key prevents
+        assert client.creates == 2 and len(runs) == 2
 
 
 # --------------------------------------------------------------------------- outage
