@@ -273,6 +273,9 @@ class Launcher:
         self._last_best: tuple[float | None, int | None] = (None, None)
         self._study: optuna.Study | None = None  # opened in run(), after the workers start
         self._early_events: list[str] = []  # progress events from before that
+        # Dead workers' trials without an MLflow run, failed once the tracking set-up is over
+        self._held: list[tuple[FrozenTrial, str]] = []
+        self._held_ids: set[int] = set()
 
     @property
     def study(self) -> optuna.Study:
@@ -488,7 +491,8 @@ class Launcher:
     def _supervise(self, resolved: Path, tracking_uri: str | None) -> str:
         last = 0.0
         while True:
-            self._tracking_ready()
+            if self._tracking_ready() and self._held and (requeued := self._fail_held()):
+                self._event(f"trial {', '.join(map(str, requeued))} re-queued to resume")
             alive = 0
             for slot in self._slots:
                 if slot.proc is None or slot.state != "running":
@@ -583,10 +587,12 @@ class Launcher:
             slot.state = "done"
             return
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        failed = self._fail_trials_of(slot.worker_id, f"worker died ({how})")
-        msg = f"worker {slot.index} died ({how})" + (
-            f"; trial {', '.join(map(str, failed))} re-queued to resume" if failed else ""
-        )
+        failed, held = self._fail_trials_of(slot.worker_id, f"worker died ({how})")
+        msg = f"worker {slot.index} died ({how})"
+        if failed:
+            msg += f"; trial {', '.join(map(str, failed))} re-queued to resume"
+        if held:
+            msg += f"; trial {', '.join(map(str, held))} re-queued once MLflow is up"
         if self._stop_requests:
             slot.state = "stopped"
             return
@@ -610,24 +616,45 @@ class Launcher:
             return "(no log)"
         return lines[-1][:300] if lines else "(empty log)"
 
-    def _fail_trials_of(self, worker_id: str, reason: str) -> list[int]:
-        failed = []
+    def _fail_trials_of(self, worker_id: str, reason: str) -> tuple[list[int], list[int]]:
+        """Fail and re-queue the RUNNING trials of a worker that is gone: (failed, held).
+        `held` died before their MLflow run was linked while the tracking set-up (the
+        embedded server's start) still runs: their runs go under the study run, so they
+        are failed once it is up (`_fail_held`), while this loop goes on supervising."""
         running = with_db_retry(
             lambda: self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         )
-        mine = [t for t in running if t.user_attrs.get(ATTR_WORKER) == worker_id]
-        if self._tracking_thread is not None and any(
-            not t.user_attrs.get(ATTR_RUN_ID) for t in mine
-        ):
-            # A trial that died before its MLflow run was made: its run goes under the study
-            # run, which the tracking thread may still be making (the embedded server starts).
-            self._tracking_thread.join()
+        mine = [
+            t
+            for t in running
+            if t.user_attrs.get(ATTR_WORKER) == worker_id and t._trial_id not in self._held_ids
+        ]
+        setting_up = self._tracking_setting_up()
+        hold = {t._trial_id for t in mine if setting_up and not t.user_attrs.get(ATTR_RUN_ID)}
+        self._held += [(t, reason) for t in mine if t._trial_id in hold]
+        self._held_ids |= hold
+        failed = self._fail([(t, reason) for t in mine if t._trial_id not in hold])
+        return failed, [t.number for t in mine if t._trial_id in hold]
+
+    def _fail_held(self) -> list[int]:
+        """Fail the trials `_fail_trials_of` held, once the tracking set-up is over."""
+        if not self._held or self._tracking_setting_up():
+            return []
+        held, self._held = self._held, []
+        return self._fail(held)
+
+    def _tracking_setting_up(self) -> bool:
+        return self._tracking_thread is not None and self._tracking_thread.is_alive()
+
+    def _fail(self, trials: list[tuple[FrozenTrial, str]]) -> list[int]:
         from hpsearch.runs import mark_run_failed, record_dead_trial_run
 
-        for t in mine:
-            # A trial that died before its MLflow run was made gets one, linked while the
-            # trial still runs (a finished trial takes no attributes).
-            uri = self._tracking_uri if self._tracking_error is None else None
+        failed = []
+        uri = self._tracking_uri if self._tracking_error is None else None
+        for t, reason in trials:
+            # A trial that died before its MLflow run was linked gets its run (found by its
+            # run key, or made), linked while the trial still runs: a finished trial takes
+            # no attributes.
             run_id = record_dead_trial_run(self.cfg, uri, t, reason)
             if run_id is not None:
                 with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
@@ -636,9 +663,11 @@ class Launcher:
                             t._trial_id, ATTR_RUN_ID, r
                         )
                     )
-            if with_db_retry(lambda t=t: fail_trial(self.study, t, reason, self.opts.max_retries)):
+            if with_db_retry(
+                lambda t=t, why=reason: fail_trial(self.study, t, why, self.opts.max_retries)
+            ):
                 failed.append(t.number)
-                mark_run_failed(self._tracking_uri, t, reason)
+                mark_run_failed(uri, t, reason)
         return failed
 
     def _wait_stopping(self) -> None:
@@ -663,6 +692,9 @@ class Launcher:
         """After all workers are gone, none of their trials may stay RUNNING."""
         for s in self._slots:
             self._fail_trials_of(s.worker_id, "interrupted")
+        if self._tracking_thread is not None:
+            self._tracking_thread.join()
+        self._fail_held()
 
     def _progress(self, message: str = "") -> Progress:
         try:

@@ -8,7 +8,9 @@ HPSEARCH_DUMMY_FINISH_S (seconds after the last epoch, like the real trainer's t
 HPSEARCH_DUMMY_AFTER_EPOCH_S (seconds of per-epoch work after the epoch's record, before its
 report, like the real trainer's best-weights copy and checkpoint hand-off) and
 HPSEARCH_DUMMY_BARRIER="<dir>:<n>" (each process's first trial waits until n processes have
-reached it, so a concurrency test really has n trials in flight however slowly they start).
+reached it, so a concurrency test really has n trials in flight however slowly they start)
+and HPSEARCH_DUMMY_DIE_ONCE="<file>" (the first process to train an epoch makes the file and
+kills itself with SIGKILL after that epoch's report).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,6 +42,17 @@ def _barrier() -> None:
             raise TimeoutError(f"dummy barrier: {len(os.listdir(folder))} of {count} arrived")
         time.sleep(0.05)
     _BARRIER_PASSED = True
+
+
+def _die_once() -> None:
+    marker = os.environ.get("HPSEARCH_DUMMY_DIE_ONCE")
+    if not marker:
+        return
+    try:
+        open(marker, "x").close()
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def score(params: Mapping[str, Any], epoch: int) -> float:
@@ -88,6 +102,7 @@ def train(
         if report(epoch, acc):
             reason, pruned_at = "pruned", epoch
             break
+        _die_once()
         if options.should_interrupt is not None and options.should_interrupt():
             reason = "interrupted"
             break

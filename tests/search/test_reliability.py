@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hpsearch as hps
 import optuna
@@ -316,3 +317,72 @@ def test_sixteen_concurrent_workers(
     assert len([t for t in trials if t.state in FINISHED]) == n_trials
     assert len(trials) == n_trials
     assert {f"w{i}" for i in range(16)} <= {t.user_attrs["worker"] for t in trials}
+
+
+def test_a_worker_dying_while_the_embedded_server_starts_does_not_hold_up_the_launcher(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str], monkeypatch: Any
+) -> None:
+    """A worker's first trial trains before the study's MLflow run exists. When the worker
+    dies then, the launcher restarts it at once, and fails and re-queues the dead trial
+    (with its MLflow run, under the study run) once the embedded server is up: it does not
+    stop supervising until the server has started."""
+    import hpsearch.tracking.server as server_mod
+    from hpsearch.config import load_config
+    from hpsearch.launcher import Launcher, LaunchOptions, Progress
+    from hpsearch.storage import resolve_storage
+    from mlflow.tracking import MlflowClient
+
+    for key, value in subprocess_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.2")
+    monkeypatch.setenv("HPSEARCH_DUMMY_DIE_ONCE", str(tmp_path / "died"))
+    name = f"held-{time.time_ns()}"
+    cfg = load_config("tiny", overrides=[f"name={name}", "budget.n_trials=3",
+                                         "budget.max_epochs=3", "pruner={name: none}"])  # fmt: skip
+    work = tmp_path / "w"
+    opts = LaunchOptions(workers=1, workdir=work, device="cpu", train_fn=DUMMY,
+                         progress_every_s=0.5)  # fmt: skip
+    events: list[tuple[float, str]] = []
+
+    def on_progress(p: Progress) -> None:
+        if p.message:
+            events.append((time.monotonic(), p.message))
+
+    launcher = Launcher(cfg, resolve_storage(pg_url, work), opts, on_progress=on_progress)
+    real_start = server_mod.start_local_server
+    held: dict[str, float] = {}
+
+    def slow_start(workdir: Path, **kw: Any) -> Any:
+        # The server is held up until the launcher has restarted the dead worker (at most
+        # 120 s): a launcher that waited for the server here would not restart it before.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("restarting" in m for _, m in events):
+            time.sleep(0.1)
+        held["released"] = time.monotonic()
+        return real_start(workdir, **kw)
+
+    monkeypatch.setattr(server_mod, "start_local_server", slow_start)
+    summary = launcher.run()
+
+    assert (tmp_path / "died").exists()
+    died = [(t, m) for t, m in events if "died (signal 9)" in m]
+    assert died and "restarting it (1/3)" in died[0][1], events
+    assert "re-queued once MLflow is up" in died[0][1]
+    assert died[0][0] < held["released"]  # restarted while the server was held up
+    requeued = [t for t, m in events if m.endswith("re-queued to resume")]
+    assert requeued and requeued[0] >= held["released"], events
+    assert summary.counts["complete"] == 3 and summary.stopped_by == "budget"
+
+    study = optuna.load_study(study_name=name, storage=url_for_optuna(pg_url))
+    dead = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert len(dead) == 1 and len(study.trials) == 4
+    with real_start(work) as server:
+        client = MlflowClient(server.url)
+        run = client.get_run(dead[0].user_attrs["mlflow_run_id"])
+        assert run.info.status == "FAILED"
+        assert "worker died (signal 9)" in run.data.tags["hpsearch.reason"]
+        exp = client.get_experiment_by_name(name)
+        assert exp is not None
+        runs = client.search_runs([exp.experiment_id], "tags.`hpsearch.role` = 'trial'")
+        # One run per trial: the dead trial's, and one for each of the other three.
+        assert sorted(int(r.data.tags["optuna.trial_number"]) for r in runs) == [0, 1, 2, 3]
