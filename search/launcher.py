@@ -32,6 +32,7 @@ from hpsearch.storage import StorageSpec, open_storage, with_db_retry
 from hpsearch.study import (
     budget_counts,
     budget_done,
+    counts_once_requeued,
     create_or_load,
     may_start_trial,
     study_budget,
@@ -45,6 +46,7 @@ from hpsearch.worker import (
     ATTR_WORKER,
     retry_callback,
 )
+from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -276,6 +278,7 @@ class Launcher:
         # Dead workers' trials without an MLflow run, failed once the tracking set-up is over
         self._held: list[tuple[FrozenTrial, str]] = []
         self._held_ids: set[int] = set()
+        self._held_beat_at = 0.0  # time.monotonic() of the launcher's last beat for them
 
     @property
     def study(self) -> optuna.Study:
@@ -493,6 +496,7 @@ class Launcher:
         while True:
             if self._tracking_ready() and self._held and (requeued := self._fail_held()):
                 self._event(f"trial {', '.join(map(str, requeued))} re-queued to resume")
+            self._beat_held()
             alive = 0
             for slot in self._slots:
                 if slot.proc is None or slot.state != "running":
@@ -597,6 +601,7 @@ class Launcher:
             slot.state = "stopped"
             return
         counts = with_db_retry(lambda: budget_counts(self.study.get_trials(deepcopy=False)))
+        counts = counts_once_requeued(counts, len(self._held))
         budget_left = may_start_trial(counts, self.cfg.budget.n_trials)
         if should_restart(code, slot.restarts, self.opts.max_restarts, budget_left):
             slot.restarts += 1
@@ -633,15 +638,33 @@ class Launcher:
         hold = {t._trial_id for t in mine if setting_up and not t.user_attrs.get(ATTR_RUN_ID)}
         self._held += [(t, reason) for t in mine if t._trial_id in hold]
         self._held_ids |= hold
+        self._beat_held(force=bool(hold))
         failed = self._fail([(t, reason) for t in mine if t._trial_id not in hold])
         return failed, [t.number for t in mine if t._trial_id in hold]
 
+    def _beat_held(self, force: bool = False) -> None:
+        """Held trials are the launcher's until it fails them: it beats for them (every
+        half heartbeat interval), or a worker's stale check would fail them first, and
+        they would have no MLflow run."""
+        storage = self.study._storage
+        now = time.monotonic()
+        if not self._held or not isinstance(storage, BaseHeartbeat):
+            return
+        if not force and now - self._held_beat_at < self.opts.heartbeat_interval_s / 2:
+            return
+        self._held_beat_at = now
+        for t, _ in self._held:
+            with contextlib.suppress(SQLAlchemyError, optuna.exceptions.StorageInternalError):
+                storage.record_heartbeat(t._trial_id)
+
     def _fail_held(self) -> list[int]:
-        """Fail the trials `_fail_trials_of` held, once the tracking set-up is over."""
-        if not self._held or self._tracking_setting_up():
-            return []
-        held, self._held = self._held, []
-        return self._fail(held)
+        """Fail the trials `_fail_trials_of` held, once the tracking set-up is over. Each
+        leaves the list once failed: what a database error interrupts is failed later."""
+        failed: list[int] = []
+        while self._held and not self._tracking_setting_up():
+            failed += self._fail(self._held[:1])
+            self._held.pop(0)
+        return failed
 
     def _tracking_setting_up(self) -> bool:
         return self._tracking_thread is not None and self._tracking_thread.is_alive()
@@ -652,6 +675,10 @@ class Launcher:
         failed = []
         uri = self._tracking_uri if self._tracking_error is None else None
         for t, reason in trials:
+            if self._held_ids and t._trial_id in self._held_ids:
+                now = with_db_retry(lambda t=t: self.study._storage.get_trial(t._trial_id))
+                if now.state != TrialState.RUNNING:  # failed elsewhere after all
+                    continue
             # A trial that died before its MLflow run was linked gets its run (found by its
             # run key, or made), linked while the trial still runs: a finished trial takes
             # no attributes.

@@ -180,6 +180,17 @@ def budget_counts(trials: Sequence[FrozenTrial]) -> dict[str, int]:
     return counts
 
 
+def counts_once_requeued(counts: dict[str, int], held: int) -> dict[str, int]:
+    """The counts once `held` RUNNING trials of dead workers are failed and queued again
+    (the launcher holds them while the MLflow server starts): each is a waiting retry then,
+    or, with no retries left, a failure, which frees its place in the budget either way."""
+    moved = min(max(held, 0), counts.get("running", 0))
+    out = dict(counts)
+    out["running"] = counts.get("running", 0) - moved
+    out["waiting"] = counts.get("waiting", 0) + moved
+    return out
+
+
 def may_start_trial(counts: dict[str, int], n_trials: int) -> bool:
     """True if a worker may ask for another trial.
 

@@ -369,14 +369,19 @@ def find_study_runs(client: MlflowClient, experiment_id: str) -> list[str]:
     return [rid for _, rid in sorted(ids)]
 
 
-def find_run_by_key(client: MlflowClient, experiment_id: str, key: str) -> str | None:
-    """The oldest run of the experiment tagged ``hpsearch.run_key = key``, or None. Raises
-    what the search raises."""
+def find_run_by_key(
+    client: MlflowClient, experiment_id: str, key: str, trial_number: int
+) -> str | None:
+    """The oldest run of trial `trial_number` in the experiment tagged ``hpsearch.run_key =
+    key``, or None. The number too: a retry starts with its failed try's attributes, key
+    included, until its worker writes its own. Raises what the search raises."""
     if not key.isalnum():  # a uuid4 hex: nothing to quote in the filter
         raise ValueError(f"run key {key!r}: letters and digits only")
     runs = client.search_runs(
         [experiment_id],
-        filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'",
+        filter_string=(
+            f"tags.`{RUN_KEY_TAG}` = '{key}' and tags.`optuna.trial_number` = '{int(trial_number)}'"
+        ),
         order_by=["attributes.start_time ASC"],
         max_results=5,
     )
@@ -728,10 +733,9 @@ class TrialTracker:
         tried = False
         while True:
             try:
-                if tried and run_key:  # the failed try may have made it (a timed-out reply)
-                    made = find_run_by_key(self.client, experiment_id, run_key)
-                    if made is not None:
-                        return made
+                # The failed try may have made it (its reply lost, or timed out).
+                if tried and (made := self._made_after_all(experiment_id, run_key)):
+                    return made
                 tried = True
                 run = self.client.create_run(
                     experiment_id,
@@ -743,6 +747,10 @@ class TrialTracker:
             except Exception as exc:  # telemetry: a dead server must not stop the trial
                 delay = next(delays)
                 if is_permanent_error(exc) or time.monotonic() + delay > deadline:
+                    if not is_permanent_error(exc) and (
+                        made := self._made_after_all(experiment_id, run_key)
+                    ):
+                        return made
                     logger.warning(
                         "MLflow: could not create the run of trial %d, tracking disabled for "
                         "it: %s",
@@ -751,6 +759,16 @@ class TrialTracker:
                     )
                     return None
                 time.sleep(delay)
+
+    def _made_after_all(self, experiment_id: str, run_key: str | None) -> str | None:
+        """The run a create that failed made after all, found by its key; else None."""
+        if not run_key:
+            return None
+        try:
+            return find_run_by_key(self.client, experiment_id, run_key, self.trial_number)
+        except Exception as exc:  # telemetry: the caller retries or gives up
+            logger.debug("MLflow: run key lookup failed: %s", _short(exc))
+            return None
 
     def _take_pending_locked(self, metrics: list[Metric], kind: str) -> _Batch:
         batch = _Batch(metrics=metrics, kind=kind, enqueued=time.monotonic())

@@ -14,6 +14,7 @@ from hpsearch.launcher import assign_gpus, check_gpus, eta_seconds, parse_gpus, 
 from hpsearch.storage import normalize_url, redact, resolve_storage
 from hpsearch.study import (
     budget_done,
+    counts_once_requeued,
     dominates,
     grid_space,
     make_pruner,
@@ -30,6 +31,18 @@ def test_may_start_trial_counts_finished_and_running_but_not_failed() -> None:
     assert not may_start_trial({"complete": 2, "pruned": 1, "running": 2}, 5)
     assert may_start_trial({"complete": 4, "fail": 3}, 5)
     assert may_start_trial({"complete": 5, "waiting": 1}, 5)  # a queued retry is always run
+
+
+def test_held_trials_count_as_queued_again_for_a_restart() -> None:
+    # One worker, one trial: it died while the MLflow server started (held, still RUNNING).
+    # Counted as running, the budget looks spent and the worker would not be restarted.
+    counts = {"complete": 0, "running": 1}
+    assert not may_start_trial(counts, 1)
+    once = counts_once_requeued(counts, 1)
+    assert once == {"complete": 0, "running": 0, "waiting": 1} and may_start_trial(once, 1)
+    assert counts == {"complete": 0, "running": 1}  # not changed in place
+    assert counts_once_requeued({"running": 1}, 3) == {"running": 0, "waiting": 1}  # bounded
+    assert counts_once_requeued({"complete": 2}, 0) == {"complete": 2, "running": 0, "waiting": 0}
 
 
 def test_budget_done_only_when_results_are_final() -> None:

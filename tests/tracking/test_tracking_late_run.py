@@ -227,3 +227,11 @@ def test_a_dead_trial_whose_run_was_made_gets_that_run_not_a_second(
     assert [m.value for m in client.get_metric_history(run_id, "val_acc")] == [0.3]
     trial_runs = client.search_runs([experiment_id], "tags.`hpsearch.role` = 'trial'")
     assert [r.info.run_id for r in trial_runs] == [run_id]
+    # A retry starts with its failed try's attributes, the key included, until its worker
+    # writes its own: it dies before that, and gets a run of its own, not the try's.
+    retry = study.ask()
+    retry.suggest_float("lr", 1e-3, 0.5, log=True)
+    retry.set_user_attr("mlflow_run_key", key)
+    own = record_dead_trial_run(cfg, mlflow_server.url, study.trials[1], "worker died")
+    assert own is not None and own != run_id
+    assert client.get_run(own).data.tags["optuna.trial_number"] == "1"

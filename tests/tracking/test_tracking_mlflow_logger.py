@@ -402,7 +402,8 @@ def test_a_create_retried_after_a_lost_reply_makes_one_run(
     if keyed:  # the retry found the run the lost reply had made
         assert client.creates == 1
         assert [r.info.run_id for r in runs] == [tracker.run_id]
-        assert find_run_by_key(client, experiment_id, key) == tracker.run_id
+        assert find_run_by_key(client, experiment_id, key, number) == tracker.run_id
+        assert find_run_by_key(client, experiment_id, key, number + 1) is None
         assert runs[0].data.tags["hpsearch.run_key"] == key
     else:  # what the key prevents
         assert client.creates == 2 and len(runs) == 2
