@@ -478,13 +478,18 @@ class _LateRun:
         except Exception as exc:  # tracking is best effort: the trial goes on untracked
             logger.warning("trial %s: no MLflow run: %s", trial.number, exc)
         _stop_sampler(gpu)  # no run took it
-        with self._lock:
-            self.run, self._started = run, True
-            pending, self._pending = self._pending, []
-            if run is not None:
-                for record, ms in pending:  # queued only: log_epoch never waits for the server
-                    run.log_epoch(record, ms)
-            checkpoint = self._checkpoint
+        # The epochs from before the start, in order, outside the lock: a run's log_epoch
+        # may write to the database (an input-bound flag), and the training thread's own
+        # log_epoch takes the lock. Epochs that end meanwhile join the pending list.
+        while True:
+            with self._lock:
+                pending, self._pending = self._pending, []
+                if not pending or run is None:
+                    self.run, self._started = run, True
+                    checkpoint = self._checkpoint
+                    break
+            for record, ms in pending:
+                run.log_epoch(record, ms)
         if run is not None and checkpoint is not None:
             run.checkpoint_written(checkpoint)
 

@@ -1,0 +1,96 @@
+"""worker._LateRun hands the epochs a first trial trained before its MLflow run existed to
+the run once it starts, in order, without holding up the training thread: a run's
+log_epoch may write to the database (an input-bound flag) and wait for it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpsearch.worker import _LateRun
+
+
+class SlowRun:
+    """A run whose first log_epoch waits, like a database write that takes its time."""
+
+    run_id = "run-0"
+
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+        self.release = threading.Event()
+        self.checkpoints: list[Path] = []
+
+    def log_epoch(self, record: Any, timestamp_ms: int | None = None) -> None:
+        if not self.epochs:
+            self.release.wait(10)
+        self.epochs.append(record.epoch)
+
+    def checkpoint_written(self, path: Path) -> None:
+        self.checkpoints.append(path)
+
+
+class Session:
+    """What _LateRun uses of runs.TrackingSession, with the set-up still going on."""
+
+    def __init__(self, run: SlowRun) -> None:
+        self.run = run
+        self.jobs: list[Callable[[], None]] = []
+
+    def ready(self) -> bool:
+        return False
+
+    def early_gpu_sampler(self) -> None:
+        return None
+
+    def when_ready(self, job: Callable[[], None]) -> None:
+        self.jobs.append(job)
+
+    def wait_ready(self) -> None:
+        pass
+
+    def start_trial(self, *args: Any, **kwargs: Any) -> SlowRun:
+        return self.run
+
+
+class Trial:
+    number = 0
+
+    def __init__(self) -> None:
+        self.user_attrs: dict[str, Any] = {}
+
+    def set_user_attr(self, key: str, value: Any) -> None:
+        self.user_attrs[key] = value
+
+
+class Record:
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_epochs_from_before_the_start_reach_the_run_in_order_without_blocking_training(
+    tmp_path: Path,
+) -> None:
+    run = SlowRun()
+    session = Session(run)
+    trial = Trial()
+    late = _LateRun(session, trial, {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
+    for epoch in (1, 2):
+        late.log_epoch(Record(epoch))
+    late.checkpoint_written(tmp_path / "ckpt")
+    start = threading.Thread(target=session.jobs[0])  # the set-up thread, once ready
+    start.start()
+    time.sleep(0.2)  # the start is replaying epoch 1, waiting on the slow write
+    t0 = time.perf_counter()
+    late.log_epoch(Record(3))  # the training thread's next epoch
+    assert time.perf_counter() - t0 < 0.1  # not held up by the replay
+    run.release.set()
+    start.join(10)
+    assert not start.is_alive()
+    late.log_epoch(Record(4))  # after the start: straight to the run
+    assert run.epochs == [1, 2, 3, 4]
+    assert late.wait() is run
+    assert run.checkpoints == [tmp_path / "ckpt"]
+    assert trial.user_attrs == {"mlflow_run_id": "run-0"}  # linked
