@@ -82,6 +82,14 @@ def _fill(study: optuna.Study) -> None:
     study.enqueue_trial({"lr": 0.02})  # WAITING
 
 
+@pytest.fixture(params=["psycopg2", "psycopg"])
+def pg_url(pg_url: str, request: pytest.FixtureRequest) -> str:
+    """Each test on both PostgreSQL drivers: psycopg2, which hpsearch installs and takes for
+    a plain postgresql:// URL, and psycopg 3 (where psycopg2 is missing, or named in the URL)."""
+    assert pg_url.startswith("postgresql://")
+    return pg_url.replace("postgresql://", f"postgresql+{request.param}://", 1)
+
+
 @pytest.fixture
 def away_from_utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Local time 5.5 h from UTC: Optuna stores naive UTC and hands out naive local time."""
@@ -106,6 +114,7 @@ def test_reads_match_optuna_for_every_kind_of_trial(pg_url: str, tmp_path: Path)
 
     fast = open_storage(resolve_storage(pg_url, tmp_path))
     assert isinstance(fast, FastRDBStorage) and fast.fast_sql()
+    assert pg_url.startswith(f"postgresql+{fast.engine.dialect.driver}://")
     sid, mid = study._study_id, multi._study_id
     all_ids = [t._trial_id for t in study.get_trials()]
     first_ids = sorted(all_ids)[:3]

@@ -11,6 +11,7 @@ from pathlib import Path
 import optuna
 import pytest
 import sqlalchemy as sa
+from cli_util import DUMMY, hpsearch
 from hpsearch.config import StudyConfig, load_config
 from hpsearch.storage import (
     StorageSpec,
@@ -253,3 +254,23 @@ def test_the_ask_reads_the_retry_queue_only_when_the_count_shows_one(
     queued = _claim_trial(study, {"waiting": 1, "running": 1}, 10)
     assert popped == [queued]
     assert study._storage.get_trial(queued).system_attrs["fixed_params"] == {"lr": 0.01}
+
+
+def test_a_launch_on_psycopg_3(pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]) -> None:
+    """The whole path on the psycopg 3 driver, named in the URL: the study lock and the
+    budget count, the fast storage's trial reads and writes, heartbeats, the tell."""
+    url = pg_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    out = hpsearch(
+        ["launch", "--study", "tiny", "--storage", url, "--workers", "2", "--trials", "4",
+         "--no-tracking", "--train-fn", DUMMY, "--workdir", str(tmp_path / "w"),
+         "--set", "budget.max_epochs=3"],
+        subprocess_env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert resolve_storage(url, tmp_path).url.startswith("postgresql+psycopg://")  # kept
+    study = optuna.load_study(study_name="tiny", storage=url)
+    finished = [t for t in study.trials if t.state.is_finished()]
+    assert len(finished) == 4 and all(t.user_attrs.get("worker") for t in finished)
+    assert {t.user_attrs["worker"] for t in study.trials} <= {
+        f"{t.user_attrs['host']}:w{i}" for t in study.trials for i in (0, 1)
+    }
