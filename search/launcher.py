@@ -600,8 +600,11 @@ class Launcher:
         if self._stop_requests:
             slot.state = "stopped"
             return
-        counts = with_db_retry(lambda: budget_counts(self.study.get_trials(deepcopy=False)))
-        counts = counts_once_requeued(counts, len(self._held))
+        trials = with_db_retry(lambda: self.study.get_trials(deepcopy=False))
+        held_ids = {t._trial_id for t, _ in self._held}
+        running = [t for t in trials if t.state == TrialState.RUNNING]
+        still_held = [t for t in running if t._trial_id in held_ids]  # not failed elsewhere
+        counts = counts_once_requeued(budget_counts(trials), len(still_held))
         budget_left = may_start_trial(counts, self.cfg.budget.n_trials)
         if should_restart(code, slot.restarts, self.opts.max_restarts, budget_left):
             slot.restarts += 1
@@ -645,7 +648,9 @@ class Launcher:
     def _beat_held(self, force: bool = False) -> None:
         """Held trials are the launcher's until it fails them: it beats for them (every
         half heartbeat interval), or a worker's stale check would fail them first, and
-        they would have no MLflow run."""
+        they would have no MLflow run. So a set-up that takes long (the embedded server's
+        start has a time limit) holds their retries back as long; a killed launcher beats
+        no more, and the stale check fails them then."""
         storage = self.study._storage
         now = time.monotonic()
         if not self._held or not isinstance(storage, BaseHeartbeat):
@@ -664,6 +669,7 @@ class Launcher:
         while self._held and not self._tracking_setting_up():
             failed += self._fail(self._held[:1])
             self._held.pop(0)
+            self._beat_held()  # the others wait meanwhile
         return failed
 
     def _tracking_setting_up(self) -> bool:
@@ -702,6 +708,7 @@ class Launcher:
         while time.monotonic() < deadline and self._stop_requests < 2:
             if all(s.proc is None or s.proc.poll() is not None for s in self._slots):
                 return
+            self._beat_held()
             time.sleep(0.2)
 
     def _kill_all(self) -> None:
@@ -719,8 +726,9 @@ class Launcher:
         """After all workers are gone, none of their trials may stay RUNNING."""
         for s in self._slots:
             self._fail_trials_of(s.worker_id, "interrupted")
-        if self._tracking_thread is not None:
-            self._tracking_thread.join()
+        while self._tracking_thread is not None and self._tracking_thread.is_alive():
+            self._tracking_thread.join(timeout=max(self.opts.heartbeat_interval_s / 2, 0.5))
+            self._beat_held()
         self._fail_held()
 
     def _progress(self, message: str = "") -> Progress:

@@ -30,7 +30,10 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
 JOURNAL_NAME = "optuna.journal"
-SUPPORTED = "postgresql://, postgresql+psycopg2://, sqlite:/// or a journal file path"
+SUPPORTED = (
+    "postgresql://, postgresql+psycopg2://, postgresql+psycopg://, sqlite:/// or a journal "
+    "file path"
+)
 
 T = TypeVar("T")
 

@@ -481,17 +481,26 @@ class _LateRun:
         # The epochs from before the start, in order, outside the lock: a run's log_epoch
         # may write to the database (an input-bound flag), and the training thread's own
         # log_epoch takes the lock. Epochs that end meanwhile join the pending list.
+        # The latest checkpoint likewise, until neither is left: the writer thread's next
+        # one then goes straight to the run, after it.
         while True:
             with self._lock:
                 pending, self._pending = self._pending, []
-                if not pending or run is None:
+                checkpoint, self._checkpoint = self._checkpoint, None
+                if run is None or not (pending or checkpoint):
                     self.run, self._started = run, True
-                    checkpoint = self._checkpoint
                     break
             for record, ms in pending:
-                run.log_epoch(record, ms)
-        if run is not None and checkpoint is not None:
-            run.checkpoint_written(checkpoint)
+                try:
+                    run.log_epoch(record, ms)
+                except Exception as exc:  # telemetry: the other epochs and the run go on
+                    logger.warning("trial %s: epoch %s not logged: %s", trial.number,
+                                   getattr(record, "epoch", "?"), exc)  # fmt: skip
+            if checkpoint is not None:
+                try:
+                    run.checkpoint_written(checkpoint)
+                except Exception as exc:  # telemetry, as above
+                    logger.warning("trial %s: checkpoint not uploaded: %s", trial.number, exc)
 
     def log_epoch(self, record: Any) -> None:
         with self._lock:

@@ -18,14 +18,19 @@ class SlowRun:
 
     run_id = "run-0"
 
-    def __init__(self) -> None:
+    def __init__(self, failing: int | None = None) -> None:
         self.epochs: list[int] = []
+        self.replaying = threading.Event()
         self.release = threading.Event()
         self.checkpoints: list[Path] = []
+        self.failing = failing
 
     def log_epoch(self, record: Any, timestamp_ms: int | None = None) -> None:
-        if not self.epochs:
+        if not self.epochs and not self.replaying.is_set():
+            self.replaying.set()
             self.release.wait(10)
+        if record.epoch == self.failing:
+            raise RuntimeError("a metric the tracker cannot take")
         self.epochs.append(record.epoch)
 
     def checkpoint_written(self, path: Path) -> None:
@@ -82,7 +87,7 @@ def test_epochs_from_before_the_start_reach_the_run_in_order_without_blocking_tr
     late.checkpoint_written(tmp_path / "ckpt")
     start = threading.Thread(target=session.jobs[0])  # the set-up thread, once ready
     start.start()
-    time.sleep(0.2)  # the start is replaying epoch 1, waiting on the slow write
+    assert run.replaying.wait(10)  # the start is replaying epoch 1, waiting on the slow write
     t0 = time.perf_counter()
     late.log_epoch(Record(3))  # the training thread's next epoch
     assert time.perf_counter() - t0 < 0.1  # not held up by the replay
@@ -94,3 +99,18 @@ def test_epochs_from_before_the_start_reach_the_run_in_order_without_blocking_tr
     assert late.wait() is run
     assert run.checkpoints == [tmp_path / "ckpt"]
     assert trial.user_attrs == {"mlflow_run_id": "run-0"}  # linked
+
+
+def test_an_epoch_the_run_refuses_loses_neither_the_others_nor_the_run(tmp_path: Path) -> None:
+    run = SlowRun(failing=2)
+    run.release.set()
+    session = Session(run)
+    late = _LateRun(session, Trial(), {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
+    for epoch in (1, 2, 3):
+        late.log_epoch(Record(epoch))
+    late.checkpoint_written(tmp_path / "ckpt")
+    session.jobs[0]()
+    assert late.wait() is run  # told, and so ended, with the trial
+    assert run.epochs == [1, 3] and run.checkpoints == [tmp_path / "ckpt"]
+    late.log_epoch(Record(4))
+    assert run.epochs == [1, 3, 4]
