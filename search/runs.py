@@ -654,8 +654,8 @@ def record_dead_trial_run(
         return None
     from hpsearch.tracking.mlflow_logger import (
         TrialTracker,
+        claim_run_by_key,
         ensure_experiment,
-        find_run_by_key,
         find_study_runs,
         trial_params,
     )
@@ -665,7 +665,7 @@ def record_dead_trial_run(
         client = _client(uri)
         experiment_id = ensure_experiment(client, cfg.name)
         key = trial.user_attrs.get(ATTR_RUN_KEY)
-        made = find_run_by_key(client, experiment_id, str(key), trial.number) if key else None
+        made = claim_run_by_key(client, experiment_id, str(key), trial.number) if key else None
         if made is not None:  # died after making its run, before linking it
             _end_run(client, made, outcome, reason)
             return made

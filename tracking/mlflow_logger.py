@@ -369,12 +369,12 @@ def find_study_runs(client: MlflowClient, experiment_id: str) -> list[str]:
     return [rid for _, rid in sorted(ids)]
 
 
-def find_run_by_key(
-    client: MlflowClient, experiment_id: str, key: str, trial_number: int
-) -> str | None:
-    """The oldest run of trial `trial_number` in the experiment tagged ``hpsearch.run_key =
-    key``, or None. The number too: a retry starts with its failed try's attributes, key
-    included, until its worker writes its own. Raises what the search raises."""
+def runs_by_key(client: MlflowClient, experiment_id: str, key: str, trial_number: int) -> list[str]:
+    """The ids of trial `trial_number`'s runs in the experiment tagged ``hpsearch.run_key =
+    key``, the one with the most metrics first. More than one where a create was sent twice
+    and both were made: MLflow's client itself retries a POST whose reply was lost. The
+    number too: a retry starts with its failed try's attributes, key included, until its
+    worker writes its own. Raises what the search raises."""
     if not key.isalnum():  # a uuid4 hex: nothing to quote in the filter
         raise ValueError(f"run key {key!r}: letters and digits only")
     runs = client.search_runs(
@@ -382,10 +382,29 @@ def find_run_by_key(
         filter_string=(
             f"tags.`{RUN_KEY_TAG}` = '{key}' and tags.`optuna.trial_number` = '{int(trial_number)}'"
         ),
-        order_by=["attributes.start_time ASC"],
-        max_results=5,
+        max_results=10,
     )
-    return str(runs[0].info.run_id) if runs else None
+    return [str(r.info.run_id) for r in sorted(runs, key=lambda r: -len(r.data.metrics))]
+
+
+def keep_one_run(client: MlflowClient, run_ids: Sequence[str], keep: str) -> None:
+    """Delete the runs of `run_ids` other than `keep` (MLflow's delete: to its trash): the
+    empty twins of a create sent twice. Raises what a deletion raises."""
+    for run_id in run_ids:
+        if run_id != keep:
+            client.delete_run(run_id)
+
+
+def claim_run_by_key(
+    client: MlflowClient, experiment_id: str, key: str, trial_number: int
+) -> str | None:
+    """The run made for trial `trial_number` with this key (`runs_by_key`'s first; its
+    twins deleted), or None. Raises what the search or a deletion raises."""
+    ids = runs_by_key(client, experiment_id, key, trial_number)
+    if not ids:
+        return None
+    keep_one_run(client, ids, ids[0])
+    return ids[0]
 
 
 def open_study_run(
@@ -514,6 +533,8 @@ class TrialTracker:
         self.incomplete = False
         self.finished = False
         self.run_id: str | None = None
+        self._experiment_id = experiment_id
+        self._run_key = run_key
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._queue: deque[_Batch] = deque()
@@ -667,6 +688,8 @@ class TrialTracker:
                 f"set status {status}",
                 lambda: self.client.set_terminated(run_id, status=status),
             )
+            if self._run_key and not server_down:
+                self._delete_twins(run_id, self._run_key)
             if self.incomplete:
                 logger.warning(
                     "MLflow: run %s (trial %d) is incomplete: %d batches / %d metrics not "
@@ -760,12 +783,21 @@ class TrialTracker:
                     return None
                 time.sleep(delay)
 
+    def _delete_twins(self, run_id: str, key: str) -> None:
+        """Delete an empty twin of this run, made where a create was sent twice (MLflow's
+        client retries a POST whose reply was lost): one search per run, at its end."""
+        try:
+            twins = runs_by_key(self.client, self._experiment_id, key, self.trial_number)
+            keep_one_run(self.client, twins, run_id)
+        except Exception as exc:  # telemetry: the run itself is whole
+            logger.warning("MLflow: could not look for twins of run %s: %s", run_id, _short(exc))
+
     def _made_after_all(self, experiment_id: str, run_key: str | None) -> str | None:
         """The run a create that failed made after all, found by its key; else None."""
         if not run_key:
             return None
         try:
-            return find_run_by_key(self.client, experiment_id, run_key, self.trial_number)
+            return claim_run_by_key(self.client, experiment_id, run_key, self.trial_number)
         except Exception as exc:  # telemetry: the caller retries or gives up
             logger.debug("MLflow: run key lookup failed: %s", _short(exc))
             return None

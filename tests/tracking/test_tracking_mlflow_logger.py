@@ -23,8 +23,8 @@ from hpsearch.tracking.mlflow_logger import (
     apply_http_policy,
     backoff_delays,
     chunk_batch,
+    claim_run_by_key,
     ensure_experiment,
-    find_run_by_key,
     find_study_runs,
     is_permanent_error,
     open_study_run,
@@ -36,7 +36,7 @@ from hpsearch.tracking.mlflow_logger import (
 )
 from hpsearch.tracking.server import LocalServer, free_port, start_local_server
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.exceptions import MlflowException, RestException
 from tracking_helpers import CountingClient
 
@@ -402,11 +402,55 @@ def test_a_create_retried_after_a_lost_reply_makes_one_run(
     if keyed:  # the retry found the run the lost reply had made
         assert client.creates == 1
         assert [r.info.run_id for r in runs] == [tracker.run_id]
-        assert find_run_by_key(client, experiment_id, key, number) == tracker.run_id
-        assert find_run_by_key(client, experiment_id, key, number + 1) is None
+        assert claim_run_by_key(client, experiment_id, key, number) == tracker.run_id
+        assert claim_run_by_key(client, experiment_id, key, number + 1) is None
         assert runs[0].data.tags["hpsearch.run_key"] == key
     else:  # what the key prevents
         assert client.creates == 2 and len(runs) == 2
+
+
+class TwinClient(CountingClient):
+    """The server made the run twice: MLflow's client itself retried the create, whose
+    first reply was lost (it retries POSTs too), and returned the second."""
+
+    def create_run(self, *args: Any, **kwargs: Any) -> Any:
+        super().create_run(*args, **kwargs)
+        return super().create_run(*args, **kwargs)
+
+
+def test_a_twin_made_by_the_clients_own_retry_is_deleted_when_the_run_ends(
+    mlflow_server: LocalServer, experiment_id: str
+) -> None:
+    plain = MlflowClient(mlflow_server.url)
+    parent = open_study_run(plain, experiment_id, "s", {}, "x: 1\n")
+    key = uuid.uuid4().hex
+    tracker = make_tracker(TwinClient(tracking_uri=mlflow_server.url), experiment_id, parent, 50,
+                           run_key=key)  # fmt: skip
+    tracker.log_epoch(1, epoch_metrics(1))
+    assert tracker.finish("completed")
+    runs = plain.search_runs(
+        [experiment_id], "tags.`optuna.trial_number` = '50'", run_view_type=ViewType.ALL
+    )
+    assert len(runs) == 2  # both were made ...
+    live = [r.info.run_id for r in runs if r.info.lifecycle_stage == "active"]
+    assert live == [tracker.run_id]  # ... and the empty one is in MLflow's trash
+    assert plain.get_run(tracker.run_id).data.metrics["val_acc"] == epoch_metrics(1)["val_acc"]
+
+
+def test_claiming_a_run_by_key_keeps_the_one_with_metrics(
+    mlflow_server: LocalServer, experiment_id: str
+) -> None:
+    """The launcher claims a dead worker's unlinked run by its key: of twins, the one the
+    worker logged to, whichever was made first."""
+    client = MlflowClient(mlflow_server.url)
+    key = uuid.uuid4().hex
+    tags = {"hpsearch.run_key": key, "optuna.trial_number": "60"}
+    empty = client.create_run(experiment_id, tags=tags).info.run_id
+    used = client.create_run(experiment_id, tags=tags).info.run_id
+    client.log_metric(used, "val_acc", 0.5, step=1)
+    assert claim_run_by_key(client, experiment_id, key, 60) == used
+    assert client.get_run(empty).info.lifecycle_stage == "deleted"
+    assert claim_run_by_key(client, experiment_id, key, 60) == used  # once is enough
 
 
 # --------------------------------------------------------------------------- outage
