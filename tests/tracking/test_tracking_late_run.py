@@ -144,6 +144,17 @@ def failing_train(config: Any, params: Any, report: Any, options: Any) -> Any:
     raise RuntimeError("broken before its first epoch")
 
 
+def _new_study(tmp_path: Path, name: str) -> tuple[Any, StorageSpec, optuna.Study]:
+    """The tiny study named `name`, and a new Optuna study of that name in a journal."""
+    journal = tmp_path / "optuna.journal"
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(journal))
+    )
+    study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    cfg = load_config("tiny", overrides=[f"name={name}"])
+    return cfg, StorageSpec("journal", str(journal), "journal"), study
+
+
 def test_a_dead_trial_without_a_run_gets_one_from_optuna(
     tmp_path: Path, mlflow_server: LocalServer
 ) -> None:
@@ -151,13 +162,7 @@ def test_a_dead_trial_without_a_run_gets_one_from_optuna(
     from hpsearch.runs import open_study_run, record_dead_trial_run
 
     name = f"dead-{time.time_ns()}"
-    cfg = load_config("tiny", overrides=[f"name={name}"])
-    journal = tmp_path / "optuna.journal"
-    spec = StorageSpec("journal", str(journal), "journal")
-    storage = optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(journal))
-    )
-    study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    cfg, spec, study = _new_study(tmp_path, name)
     trial = study.ask()
     trial.suggest_float("lr", 1e-3, 0.5, log=True)
     trial.set_user_attr("worker", "vm:w1")
@@ -197,13 +202,7 @@ def test_a_dead_trial_whose_run_was_made_gets_that_run_not_a_second(
     from hpsearch.tracking.mlflow_logger import TrialTracker, ensure_experiment
 
     name = f"dead-keyed-{time.time_ns()}"
-    cfg = load_config("tiny", overrides=[f"name={name}"])
-    journal = tmp_path / "optuna.journal"
-    spec = StorageSpec("journal", str(journal), "journal")
-    storage = optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(journal))
-    )
-    study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    cfg, spec, study = _new_study(tmp_path, name)
     trial = study.ask()
     trial.suggest_float("lr", 1e-3, 0.5, log=True)
     key = "ab12" * 8
