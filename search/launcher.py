@@ -681,7 +681,7 @@ class Launcher:
         failed = []
         uri = self._tracking_uri if self._tracking_error is None else None
         for t, reason in trials:
-            if self._held_ids and t._trial_id in self._held_ids:
+            if t._trial_id in self._held_ids:
                 now = with_db_retry(lambda t=t: self.study._storage.get_trial(t._trial_id))
                 if now.state != TrialState.RUNNING:  # failed elsewhere after all
                     continue

@@ -660,7 +660,7 @@ def record_dead_trial_run(
         trial_params,
     )
 
-    outcome = "interrupted" if reason == "interrupted" else "failed"
+    outcome = _dead_outcome(reason)
     try:
         client = _client(uri)
         experiment_id = ensure_experiment(client, cfg.name)
@@ -706,10 +706,14 @@ def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
     if not uri or not run_id:
         return
     try:
-        _end_run(_client(uri), str(run_id), "interrupted" if reason == "interrupted" else "failed",
-                 reason)  # fmt: skip
+        _end_run(_client(uri), str(run_id), _dead_outcome(reason), reason)
     except Exception as exc:  # best effort: the Optuna state is what counts
         logger.warning("could not mark MLflow run %s: %s", run_id, exc)
+
+
+def _dead_outcome(reason: str) -> str:
+    """A gone worker's trial: KILLED when it was stopped ("interrupted"), else FAILED."""
+    return "interrupted" if reason == "interrupted" else "failed"
 
 
 def _end_run(client: Any, run_id: str, outcome: str, reason: str) -> None:
