@@ -220,8 +220,23 @@ def _advisory_lock(engine: sa.Engine, name: str) -> Iterator[sa.Connection]:
         try:
             yield conn
         finally:
-            conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-            conn.commit()
+            _advisory_unlock(conn, key)
+
+
+def _advisory_unlock(conn: sa.Connection, key: int) -> None:
+    """Release a session lock taken on `conn`, whatever the locked section left behind.
+
+    A failed statement there leaves the transaction aborted, where the unlock itself would
+    fail; the connection would then go back to a pool still holding the lock, and every
+    other process would wait on it for good. So roll back first, and if the unlock still
+    fails, close the database session, which releases its locks.
+    """
+    try:
+        conn.rollback()
+        conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+        conn.commit()
+    except SQLAlchemyError:
+        conn.invalidate()
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from cli_util import DUMMY, hpsearch
 from hpsearch.config import StudyConfig, load_config
 from hpsearch.storage import (
     StorageSpec,
+    _lock_key,
     count_trials_sql,
     deferred_params,
     normalize_url,
@@ -105,6 +106,30 @@ def test_study_lock_excludes_other_processes_connections(pg_url: str, tmp_path: 
 def _take(spec: StorageSpec, engine: sa.Engine, order: list[str]) -> None:
     with study_lock(spec, "s", engine):
         order.append("second holds")
+
+
+def test_study_lock_is_released_when_the_locked_section_fails_a_statement(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A failed statement aborts the lock connection's transaction; the lock must still be
+    released, not go back to the pool with it (other workers would wait on it for good)."""
+    spec = resolve_storage(pg_url, tmp_path)
+    a = sa.create_engine(spec.url, pool_size=1)
+    b = sa.create_engine(spec.url)
+    try:
+        with pytest.raises(sa.exc.ProgrammingError), study_lock(spec, "s", a) as conn:
+            assert conn is not None
+            conn.execute(sa.text("SELECT * FROM no_such_table"))
+        with b.connect() as other:
+            key = {"k": _lock_key("s")}
+            took = other.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), key).scalar()
+            assert took is True
+            other.execute(sa.text("SELECT pg_advisory_unlock(:k)"), key)
+        with study_lock(spec, "s", a):  # and the pool still serves the lock
+            pass
+    finally:
+        a.dispose()
+        b.dispose()
 
 
 def test_trial_reads_are_throttled_but_never_older_than_the_interval(
