@@ -215,12 +215,16 @@ class _Heartbeat:
             self._thread.start()
 
     def _beat(self, storage: BaseHeartbeat, trial_id: int, period: float) -> None:
-        # The first beat was recorded when the trial was claimed, under the budget lock.
-        while not self._stop.wait(period):
+        # The claim recorded a beat under the budget lock, but building the Trial since
+        # (the sampler reads every trial) can take seconds on a loaded machine: beat at once,
+        # so that time never eats into the grace period of a live trial.
+        while True:
             try:
                 storage.record_heartbeat(trial_id)
             except Exception as exc:  # best effort: a missed beat only risks a retry
                 warnings.warn(f"heartbeat failed: {exc}", stacklevel=1)
+            if self._stop.wait(period):
+                return
 
     def stop(self) -> None:
         self._stop.set()

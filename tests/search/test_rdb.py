@@ -253,6 +253,32 @@ def test_heartbeats_are_read_by_optunas_stale_trial_check(pg_url: str, tmp_path:
     fast.record_heartbeat(10**6)  # no such trial: ignored, as Optuna ignores it
 
 
+def test_a_trials_heartbeat_thread_beats_as_it_starts(pg_url: str, tmp_path: Path) -> None:
+    """The claim's beat may be seconds old by the time the trial is built (the sampler reads
+    every trial): the thread must not wait a period (here 30 s) before its first beat."""
+    from hpsearch.worker import _Heartbeat
+
+    plain, _ = _two_storages(pg_url, tmp_path)  # heartbeat interval 60 s
+    sid = plain.create_new_study([optuna.study.StudyDirection.MAXIMIZE], "first-beat")
+    tid = plain.create_new_trial(sid)
+    with plain.engine.begin() as conn:  # a claim's beat from long ago
+        conn.execute(
+            sa.text(
+                "INSERT INTO trial_heartbeats (trial_id, heartbeat) VALUES (:t, now() - interval '1 h')"
+            ),
+            {"t": tid},
+        )
+    assert plain._get_stale_trial_ids(sid) == [tid]
+    beat = _Heartbeat(plain, tid)
+    try:
+        deadline = time.monotonic() + 10
+        while plain._get_stale_trial_ids(sid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert plain._get_stale_trial_ids(sid) == []
+    finally:
+        beat.stop()
+
+
 def test_a_finished_trial_takes_no_more_params_or_attributes(pg_url: str, tmp_path: Path) -> None:
     plain, fast = _two_storages(pg_url, tmp_path)
     sid = plain.create_new_study([optuna.study.StudyDirection.MAXIMIZE], "finished")
