@@ -22,14 +22,18 @@ from optuna.trial import TrialState
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
-def wait_for(cond: Callable[[], object], timeout: float, what: str) -> object:
+def wait_for(
+    cond: Callable[[], object], timeout: float, what: str, context: Callable[[], str] = str
+) -> object:
+    """`cond()`'s first true value; on a timeout, the error carries `context()`
+    (the processes' output, say)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = cond()
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}\n{context()}")
 
 
 def running_with_epochs(url: str, name: str, epochs: int) -> optuna.trial.FrozenTrial | None:
@@ -123,9 +127,11 @@ def test_independent_worker_killed_is_detected_stale_and_retried(
               "--set", "pruner.options={}"]  # fmt: skip
 
     def worker(name: str) -> subprocess.Popen[str]:
+        # Output to a file: an unread pipe could stall a worker, and a failure shows it.
+        log = (tmp_path / f"{name}.log").open("w")
         return subprocess.Popen(
             [sys.executable, "-m", "hpsearch.cli", "worker", *common, "--worker-id", name],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
 
     storage = url_for_optuna(pg_url)
@@ -140,11 +146,14 @@ def test_independent_worker_killed_is_detected_stale_and_retried(
                 return t
         return None
 
+    def logs() -> str:
+        return "\n".join(f"--- {p.name}:\n{p.read_text()}" for p in sorted(tmp_path.glob("*.log")))
+
     victim_p = worker("victim")
     survivor = worker("survivor")
     try:
-        wait_for(lambda: running_of("survivor", 0), 120, "the survivor busy with a trial")
-        victim = wait_for(lambda: running_of("victim", 2), 120, "victim 2 epochs in")
+        wait_for(lambda: running_of("survivor", 0), 120, "the survivor busy with a trial", logs)
+        victim = wait_for(lambda: running_of("victim", 2), 120, "victim 2 epochs in", logs)
         assert isinstance(victim, optuna.trial.FrozenTrial)
         victim_p.send_signal(signal.SIGKILL)
         killed = datetime.datetime.now()
@@ -154,12 +163,12 @@ def test_independent_worker_killed_is_detected_stale_and_retried(
             t = st.get_trials(deepcopy=False)[victim.number]
             return t if t.state == TrialState.FAIL else None
 
-        dead = wait_for(failed, 4 * heartbeat, "stale detection")
+        dead = wait_for(failed, 4 * heartbeat, "stale detection", logs)
         assert isinstance(dead, optuna.trial.FrozenTrial) and dead.datetime_complete is not None
         # When the survivor marked it FAIL (Optuna's timestamp), not when this test noticed.
         detected_s = (dead.datetime_complete - killed).total_seconds()
-        out, _ = survivor.communicate(timeout=180)
-        assert survivor.returncode == 0, out
+        survivor.wait(timeout=180)
+        assert survivor.returncode == 0, logs()
     finally:
         victim_p.kill()
         survivor.kill()
