@@ -28,7 +28,7 @@ from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import ConfigError, DeviceError, HpsearchError, TrackingError
 from hpsearch.packing import MemoryModel, PackingPlan, pid_alive, plan_from_probe
-from hpsearch.storage import StorageSpec, open_storage, with_db_retry
+from hpsearch.storage import StorageSpec, heartbeat_storage, open_storage, with_db_retry
 from hpsearch.study import (
     budget_counts,
     budget_done,
@@ -46,7 +46,6 @@ from hpsearch.worker import (
     ATTR_WORKER,
     retry_callback,
 )
-from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -651,9 +650,9 @@ class Launcher:
         they would have no MLflow run. So a set-up that takes long (the embedded server's
         start has a time limit) holds their retries back as long; a killed launcher beats
         no more, and the stale check fails them then."""
-        storage = self.study._storage
+        storage = heartbeat_storage(self.study._storage)
         now = time.monotonic()
-        if not self._held or not isinstance(storage, BaseHeartbeat):
+        if not self._held or storage is None:
             return
         if not force and now - self._held_beat_at < self.opts.heartbeat_interval_s / 2:
             return

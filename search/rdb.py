@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import random
 import time
 from collections.abc import Container, Iterable, Sequence
@@ -45,9 +46,20 @@ import sqlalchemy as sa
 from optuna import distributions
 from optuna.distributions import BaseDistribution
 from optuna.storages import RDBStorage
-from optuna.storages._rdb import models
-from optuna.storages._rdb.storage import _create_scoped_session
 from optuna.trial import FrozenTrial, TrialState
+
+try:  # Optuna's internals: where a release moves them, every method is Optuna's own
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session
+
+    INTERNALS_MISSING: str | None = None
+except ImportError as _exc:
+    INTERNALS_MISSING = str(_exc)
+
+# Optuna's KeyError text for a missing study or trial (`models.NOT_FOUND_MSG`).
+NOT_FOUND_MSG = "Record does not exist."
+
+logger = logging.getLogger(__name__)
 
 # The alembic revisions of Optuna's schema whose tables this SQL was written for (Optuna's
 # `RDBStorage` refuses a database that is not at its own head revision).
@@ -272,8 +284,17 @@ class FastRDBStorage(RDBStorage):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fast = (
-            self.engine.name == "postgresql" and self.get_current_version() in SCHEMA_REVISIONS
+            self.engine.name == "postgresql"
+            and INTERNALS_MISSING is None
+            and self.get_current_version() in SCHEMA_REVISIONS
         )
+        if self.engine.name == "postgresql" and INTERNALS_MISSING is not None:
+            logger.warning(
+                "this Optuna (%s) lacks the internals hpsearch's fast storage path uses (%s): "
+                "using Optuna's own RDBStorage methods",
+                optuna.__version__,
+                INTERNALS_MISSING,
+            )
 
     def fast_sql(self) -> bool:
         """True where this class's SQL is used: PostgreSQL, at a schema revision it knows."""
@@ -285,7 +306,7 @@ class FastRDBStorage(RDBStorage):
         with _create_scoped_session(self.scoped_session) as session:
             row = session.execute(sa.text(_ONE_TRIAL_SQL), {"trial_id": trial_id}).first()
         if row is None:
-            raise KeyError(models.NOT_FOUND_MSG)
+            raise KeyError(NOT_FOUND_MSG)
         return frozen_trial_from_row(row)
 
     def _get_trials(
@@ -303,7 +324,7 @@ class FastRDBStorage(RDBStorage):
                 sa.text(_STUDY_TRIALS_SQL.format(where=where)), {"study_id": study_id, **params}
             ).all()
         if not rows:
-            raise KeyError(models.NOT_FOUND_MSG)
+            raise KeyError(NOT_FOUND_MSG)
         return [frozen_trial_from_row(row) for row in rows if row[0] is not None]
 
     def _create_new_trial(
@@ -318,7 +339,7 @@ class FastRDBStorage(RDBStorage):
                 with _create_scoped_session(self.scoped_session) as session:
                     locked = session.execute(sa.text(_LOCK_STUDY_SQL), {"study_id": study_id})
                     if locked.first() is None:
-                        raise KeyError(models.NOT_FOUND_MSG)
+                        raise KeyError(NOT_FOUND_MSG)
                     trial_id, number = session.execute(
                         sa.text(_CREATE_TRIAL_SQL), {"study_id": study_id, "start": start}
                     ).one()
@@ -400,7 +421,7 @@ class FastRDBStorage(RDBStorage):
         trial, else `UpdateFinishedTrialError`."""
         state = session.execute(sa.text(_TRIAL_STATE_SQL), {"trial_id": trial_id}).scalar()
         if state is None:
-            raise KeyError(models.NOT_FOUND_MSG)
+            raise KeyError(NOT_FOUND_MSG)
         self.check_trial_is_updatable(trial_id, TrialState[state])
         raise RuntimeError(f"trial {trial_id} is {state}, but was not written")
 

@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import optuna
 import sqlalchemy as sa
@@ -165,6 +165,25 @@ def open_storage(
         raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
     except ImportError as exc:
         raise StorageError(f"storage {spec.display}: driver missing: {exc}") from exc
+
+
+class HeartbeatStorage(Protocol):
+    """What a storage that records trial heartbeats offers (Optuna's `BaseHeartbeat`)."""
+
+    def record_heartbeat(self, trial_id: int) -> None: ...
+
+    def get_heartbeat_interval(self) -> int | None: ...
+
+
+def heartbeat_storage(storage: object) -> HeartbeatStorage | None:
+    """`storage` where it records heartbeats and they are on, else None. Duck-typed, as
+    Optuna's `BaseHeartbeat` and `is_heartbeat_enabled` live in an internal module
+    (`optuna.storages._heartbeat`) a release may move."""
+    record = getattr(storage, "record_heartbeat", None)
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    if not (callable(record) and callable(interval)) or interval() is None:
+        return None
+    return cast(HeartbeatStorage, storage)
 
 
 def is_connection_error(exc: BaseException | None) -> bool:

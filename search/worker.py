@@ -29,9 +29,11 @@ from hpsearch.errors import HpsearchError, StorageError
 from hpsearch.packing import AdmissionStopped
 from hpsearch.reporting import TrialReports
 from hpsearch.storage import (
+    HeartbeatStorage,
     StorageSpec,
     count_trials_sql,
     deferred_params,
+    heartbeat_storage,
     open_storage,
     refresh_trials_now,
     set_trial_attrs,
@@ -50,7 +52,6 @@ from hpsearch.study import (
     suggest,
 )
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
-from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.trial import TrialState
 
 logger = logging.getLogger("hpsearch.tracking")
@@ -207,14 +208,15 @@ class _Heartbeat:
     def __init__(self, storage: BaseStorage, trial_id: int) -> None:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
-            period = heartbeat_timing(float(storage.get_heartbeat_interval() or 10))[0]
+        beating = heartbeat_storage(storage)
+        if beating is not None:
+            period = heartbeat_timing(float(beating.get_heartbeat_interval() or 10))[0]
             self._thread = threading.Thread(
-                target=self._beat, args=(storage, trial_id, period), daemon=True
+                target=self._beat, args=(beating, trial_id, period), daemon=True
             )
             self._thread.start()
 
-    def _beat(self, storage: BaseHeartbeat, trial_id: int, period: float) -> None:
+    def _beat(self, storage: HeartbeatStorage, trial_id: int, period: float) -> None:
         # The claim recorded a beat under the budget lock, but building the Trial since
         # (the sampler reads every trial) can take seconds on a loaded machine: beat at once,
         # so that time never eats into the grace period of a live trial.
@@ -413,9 +415,9 @@ def _claim_trial(study: optuna.Study, counts: dict[str, int], n_trials: int) -> 
 
 
 def _first_heartbeat(study: optuna.Study, trial_id: int) -> None:
-    storage = study._storage
-    if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
-        storage.record_heartbeat(trial_id)
+    beating = heartbeat_storage(study._storage)
+    if beating is not None:
+        beating.record_heartbeat(trial_id)
 
 
 class _LateRun:

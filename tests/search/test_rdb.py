@@ -395,3 +395,53 @@ def test_an_unknown_schema_revision_takes_optunas_own_methods(
     study = optuna.create_study(storage=storage)
     study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+
+
+_WITHOUT_INTERNALS = """
+import logging, sys, types
+import optuna
+import optuna.storages._rdb.storage as real
+
+# This Optuna without `_create_scoped_session`, as hpsearch.rdb imports it (a release may
+# move it); Optuna's own methods keep theirs.
+sys.modules[real.__name__] = types.ModuleType(real.__name__)
+try:
+    import hpsearch.rdb as rdb
+finally:
+    sys.modules[real.__name__] = real
+from hpsearch.storage import heartbeat_storage, open_storage, resolve_storage, tell
+from pathlib import Path
+
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+storage = open_storage(resolve_storage(sys.argv[1], Path(sys.argv[2])), heartbeat_interval=60)
+assert rdb.INTERNALS_MISSING and not storage.fast_sql()
+study = optuna.create_study(storage=storage, direction="maximize", study_name="moved")
+for i in range(3):
+    trial = study.ask()
+    heartbeat_storage(storage).record_heartbeat(trial._trial_id)
+    x = trial.suggest_float("x", 0, 1)
+    trial.report(x, 0)
+    tell(study, trial, x)
+print("states", sorted({t.state.name for t in study.trials}), len(study.trials))
+"""
+
+
+def test_an_optuna_without_the_internals_used_takes_its_own_methods(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Where an Optuna release moves the internals `hpsearch.rdb` imports, hpsearch still
+    imports, says so once, and every storage call is Optuna's own."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_INTERNALS, pg_url, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "states ['COMPLETE'] 3" in out.stdout
+    assert "lacks the internals hpsearch's fast storage path uses" in out.stderr
+    assert "_create_scoped_session" in out.stderr

@@ -303,3 +303,17 @@ def test_a_launch_on_psycopg_3(pg_url: str, tmp_path: Path, subprocess_env: dict
     assert {t.user_attrs["worker"] for t in study.trials} <= {
         f"{t.user_attrs['host']}:w{i}" for t in study.trials for i in (0, 1)
     }
+
+
+def test_heartbeat_storage_is_the_storage_only_where_heartbeats_are_on(
+    pg_url: str, tmp_path: Path
+) -> None:
+    from hpsearch.storage import heartbeat_storage
+
+    spec = resolve_storage(pg_url, tmp_path)
+    on = open_storage(spec, heartbeat_interval=10)
+    assert heartbeat_storage(on) is on
+    assert heartbeat_storage(open_storage(spec)) is None
+    assert heartbeat_storage(optuna.storages.InMemoryStorage()) is None
+    study = optuna.create_study(storage=on)  # Optuna's cache in front: still beats
+    assert heartbeat_storage(study._storage) is study._storage
