@@ -650,7 +650,7 @@ class Launcher:
         they would have no MLflow run. So a set-up that takes long (the embedded server's
         start has a time limit) holds their retries back as long; a killed launcher beats
         no more, and the stale check fails them then."""
-        storage = heartbeat_storage(self.study._storage)
+        storage = heartbeat_storage(self.study._storage, enabled=False)
         now = time.monotonic()
         if not self._held or storage is None:
             return

@@ -175,13 +175,17 @@ class HeartbeatStorage(Protocol):
     def get_heartbeat_interval(self) -> int | None: ...
 
 
-def heartbeat_storage(storage: object) -> HeartbeatStorage | None:
-    """`storage` where it records heartbeats and they are on, else None. Duck-typed, as
-    Optuna's `BaseHeartbeat` and `is_heartbeat_enabled` live in an internal module
+def heartbeat_storage(storage: object, *, enabled: bool = True) -> HeartbeatStorage | None:
+    """`storage` where it can record trial heartbeats, else None; with `enabled` only where
+    its own heartbeats are on (a heartbeat interval set: Optuna's `is_heartbeat_enabled`).
+    The launcher beats for trials it holds through a storage opened without an interval.
+    Duck-typed, as Optuna's `BaseHeartbeat` lives in an internal module
     (`optuna.storages._heartbeat`) a release may move."""
     record = getattr(storage, "record_heartbeat", None)
     interval = getattr(storage, "get_heartbeat_interval", None)
-    if not (callable(record) and callable(interval)) or interval() is None:
+    if not (callable(record) and callable(interval)):
+        return None
+    if enabled and interval() is None:
         return None
     return cast(HeartbeatStorage, storage)
 

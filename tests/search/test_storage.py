@@ -305,7 +305,7 @@ def test_a_launch_on_psycopg_3(pg_url: str, tmp_path: Path, subprocess_env: dict
     }
 
 
-def test_heartbeat_storage_is_the_storage_only_where_heartbeats_are_on(
+def test_heartbeat_storage_is_the_storage_where_it_can_beat_and_if_asked_where_heartbeats_are_on(
     pg_url: str, tmp_path: Path
 ) -> None:
     from hpsearch.storage import heartbeat_storage
@@ -313,7 +313,9 @@ def test_heartbeat_storage_is_the_storage_only_where_heartbeats_are_on(
     spec = resolve_storage(pg_url, tmp_path)
     on = open_storage(spec, heartbeat_interval=10)
     assert heartbeat_storage(on) is on
-    assert heartbeat_storage(open_storage(spec)) is None
-    assert heartbeat_storage(optuna.storages.InMemoryStorage()) is None
+    off = open_storage(spec)  # the launcher's: it beats for the trials it holds
+    assert heartbeat_storage(off) is None
+    assert heartbeat_storage(off, enabled=False) is off
+    assert heartbeat_storage(optuna.storages.InMemoryStorage(), enabled=False) is None
     study = optuna.create_study(storage=on)  # Optuna's cache in front: still beats
     assert heartbeat_storage(study._storage) is study._storage
