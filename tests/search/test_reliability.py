@@ -85,7 +85,12 @@ def test_kill_9_worker_mid_trial_resumes_from_checkpoint(
     assert len([t for t in trials if t.state in FINISHED]) == 4
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     dead = trials[victim.number]
-    assert dead.state == TrialState.FAIL and "worker died (signal 9)" in dead.user_attrs["message"]
+    message = str(dead.user_attrs.get("message"))
+    assert dead.state == TrialState.FAIL and "worker died (signal 9)" in message, (
+        dead.state,
+        dead.user_attrs,
+        out[-3000:],
+    )
     retry = [t for t in trials if t.system_attrs.get("failed_trial") == victim.number]
     assert len(retry) == 1 and retry[0].state in FINISHED and retry[0].params == victim.params
     resumed_from = retry[0].user_attrs["resumed_from_epoch"]
@@ -377,20 +382,30 @@ def test_a_worker_dying_while_the_embedded_server_starts_does_not_hold_up_the_la
 
     monkeypatch.setattr(server_mod, "start_local_server", slow_start)
     summary = launcher.run()
+    study = optuna.load_study(study_name=name, storage=url_for_optuna(pg_url))
+
+    def context() -> str:
+        """What a failure here shows: the events, the trials and the workers' logs."""
+        trials = [(t.number, t.state.name, t.user_attrs.get("message")) for t in study.trials]
+        logs = {
+            p.name: p.read_text(errors="replace")[-1500:]
+            for p in sorted((work / "logs").glob("worker-*.log"))
+        }
+        return f"released at {held.get('released')}; events {events}; trials {trials}; logs {logs}"
 
     assert (tmp_path / "died").exists()
     died = [(t, m) for t, m in events if "died (signal 9)" in m]
-    assert died and "restarting it (1/3)" in died[0][1], events
-    assert "re-queued once MLflow is up" in died[0][1]
-    assert died[0][0] < held["released"]  # restarted while the server was held up
+    assert died and "restarting it (1/3)" in died[0][1], context()
+    assert "re-queued once MLflow is up" in died[0][1], context()
+    assert died[0][0] < held["released"], context()  # restarted while the server was held up
     requeued = [t for t, m in events if m.endswith("re-queued to resume")]
-    assert requeued and requeued[0] >= held["released"], events
-    assert summary.counts["complete"] == 1 and summary.stopped_by == "budget"
+    assert requeued and requeued[0] >= held["released"], context()
+    assert summary.counts["complete"] == 1 and summary.stopped_by == "budget", context()
 
-    study = optuna.load_study(study_name=name, storage=url_for_optuna(pg_url))
     dead = [t for t in study.trials if t.state == TrialState.FAIL]
-    assert len(dead) == 1 and len(study.trials) == 2
-    assert dead[0].user_attrs["message"].startswith("worker died (signal 9)")  # not stale
+    assert len(dead) == 1 and len(study.trials) == 2, context()
+    message = str(dead[0].user_attrs.get("message"))
+    assert message.startswith("worker died (signal 9)"), context()  # not stale
     with real_start(work) as server:
         client = MlflowClient(server.url)
         run = client.get_run(dead[0].user_attrs["mlflow_run_id"])
