@@ -28,7 +28,13 @@ from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import ConfigError, DeviceError, HpsearchError, TrackingError
 from hpsearch.packing import MemoryModel, PackingPlan, pid_alive, plan_from_probe
-from hpsearch.storage import StorageSpec, heartbeat_storage, open_storage, with_db_retry
+from hpsearch.storage import (
+    StorageSpec,
+    heartbeat_storage,
+    open_storage,
+    study_lock,
+    with_db_retry,
+)
 from hpsearch.study import (
     budget_counts,
     budget_done,
@@ -695,12 +701,17 @@ class Launcher:
                             t._trial_id, ATTR_RUN_ID, r
                         )
                     )
-            if with_db_retry(
-                lambda t=t, why=reason: fail_trial(self.study, t, why, self.opts.max_retries)
-            ):
+            if with_db_retry(lambda t=t, why=reason: self._fail_one(t, why)):
                 failed.append(t.number)
                 mark_run_failed(uri, t, reason)
         return failed
+
+    def _fail_one(self, trial: FrozenTrial, reason: str) -> bool:
+        """`fail_trial` under the study lock: the failure and the retry's queueing are two
+        commits, and a worker asking between them would see a free place in the budget
+        (a study of one trial then ran two)."""
+        with study_lock(self.spec, self.cfg.name):
+            return fail_trial(self.study, trial, reason, self.opts.max_retries)
 
     def _wait_stopping(self) -> None:
         deadline = time.monotonic() + self.opts.grace_s

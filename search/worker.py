@@ -237,7 +237,12 @@ class _Heartbeat:
 class _StaleWatcher:
     """Fails and re-queues trials whose heartbeat stopped, even while this worker trains."""
 
-    def __init__(self, study: optuna.Study, period_s: float) -> None:
+    def __init__(
+        self,
+        study: optuna.Study,
+        period_s: float,
+        lock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
         # Once for the process, not per call: `catch_warnings` is not thread-safe, and every
         # filter change elsewhere re-arms a "default" warning, which then repeated in the
         # worker's log after each trial.
@@ -245,13 +250,17 @@ class _StaleWatcher:
             "ignore", r".*fail_stale_trials", optuna.exceptions.ExperimentalWarning
         )
         self._stop = threading.Event()
+        self._lock = lock
         self._thread = threading.Thread(target=self._run, args=(study, period_s), daemon=True)
         self._thread.start()
 
     def _run(self, study: optuna.Study, period_s: float) -> None:
         while not self._stop.wait(period_s):
             try:
-                optuna.storages.fail_stale_trials(study)
+                # Under the study lock: a trial's failure and its retry's queueing are two
+                # commits, and an ask between them would see a free place in the budget.
+                with self._lock():
+                    optuna.storages.fail_stale_trials(study)
             except Exception as exc:  # best effort: the next check or worker will retry
                 warnings.warn(f"stale-trial check failed: {exc}", stacklevel=1)
 
@@ -297,7 +306,11 @@ def run_worker(
     tracking = _open_tracking(cfg, spec, opts)
     watcher = None
     if spec.kind == "rdb":
-        watcher = _StaleWatcher(study, heartbeat_timing(opts.heartbeat_interval_s)[2])
+        watcher = _StaleWatcher(
+            study,
+            heartbeat_timing(opts.heartbeat_interval_s)[2],
+            lambda: study_lock(spec, cfg.name, lock_engine),
+        )
     warm = _new_warm_cache()
     deadlines = [time.time() + opts.timeout_s] if opts.timeout_s else []
     deadline = min(deadlines + ([opts.deadline] if opts.deadline else []), default=None)

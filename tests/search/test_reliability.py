@@ -416,3 +416,70 @@ def test_a_worker_dying_while_the_embedded_server_starts_does_not_hold_up_the_la
         runs = client.search_runs([exp.experiment_id], "tags.`hpsearch.role` = 'trial'")
         # One run per trial: the dead trial's, and its retry's.
         assert sorted(int(r.data.tags["optuna.trial_number"]) for r in runs) == [0, 1]
+
+
+def test_a_trials_failure_and_its_retrys_queueing_happen_under_the_study_lock(
+    pg_url: str, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Failing a trial and queueing its retry are two commits. A worker asking between them
+    saw a free place in the budget: a one-trial study ran two (seen in CI). The launcher's
+    failing of a dead worker's trial and a worker's stale check each hold the study lock
+    across both, which every ask takes: the lock is not free when the retry is queued."""
+    import hpsearch.launcher as launcher_mod
+    import sqlalchemy as sa
+    from hpsearch.config import load_config
+    from hpsearch.launcher import Launcher, LaunchOptions
+    from hpsearch.storage import _lock_key, open_storage, resolve_storage, study_lock
+    from hpsearch.worker import _StaleWatcher, retry_callback
+
+    name = f"lock-{time.time_ns()}"
+    cfg = load_config("tiny", overrides=[f"name={name}", "budget.n_trials=1"])
+    spec = resolve_storage(pg_url, tmp_path)
+    probe = sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
+    lock_free_at_queueing: list[bool] = []
+
+    def spying(max_retries: int) -> Callable[[optuna.Study, Any], None]:
+        real = retry_callback(max_retries)
+
+        def call(study: optuna.Study, trial: Any) -> None:
+            with probe.connect() as conn:
+                key = {"k": _lock_key(name)}
+                free = bool(conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), key).scalar())
+                if free:
+                    conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), key)
+            lock_free_at_queueing.append(free)
+            real(study, trial)
+
+        return call
+
+    # The launcher's path.
+    monkeypatch.setattr(launcher_mod, "retry_callback", spying)
+    launcher = Launcher(cfg, spec, LaunchOptions(workers=1, workdir=tmp_path / "w", device="cpu"))
+    launcher._open_study()
+    study = launcher.study
+    first = study.ask()
+    assert launcher._fail_one(study._storage.get_trial(first._trial_id), "worker died (test)")
+    assert lock_free_at_queueing == [False]
+
+    # A worker's stale check: a trial whose heartbeat stopped 1 s ago.
+    beating = open_storage(
+        spec, heartbeat_interval=1, grace_period=1, failed_trial_callback=spying(2)
+    )
+    worker_study = optuna.load_study(study_name=name, storage=beating)
+    stale = worker_study.ask()
+    beating.record_heartbeat(stale._trial_id)  # type: ignore[attr-defined]
+    time.sleep(1.5)
+    watcher = _StaleWatcher(worker_study, 0.1, lambda: study_lock(spec, name))
+    try:
+        wait_for(
+            lambda: worker_study._storage.get_trial(stale._trial_id).state == TrialState.FAIL,
+            30,
+            "the stale trial failed",
+        )
+        wait_for(lambda: len(lock_free_at_queueing) == 2, 30, "its retry queued")
+    finally:
+        watcher.stop()
+    assert lock_free_at_queueing == [False, False]
+    # The worker's ask took the first retry; that one failed stale and was queued again.
+    states = [t.state for t in optuna.load_study(study_name=name, storage=beating).trials]
+    assert states == [TrialState.FAIL, TrialState.FAIL, TrialState.WAITING]
