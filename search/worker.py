@@ -255,8 +255,12 @@ class _StaleWatcher:
         self._thread.start()
 
     def _run(self, study: optuna.Study, period_s: float) -> None:
+        # Optuna's own stale query (internal; where it is gone, every check takes the lock).
+        stale_ids = getattr(study._storage, "_get_stale_trial_ids", None)
         while not self._stop.wait(period_s):
             try:
+                if callable(stale_ids) and not stale_ids(study._study_id):
+                    continue  # nothing stale: the lock, which every ask queues on, is not taken
                 # Under the study lock: a trial's failure and its retry's queueing are two
                 # commits, and an ask between them would see a free place in the budget.
                 with self._lock():
