@@ -211,22 +211,31 @@ def _set_pdeathsig() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def fail_trial(study: optuna.Study, trial: FrozenTrial, reason: str, max_retries: int) -> bool:
+def fail_trial(
+    study: optuna.Study, spec: StorageSpec, trial: FrozenTrial, reason: str, max_retries: int
+) -> bool:
     """Mark a RUNNING trial FAIL with a reason and queue its params to resume. False if it
-    had already finished (another process got there first)."""
+    had already finished (another process got there first).
+
+    Under the study lock: the failure and the retry's queueing are two commits, and a
+    worker asking between them would see a free place in the budget (a study of one trial
+    then ran two)."""
     storage = study._storage
-    try:
-        storage.set_trial_user_attr(trial._trial_id, ATTR_OUTCOME, "failed")
-        storage.set_trial_user_attr(trial._trial_id, ATTR_MESSAGE, reason)
-        if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+    with study_lock(spec, study.study_name):
+        try:
+            storage.set_trial_user_attr(trial._trial_id, ATTR_OUTCOME, "failed")
+            storage.set_trial_user_attr(trial._trial_id, ATTR_MESSAGE, reason)
+            if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+                return False
+        except optuna.exceptions.UpdateFinishedTrialError:
             return False
-    except optuna.exceptions.UpdateFinishedTrialError:
-        return False
-    retry_callback(max_retries)(study, storage.get_trial(trial._trial_id))
+        retry_callback(max_retries)(study, storage.get_trial(trial._trial_id))
     return True
 
 
-def fail_orphans_on_this_host(study: optuna.Study, max_retries: int) -> list[int]:
+def fail_orphans_on_this_host(
+    study: optuna.Study, spec: StorageSpec, max_retries: int
+) -> list[int]:
     """RUNNING trials whose worker process on this host is gone (a previous launcher was
     killed). The journal storage has no heartbeat, so the launcher does this at start."""
     host = socket.gethostname()
@@ -234,7 +243,7 @@ def fail_orphans_on_this_host(study: optuna.Study, max_retries: int) -> list[int
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         pid = t.user_attrs.get(ATTR_PID)
         gone = t.user_attrs.get(ATTR_HOST) == host and isinstance(pid, int) and not pid_alive(pid)
-        if gone and fail_trial(study, t, f"worker pid {pid} is gone", max_retries):
+        if gone and fail_trial(study, spec, t, f"worker pid {pid} is gone", max_retries):
             failed.append(t.number)
     return failed
 
@@ -342,7 +351,7 @@ class Launcher:
             self._open_study()
             # Orphans are RUNNING trials of dead processes on this host: the workers just
             # started have none yet (they are still importing).
-            for n in fail_orphans_on_this_host(self.study, opts.max_retries):
+            for n in fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):
                 self._messages.append(f"trial {n}: its worker was gone; re-queued to resume")
             stopped_by = self._supervise(resolved, tracking_uri)
         finally:
@@ -701,17 +710,14 @@ class Launcher:
                             t._trial_id, ATTR_RUN_ID, r
                         )
                     )
-            if with_db_retry(lambda t=t, why=reason: self._fail_one(t, why)):
+            if with_db_retry(
+                lambda t=t, why=reason: fail_trial(
+                    self.study, self.spec, t, why, self.opts.max_retries
+                )
+            ):
                 failed.append(t.number)
                 mark_run_failed(uri, t, reason)
         return failed
-
-    def _fail_one(self, trial: FrozenTrial, reason: str) -> bool:
-        """`fail_trial` under the study lock: the failure and the retry's queueing are two
-        commits, and a worker asking between them would see a free place in the budget
-        (a study of one trial then ran two)."""
-        with study_lock(self.spec, self.cfg.name):
-            return fail_trial(self.study, trial, reason, self.opts.max_retries)
 
     def _wait_stopping(self) -> None:
         deadline = time.monotonic() + self.opts.grace_s

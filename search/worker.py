@@ -241,7 +241,7 @@ class _StaleWatcher:
         self,
         study: optuna.Study,
         period_s: float,
-        lock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        lock: Callable[[], contextlib.AbstractContextManager[Any]],
     ) -> None:
         # Once for the process, not per call: `catch_warnings` is not thread-safe, and every
         # filter change elsewhere re-arms a "default" warning, which then repeated in the

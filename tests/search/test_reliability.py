@@ -423,8 +423,9 @@ def test_a_trials_failure_and_its_retrys_queueing_happen_under_the_study_lock(
 ) -> None:
     """Failing a trial and queueing its retry are two commits. A worker asking between them
     saw a free place in the budget: a one-trial study ran two (seen in CI). The launcher's
-    failing of a dead worker's trial and a worker's stale check each hold the study lock
-    across both, which every ask takes: the lock is not free when the retry is queued."""
+    `fail_trial` (a dead worker's trial, an orphan) and a worker's stale check each hold the
+    study lock across both, which every ask takes: the lock is not free when the retry is
+    queued."""
     import hpsearch.launcher as launcher_mod
     import sqlalchemy as sa
     from hpsearch.config import load_config
@@ -458,7 +459,8 @@ def test_a_trials_failure_and_its_retrys_queueing_happen_under_the_study_lock(
     launcher._open_study()
     study = launcher.study
     first = study.ask()
-    assert launcher._fail_one(study._storage.get_trial(first._trial_id), "worker died (test)")
+    dead = study._storage.get_trial(first._trial_id)
+    assert launcher_mod.fail_trial(study, spec, dead, "worker died (test)", 2)
     assert lock_free_at_queueing == [False]
 
     # A worker's stale check: a trial whose heartbeat stopped 1 s ago.
