@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import optuna
 from hpsearch.background import Renderer, import_in_idle_time, lower_priority
@@ -260,16 +260,12 @@ class TrialRun:
         summary["setup_seconds"] = float(result.setup_seconds)
         outcome = outcome_for(str(result.stop_reason))
         best = self._best_to_upload  # a snapshot (checkpoint_uri), or None
-        onnx = self._onnx(best) if best is not None and self._study_best else None
-        self.session.finish_later(lambda: self._finish(result, outcome, summary, best, onnx))
+        if best is not None and self._study_best and self.run_id:
+            self.session.hold_for_onnx(self.trial, self.run_id, best)
+        self.session.finish_later(lambda: self._finish(result, outcome, summary, best))
 
     def _finish(
-        self,
-        result: Any,
-        outcome: str,
-        summary: dict[str, float],
-        best: Path | None,
-        onnx: Path | None,
+        self, result: Any, outcome: str, summary: dict[str, float], best: Path | None
     ) -> None:
         self._close_uploader()
         artifacts: list[Path] = []
@@ -282,8 +278,6 @@ class TrialRun:
                 folder.mkdir()
                 (folder / "best.pt").symlink_to(best.resolve())
                 artifacts.append(folder)
-            if onnx is not None:
-                artifacts.append(onnx)
             self.tracker.finish(
                 outcome,
                 result.pruned_at_epoch,
@@ -296,31 +290,6 @@ class TrialRun:
             _rmtree(tmp)
             if best is not None:
                 _rmtree(best.parent)
-            if onnx is not None:
-                _rmtree(onnx.parent)
-
-    def _onnx(self, weights: Path) -> Path | None:
-        """The study's best model so far in ONNX (the folder to log as `model/`), or None.
-
-        Exported here, on the worker's main thread after the tell, where torch is loaded:
-        about 0.4 s of CPU for a ResNet-18, once per new study best. In the helper process
-        the export needs torch and torchvision imported there first (about 3.5 s of CPU on
-        2 cores, and their memory beside every packed worker); on a thread it holds the GIL
-        against the next trial's training. The launcher copies the best trial's file to the
-        study run."""
-        cfg = self.session.cfg
-        if not cfg.tracking.onnx or cfg.objective.multi:
-            return None
-        tmp: Path | None = None
-        try:
-            tmp = Path(tempfile.mkdtemp(prefix="hpsearch-onnx-"))
-            export_model_onnx(cfg, dict(self.trial.params), weights, tmp / ONNX_ARTIFACT)
-        except Exception as exc:  # best effort, like the plots: the run must still finish
-            logger.warning("trial %s: ONNX export failed: %s", self.trial.number, exc)
-            if tmp is not None:
-                _rmtree(tmp)
-            return None
-        return tmp / ONNX_ARTIFACT.split("/")[0]
 
     def _plots(self, result: Any, tmp: Path) -> list[Path]:
         from hpsearch.background import trial_plots
@@ -346,13 +315,13 @@ class TrialRun:
         self.session.finish_later(finish)
 
 
-def _snapshot(path: Path | None) -> Path | None:
-    """A hard link to `path` in a private folder beside it (a copy across file systems),
-    so the file outlives its deletion by checkpoint clean-up until it is uploaded."""
+def _snapshot(path: Path | None, into: Path | None = None) -> Path | None:
+    """A hard link to `path` in a private folder beside it (or in `into`; a copy across file
+    systems), so the file outlives its deletion by checkpoint clean-up until it is used."""
     if path is None or not path.exists():
         return None
     try:
-        folder = Path(tempfile.mkdtemp(prefix=".upload-", dir=path.parent))
+        folder = Path(tempfile.mkdtemp(prefix=".upload-", dir=into or path.parent))
         snap = folder / path.name
         try:
             os.link(path, snap)
@@ -393,6 +362,7 @@ class TrackingSession:
         self._setup_error: BaseException | None = None
         self._setup_thread: threading.Thread | None = None
         self._setup_done = False
+        self._onnx_held: _HeldBest | None = None
         if background:
             self._setup_thread = threading.Thread(
                 target=self._setup, args=(await_study_run_s,), daemon=True, name="mlflow-setup"
@@ -624,12 +594,69 @@ class TrackingSession:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def hold_for_onnx(self, trial: Any, run_id: str, weights: Path) -> None:
+        """Keep the model of the trial this worker just told as the study's best so far
+        (`weights`: its best-model snapshot), in place of the one held before: `close`
+        exports it to ONNX if it is still the study's best then.
+
+        Not at once: the export takes the worker's main thread for 0.5 to 1.3 s (a ResNet-18
+        on 2 CPU cores, the first one importing onnx), between trials, while the GPU idles,
+        and most new bests of a study are overtaken. In the helper process it would need
+        torch imported there (seconds, and its memory beside every packed worker); on a
+        thread it would hold the GIL against training."""
+        cfg = self.cfg
+        if not cfg.tracking.onnx or cfg.objective.multi:
+            return
+        # Beside the snapshot's folder, which the run's finisher deletes after its upload.
+        snap = _snapshot(weights, into=weights.parent.parent)
+        if snap is None:
+            return
+        held = self._onnx_held
+        self._onnx_held = _HeldBest(trial.study, trial.number, dict(trial.params), run_id, snap)
+        if held is not None:
+            _rmtree(held.weights.parent)
+
+    def _export_held_onnx(self) -> None:
+        """The held model in ONNX on its trial's run (`model/best_model.onnx`), if its trial
+        is still the study's best: the launcher copies it to the study run from there. A
+        better trial of another worker is that worker's to export."""
+        held, self._onnx_held = self._onnx_held, None
+        if held is None:
+            return
+        tmp = Path(tempfile.mkdtemp(prefix="hpsearch-onnx-"))
+        try:
+            try:
+                best = held.study.best_trial.number
+            except ValueError:  # no complete trial: not ours either
+                return
+            if best != held.number or self.client is None:
+                return
+            onnx = export_model_onnx(self.cfg, held.params, held.weights, tmp / "best_model.onnx")
+            self.client.log_artifact(held.run_id, str(onnx), ONNX_ARTIFACT.split("/")[0])
+        except Exception as exc:  # best effort, like the plots: the trials are all recorded
+            logger.warning("trial %s: ONNX export failed: %s", held.number, exc)
+        finally:
+            _rmtree(tmp)
+            _rmtree(held.weights.parent)
+
     def close(self) -> None:
-        """Wait for the trials' runs to finish (a stopping worker loses none of them)."""
+        """Wait for the trials' runs to finish (a stopping worker loses none of them), then
+        export the held study best to ONNX."""
         if self._setup_thread is not None:
             self._setup_thread.join()  # its jobs start runs that the finisher then closes
         self._finisher.close()
+        self._export_held_onnx()
         self.renderer.close()
+
+
+class _HeldBest(NamedTuple):
+    """The study's best trial as its worker last told it, and its model (`hold_for_onnx`)."""
+
+    study: optuna.Study
+    number: int
+    params: dict[str, Any]
+    run_id: str
+    weights: Path
 
 
 def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:
@@ -784,9 +811,10 @@ def export_model_onnx(cfg: StudyConfig, params: Mapping[str, Any], weights: Path
 
 def _best_trial_onnx(client: Any, study: optuna.Study, out: Path, wait_s: float = 60.0,
                      workers_alive: Callable[[], bool] = lambda: True) -> Path | None:  # fmt: skip
-    """The ONNX file its worker logged on the best trial's run (TrialRun._onnx), downloaded
-    into `out`; None when that run has none. A run still finishing (its worker's last
-    uploads) is waited for, up to `wait_s`, while `workers_alive()`."""
+    """The ONNX file its worker logged on the best trial's run, downloaded into `out`; None
+    when that run has none. A worker exports its held study best as it stops
+    (`TrackingSession.hold_for_onnx`), after its last run ended: it is waited for, up to
+    `wait_s`, while `workers_alive()`."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -796,17 +824,15 @@ def _best_trial_onnx(client: Any, study: optuna.Study, out: Path, wait_s: float 
     if not run_id:
         return None
     deadline = time.monotonic() + wait_s
+    folder = ONNX_ARTIFACT.split("/")[0]
     try:
-        while (
-            client.get_run(run_id).info.status == "RUNNING"
-            and time.monotonic() < deadline
-            and workers_alive()
-        ):
+        while True:
+            alive = workers_alive()  # before the look: an export a worker ends with is seen
+            if ONNX_ARTIFACT in {a.path for a in client.list_artifacts(run_id, folder)}:
+                return Path(client.download_artifacts(run_id, ONNX_ARTIFACT, str(out)))
+            if not alive or time.monotonic() >= deadline:
+                return None
             time.sleep(0.5)
-        names = {a.path for a in client.list_artifacts(run_id, ONNX_ARTIFACT.split("/")[0])}
-        if ONNX_ARTIFACT not in names:
-            return None
-        return Path(client.download_artifacts(run_id, ONNX_ARTIFACT, str(out)))
     except MlflowException as exc:
         logger.warning("could not fetch the best trial's ONNX from run %s: %s", run_id, exc)
         return None

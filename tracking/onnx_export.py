@@ -1,7 +1,7 @@
 """The best model in ONNX, verified with onnxruntime.
 
-Its own module, without matplotlib: a worker exports each new study best right after the
-tell, on the training process (importing matplotlib there cost 0.3 s of CPU for nothing).
+Its own module, without matplotlib: a worker exports the study best it holds as it stops,
+in the training process (importing matplotlib there cost 0.3 s of CPU for nothing).
 Torch, onnxruntime and onnx are imported inside the functions.
 """
 
