@@ -98,12 +98,12 @@ class Renderer:
     training loop, which needs the GIL between torch ops, stalls behind it: two epochs of the
     tiny study took 15-16 s instead of 12 s on 2 cores while the previous trial's plots and
     ONNX export ran on a thread (niced or not). (The ONNX export now runs on the worker's
-    main thread as it stops: see `TrackingSession.hold_for_onnx`.) The helper has its own GIL and a lower
-    priority. It is started on the first job (a fresh interpreter: no inherited threads or
-    locks) and imports only what its jobs need; like any `spawn` child it imports the main
-    module first, which `hpsearch`'s entry points guard. It ends with its parent. If it
-    cannot start or dies, the job runs in this process instead: artifacts are best effort,
-    never lost for want of a helper.
+    main thread as it stops: `TrackingSession.hold_for_onnx`.) The helper has its own GIL
+    and a lower priority. It is started on the first job (a fresh interpreter: no inherited
+    threads or locks) and imports only what its jobs need; like any `spawn` child it imports
+    the main module first, which `hpsearch`'s entry points guard. It ends with its parent.
+    If it cannot start or dies, the job runs in this process instead: artifacts are best
+    effort, never lost for want of a helper.
     """
 
     def __init__(self) -> None:

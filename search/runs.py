@@ -7,14 +7,16 @@ building blocks (batched logger, GPU sampler, artifacts, server) live in hpsearc
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
+import re
 import shutil
 import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -261,7 +263,12 @@ class TrialRun:
         outcome = outcome_for(str(result.stop_reason))
         best = self._best_to_upload  # a snapshot (checkpoint_uri), or None
         if best is not None and self._study_best and self.run_id:
-            self.session.hold_for_onnx(self.trial, self.run_id, best)
+            cfg = self.session.cfg
+            values = objective_values(
+                cfg, result.best_val_acc, result.best_val_loss, result.train_seconds
+            )
+            if values is not None:  # the value told: see worker._tell
+                self.session.hold_for_onnx(self.trial, self.run_id, best, values[0])
         self.session.finish_later(lambda: self._finish(result, outcome, summary, best))
 
     def _finish(
@@ -315,13 +322,17 @@ class TrialRun:
         self.session.finish_later(finish)
 
 
+SNAPSHOT_PREFIX = ".upload-"  # + "<pid>@<host>@": whose it is (`stale_snapshots`)
+
+
 def _snapshot(path: Path | None, into: Path | None = None) -> Path | None:
     """A hard link to `path` in a private folder beside it (or in `into`; a copy across file
     systems), so the file outlives its deletion by checkpoint clean-up until it is used."""
     if path is None or not path.exists():
         return None
     try:
-        folder = Path(tempfile.mkdtemp(prefix=".upload-", dir=into or path.parent))
+        prefix = f"{SNAPSHOT_PREFIX}{os.getpid()}@{socket.gethostname()}@"
+        folder = Path(tempfile.mkdtemp(prefix=prefix, dir=into or path.parent))
         snap = folder / path.name
         try:
             os.link(path, snap)
@@ -331,6 +342,48 @@ def _snapshot(path: Path | None, into: Path | None = None) -> Path | None:
         logger.warning("could not set %s aside for upload: %s", path, exc)
         return None
     return snap
+
+
+def stale_snapshots(names: Iterable[str], host: str, alive: Callable[[int], bool]) -> list[str]:
+    """The snapshot folders (`_snapshot`) among `names` that a process of `host` left behind
+    when it died (`alive(pid)` is False). Another host's (a work folder shared over the
+    network) and names of another shape are kept."""
+    out = []
+    for name in names:
+        m = re.fullmatch(rf"{re.escape(SNAPSHOT_PREFIX)}(\d+)@(.+)@[^@]*", name)
+        if m is not None and m.group(2) == host and not alive(int(m.group(1))):
+            out.append(name)
+    return out
+
+
+def remove_stale_snapshots(checkpoints: Path) -> list[Path]:
+    """Delete what `stale_snapshots` finds under the work folder's `checkpoints/` (one folder
+    a study): a worker killed mid-study leaves its snapshots there, hard links that keep a
+    pruned best model's bytes (about 45 MB for a ResNet-18) on disk. Returns what went."""
+    gone: list[Path] = []
+    for study_dir in _subdirs(checkpoints):
+        names = [p.name for p in _subdirs(study_dir) if p.name.startswith(SNAPSHOT_PREFIX)]
+        for name in stale_snapshots(names, socket.gethostname(), _pid_alive):
+            _rmtree(study_dir / name)
+            gone.append(study_dir / name)
+    return gone
+
+
+def _subdirs(folder: Path) -> list[Path]:
+    try:
+        return [p for p in folder.iterdir() if p.is_dir()]
+    except OSError:  # not there (yet), or unreadable: nothing to clean
+        return []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class TrackingSession:
@@ -594,12 +647,13 @@ class TrackingSession:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def hold_for_onnx(self, trial: Any, run_id: str, weights: Path) -> None:
+    def hold_for_onnx(self, trial: Any, run_id: str, weights: Path, value: float) -> None:
         """Keep the model of the trial this worker just told as the study's best so far
-        (`weights`: its best-model snapshot), in place of the one held before: `close`
-        exports it to ONNX if it is still the study's best then.
+        (`weights`: its best-model snapshot; `value`: its objective value), in place of the
+        one held before unless that one is as good (a tie keeps the earlier trial, as
+        Optuna's `best_trial` does): `close` exports it to ONNX if it still ranks first.
 
-        Not at once: the export takes the worker's main thread for 0.5 to 1.3 s (a ResNet-18
+        Not at once: the export takes the worker's main thread for 1.0 to 1.3 s (a ResNet-18
         on 2 CPU cores, the first one importing onnx), between trials, while the GPU idles,
         and most new bests of a study are overtaken. In the helper process it would need
         torch imported there (seconds, and its memory beside every packed worker); on a
@@ -607,18 +661,23 @@ class TrackingSession:
         cfg = self.cfg
         if not cfg.tracking.onnx or cfg.objective.multi:
             return
+        held = self._onnx_held
+        if held is not None and not _better(value, held.value, cfg.objective.directions[0]):
+            return
         # Beside the snapshot's folder, which the run's finisher deletes after its upload.
         snap = _snapshot(weights, into=weights.parent.parent)
         if snap is None:
             return
-        held = self._onnx_held
-        self._onnx_held = _HeldBest(trial.study, trial.number, dict(trial.params), run_id, snap)
+        self._onnx_held = _HeldBest(
+            trial.study, trial.number, dict(trial.params), run_id, snap, float(value)
+        )
         if held is not None:
             _rmtree(held.weights.parent)
 
     def _export_held_onnx(self) -> None:
-        """The held model in ONNX on its trial's run (`model/best_model.onnx`), if its trial
-        is still the study's best: the launcher copies it to the study run from there. A
+        """The held model in ONNX on its trial's run (`model/best_model.onnx`), if its value
+        is still the study's best (another worker's trial may tie it: both export, and the
+        launcher takes either): the launcher copies it to the study run from there. A
         better trial of another worker is that worker's to export."""
         held, self._onnx_held = self._onnx_held, None
         if held is None:
@@ -626,10 +685,10 @@ class TrackingSession:
         tmp = Path(tempfile.mkdtemp(prefix="hpsearch-onnx-"))
         try:
             try:
-                best = held.study.best_trial.number
+                best = float(held.study.best_value)
             except ValueError:  # no complete trial: not ours either
                 return
-            if best != held.number or self.client is None:
+            if not math.isclose(best, held.value, rel_tol=1e-12) or self.client is None:
                 return
             onnx = export_model_onnx(self.cfg, held.params, held.weights, tmp / "best_model.onnx")
             self.client.log_artifact(held.run_id, str(onnx), ONNX_ARTIFACT.split("/")[0])
@@ -640,13 +699,18 @@ class TrackingSession:
             _rmtree(held.weights.parent)
 
     def close(self) -> None:
-        """Wait for the trials' runs to finish (a stopping worker loses none of them), then
-        export the held study best to ONNX."""
+        """Wait for the trials' runs to finish (a stopping worker loses none of them), and
+        export the held study best to ONNX meanwhile (the launcher waits for it)."""
         if self._setup_thread is not None:
             self._setup_thread.join()  # its jobs start runs that the finisher then closes
-        self._finisher.close()
+        self._finisher.release()  # its uploads overlap with the export
         self._export_held_onnx()
+        self._finisher.close()
         self.renderer.close()
+
+
+def _better(value: float, than: float, direction: str) -> bool:
+    return value > than if direction == "maximize" else value < than
 
 
 class _HeldBest(NamedTuple):
@@ -657,6 +721,7 @@ class _HeldBest(NamedTuple):
     params: dict[str, Any]
     run_id: str
     weights: Path
+    value: float
 
 
 def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:
@@ -755,13 +820,18 @@ def _end_run(client: Any, run_id: str, outcome: str, reason: str) -> None:
     client.set_terminated(run_id, status=terminal_status(outcome))
 
 
-def finalize_study(cfg: StudyConfig, spec: StorageSpec, uri: str, study: optuna.Study,
-                   workdir: Path,
-                   workers_alive: Callable[[], bool] = lambda: True) -> list[str]:  # fmt: skip
+def finalize_study(
+    cfg: StudyConfig,
+    spec: StorageSpec,
+    uri: str,
+    study: optuna.Study,
+    workdir: Path,
+    may_export: Callable[[str], bool] = lambda worker: True,
+) -> list[str]:
     """Study-level artifacts on the parent run: plots, a trials CSV, the best model in ONNX.
-    `workers_alive`: whether a worker may still finish the best trial's MLflow run (the
-    launcher knows; a run whose worker is gone never finishes, so it is not waited for).
-    Returns what was logged; problems are warned about, never raised."""
+    `may_export(worker_id)`: whether that worker may still export the best trial's ONNX as
+    it stops (the launcher knows its own workers; a gone one never will, so it is not
+    waited for). Returns what was logged; problems are warned about, never raised."""
     from hpsearch.tracking import artifacts as art
     from hpsearch.tracking.mlflow_logger import ensure_experiment, find_study_runs
 
@@ -783,8 +853,8 @@ def finalize_study(cfg: StudyConfig, spec: StorageSpec, uri: str, study: optuna.
                 client.log_artifacts(parent, str(plots), "plots")
                 logged.append("plots")
             if cfg.tracking.onnx and not cfg.objective.multi:
-                onnx = _best_trial_onnx(client, study, out, workers_alive=workers_alive)
-                onnx = onnx or _export_best_onnx(cfg, study, out)
+                onnx = _best_trial_onnx(client, study, out, may_export=may_export)
+                onnx = onnx or _export_best_onnx(cfg, study, out, client)
                 if onnx is not None:
                     client.log_artifact(parent, str(onnx), "model")
                     client.set_tag(parent, "hpsearch.best_trial", str(study.best_trial.number))
@@ -809,44 +879,68 @@ def export_model_onnx(cfg: StudyConfig, params: Mapping[str, Any], weights: Path
     return Path(export_onnx(model, torch.randn(2, 3, size, size), out))
 
 
-def _best_trial_onnx(client: Any, study: optuna.Study, out: Path, wait_s: float = 60.0,
-                     workers_alive: Callable[[], bool] = lambda: True) -> Path | None:  # fmt: skip
-    """The ONNX file its worker logged on the best trial's run, downloaded into `out`; None
-    when that run has none. A worker exports its held study best as it stops
-    (`TrackingSession.hold_for_onnx`), after its last run ended: it is waited for, up to
-    `wait_s`, while `workers_alive()`."""
+def _best_trial_onnx(
+    client: Any,
+    study: optuna.Study,
+    out: Path,
+    wait_s: float = 60.0,
+    may_export: Callable[[str], bool] = lambda worker: True,
+) -> Path | None:
+    """The ONNX file a worker logged on the run of a trial at the study's best value (the
+    best trial's first: a tie may have been exported by either worker), downloaded into
+    `out`; None when none has one. A worker exports its held study best as it stops
+    (`TrackingSession.hold_for_onnx`), after that trial's run ended: it is waited for, up to
+    `wait_s`, while `may_export(worker id)` for one of those trials."""
     from mlflow.exceptions import MlflowException
 
     try:
-        run_id = study.best_trial.user_attrs.get(ATTR_RUN_ID)
+        best = study.best_trial
+        complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     except ValueError:
         return None
-    if not run_id:
-        return None
+    tied = [best] + [t for t in complete if t.value == best.value and t.number != best.number]
+    runs = [(str(t.user_attrs[ATTR_RUN_ID]), str(t.user_attrs.get(ATTR_WORKER, "")))
+            for t in tied if t.user_attrs.get(ATTR_RUN_ID)]  # fmt: skip
     deadline = time.monotonic() + wait_s
     folder = ONNX_ARTIFACT.split("/")[0]
+    run_id = ""
     try:
-        while True:
-            alive = workers_alive()  # before the look: an export a worker ends with is seen
-            if ONNX_ARTIFACT in {a.path for a in client.list_artifacts(run_id, folder)}:
-                return Path(client.download_artifacts(run_id, ONNX_ARTIFACT, str(out)))
-            if not alive or time.monotonic() >= deadline:
-                return None
+        while runs:
+            waiting = any(may_export(w) for _, w in runs)  # before the look: see its export
+            for run_id, _ in runs:
+                if ONNX_ARTIFACT in {a.path for a in client.list_artifacts(run_id, folder)}:
+                    return Path(client.download_artifacts(run_id, ONNX_ARTIFACT, str(out)))
+            if not waiting or time.monotonic() >= deadline:
+                break
             time.sleep(0.5)
     except MlflowException as exc:
         logger.warning("could not fetch the best trial's ONNX from run %s: %s", run_id, exc)
-        return None
+    return None
 
 
-def _export_best_onnx(cfg: StudyConfig, study: optuna.Study, out: Path) -> Path | None:
+def _export_best_onnx(cfg: StudyConfig, study: optuna.Study, out: Path, client: Any) -> Path | None:
+    """The best trial's model in ONNX, exported here: from its best-model file in the work
+    folder, else from the checkpoint its MLflow run holds (a top-k trial's, uploaded by a
+    worker on another machine). For a worker that died before it could export its own."""
+    from mlflow.exceptions import MlflowException
+
     try:
         best = study.best_trial
     except ValueError:
         return None
     path = best.user_attrs.get(ATTR_BEST_MODEL)
-    if not path or not Path(str(path)).exists():
+    weights = Path(str(path)) if path else None
+    run_id = best.user_attrs.get(ATTR_RUN_ID)
+    if (weights is None or not weights.exists()) and run_id:
+        try:
+            artifact = f"{CHECKPOINT_ARTIFACT}/best.pt"
+            weights = Path(client.download_artifacts(str(run_id), artifact, str(out)))
+        except (MlflowException, OSError) as exc:
+            logger.info("no checkpoint of trial %s in run %s: %s", best.number, run_id, exc)
+            return None
+    if weights is None or not weights.exists():
         return None
-    return export_model_onnx(cfg, best.params, Path(str(path)), out / "best_model.onnx")
+    return export_model_onnx(cfg, best.params, weights, out / "best_model.onnx")
 
 
 def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: Path) -> Path:

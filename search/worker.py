@@ -889,7 +889,11 @@ def _new_warm_cache() -> Any:
 def _open_tracking(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> Any:
     if not opts.tracking_uri:
         return None
-    from hpsearch.runs import TrackingSession
+    from hpsearch.runs import TrackingSession, remove_stale_snapshots
+
+    # Best-model snapshots that a killed worker of this host left here (hard links).
+    for gone in remove_stale_snapshots(opts.workdir / "checkpoints"):
+        logger.info("removed %s: its worker is gone", gone)
 
     # The first trial trains while MLflow is imported and the study run awaited (_LateRun).
     # Not with checkpoint uploads (workers on several hosts): there a trial's run exists

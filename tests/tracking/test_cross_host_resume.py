@@ -84,7 +84,8 @@ def test_best_trial_onnx_does_not_wait_for_a_run_whose_worker_is_gone(
     pg_url: str, tmp_path: Path, mlflow_server: LocalServer
 ) -> None:
     """A best trial's run left RUNNING by a killed worker never finishes: the launcher's
-    study artifacts wait for it only while a worker is alive (then export ONNX themselves)."""
+    study artifacts wait for its ONNX only while its worker may still log it (then export
+    ONNX themselves)."""
     import optuna
     from hpsearch.runs import _best_trial_onnx
     from hpsearch.storage import normalize_url
@@ -98,9 +99,9 @@ def test_best_trial_onnx_does_not_wait_for_a_run_whose_worker_is_gone(
     study.tell(trial, 0.5)
 
     t0 = time.monotonic()
-    got = _best_trial_onnx(client, study, tmp_path, wait_s=30.0, workers_alive=lambda: False)
+    got = _best_trial_onnx(client, study, tmp_path, wait_s=30.0, may_export=lambda w: False)
     assert got is None and time.monotonic() - t0 < 10.0
     alive = iter([True, True, False])  # a worker finishing for a while, then gone
     t0 = time.monotonic()
-    got = _best_trial_onnx(client, study, tmp_path, wait_s=30.0, workers_alive=lambda: next(alive))
+    got = _best_trial_onnx(client, study, tmp_path, wait_s=30.0, may_export=lambda w: next(alive))
     assert got is None and 0.9 < time.monotonic() - t0 < 10.0

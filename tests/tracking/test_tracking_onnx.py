@@ -4,6 +4,7 @@ wait for that export. Real PostgreSQL, a real MLflow server, a real ResNet-18.""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 import uuid
@@ -15,7 +16,7 @@ import optuna
 import pytest
 import torch
 import torchvision
-from hpsearch.runs import ONNX_ARTIFACT, TrackingSession, _best_trial_onnx
+from hpsearch.runs import ONNX_ARTIFACT, TrackingSession, _best_trial_onnx, _export_best_onnx
 from hpsearch.storage import normalize_url, resolve_storage
 from hpsearch.study import suggest
 from hpsearch.tracking.server import LocalServer
@@ -49,36 +50,49 @@ def test_a_worker_exports_its_held_study_best_as_it_stops_and_only_if_still_the_
     )
     client = MlflowClient(tracking_uri=mlflow_server.url)
     exp = client.create_experiment(cfg.name)
+    seeds = iter(range(100))
 
     def told(value: float) -> tuple[optuna.Trial, str]:
         trial = study.ask()
         suggest(trial, cfg)
         run_id = client.create_run(exp).info.run_id
         client.set_terminated(run_id)  # its run ends before the worker stops
+        trial.set_user_attr("mlflow_run_id", run_id)
         study.tell(trial, value)
         return trial, run_id
+
+    def hold(session: TrackingSession, trial: optuna.Trial, run_id: str, value: float) -> None:
+        snap = _best_model_file(tmp_path, next(seeds))
+        session.hold_for_onnx(trial, run_id, snap, value)
+        shutil.rmtree(snap.parent)  # the run's finisher does, after its upload
+
+    def held() -> list[Path]:
+        return list((tmp_path / "checkpoints").glob(".upload-*/best.pt"))
 
     # 1. Two new bests in a row: only the later one stays held; a better trial of another
     # worker then leaves nothing to export.
     session = TrackingSession(cfg, spec, mlflow_server.url, "w-a")
     first, first_run = told(0.5)
-    first_file = _best_model_file(tmp_path, 1)
-    session.hold_for_onnx(first, first_run, first_file)
+    hold(session, first, first_run, 0.5)
     second, second_run = told(0.6)
-    session.hold_for_onnx(second, second_run, _best_model_file(tmp_path, 2))
-    held = list((tmp_path / "checkpoints").glob(".upload-*/best.pt"))
-    assert len(held) == 3, held  # the two snapshots, and one hold (the first one's is gone)
+    hold(session, second, second_run, 0.6)
+    assert len(held()) == 1  # the first one's is gone
     told(0.9)  # another worker's trial
     session.close()
     assert not _onnx_files(client, first_run) and not _onnx_files(client, second_run)
+    assert not held()
 
-    # 2. Still the study's best when the worker stops: exported onto its run, and it runs.
+    # 2. A tie keeps the earlier trial held (Optuna's best_trial is the earlier of a tie);
+    # still the study's best value when the worker stops: exported onto its run, and it runs.
     session = TrackingSession(cfg, spec, mlflow_server.url, "w-b")
     best, best_run = told(0.95)
-    session.hold_for_onnx(best, best_run, _best_model_file(tmp_path, 3))
+    hold(session, best, best_run, 0.95)
+    tie, tie_run = told(0.95)
+    hold(session, tie, tie_run, 0.95)
     assert not _onnx_files(client, best_run)  # nothing while trials go on
     session.close()
-    assert _onnx_files(client, best_run) == {ONNX_ARTIFACT}
+    assert _onnx_files(client, best_run) == {ONNX_ARTIFACT} and not _onnx_files(client, tie_run)
+    assert not held()
     import onnxruntime as ort
 
     path = client.download_artifacts(best_run, ONNX_ARTIFACT, str(tmp_path / "dl"))
@@ -86,9 +100,9 @@ def test_a_worker_exports_its_held_study_best_as_it_stops_and_only_if_still_the_
     x = np.random.default_rng(0).standard_normal((3, 3, 32, 32)).astype(np.float32)
     (logits,) = sess.run(None, {sess.get_inputs()[0].name: x})
     assert logits.shape == (3, 102)
-    # Every held snapshot is gone; the trainer's own snapshots are the finisher's to delete.
-    left = sorted(p.parent.name for p in (tmp_path / "checkpoints").glob(".upload-*/*"))
-    assert left == [".upload-1", ".upload-2", ".upload-3"]
+    # The study artifacts find it whichever of the tied trials the storage calls best.
+    got = _best_trial_onnx(client, study, tmp_path / "out", wait_s=0.0)
+    assert got is not None and got.read_bytes() == Path(path).read_bytes()
 
 
 def test_the_study_artifacts_wait_for_the_onnx_a_worker_exports_as_it_stops(
@@ -115,6 +129,33 @@ def test_the_study_artifacts_wait_for_the_onnx_a_worker_exports_as_it_stops(
     threading.Thread(target=worker_stops, daemon=True).start()
     t0 = time.monotonic()
     got = _best_trial_onnx(client, study, tmp_path / "out", wait_s=30.0,
-                           workers_alive=lambda: not stopped.is_set())  # fmt: skip
+                           may_export=lambda worker: not stopped.is_set())  # fmt: skip
     assert got is not None and got.read_bytes() == b"onnx bytes"
     assert 1.0 < time.monotonic() - t0 < 10.0
+
+
+def test_without_its_workers_export_the_launcher_exports_from_the_runs_checkpoint(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """The best trial ran on another machine whose worker was killed before it stopped:
+    no ONNX on its run and no best-model file here, but its run holds the top-k checkpoint."""
+    cfg = hps.load_config("tiny", [f"name=onnx-{uuid.uuid4().hex[:8]}"])
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    run_id = client.create_run(client.create_experiment(cfg.name)).info.run_id
+    client.log_artifact(run_id, str(_best_model_file(tmp_path, 7)), "checkpoint")
+    study = optuna.create_study(storage=normalize_url(pg_url), direction="maximize")
+    trial = study.ask()
+    suggest(trial, cfg)
+    trial.set_user_attr("mlflow_run_id", run_id)
+    trial.set_user_attr("best_model", str(tmp_path / "elsewhere" / "trial-00000.best.pt"))
+    study.tell(trial, 0.5)
+
+    assert _best_trial_onnx(client, study, tmp_path / "a", wait_s=0.0) is None
+    got = _export_best_onnx(cfg, study, tmp_path / "b", client)
+    assert got is not None and got.stat().st_size > 1_000_000
+    other = client.create_run(client.get_experiment_by_name(cfg.name).experiment_id)
+    trial2 = study.ask()
+    suggest(trial2, cfg)
+    trial2.set_user_attr("mlflow_run_id", other.info.run_id)  # no checkpoint in this run
+    study.tell(trial2, 0.9)
+    assert _export_best_onnx(cfg, study, tmp_path / "c", client) is None
