@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -258,14 +258,6 @@ def _best(study: optuna.Study) -> tuple[float | None, int | None]:
     return best.value, best.number
 
 
-def may_still_export(worker_id: str, local: Mapping[str, bool]) -> bool:
-    """Whether the worker that told the study's best trial may still log its ONNX (it does
-    as it stops): a worker id of this launch's (`local`: worker id -> alive) only while
-    that worker is alive; any other (another host's worker) may, for all this launcher can
-    tell, so only the study artifacts' time limit bounds the wait for it."""
-    return local.get(worker_id, True)
-
-
 class Launcher:
     """Runs one launch. `stop()` once = graceful, twice = kill now."""
 
@@ -393,8 +385,7 @@ class Launcher:
             self._finalizer.join()
             logged = self._finalized
         elif stopped_by == "budget":
-            logged = finalize_study(self.cfg, self.spec, uri, self.study, self.opts.workdir,
-                                    self._may_export)  # fmt: skip
+            logged = finalize_study(self.cfg, self.spec, uri, self.study, self.opts.workdir)
         else:
             logged = []
         self._messages += [f"logged {item} on the study run" for item in logged]
@@ -595,15 +586,12 @@ class Launcher:
 
         def run() -> None:
             lower_priority()
-            self._finalized = finalize_study(self.cfg, self.spec, uri, self.study,
-                                             self.opts.workdir, self._may_export)  # fmt: skip
+            self._finalized = finalize_study(
+                self.cfg, self.spec, uri, self.study, self.opts.workdir
+            )
 
         self._finalizer = threading.Thread(target=run, daemon=True, name="finalize-study")
         self._finalizer.start()
-
-    def _may_export(self, worker_id: str) -> bool:
-        alive = {s.worker_id: s.proc is not None and s.proc.poll() is None for s in self._slots}
-        return may_still_export(worker_id, alive)
 
     def _all_crashed(self) -> bool:
         return all(s.state == "crashed" for s in self._slots)

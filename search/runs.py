@@ -7,18 +7,21 @@ building blocks (batched logger, GPU sampler, artifacts, server) live in hpsearc
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
-import re
 import shutil
 import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 import optuna
 from hpsearch.background import Renderer, import_in_idle_time, lower_priority
@@ -26,7 +29,14 @@ from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
 from hpsearch.storage import StorageSpec
 from hpsearch.study import dominates, objective_values
-from hpsearch.worker import ATTR_BEST_MODEL, ATTR_HOST, ATTR_RUN_ID, ATTR_RUN_KEY, ATTR_WORKER
+from hpsearch.worker import (
+    ATTR_BEST_MODEL,
+    ATTR_HOST,
+    ATTR_PID,
+    ATTR_RUN_ID,
+    ATTR_RUN_KEY,
+    ATTR_WORKER,
+)
 from optuna.trial import FrozenTrial, TrialState
 
 logger = logging.getLogger("hpsearch.tracking")
@@ -249,10 +259,11 @@ class TrialRun:
             return None
         return f"runs:/{self.run_id}/{CHECKPOINT_ARTIFACT}/best.pt"
 
-    def finish_result(self, result: Any) -> None:
+    def finish_result(self, result: Any, told: bool = True) -> None:
         """Hand the run's ending to the session's finisher thread. What may change under it
         (the GPU sampler, the best-model file that a later trial's clean-up may delete) is
-        taken here first."""
+        taken here first. `told`: False when the tell found the trial finished elsewhere
+        (stale-failed): its model is then not held as the study's best."""
         summary = self._gpu_summary()
         if result.best_val_acc is not None:
             summary["best_val_acc"] = float(result.best_val_acc)
@@ -262,7 +273,7 @@ class TrialRun:
         summary["setup_seconds"] = float(result.setup_seconds)
         outcome = outcome_for(str(result.stop_reason))
         best = self._best_to_upload  # a snapshot (checkpoint_uri), or None
-        if best is not None and self._study_best and self.run_id:
+        if best is not None and self._study_best and self.run_id and told:
             cfg = self.session.cfg
             values = objective_values(
                 cfg, result.best_val_acc, result.best_val_loss, result.train_seconds
@@ -322,17 +333,21 @@ class TrialRun:
         self.session.finish_later(finish)
 
 
-SNAPSHOT_PREFIX = ".upload-"  # + "<pid>@<host>@": whose it is (`stale_snapshots`)
+SNAPSHOT_PREFIX = ".upload-"
+OWNER_FILE = ".owner"  # flock-ed by the process that made the snapshot, while it lives
+_owner_fds: dict[Path, int] = {}  # snapshot folder -> its owner file's descriptor
+_owner_fds_lock = threading.Lock()
 
 
 def _snapshot(path: Path | None, into: Path | None = None) -> Path | None:
     """A hard link to `path` in a private folder beside it (or in `into`; a copy across file
-    systems), so the file outlives its deletion by checkpoint clean-up until it is used."""
+    systems), so the file outlives its deletion by checkpoint clean-up until it is used.
+    The folder is this process's until `_rmtree` deletes it (`_own`)."""
     if path is None or not path.exists():
         return None
     try:
-        prefix = f"{SNAPSHOT_PREFIX}{os.getpid()}@{socket.gethostname()}@"
-        folder = Path(tempfile.mkdtemp(prefix=prefix, dir=into or path.parent))
+        folder = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=into or path.parent))
+        _own(folder)
         snap = folder / path.name
         try:
             os.link(path, snap)
@@ -344,28 +359,50 @@ def _snapshot(path: Path | None, into: Path | None = None) -> Path | None:
     return snap
 
 
-def stale_snapshots(names: Iterable[str], host: str, alive: Callable[[int], bool]) -> list[str]:
-    """The snapshot folders (`_snapshot`) among `names` that a process of `host` left behind
-    when it died (`alive(pid)` is False). Another host's (a work folder shared over the
-    network) and names of another shape are kept."""
-    out = []
-    for name in names:
-        m = re.fullmatch(rf"{re.escape(SNAPSHOT_PREFIX)}(\d+)@(.+)@[^@]*", name)
-        if m is not None and m.group(2) == host and not alive(int(m.group(1))):
-            out.append(name)
-    return out
+def _own(folder: Path) -> None:
+    """Hold an exclusive flock on the folder's owner file until `_rmtree` deletes the folder.
+    The kernel drops it when this process dies, however it dies (in any container on the
+    machine): then `remove_stale_snapshots` may delete the folder. Locked under a temporary
+    name first, so the owner file is never seen unlocked."""
+    if fcntl is None:  # not a POSIX system: snapshots are not swept there
+        return
+    fd = os.open(folder / f"{OWNER_FILE}.new", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(folder / f"{OWNER_FILE}.new", folder / OWNER_FILE)
+    with _owner_fds_lock:
+        _owner_fds[folder] = fd
+
+
+def snapshot_abandoned(folder: Path) -> bool:
+    """Whether no live process owns the snapshot folder: its owner file's lock is free. A
+    folder without an owner file (made by an older version, or by a non-POSIX one) is not
+    judged: kept."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(folder / OWNER_FILE, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its process lives (this one's own folders too)
+        return False
+    finally:
+        os.close(fd)  # releases what this check took
+    return True
 
 
 def remove_stale_snapshots(checkpoints: Path) -> list[Path]:
-    """Delete what `stale_snapshots` finds under the work folder's `checkpoints/` (one folder
-    a study): a worker killed mid-study leaves its snapshots there, hard links that keep a
-    pruned best model's bytes (about 45 MB for a ResNet-18) on disk. Returns what went."""
+    """Delete the abandoned snapshot folders under the work folder's `checkpoints/` (one
+    folder a study): a worker killed mid-study leaves its snapshots there, hard links that
+    keep a pruned best model's bytes (about 45 MB for a ResNet-18) on disk. Returns what
+    went."""
     gone: list[Path] = []
     for study_dir in _subdirs(checkpoints):
-        names = [p.name for p in _subdirs(study_dir) if p.name.startswith(SNAPSHOT_PREFIX)]
-        for name in stale_snapshots(names, socket.gethostname(), _pid_alive):
-            _rmtree(study_dir / name)
-            gone.append(study_dir / name)
+        for folder in _subdirs(study_dir):
+            if folder.name.startswith(SNAPSHOT_PREFIX) and snapshot_abandoned(folder):
+                _rmtree(folder)
+                gone.append(folder)
     return gone
 
 
@@ -650,8 +687,8 @@ class TrackingSession:
     def hold_for_onnx(self, trial: Any, run_id: str, weights: Path, value: float) -> None:
         """Keep the model of the trial this worker just told as the study's best so far
         (`weights`: its best-model snapshot; `value`: its objective value), in place of the
-        one held before unless that one is as good (a tie keeps the earlier trial, as
-        Optuna's `best_trial` does): `close` exports it to ONNX if it still ranks first.
+        one held before unless that one is as good (a tie keeps the earlier trial): `close`
+        exports it to ONNX if its value is still the study's best.
 
         Not at once: the export takes the worker's main thread for 1.0 to 1.3 s (a ResNet-18
         on 2 CPU cores, the first one importing onnx), between trials, while the GPU idles,
@@ -688,7 +725,7 @@ class TrackingSession:
                 best = float(held.study.best_value)
             except ValueError:  # no complete trial: not ours either
                 return
-            if not math.isclose(best, held.value, rel_tol=1e-12) or self.client is None:
+            if best != held.value or self.client is None:  # values come back exactly
                 return
             onnx = export_model_onnx(self.cfg, held.params, held.weights, tmp / "best_model.onnx")
             self.client.log_artifact(held.run_id, str(onnx), ONNX_ARTIFACT.split("/")[0])
@@ -704,9 +741,11 @@ class TrackingSession:
         if self._setup_thread is not None:
             self._setup_thread.join()  # its jobs start runs that the finisher then closes
         self._finisher.release()  # its uploads overlap with the export
-        self._export_held_onnx()
-        self._finisher.close()
-        self.renderer.close()
+        try:
+            self._export_held_onnx()
+        finally:
+            self._finisher.close()
+            self.renderer.close()
 
 
 def _better(value: float, than: float, direction: str) -> bool:
@@ -826,12 +865,10 @@ def finalize_study(
     uri: str,
     study: optuna.Study,
     workdir: Path,
-    may_export: Callable[[str], bool] = lambda worker: True,
 ) -> list[str]:
-    """Study-level artifacts on the parent run: plots, a trials CSV, the best model in ONNX.
-    `may_export(worker_id)`: whether that worker may still export the best trial's ONNX as
-    it stops (the launcher knows its own workers; a gone one never will, so it is not
-    waited for). Returns what was logged; problems are warned about, never raised."""
+    """Study-level artifacts on the parent run: plots, a trials CSV, the best model in ONNX
+    (the one its worker exported, else exported here). Returns what was logged; problems
+    are warned about, never raised."""
     from hpsearch.tracking import artifacts as art
     from hpsearch.tracking.mlflow_logger import ensure_experiment, find_study_runs
 
@@ -853,11 +890,12 @@ def finalize_study(
                 client.log_artifacts(parent, str(plots), "plots")
                 logged.append("plots")
             if cfg.tracking.onnx and not cfg.objective.multi:
-                onnx = _best_trial_onnx(client, study, out, may_export=may_export)
-                onnx = onnx or _export_best_onnx(cfg, study, out, client)
-                if onnx is not None:
+                found = _best_trial_onnx(client, study, out)
+                found = found or _export_best_onnx(cfg, study, out, client)
+                if found is not None:
+                    onnx, number = found
                     client.log_artifact(parent, str(onnx), "model")
-                    client.set_tag(parent, "hpsearch.best_trial", str(study.best_trial.number))
+                    client.set_tag(parent, "hpsearch.best_trial", str(number))
                     logged.append(ONNX_ARTIFACT)
         finally:
             _rmtree(out)
@@ -879,68 +917,91 @@ def export_model_onnx(cfg: StudyConfig, params: Mapping[str, Any], weights: Path
     return Path(export_onnx(model, torch.randn(2, 3, size, size), out))
 
 
+def may_still_export(attrs: Mapping[str, Any], host: str, alive: Callable[[int], bool]) -> bool:
+    """Whether the worker that told a trial (its user attributes) may still log the trial's
+    ONNX, which it does as it stops: only a trial with a best-model checkpoint
+    (`checkpoint_uri`; none with `tracking.keep_top_k: 0`) has a model held; a worker of
+    this `host` only while its process is `alive`; another host's may, for all this machine
+    can tell (the wait's time limit bounds it)."""
+    if not attrs.get("checkpoint_uri"):
+        return False
+    if attrs.get(ATTR_HOST) != host:
+        return True
+    pid = attrs.get(ATTR_PID)
+    return isinstance(pid, int) and alive(pid)
+
+
 def _best_trial_onnx(
     client: Any,
     study: optuna.Study,
     out: Path,
     wait_s: float = 60.0,
-    may_export: Callable[[str], bool] = lambda worker: True,
-) -> Path | None:
+    may_export: Callable[[FrozenTrial], bool] | None = None,
+) -> tuple[Path, int] | None:
     """The ONNX file a worker logged on the run of a trial at the study's best value (the
-    best trial's first: a tie may have been exported by either worker), downloaded into
-    `out`; None when none has one. A worker exports its held study best as it stops
-    (`TrackingSession.hold_for_onnx`), after that trial's run ended: it is waited for, up to
-    `wait_s`, while `may_export(worker id)` for one of those trials."""
-    from mlflow.exceptions import MlflowException
+    storage's best trial first; a tie may have been exported by either worker), downloaded
+    into `out`, and that trial's number; None when none has one. A worker exports its held
+    study best as it stops (`TrackingSession.hold_for_onnx`), after that trial's run ended:
+    it is waited for, up to `wait_s`, while `may_export(trial)` (`may_still_export`) for
+    one of them. Any error looking is warned about and ends the look: None."""
+    if may_export is None:
+        here = socket.gethostname()
+
+        def may_export(t: FrozenTrial) -> bool:
+            return may_still_export(t.user_attrs, here, _pid_alive)
 
     try:
         best = study.best_trial
         complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    except ValueError:
+    except Exception as exc:  # no complete trial (ValueError), or the storage failing
+        logger.warning("no best trial to take the ONNX of: %s", exc)
         return None
     tied = [best] + [t for t in complete if t.value == best.value and t.number != best.number]
-    runs = [(str(t.user_attrs[ATTR_RUN_ID]), str(t.user_attrs.get(ATTR_WORKER, "")))
-            for t in tied if t.user_attrs.get(ATTR_RUN_ID)]  # fmt: skip
+    tied = [t for t in tied if t.user_attrs.get(ATTR_RUN_ID)]
     deadline = time.monotonic() + wait_s
     folder = ONNX_ARTIFACT.split("/")[0]
-    run_id = ""
-    try:
-        while runs:
-            waiting = any(may_export(w) for _, w in runs)  # before the look: see its export
-            for run_id, _ in runs:
+    while tied:
+        waiting = any(may_export(t) for t in tied)  # before the look: see its export
+        for t in tied:
+            run_id = str(t.user_attrs[ATTR_RUN_ID])
+            try:
                 if ONNX_ARTIFACT in {a.path for a in client.list_artifacts(run_id, folder)}:
-                    return Path(client.download_artifacts(run_id, ONNX_ARTIFACT, str(out)))
-            if not waiting or time.monotonic() >= deadline:
-                break
-            time.sleep(0.5)
-    except MlflowException as exc:
-        logger.warning("could not fetch the best trial's ONNX from run %s: %s", run_id, exc)
+                    path = client.download_artifacts(run_id, ONNX_ARTIFACT, str(out))
+                    return Path(path), t.number
+            except Exception as exc:  # MlflowException, requests' HTTPError (an OSError), ...
+                logger.warning("could not look for trial %s's ONNX in run %s: %s",
+                               t.number, run_id, exc)  # fmt: skip
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
     return None
 
 
-def _export_best_onnx(cfg: StudyConfig, study: optuna.Study, out: Path, client: Any) -> Path | None:
-    """The best trial's model in ONNX, exported here: from its best-model file in the work
-    folder, else from the checkpoint its MLflow run holds (a top-k trial's, uploaded by a
-    worker on another machine). For a worker that died before it could export its own."""
-    from mlflow.exceptions import MlflowException
-
+def _export_best_onnx(
+    cfg: StudyConfig, study: optuna.Study, out: Path, client: Any
+) -> tuple[Path, int] | None:
+    """The best trial's model in ONNX, exported here, and the trial's number: from its
+    best-model file in the work folder when it ran on this machine, else from the top-k
+    checkpoint its MLflow run holds (none with `tracking.keep_top_k: 0`). For a worker that
+    died before it could export its own."""
     try:
         best = study.best_trial
     except ValueError:
         return None
     path = best.user_attrs.get(ATTR_BEST_MODEL)
-    weights = Path(str(path)) if path else None
+    here = best.user_attrs.get(ATTR_HOST) in (None, socket.gethostname())
+    weights = Path(str(path)) if path and here else None
     run_id = best.user_attrs.get(ATTR_RUN_ID)
     if (weights is None or not weights.exists()) and run_id:
         try:
             artifact = f"{CHECKPOINT_ARTIFACT}/best.pt"
             weights = Path(client.download_artifacts(str(run_id), artifact, str(out)))
-        except (MlflowException, OSError) as exc:
+        except Exception as exc:  # MlflowException, or HTTPError: no such artifact
             logger.info("no checkpoint of trial %s in run %s: %s", best.number, run_id, exc)
             return None
     if weights is None or not weights.exists():
         return None
-    return export_model_onnx(cfg, best.params, weights, out / "best_model.onnx")
+    return export_model_onnx(cfg, best.params, weights, out / "best_model.onnx"), best.number
 
 
 def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: Path) -> Path:
@@ -966,4 +1027,8 @@ def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: P
 
 
 def _rmtree(path: Path) -> None:
+    with _owner_fds_lock:
+        fd = _owner_fds.pop(path, None)
     shutil.rmtree(path, ignore_errors=True)
+    if fd is not None:  # a snapshot folder of this process's: its lock goes with it
+        os.close(fd)

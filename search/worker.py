@@ -712,13 +712,15 @@ def run_trial(
 Db = Callable[[Callable[[], Any], str], Any]
 
 
-def _safe_tell(db: Db, fn: Callable[[], Any]) -> None:
+def _safe_tell(db: Db, fn: Callable[[], Any]) -> bool:
     """tell (or write result attributes), tolerating a trial that was already finished
-    elsewhere (stale-failed while this worker was cut off)."""
+    elsewhere (stale-failed while this worker was cut off): False then."""
     try:
         db(fn, "tell")
     except optuna.exceptions.UpdateFinishedTrialError as exc:
         warnings.warn(f"trial was already finished elsewhere: {exc}", stacklevel=2)
+        return False
+    return True
 
 
 def _fail(
@@ -781,12 +783,12 @@ def _tell(
     if reason in ("pruned", "diverged", "out_of_memory") or values is None:
         # Pruned, diverged and OOM trials teach the sampler that region is bad; a FAIL
         # would hide it. Optuna uses the last reported value for a PRUNED trial.
-        _safe_tell(db, lambda: tell(study, trial, state=TrialState.PRUNED))
+        ok = _safe_tell(db, lambda: tell(study, trial, state=TrialState.PRUNED))
     else:
         told = values if cfg.objective.multi else values[0]
-        _safe_tell(db, lambda: tell(study, trial, told))
+        ok = _safe_tell(db, lambda: tell(study, trial, told))
     if run is not None:
-        run.finish_result(result)
+        run.finish_result(result, told=ok)
     return reason
 
 

@@ -14,7 +14,6 @@ from hpsearch.launcher import (
     assign_gpus,
     check_gpus,
     eta_seconds,
-    may_still_export,
     parse_gpus,
     should_restart,
 )
@@ -58,13 +57,6 @@ def test_budget_done_only_when_results_are_final() -> None:
     assert not budget_done({"complete": 5, "running": 1}, 5)  # it may fail and be retried
     assert not budget_done({"complete": 5, "waiting": 1}, 5)  # a queued retry still runs
     assert budget_done({"complete": 6}, 5)  # a relaunch with a lower --trials
-
-
-def test_the_best_trials_onnx_is_awaited_from_a_live_worker_or_one_of_another_host() -> None:
-    local = {"box:w0": True, "box:w1": False}
-    assert may_still_export("box:w0", local)  # stops, then exports
-    assert not may_still_export("box:w1", local)  # gone: it never will
-    assert may_still_export("other:w0", local)  # another host's: unknown, the time limit bounds it
 
 
 def test_assign_gpus_round_robin() -> None:

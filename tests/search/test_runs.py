@@ -3,7 +3,6 @@ models that killed workers leave behind."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -40,38 +39,44 @@ def test_close_runs_every_queued_ending_and_a_hold_has_a_limit() -> None:
     g.close()
 
 
-def test_stale_snapshots_are_this_hosts_folders_of_dead_processes() -> None:
-    from hpsearch.runs import stale_snapshots
-
-    names = [
-        ".upload-101@gpu-box-1@k2j4_x9a",  # dead, here
-        ".upload-102@gpu-box-1@aaaa1111",  # alive, here
-        ".upload-101@gpu-box-2@bbbb2222",  # another host's (a shared work folder)
-        ".upload-abcd1234",  # the old unnamed shape: whose is unknown
-        "trial-00001.best.pt",
-    ]
-    alive = {102}.__contains__
-    assert stale_snapshots(names, "gpu-box-1", alive) == [".upload-101@gpu-box-1@k2j4_x9a"]
-    assert stale_snapshots(names, "gpu-box-2", alive) == [".upload-101@gpu-box-2@bbbb2222"]
-
-
-def test_a_killed_workers_snapshots_are_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
-    import socket
+def test_a_snapshot_is_abandoned_once_its_process_is_gone(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from hpsearch.runs import _snapshot, remove_stale_snapshots
+    from hpsearch.runs import _rmtree, _snapshot, remove_stale_snapshots, snapshot_abandoned
 
-    best = tmp_path / "checkpoints" / "study" / "trial-00003.best.pt"
-    best.parent.mkdir(parents=True)
+    study = tmp_path / "checkpoints" / "study"
+    study.mkdir(parents=True)
+    best = study / "trial-00003.best.pt"
     best.write_bytes(b"weights")
-    mine = _snapshot(best)  # this process's: alive
+    mine = _snapshot(best)  # this process's, alive
     assert mine is not None and mine.read_bytes() == b"weights"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+    code = (
+        "import sys; from pathlib import Path; from hpsearch.runs import _snapshot; "
+        "print(_snapshot(Path(sys.argv[1])).parent)"
+    )  # a worker that dies holding its snapshot (no clean-up: the interpreter just ends)
+    dead = subprocess.run([sys.executable, "-c", code, str(best)],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    left = best.parent / f".upload-{int(dead.stdout)}@{socket.gethostname()}@x1y2z3w4"
-    left.mkdir()
-    os.link(best, left / best.name)
+    left = Path(dead.stdout.strip())
+    assert left.parent == study and (left / best.name).read_bytes() == b"weights"
+    unknown = study / ".upload-abcd1234"  # an older version's: no owner file
+    unknown.mkdir()
+    assert snapshot_abandoned(left) and not snapshot_abandoned(mine.parent)
+    assert not snapshot_abandoned(unknown)
+
     assert remove_stale_snapshots(tmp_path / "checkpoints") == [left]
-    assert not left.exists() and mine.exists() and best.exists()
+    assert not left.exists() and mine.exists() and best.exists() and unknown.exists()
     assert remove_stale_snapshots(tmp_path / "nothing-here") == []
+    _rmtree(mine.parent)  # this process's own: deleted, and its lock released
+    assert not mine.parent.exists()
+
+
+def test_a_worker_may_still_export_a_trial_it_holds_a_model_of_while_it_lives() -> None:
+    from hpsearch.runs import may_still_export
+
+    alive = {101}.__contains__
+    held = {"checkpoint_uri": "runs:/r/checkpoint/best.pt", "host": "box", "pid": 101}
+    assert may_still_export(held, "box", alive)  # stops, then exports
+    assert not may_still_export({**held, "pid": 102}, "box", alive)  # gone: it never will
+    assert may_still_export({**held, "pid": 102}, "other", alive)  # another host's: unknown
+    assert not may_still_export({**held, "checkpoint_uri": None}, "box", alive)  # none held

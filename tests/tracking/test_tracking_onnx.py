@@ -102,7 +102,8 @@ def test_a_worker_exports_its_held_study_best_as_it_stops_and_only_if_still_the_
     assert logits.shape == (3, 102)
     # The study artifacts find it whichever of the tied trials the storage calls best.
     got = _best_trial_onnx(client, study, tmp_path / "out", wait_s=0.0)
-    assert got is not None and got.read_bytes() == Path(path).read_bytes()
+    assert got is not None and got[1] == best.number
+    assert got[0].read_bytes() == Path(path).read_bytes()
 
 
 def test_the_study_artifacts_wait_for_the_onnx_a_worker_exports_as_it_stops(
@@ -130,7 +131,7 @@ def test_the_study_artifacts_wait_for_the_onnx_a_worker_exports_as_it_stops(
     t0 = time.monotonic()
     got = _best_trial_onnx(client, study, tmp_path / "out", wait_s=30.0,
                            may_export=lambda worker: not stopped.is_set())  # fmt: skip
-    assert got is not None and got.read_bytes() == b"onnx bytes"
+    assert got is not None and got[0].read_bytes() == b"onnx bytes" and got[1] == trial.number
     assert 1.0 < time.monotonic() - t0 < 10.0
 
 
@@ -152,7 +153,7 @@ def test_without_its_workers_export_the_launcher_exports_from_the_runs_checkpoin
 
     assert _best_trial_onnx(client, study, tmp_path / "a", wait_s=0.0) is None
     got = _export_best_onnx(cfg, study, tmp_path / "b", client)
-    assert got is not None and got.stat().st_size > 1_000_000
+    assert got is not None and got[0].stat().st_size > 1_000_000 and got[1] == trial.number
     other = client.create_run(client.get_experiment_by_name(cfg.name).experiment_id)
     trial2 = study.ask()
     suggest(trial2, cfg)
