@@ -6,6 +6,7 @@ building blocks (batched logger, GPU sampler, artifacts, server) live in hpsearc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -345,6 +346,7 @@ def _snapshot(path: Path | None, into: Path | None = None) -> Path | None:
     The folder is this process's until `_rmtree` deletes it (`_own`)."""
     if path is None or not path.exists():
         return None
+    folder: Path | None = None
     try:
         folder = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=into or path.parent))
         _own(folder)
@@ -355,28 +357,52 @@ def _snapshot(path: Path | None, into: Path | None = None) -> Path | None:
             shutil.copyfile(path, snap)
     except OSError as exc:  # best effort: the model stays on disk, only its upload is lost
         logger.warning("could not set %s aside for upload: %s", path, exc)
+        if folder is not None:
+            _rmtree(folder)
         return None
     return snap
 
 
 def _own(folder: Path) -> None:
-    """Hold an exclusive flock on the folder's owner file until `_rmtree` deletes the folder.
-    The kernel drops it when this process dies, however it dies (in any container on the
-    machine): then `remove_stale_snapshots` may delete the folder. Locked under a temporary
-    name first, so the owner file is never seen unlocked."""
-    if fcntl is None:  # not a POSIX system: snapshots are not swept there
+    """Hold an exclusive flock on the folder's owner file (which names this host) until
+    `_rmtree` deletes the folder. The kernel drops it when this process dies, however it
+    dies (in any container on the machine): then `remove_stale_snapshots` on this host may
+    delete the folder. Locked under a temporary name first, so the owner file is never seen
+    unlocked. Where the file system has no locks, the folder stays unowned: never swept."""
+    if fcntl is None:  # not a POSIX system
         return
-    fd = os.open(folder / f"{OWNER_FILE}.new", os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.rename(folder / f"{OWNER_FILE}.new", folder / OWNER_FILE)
+    tmp = folder / f"{OWNER_FILE}.new"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, socket.gethostname().encode())
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, folder / OWNER_FILE)
+    except OSError as exc:  # ENOLCK, EOPNOTSUPP (some network file systems), ...
+        os.close(fd)
+        logger.info("snapshot %s left unowned (no file lock here): %s", folder, exc)
+        return
     with _owner_fds_lock:
         _owner_fds[folder] = fd
 
 
-def snapshot_abandoned(folder: Path) -> bool:
-    """Whether no live process owns the snapshot folder: its owner file's lock is free. A
-    folder without an owner file (made by an older version, or by a non-POSIX one) is not
-    judged: kept."""
+def _close_owner_fds_in_child() -> None:
+    """A forked child (a DataLoader worker) must not keep its parent's snapshots locked
+    after the parent dies; closing its copies leaves the parent's locks alone."""
+    for fd in _owner_fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _owner_fds.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_owner_fds_in_child)
+
+
+def snapshot_abandoned(folder: Path, host: str) -> bool:
+    """Whether no live process owns the snapshot folder: its owner file names `host` (this
+    one: a lock on a network file system may be local to each machine) and its lock is free.
+    A folder without an owner file (an older version's, or on a file system without locks)
+    is not judged: kept."""
     if fcntl is None:
         return False
     try:
@@ -384,6 +410,8 @@ def snapshot_abandoned(folder: Path) -> bool:
     except OSError:
         return False
     try:
+        if os.read(fd, 4096).decode(errors="replace") != host:
+            return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:  # held: its process lives (this one's own folders too)
         return False
@@ -398,9 +426,10 @@ def remove_stale_snapshots(checkpoints: Path) -> list[Path]:
     keep a pruned best model's bytes (about 45 MB for a ResNet-18) on disk. Returns what
     went."""
     gone: list[Path] = []
+    host = socket.gethostname()
     for study_dir in _subdirs(checkpoints):
         for folder in _subdirs(study_dir):
-            if folder.name.startswith(SNAPSHOT_PREFIX) and snapshot_abandoned(folder):
+            if folder.name.startswith(SNAPSHOT_PREFIX) and snapshot_abandoned(folder, host):
                 _rmtree(folder)
                 gone.append(folder)
     return gone
@@ -943,7 +972,8 @@ def _best_trial_onnx(
     into `out`, and that trial's number; None when none has one. A worker exports its held
     study best as it stops (`TrackingSession.hold_for_onnx`), after that trial's run ended:
     it is waited for, up to `wait_s`, while `may_export(trial)` (`may_still_export`) for
-    one of them. Any error looking is warned about and ends the look: None."""
+    one of them. An error looking at a run is warned about, and that run looked at again
+    while the wait lasts."""
     if may_export is None:
         here = socket.gethostname()
 
@@ -1029,6 +1059,6 @@ def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: P
 def _rmtree(path: Path) -> None:
     with _owner_fds_lock:
         fd = _owner_fds.pop(path, None)
+    if fd is not None:  # a snapshot folder of this process's: its lock goes first (an open
+        os.close(fd)  # file deleted on NFS would stay as .nfsXXXX, and the folder with it)
     shutil.rmtree(path, ignore_errors=True)
-    if fd is not None:  # a snapshot folder of this process's: its lock goes with it
-        os.close(fd)

@@ -3,6 +3,7 @@ models that killed workers leave behind."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ def test_close_runs_every_queued_ending_and_a_hold_has_a_limit() -> None:
 
 
 def test_a_snapshot_is_abandoned_once_its_process_is_gone(tmp_path: Path) -> None:
+    import socket
     import subprocess
     import sys
 
@@ -61,11 +63,16 @@ def test_a_snapshot_is_abandoned_once_its_process_is_gone(tmp_path: Path) -> Non
     assert left.parent == study and (left / best.name).read_bytes() == b"weights"
     unknown = study / ".upload-abcd1234"  # an older version's: no owner file
     unknown.mkdir()
-    assert snapshot_abandoned(left) and not snapshot_abandoned(mine.parent)
-    assert not snapshot_abandoned(unknown)
+    remote = study / ".upload-efgh5678"  # another machine's, on a shared work folder
+    remote.mkdir()
+    (remote / ".owner").write_text("another-host")  # unlocked here: its lock may be local
+    host = socket.gethostname()
+    assert snapshot_abandoned(left, host) and not snapshot_abandoned(mine.parent, host)
+    assert not snapshot_abandoned(unknown, host) and not snapshot_abandoned(remote, host)
 
     assert remove_stale_snapshots(tmp_path / "checkpoints") == [left]
-    assert not left.exists() and mine.exists() and best.exists() and unknown.exists()
+    assert not left.exists() and mine.exists() and best.exists()
+    assert unknown.exists() and remote.exists()
     assert remove_stale_snapshots(tmp_path / "nothing-here") == []
     _rmtree(mine.parent)  # this process's own: deleted, and its lock released
     assert not mine.parent.exists()
@@ -80,3 +87,25 @@ def test_a_worker_may_still_export_a_trial_it_holds_a_model_of_while_it_lives() 
     assert not may_still_export({**held, "pid": 102}, "box", alive)  # gone: it never will
     assert may_still_export({**held, "pid": 102}, "other", alive)  # another host's: unknown
     assert not may_still_export({**held, "checkpoint_uri": None}, "box", alive)  # none held
+
+
+def test_a_forked_child_does_not_keep_the_parents_snapshots_locked(tmp_path: Path) -> None:
+    """A DataLoader worker forked while a snapshot exists: its copy of the lock's descriptor
+    is closed, so it cannot keep a dead parent's folder from being swept."""
+    from hpsearch.runs import _owner_fds, _rmtree, _snapshot
+
+    best = tmp_path / "trial-00001.best.pt"
+    best.write_bytes(b"weights")
+    snap = _snapshot(best)
+    assert snap is not None and snap.parent in _owner_fds
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it still holds, and leave at once
+        os.write(write, str(len(_owner_fds)).encode())
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 16) == b"0"
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert snap.parent in _owner_fds  # the parent's lock is still held
+    _rmtree(snap.parent)
