@@ -18,7 +18,7 @@ import time
 import traceback
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -690,6 +690,10 @@ def run_trial(
         if root != trial.number:  # a retry: where it picked up
             resumed = resumed_from_epoch(first_epoch, result.history)
             db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, resumed), "set_user_attr")
+            if len(study.directions) == 1:
+                stored = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
+                for step, value in unreported_epochs(result.history, stored.intermediate_values):
+                    db(functools.partial(trial.report, value, step), "report")
         setup_s = float(getattr(result, "setup_seconds", 0.0) or 0.0)
         timing.startup_s = handed_over - began + setup_s
         timing.setup_s = setup_s
@@ -790,6 +794,19 @@ def _tell(
     if run is not None:
         run.finish_result(result, told=ok)
     return reason
+
+
+def unreported_epochs(history: list[Any], reported: Collection[int]) -> list[tuple[int, float]]:
+    """(epoch, val_acc) of a retry's evaluated epochs that the study holds no value for: its
+    failed try checkpointed them, but died before their reports reached the database (each
+    is written off the training thread, one in flight), so the retry resumed after them and
+    never reported them. Reported at the retry's end, nothing trained is missing from its
+    curve."""
+    return [
+        (int(r.epoch), float(r.val_acc))
+        for r in history
+        if r.val_acc is not None and int(r.epoch) not in reported
+    ]
 
 
 def resumed_from_epoch(trained: list[int], history: list[Any]) -> int:

@@ -10,7 +10,9 @@ report, like the real trainer's best-weights copy and checkpoint hand-off) and
 HPSEARCH_DUMMY_BARRIER="<dir>:<n>" (each process's first trial waits until n processes have
 reached it, so a concurrency test really has n trials in flight however slowly they start)
 and HPSEARCH_DUMMY_DIE_ONCE="<file>" (the first process to train an epoch makes the file and
-kills itself with SIGKILL after that epoch's report).
+kills itself with SIGKILL after that epoch's report), or HPSEARCH_DUMMY_DIE_ONCE_UNREPORTED
+="<file>" (the same, right after that epoch's checkpoint, before its report: what a worker
+killed while the report's write was still in flight leaves).
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def _barrier() -> None:
     _BARRIER_PASSED = True
 
 
-def _die_once() -> None:
-    marker = os.environ.get("HPSEARCH_DUMMY_DIE_ONCE")
+def _die_once(knob: str = "HPSEARCH_DUMMY_DIE_ONCE") -> None:
+    marker = os.environ.get(knob)
     if not marker:
         return
     try:
@@ -98,6 +100,7 @@ def train(
             os.replace(tmp, ckpt)
             if options.on_checkpoint is not None:
                 options.on_checkpoint(ckpt)
+            _die_once("HPSEARCH_DUMMY_DIE_ONCE_UNREPORTED")
         time.sleep(float(os.environ.get("HPSEARCH_DUMMY_AFTER_EPOCH_S", "0")))
         if report(epoch, acc):
             reason, pruned_at = "pruned", epoch

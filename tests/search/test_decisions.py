@@ -29,7 +29,7 @@ from hpsearch.study import (
     suggest,
 )
 from hpsearch.trainer import EpochRecord
-from hpsearch.worker import resumed_from_epoch
+from hpsearch.worker import resumed_from_epoch, unreported_epochs
 
 
 def test_may_start_trial_counts_finished_and_running_but_not_failed() -> None:
@@ -221,3 +221,12 @@ def test_resumed_from_is_the_first_epoch_trained_or_the_one_after_the_history() 
     # The checkpoint held every epoch: nothing left to train, it picked up after the last.
     assert resumed_from_epoch([], [rec(1), rec(2), rec(3)]) == 4
     assert resumed_from_epoch([], []) == 1  # no checkpoint and stopped before epoch 1
+
+
+def test_a_retrys_restored_epochs_without_a_stored_value_are_reported() -> None:
+    def rec(epoch: int, val: float | None) -> EpochRecord:
+        return EpochRecord(epoch, 1.0, 0.5, None if val is None else 1 - val, val, 0.1, 1.0, 9.0)
+
+    history = [rec(1, 0.2), rec(2, None), rec(3, 0.4), rec(4, 0.5)]  # eval every other epoch
+    assert unreported_epochs(history, {1: 0.2, 4: 0.5}) == [(3, 0.4)]
+    assert unreported_epochs(history, {1: 0.2, 3: 0.4, 4: 0.5}) == []

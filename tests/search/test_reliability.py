@@ -57,6 +57,31 @@ def launch_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "hpsearch.cli", "launch", *args]
 
 
+def test_an_epoch_checkpointed_but_not_reported_before_a_kill_is_reported_by_the_retry(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """The worker dies after epoch 1's checkpoint, before that epoch's report reached the
+    database (as when the report's write, off the training thread, is still in flight): the
+    retry resumes at epoch 2, and its curve still has epoch 1."""
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.1",
+           "HPSEARCH_DUMMY_DIE_ONCE_UNREPORTED": str(tmp_path / "died")}  # fmt: skip
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "1",
+                  "--storage", pg_url, "--workdir", str(tmp_path / "w"), "--train-fn", DUMMY,
+                  "--set", "budget.max_epochs=4", "--set", "pruner.name=none",
+                  "--set", "pruner.options={}"], env, timeout=240)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "died").exists()
+    trials = hps.load_study("tiny", storage=pg_url).get_trials()
+    [dead] = [t for t in trials if t.state == TrialState.FAIL]
+    [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == dead.number]
+    assert not dead.intermediate_values  # epoch 1 was never reported by its try
+    assert retry.user_attrs["resumed_from_epoch"] == 2
+    assert sorted(retry.intermediate_values) == [1, 2, 3, 4], retry.intermediate_values
+    assert retry.state == TrialState.COMPLETE and retry.value == max(
+        retry.intermediate_values.values()
+    )
+
+
 def test_kill_9_worker_mid_trial_resumes_from_checkpoint(
     pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
