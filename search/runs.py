@@ -7,6 +7,7 @@ building blocks (batched logger, GPU sampler, artifacts, server) live in hpsearc
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import queue
@@ -19,15 +20,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
-
 import optuna
 from hpsearch.background import Renderer, import_in_idle_time, lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
+from hpsearch.packing import pid_alive
 from hpsearch.storage import StorageSpec
 from hpsearch.study import dominates, objective_values
 from hpsearch.worker import (
@@ -369,8 +366,6 @@ def _own(folder: Path) -> None:
     dies (in any container on the machine): then `remove_stale_snapshots` on this host may
     delete the folder. Locked under a temporary name first, so the owner file is never seen
     unlocked. Where the file system has no locks, the folder stays unowned: never swept."""
-    if fcntl is None:  # not a POSIX system
-        return
     tmp = folder / f"{OWNER_FILE}.new"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -403,8 +398,6 @@ def snapshot_abandoned(folder: Path, host: str) -> bool:
     one: a lock on a network file system may be local to each machine) and its lock is free.
     A folder without an owner file (an older version's, or on a file system without locks)
     is not judged: kept."""
-    if fcntl is None:
-        return False
     try:
         fd = os.open(folder / OWNER_FILE, os.O_RDWR)
     except OSError:
@@ -440,16 +433,6 @@ def _subdirs(folder: Path) -> list[Path]:
         return [p for p in folder.iterdir() if p.is_dir()]
     except OSError:  # not there (yet), or unreadable: nothing to clean
         return []
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class TrackingSession:
@@ -978,7 +961,7 @@ def _best_trial_onnx(
         here = socket.gethostname()
 
         def may_export(t: FrozenTrial) -> bool:
-            return may_still_export(t.user_attrs, here, _pid_alive)
+            return may_still_export(t.user_attrs, here, pid_alive)
 
     try:
         best = study.best_trial

@@ -10,13 +10,7 @@ import optuna
 import pytest
 from hpsearch.config import load_config
 from hpsearch.errors import ConfigError, DeviceError, StorageError
-from hpsearch.launcher import (
-    assign_gpus,
-    check_gpus,
-    eta_seconds,
-    parse_gpus,
-    should_restart,
-)
+from hpsearch.launcher import assign_gpus, check_gpus, eta_seconds, parse_gpus, should_restart
 from hpsearch.storage import normalize_url, redact, resolve_storage
 from hpsearch.study import (
     budget_done,
