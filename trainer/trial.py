@@ -608,6 +608,8 @@ def _train(
         if ckpt.get("stop_reason") not in (None, "finished", "interrupted", "time_limit"):
             first_epoch = config.budget.max_epochs + 1  # it had stopped for good
             run.stop_reason = ckpt["stop_reason"]
+        if _report_restored(run, report):
+            first_epoch = config.budget.max_epochs + 1
     run.setup_seconds = time.perf_counter() - start
 
     # --- the loop -------------------------------------------------------------------------
@@ -813,6 +815,27 @@ def _best_file(
         "val_acc": val_acc,
         "torchvision": torchvision.__version__,
     }
+
+
+def _report_restored(run: _Run, report: Report) -> bool:
+    """Report a resumed run's restored epochs again, in order, before it trains.
+
+    A try that died between an epoch's checkpoint and its report's write (the report is
+    written off the training thread) left that value out of the study, and the pruner never
+    judged that epoch; the retry resumes after it. Values the study already holds are not
+    written twice (Optuna ignores a repeated step). The last report's answer is the
+    pruner's word on the latest restored epoch, the one its failed try never got: a run
+    still going stops there as pruned, before it trains another epoch (returns True)."""
+    evaluated = [r for r in run.history if r.val_acc is not None]
+    stop = False
+    for record in evaluated:
+        stop = report(record.epoch, float(record.val_acc or 0.0))
+    if stop and run.stop_reason == "finished":
+        last = evaluated[-1]
+        run.stop_reason, run.pruned_at = "pruned", last.epoch
+        run.message = f"pruned at epoch {last.epoch} (val_acc {last.val_acc:.4f}), on resuming"
+        return True
+    return False
 
 
 def _checkpoint(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -276,3 +277,47 @@ def test_close_restores_the_throttle_and_ends_the_writer(pg_url: str, tmp_path: 
     assert interval == before
     assert not reports._thread.is_alive()
     assert not [t for t in threading.enumerate() if t.name == "hpsearch-reports"]
+
+
+def _retry_with(study: optuna.Study, inherited: dict[int, float]) -> optuna.Trial:
+    """A retry as Optuna's RetryFailedTrialCallback queues it (its try's values inherited),
+    claimed by the next ask."""
+    dist = optuna.distributions.FloatDistribution(0.0, 1.0)
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            params={"x": 0.5},
+            distributions={"x": dist},
+            intermediate_values=inherited,
+        )
+    )
+    trial = study.ask()
+    assert trial._cached_frozen_trial.intermediate_values == inherited
+    return trial
+
+
+def test_a_retry_reporting_its_restored_epochs_fills_the_gap_and_decides_as_optuna(
+    twin_urls: tuple[str, str], tmp_path: Path
+) -> None:
+    """What the trainer does on resuming (trial._report_restored): every restored epoch is
+    reported again. The inherited values stay as they were (Optuna ignores a repeated
+    step, even with another value), the one whose write its try never made is written,
+    and the pruner's word after the last one is Optuna's own."""
+    optunas = _study_with_history(twin_urls[0], tmp_path, "median")
+    ours = _study_with_history(twin_urls[1], tmp_path, "median")
+    throttle_trial_reads(ours)
+    inherited = {1: UNDER_TEST[0], 2: UNDER_TEST[1]}
+    a, b = _retry_with(optunas, inherited), _retry_with(ours, inherited)
+    restored = [(1, 0.99), (2, UNDER_TEST[1]), (3, UNDER_TEST[2])]  # epoch 1: another value
+    got = []
+    with TrialReports(ours, b, _db) as reports:
+        for epoch, value in restored:
+            got.append(reports.report(epoch, value))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Optuna's "already reported"
+        for epoch, value in restored:
+            a.report(value, epoch)
+    assert got[-1] == a.should_prune()
+    values, _ = _stored(ours, b._trial_id)
+    assert values == {1: UNDER_TEST[0], 2: UNDER_TEST[1], 3: UNDER_TEST[2]}
+    assert values == _stored(optunas, a._trial_id)[0]

@@ -235,6 +235,58 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resumed_run_reports_its_restored_epochs_first_and_may_be_pruned_there(
+    tmp_path: Path,
+) -> None:
+    """A try that died between an epoch's checkpoint and its report's write left that value
+    out of the study: the resumed run reports every restored epoch again before it trains,
+    and the last answer is the pruner's word on the latest of them."""
+    cfg = synthetic(budget={"max_epochs": 3})
+    ckpt = tmp_path / "t.pt"
+    done: list[int] = []
+    first = train(
+        cfg,
+        TINY,
+        lambda e, v: False,
+        TrainOptions(
+            device="cpu",
+            workdir=tmp_path,
+            checkpoint_path=ckpt,
+            on_epoch=lambda r: done.append(r.epoch),
+            should_interrupt=lambda: len(done) >= 2,
+        ),
+    )
+    assert first.stop_reason == "interrupted" and first.epochs_run == 2
+    again = tmp_path / "again.pt"
+    again.write_bytes(ckpt.read_bytes())
+    restored = [(r.epoch, r.val_acc) for r in first.history]
+
+    calls: list[tuple[int, float]] = []
+    trained: list[int] = []
+
+    def resume(path: Path, stop_at: int | None) -> Any:
+        calls.clear()
+        trained.clear()
+
+        def report(epoch: int, value: float) -> bool:
+            calls.append((epoch, value))
+            return epoch == stop_at
+
+        on_epoch = lambda r: trained.append(r.epoch)  # noqa: E731
+        options = TrainOptions(
+            device="cpu", workdir=tmp_path, checkpoint_path=path, on_epoch=on_epoch
+        )
+        return train(cfg, TINY, report, options)
+
+    going = resume(ckpt, None)
+    assert calls[:2] == restored and [c[0] for c in calls] == [1, 2, 3]
+    assert trained == [3] and going.stop_reason == "finished"
+    pruned = resume(again, 2)  # the pruner stops it at the epoch its try never reported
+    assert calls == restored and trained == []
+    assert pruned.stop_reason == "pruned" and pruned.pruned_at_epoch == 2
+    assert pruned.epochs_run == 2 and pruned.test_acc is None
+
+
 def test_checkpoint_interval_saves_at_the_end_and_when_a_stop_is_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
