@@ -818,24 +818,24 @@ def _best_file(
 
 
 def _report_restored(run: _Run, report: Report) -> bool:
-    """Report a resumed run's restored epochs again, in order, before it trains.
+    """Report a resumed run's last restored evaluated epoch again, before it trains.
 
-    A try that died between an epoch's checkpoint and its report's write (the report is
-    written off the training thread) left that value out of the study, and the pruner never
-    judged that epoch; the retry resumes after it. Values the study already holds are not
-    written twice (Optuna ignores a repeated step). The last report's answer is the
-    pruner's word on the latest restored epoch, the one its failed try never got: a run
-    still going stops there as pruned, before it trains another epoch (returns True)."""
-    evaluated = [r for r in run.history if r.val_acc is not None]
-    stop = False
-    for record in evaluated:
-        stop = report(record.epoch, float(record.val_acc or 0.0))
-    if stop and run.stop_reason == "finished":
-        last = evaluated[-1]
-        run.stop_reason, run.pruned_at = "pruned", last.epoch
-        run.message = f"pruned at epoch {last.epoch} (val_acc {last.val_acc:.4f}), on resuming"
-        return True
-    return False
+    A try killed between an epoch's checkpoint and its report's write (made off the training
+    thread, one at a time, each after the one before it) left that one value out of the
+    study, and the pruner never judged it; the retry resumes after it. A value the study
+    already holds is not written again (Optuna ignores a repeated step). The one report asks
+    the pruner once, as the try would have: Optuna's pruners judge the trial's latest stored
+    step (this epoch, or a later one where reports went past the last checkpoint), and
+    Hyperband answers each step's first ask only, so asking once per restored epoch would
+    lose a stop. A run still going that the pruner stops ends as pruned here (True)."""
+    last = next((r for r in reversed(run.history) if r.val_acc is not None), None)
+    if last is None or not report(last.epoch, float(last.val_acc or 0.0)):
+        return False
+    if run.stop_reason != "finished":
+        return False  # it had stopped for good: its reason stands
+    run.stop_reason, run.pruned_at = "pruned", last.epoch
+    run.message = f"pruned on resuming, after epoch {last.epoch} (val_acc {last.val_acc:.4f})"
+    return True
 
 
 def _checkpoint(

@@ -296,28 +296,31 @@ def _retry_with(study: optuna.Study, inherited: dict[int, float]) -> optuna.Tria
     return trial
 
 
-def test_a_retry_reporting_its_restored_epochs_fills_the_gap_and_decides_as_optuna(
-    twin_urls: tuple[str, str], tmp_path: Path
+@pytest.mark.parametrize("pruner", ["median", "hyperband"])
+@pytest.mark.parametrize("gap", [True, False], ids=["unreported", "reported"])
+def test_a_retry_reporting_its_last_restored_epoch_decides_as_optuna(
+    twin_urls: tuple[str, str], tmp_path: Path, pruner: str, gap: bool
 ) -> None:
-    """What the trainer does on resuming (trial._report_restored): every restored epoch is
-    reported again. The inherited values stay as they were (Optuna ignores a repeated
-    step, even with another value), the one whose write its try never made is written,
-    and the pruner's word after the last one is Optuna's own."""
-    optunas = _study_with_history(twin_urls[0], tmp_path, "median")
-    ours = _study_with_history(twin_urls[1], tmp_path, "median")
+    """What the trainer does on resuming (trial._report_restored): the last restored epoch
+    is reported again. Unreported (its try died before the write), it is written; already
+    stored, it stays as it was even with another value, as Optuna ignores a repeated step.
+    Either way the pruner's answer and its rung records are Optuna's own."""
+    optunas = _study_with_history(twin_urls[0], tmp_path, pruner)
+    ours = _study_with_history(twin_urls[1], tmp_path, pruner)
     throttle_trial_reads(ours)
-    inherited = {1: UNDER_TEST[0], 2: UNDER_TEST[1]}
+    low = [0.05, 0.1, 0.1]  # below every finished curve: the median pruner stops it at 3
+    inherited = dict(enumerate(low[: 2 if gap else 3], 1))
     a, b = _retry_with(optunas, inherited), _retry_with(ours, inherited)
-    restored = [(1, 0.99), (2, UNDER_TEST[1]), (3, UNDER_TEST[2])]  # epoch 1: another value
-    got = []
+    assert a.number == b.number  # the same Hyperband bracket on both sides
+    epoch, value = 3, (low[2] if gap else 0.99)
     with TrialReports(ours, b, _db) as reports:
-        for epoch, value in restored:
-            got.append(reports.report(epoch, value))
+        got = reports.report(epoch, value)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Optuna's "already reported"
-        for epoch, value in restored:
-            a.report(value, epoch)
-    assert got[-1] == a.should_prune()
-    values, _ = _stored(ours, b._trial_id)
-    assert values == {1: UNDER_TEST[0], 2: UNDER_TEST[1], 3: UNDER_TEST[2]}
-    assert values == _stored(optunas, a._trial_id)[0]
+        a.report(value, epoch)
+    assert got == a.should_prune()
+    values, rungs = _stored(ours, b._trial_id)
+    assert values == dict(enumerate(low, 1))
+    assert (values, rungs) == _stored(optunas, a._trial_id)
+    if pruner == "median":
+        assert got  # a stored 0.99 would have let it go on

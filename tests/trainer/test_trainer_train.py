@@ -235,12 +235,12 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_resumed_run_reports_its_restored_epochs_first_and_may_be_pruned_there(
+def test_a_resumed_run_reports_its_last_restored_epoch_first_and_may_be_pruned_there(
     tmp_path: Path,
 ) -> None:
     """A try that died between an epoch's checkpoint and its report's write left that value
-    out of the study: the resumed run reports every restored epoch again before it trains,
-    and the last answer is the pruner's word on the latest of them."""
+    out of the study: the resumed run reports its last restored epoch again before it
+    trains, and the pruner's answer to it may stop the run there."""
     cfg = synthetic(budget={"max_epochs": 3})
     ckpt = tmp_path / "t.pt"
     done: list[int] = []
@@ -279,10 +279,10 @@ def test_a_resumed_run_reports_its_restored_epochs_first_and_may_be_pruned_there
         return train(cfg, TINY, report, options)
 
     going = resume(ckpt, None)
-    assert calls[:2] == restored and [c[0] for c in calls] == [1, 2, 3]
+    assert calls[0] == restored[-1] and [c[0] for c in calls] == [2, 3]
     assert trained == [3] and going.stop_reason == "finished"
     pruned = resume(again, 2)  # the pruner stops it at the epoch its try never reported
-    assert calls == restored and trained == []
+    assert calls == restored[-1:] and trained == []
     assert pruned.stop_reason == "pruned" and pruned.pruned_at_epoch == 2
     assert pruned.epochs_run == 2 and pruned.test_acc is None
 
