@@ -800,7 +800,7 @@ def unreported_epochs(history: list[Any], reported: Collection[int]) -> list[tup
     """(epoch, val_acc) of a retry's evaluated epochs that the study holds no value for: its
     failed try checkpointed them, but died before their reports reached the database (each
     is written off the training thread, one in flight), so the retry resumed after them.
-    The built-in trainer reports its restored epochs again as it resumes
+    The built-in trainer reports its last restored epoch again as it resumes
     (`trainer.trial._report_restored`); for a `train_fn` that does not, they are reported
     at the retry's end, so nothing trained is missing from its curve."""
     return [
