@@ -61,8 +61,6 @@ from common import (
 from hpsearch.config import StudyConfig
 from hpsearch.errors import HpsearchError
 
-AUTO_PROBE_S = 60.0  # allowance for --workers auto's GPU probe in the hard stop
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -208,8 +206,10 @@ def run(
         f"up to {n_trials} trials ...",
         flush=True,
     )
-    # --workers auto probes the GPU before the launcher's clock (and --timeout) starts.
-    hard_stop = args.timeout + args.grace + (AUTO_PROBE_S if args.workers == "auto" else 0)
+    # --timeout counts from the launch command's start, --workers auto's GPU probe included
+    # (search/cli.py), so the probe needs no allowance here: one would let running trials go
+    # on past the study's window.
+    hard_stop = args.timeout + args.grace
     with GpuWatch(device, args.gpu, args.gpu_interval) as gpu:
         launch = run_launch(cli, workdir / "launch.log", hard_stop, echo=args.verbose)
     ran, reason = launched_workers(launch)

@@ -25,6 +25,7 @@ from typing import Any
 
 from hpsearch.config import CategoricalParam, FloatParam, IntParam, StudyConfig, load_config
 from hpsearch.packing import MemoryModel, busy_from_step_times, fit_memory, reference_batch
+from hpsearch.trainer.types import is_resource_error
 
 CONTEXT_FALLBACK = 512 << 20  # bytes: CUDA context + cuBLAS/cuDNN workspaces, when NVML can't tell
 
@@ -125,27 +126,6 @@ def time_speed_batches(
             torch.cuda.empty_cache()
         ref //= 2
     return out
-
-
-# What CUDA and its libraries raise, as RuntimeError, when a batch needs more memory or
-# workspace than the device has: out of memory in the allocator or a library's own
-# allocation, and cuDNN's statuses for a workspace it could not get (INTERNAL_ERROR and
-# NOT_SUPPORTED are what cuDNN reports for some large-batch convolutions it cannot fit).
-RESOURCE_ERROR_MARKERS = (
-    "out of memory",
-    "CUDNN_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_INTERNAL_ERROR",
-    "CUDNN_STATUS_NOT_SUPPORTED",
-    "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUFFT_ALLOC_FAILED",
-)
-
-
-def is_resource_error(exc: BaseException) -> bool:
-    """Whether a RuntimeError from a training step is the device running out of memory or
-    workspace (a smaller batch may work), rather than a bug."""
-    text = str(exc)
-    return any(marker in text for marker in RESOURCE_ERROR_MARKERS)
 
 
 def _context_bytes() -> int:

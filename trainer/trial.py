@@ -41,6 +41,7 @@ from hpsearch.trainer.types import (
     TrainOptions,
     TrialResult,
     WarmCache,
+    is_resource_error,
 )
 from torch import Tensor, nn
 
@@ -445,17 +446,21 @@ def train(
     hp = config.resolve_params(params)
     device = resolve_device(options.device)
     run = _Run()
-    oom = False
+    oom: str | None = None  # why, when out of memory or workspace
     writer = _CheckpointWriter()
     try:
         _train(config, hp, dict(params), report, options, device, run, start, writer)
     except torch.OutOfMemoryError:
-        oom = True  # handled below, outside the except block, so the traceback is gone
+        oom = ""  # handled below, outside the except block, so the traceback is gone
+    except RuntimeError as exc:  # cuDNN's and cuBLAS's allocation failures: RuntimeError
+        if not is_resource_error(exc):
+            raise
+        oom = f": {str(exc).strip().splitlines()[0][:200]}" if str(exc).strip() else ""
     finally:
         writer.wait()  # the last checkpoint is on disk before the result is
     if run.checkpoint_path is not None and not run.checkpoint_path.is_file():
         run.checkpoint_path = None  # its only save was given up
-    if oom:
+    if oom is not None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -463,7 +468,7 @@ def train(
         run.message = (
             f"out of memory at batch_size={run.batch_size or hp.batch_size} "
             f"(micro-batch {run.micro_batch or hp.batch_size}, {hp.arch} at "
-            f"{image_size(config, hp)} px)"
+            f"{image_size(config, hp)} px){oom}"
         )
         run.test_acc = None
     final = next((r.val_acc for r in reversed(run.history) if r.val_acc is not None), None)

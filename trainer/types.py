@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "RESOURCE_ERROR_MARKERS",
     "CheckpointError",
     "EpochRecord",
     "Report",
@@ -21,7 +22,29 @@ __all__ = [
     "TrainOptions",
     "TrialResult",
     "WarmCache",
+    "is_resource_error",
 ]
+
+# What CUDA and its libraries raise, as RuntimeError, when a batch needs more memory or
+# workspace than the device has: out of memory in the allocator or a library's own
+# allocation, and cuDNN's statuses for a workspace it could not get (INTERNAL_ERROR and
+# NOT_SUPPORTED are what cuDNN reports for some large-batch convolutions it cannot fit).
+RESOURCE_ERROR_MARKERS = (
+    "out of memory",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUFFT_ALLOC_FAILED",
+)
+
+
+def is_resource_error(exc: BaseException) -> bool:
+    """Whether a RuntimeError from a training step is the device running out of memory or
+    workspace (a smaller batch may work), rather than a bug."""
+    text = str(exc)
+    return any(marker in text for marker in RESOURCE_ERROR_MARKERS)
+
 
 Report = Callable[[int, float], bool]  # report(epoch, val_acc) -> True: stop now (pruned)
 StopReason = Literal[

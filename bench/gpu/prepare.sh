@@ -32,13 +32,14 @@ for pattern in /.whl/ /.benchdata/; do
   grep -qxF "$pattern" "$exclude" || echo "$pattern" >>"$exclude"
 done
 
-# Pinned to versions that satisfy pyproject.toml (optuna>=5,<6; pydantic>=2.6,<3;
-# sqlalchemy>=2,<3) and each other. Already on the GPU image, so not carried: click, PyYAML,
+# Pinned to the versions the test suite ran with here (`pip list`), so the GPU runs the code
+# as tested; they satisfy pyproject.toml (optuna>=5,<6; pydantic>=2.6,<3; sqlalchemy>=2,<3)
+# and each other. Already on the GPU image, so not carried: click, PyYAML,
 # numpy, pandas, scipy, pillow, tqdm, packaging, MarkupSafe, nvidia-ml-py, torch, torchvision.
 # typing-extensions is carried because pydantic needs >= 4.16 and the image's may be older.
 WHEELS=(
-  optuna==5.0.0 alembic==1.20.1 colorlog==6.12.0 sqlalchemy==2.1.9 mako==1.4.3
-  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  optuna==5.1.0 alembic==1.20.1 colorlog==6.12.0 sqlalchemy==2.1.9 mako==1.4.3
+  pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
   typing-extensions==4.16.0
 )
 rm -rf .whl

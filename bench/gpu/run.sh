@@ -184,7 +184,9 @@ for name in ${STEPS:-nvml trainer study packing paths trainer-compile packing-au
       # What is left, up to STUDY_S seconds of search; the cap adds the grace (30 s), the
       # bench's stop escalation (up to 40 s), the cache build and reading back.
       probe=0
-      [ "${STUDY_WORKERS:-}" = auto ] && probe=60  # --workers auto probes the GPU first
+      # --workers auto probes the GPU first; the probe counts inside --timeout (from the
+      # launch command's start), so this is margin for the cap, not study time
+      [ "${STUDY_WORKERS:-}" = auto ] && probe=60
       study_s=$(($(left) - 100 - probe))
       ((study_s > STUDY_S)) && study_s=$STUDY_S
       step study $((130 + probe)) $((study_s + 90 + probe)) study "$OUT/study.json" -- \

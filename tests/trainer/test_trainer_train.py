@@ -182,6 +182,35 @@ def test_out_of_memory_is_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     )
 
 
+class _WorkspaceErrorModel(nn.Module):
+    """Raises what cuDNN raises when it cannot get a workspace: a plain RuntimeError."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(1, 1)
+        self.text = text
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(self.text)
+
+
+def test_a_library_allocation_failure_is_out_of_memory_and_a_bug_is_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuDNN and cuBLAS report a failed allocation as RuntimeError, not OutOfMemoryError: the
+    trial ends out_of_memory (the sampler learns the batch does not fit) with the cause in
+    its message; any other RuntimeError is a bug and raised, for the worker to record."""
+    alloc = "cuDNN error: CUDNN_STATUS_ALLOC_FAILED"
+    monkeypatch.setattr(train_module, "build_model", lambda cfg, hp, n: _WorkspaceErrorModel(alloc))
+    result = train(synthetic(), TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    assert result.stop_reason == "out_of_memory" and result.epochs_run == 0
+    assert result.message.startswith("out of memory at batch_size=16") and alloc in result.message
+    bug = "CUDA error: an illegal memory access was encountered"
+    monkeypatch.setattr(train_module, "build_model", lambda cfg, hp, n: _WorkspaceErrorModel(bug))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        train(synthetic(), TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+
+
 def test_same_seed_same_history_and_seed_matters(tmp_path: Path) -> None:
     cfg = synthetic(budget={"max_epochs": 1})
     params = {**TINY, "augment": "trivial", "mixup_alpha": 0.2}
