@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,19 +157,32 @@ def _context_bytes() -> int:
     return CONTEXT_FALLBACK
 
 
+def warm_data_bytes(
+    items: Mapping[str, int], cache_size: int | None, image_sizes: Sequence[int]
+) -> int:
+    """Device bytes a warm worker keeps across trials (`trainer.trial.load_split` into its
+    `WarmCache`): each split's uint8 RGB cache (and int64 labels) at every stored size (the
+    study's `cache_size`, else 8/7 of each image size), and a resized uint8 copy of each
+    evaluated split (all but "train") at every image size the study trains at."""
+    sizes = sorted(set(image_sizes))
+    stored = [cache_size] if cache_size else sorted({round(r * 8 / 7) for r in sizes})
+    total = sum(items.values())
+    evaluated = sum(n for split, n in items.items() if split != "train")
+    return sum(total * (3 * s * s + 8) for s in stored) + sum(evaluated * 3 * r * r for r in sizes)
+
+
 def data_bytes(cfg: StudyConfig) -> int:
-    """Device bytes of the decoded dataset a worker keeps on the GPU (the fast path's uint8
-    cache of every split it evaluates), which no training step shows; 0 if unknown."""
+    """Device bytes of the decoded dataset a worker keeps on the GPU (`warm_data_bytes`),
+    which no training step shows; 0 if unknown."""
     from hpsearch.trainer.data import get_source
 
-    _, size, _, _, _ = probe_shapes(cfg)
-    stored = cfg.dataset.cache_size or round(size * 8 / 7)
+    sizes = [int(s) for s in choices(cfg, "image_size")] or [cfg.dataset.image_size]
     splits = ["train", "val"] + (["test"] if cfg.trainer.evaluate_test else [])
     try:
-        items = sum(len(src) for s in splits if (src := get_source(cfg, s)) is not None)
+        items = {s: len(src) for s in splits if (src := get_source(cfg, s)) is not None}
     except Exception:  # no data here: the workers' own checks will say so
         return 0
-    return items * 3 * stored * stored
+    return warm_data_bytes(items, cfg.dataset.cache_size, sizes)
 
 
 def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:

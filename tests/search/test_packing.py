@@ -30,6 +30,7 @@ from hpsearch.packing import (
 )
 from hpsearch.probe import data_bytes, probe_shapes, time_speed_batches, train_steps
 from hpsearch.storage import StorageSpec
+from hpsearch.trainer import TrainOptions, WarmCache, train
 from hpsearch.worker import WorkerOptions, run_worker
 
 GiB = 1 << 30
@@ -217,10 +218,33 @@ def test_probe_raises_its_own_errors_at_the_reference_batch(
     assert not probe.is_resource_error(RuntimeError("cuDNN error: CUDNN_STATUS_BAD_PARAM"))
 
 
-def test_probe_counts_the_dataset_a_worker_keeps_on_the_gpu(flowers_root: Path) -> None:
-    cfg = load_config("tiny", data_dir=str(flowers_root))
-    # train 1020 + val limited to 510 (no test split in tiny), uint8 RGB at 36 px
-    assert data_bytes(cfg) == (1020 + 510) * 3 * 36 * 36
+def test_probe_counts_the_data_a_warm_worker_keeps_on_the_device(
+    flowers_root: Path, tmp_path: Path
+) -> None:
+    """What the probe reserves for a worker's data equals what its WarmCache really holds
+    after trials at every image size the study searches: each size's uint8 cache of every
+    split (no cache_size: 8/7 of the image size) and the resized eval copies."""
+    cfg = load_config(
+        "tiny",
+        data_dir=str(flowers_root),
+        overrides=[
+            "dataset.cache_size=null",
+            "dataset.train_limit=128",
+            "dataset.eval_limit=64",
+            "budget.max_epochs=1",
+            "search_space.image_size={type: categorical, choices: [24, 32]}",
+        ],
+    )
+    warm = WarmCache()
+    for size in (24, 32):
+        options = TrainOptions(device="cpu", workdir=tmp_path, warm=warm)
+        assert train(cfg, {"image_size": size, "batch_size": 32}, options=options).epochs_run == 1
+    kept = 0
+    for value in warm.data.values():
+        for tensor in value if isinstance(value, tuple) else (value,):
+            kept += tensor.numel() * tensor.element_size()
+    assert data_bytes(cfg) == kept
+    assert kept == (128 + 64) * (3 * 27 * 27 + 3 * 37 * 37 + 2 * 8) + 64 * 3 * (24 * 24 + 32 * 32)
     plan = plan_from_probe(["0"], 10 * GiB, [MemoryModel("resnet18", 32, GiB, 0, 0)], GiB,
                            busy=1.0, max_per_gpu=4, data_bytes=GiB)  # fmt: skip
     assert plan.trial_bytes("resnet18", 1, 32) == 2 * GiB
