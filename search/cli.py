@@ -179,7 +179,8 @@ def cli() -> None:
     "--gpus",
     default=None,
     metavar="0,1,...",
-    help="GPUs to use; workers are placed round-robin (several may share one).",
+    help="GPUs to use, counted among those visible (CUDA_VISIBLE_DEVICES); workers are "
+    "placed round-robin (several may share one).",
 )
 @click.option(
     "--max-restarts",
@@ -221,7 +222,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         format_progress,
         parse_gpus,
     )
-    from hpsearch.packing import place_workers, visible_gpus
+    from hpsearch.packing import gpus_through_mask, place_workers, visible_gpus
     from hpsearch.storage import resolve_storage
     from hpsearch.tracking.server import resolve_tracking_uri
 
@@ -231,6 +232,8 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         import torch
 
         check_gpus(gpu_list, torch.cuda.device_count(), device)
+    if gpu_list:
+        gpu_list = gpus_through_mask(gpu_list)  # the ids each worker's mask must name
     spec = resolve_storage(storage, workdir)
     if not train_fn:
         from hpsearch.runner import check_dataset

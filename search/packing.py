@@ -164,6 +164,25 @@ def visible_gpus(
     return [str(i) for i in range(n)]
 
 
+def gpus_through_mask(requested: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """`--gpus` indices count the GPUs this process sees, as torch does: under
+    CUDA_VISIBLE_DEVICES=2,3, `--gpus 1` is the machine's GPU 3, which a worker's own
+    CUDA_VISIBLE_DEVICES must then name. Ids that are not indices (UUIDs) pass unchanged."""
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" not in env:
+        return list(requested)
+    visible = [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    out = []
+    for gpu in requested:
+        if gpu.isdigit() and int(gpu) >= len(visible):
+            raise DeviceError(
+                f"--gpus: {gpu}: only {len(visible)} GPU(s) visible "
+                f"(CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r})"
+            )
+        out.append(visible[int(gpu)] if gpu.isdigit() else gpu)
+    return out
+
+
 def _nvml_count() -> int:
     import pynvml
 

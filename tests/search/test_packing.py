@@ -22,6 +22,7 @@ from hpsearch.packing import (
     busy_fraction,
     busy_from_step_times,
     fit_memory,
+    gpus_through_mask,
     place_workers,
     plan_from_probe,
     reference_batch,
@@ -116,6 +117,16 @@ def test_visible_gpus() -> None:
         raise OSError("libnvidia-ml.so.1: cannot open shared object file")
 
     assert visible_gpus({}, count=no_driver) == []
+
+
+def test_gpus_count_among_the_visible_ones() -> None:
+    """Under a parent's CUDA_VISIBLE_DEVICES, `--gpus 1` is its second visible GPU, and a
+    worker's own mask must name that GPU's id, not index 1 of the whole machine."""
+    assert gpus_through_mask(["0", "1"], {"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
+    assert gpus_through_mask(["1"], {"CUDA_VISIBLE_DEVICES": "GPU-a1,GPU-b2"}) == ["GPU-b2"]
+    assert gpus_through_mask(["1", "GPU-c3"], {}) == ["1", "GPU-c3"]
+    with pytest.raises(DeviceError, match=r"--gpus: 2: only 2 GPU\(s\) visible"):
+        gpus_through_mask(["2"], {"CUDA_VISIBLE_DEVICES": "2,3"})
 
 
 def test_plan_round_trip_and_reason() -> None:
