@@ -556,14 +556,14 @@ def _train(
     fwd: nn.Module
     if tc.compile and options.warm is not None:
         key = (hp.arch, res, batch_size, num_classes, str(device), tc.channels_last, amp)
-        if key in options.warm.models:  # same graph: reuse the compiled code, reset weights
-            cached, fwd = options.warm.models[key]
+        if (entry := options.warm.get_model(key)) is not None:
+            cached, fwd = entry  # same graph: reuse the compiled code, reset the weights
             cached.load_state_dict(model.state_dict())
             model = cached
         else:
             model = model.to(device, memory_format=memory_format)
             fwd = torch.compile(model)  # type: ignore[assignment]
-            options.warm.models[key] = (model, fwd)
+            options.warm.put_model(key, (model, fwd))
     else:
         model = model.to(device, memory_format=memory_format)
         fwd = torch.compile(model) if tc.compile else model  # type: ignore[assignment]

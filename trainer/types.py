@@ -95,11 +95,27 @@ class WarmCache:
     data: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     models: dict[tuple[Any, ...], tuple[nn.Module, nn.Module]] = field(default_factory=dict)
     max_data_entries: int = 8
+    # Compiled models held between trials: each keeps its weights and compiled code on the
+    # device, outside any trial's memory reservation, so a study searching many (arch,
+    # resolution, batch) keeps only the most recently used few.
+    max_models: int = 4
 
     def put_data(self, key: tuple[Any, ...], value: Any) -> None:
         self.data[key] = value
         while len(self.data) > self.max_data_entries:
             self.data.pop(next(iter(self.data)))  # oldest first
+
+    def get_model(self, key: tuple[Any, ...]) -> tuple[nn.Module, nn.Module] | None:
+        """The compiled (model, forward) for `key`, now the most recently used; or None."""
+        entry = self.models.pop(key, None)
+        if entry is not None:
+            self.models[key] = entry
+        return entry
+
+    def put_model(self, key: tuple[Any, ...], entry: tuple[nn.Module, nn.Module]) -> None:
+        self.models[key] = entry
+        while len(self.models) > self.max_models:
+            self.models.pop(next(iter(self.models)))  # least recently used first
 
     def clear(self) -> None:
         self.data.clear()

@@ -87,3 +87,18 @@ def test_no_weight_decay_on_norms_and_biases() -> None:
     assert any(p is model.fc.bias for p in no_decay["params"])
     n = sum(1 for _ in model.parameters())
     assert len(decay["params"]) + len(no_decay["params"]) == n
+
+
+def test_warm_cache_keeps_the_most_recently_used_compiled_models() -> None:
+    """Compiled models stay on the device outside any trial's reservation: a worker keeps
+    only `max_models` of them, dropping the least recently used."""
+    from hpsearch.trainer import WarmCache
+
+    warm = WarmCache(max_models=2)
+    entry = {k: (torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)) for k in "abc"}
+    warm.put_model(("a",), entry["a"])
+    warm.put_model(("b",), entry["b"])
+    assert warm.get_model(("a",)) is entry["a"]  # "a" is now the most recent
+    warm.put_model(("c",), entry["c"])
+    assert list(warm.models) == [("a",), ("c",)]
+    assert warm.get_model(("b",)) is None
