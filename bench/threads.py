@@ -5,7 +5,8 @@ wall time).
 Samples `/proc/<pid>/task/<tid>/stat` of every process whose command line names hpsearch,
 mlflow, a multiprocessing helper or postgres, every `--interval` seconds, and counts each
 thread's CPU from the first sample (threads older than the command, such as an MLflow
-server's, count only what they used meanwhile). Python threads have no OS names, so when
+server's, count only what they used meanwhile). A thread's CPU after the last sample before
+it ends is missed: at most `--interval` each. Python threads have no OS names, so when
 `py-spy` is on PATH the command runs under `py-spy record --threads --subprocesses` at a low
 rate only to name them (`--no-names` skips it; py-spy's own CPU shows as its own rows).
 
@@ -50,9 +51,12 @@ def role(cmdline: str) -> str:
     return "other"
 
 
-def read_threads() -> dict[tuple[int, int], tuple[str, float]]:
-    """(pid, tid) -> (command line, CPU seconds so far) of the watched processes."""
-    out: dict[tuple[int, int], tuple[str, float]] = {}
+Key = tuple[int, int, int]  # pid, tid, the thread's start time (ticks): tids are reused
+
+
+def read_threads() -> dict[Key, tuple[str, float]]:
+    """(pid, tid, start) -> (command line, CPU seconds so far) of the watched processes."""
+    out: dict[Key, tuple[str, float]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             raw = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -68,7 +72,8 @@ def read_threads() -> dict[tuple[int, int], tuple[str, float]]:
             except OSError:
                 continue
             fields = stat.rsplit(")", 1)[1].split()
-            out[(int(pid), int(tid))] = (cmd, (int(fields[11]) + int(fields[12])) / TICK)
+            key = (int(pid), int(tid), int(fields[19]))
+            out[key] = (cmd, (int(fields[11]) + int(fields[12])) / TICK)
     return out
 
 
@@ -76,7 +81,7 @@ class Sampler:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self.base = {k: cpu for k, (_, cpu) in read_threads().items()}  # before the command
-        self.last: dict[tuple[int, int], tuple[str, float]] = {}
+        self.last: dict[Key, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -86,7 +91,7 @@ class Sampler:
             self.last.update(read_threads())
             self._stop.wait(self.interval_s)
 
-    def stop(self) -> dict[tuple[int, int], tuple[str, float]]:
+    def stop(self) -> dict[Key, tuple[str, float]]:
         self._stop.set()
         self._thread.join()
         self.last.update(read_threads())
@@ -128,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
                    "-o", str(raw), "--", *cmd]  # fmt: skip
         sampler = Sampler(args.interval)
         t0 = time.perf_counter()
-        code = subprocess.run(cmd, check=False).returncode
+        child = subprocess.Popen(cmd)
+        code = child.wait()
         wall = time.perf_counter() - t0
         used = sampler.stop()
         names = thread_names(raw)
     roles: dict[str, float] = {}
     rows: list[dict[str, Any]] = []
-    for (pid, tid), (cmdline, cpu) in used.items():
+    for (pid, tid, _), (cmdline, cpu) in used.items():
         r = role(cmdline)
         roles[r] = roles.get(r, 0.0) + cpu
         name = names.get(tid, "main" if tid == pid else "(native)" if names else "?")
@@ -152,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {
             "command": [sys.executable, *sys.argv],
             "exit": code,
+            "command_pid": child.pid,  # py-spy's, when it names the threads
             "wall_s": round(wall, 2),
             "roles": {r: round(c, 2) for r, c in by_cpu},
             "threads": rows,

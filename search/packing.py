@@ -167,19 +167,28 @@ def visible_gpus(
 def gpus_through_mask(requested: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
     """`--gpus` indices count the GPUs this process sees, as torch does: under
     CUDA_VISIBLE_DEVICES=2,3, `--gpus 1` is the machine's GPU 3, which a worker's own
-    CUDA_VISIBLE_DEVICES must then name. Ids that are not indices (UUIDs) pass unchanged."""
+    CUDA_VISIBLE_DEVICES must then name. An id that is not an index (a UUID, a MIG id) must
+    be one of those visible (CUDA takes a unique prefix of one)."""
     env = os.environ if env is None else env
     if "CUDA_VISIBLE_DEVICES" not in env:
         return list(requested)
-    visible = [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    mask = env["CUDA_VISIBLE_DEVICES"]
+    visible = [g.strip() for g in mask.split(",") if g.strip()]
     out = []
     for gpu in requested:
-        if gpu.isdigit() and int(gpu) >= len(visible):
+        if gpu.isdigit():
+            if int(gpu) >= len(visible):
+                raise DeviceError(
+                    f"--gpus: {gpu}: only {len(visible)} GPU(s) visible "
+                    f"(CUDA_VISIBLE_DEVICES={mask!r})"
+                )
+            out.append(visible[int(gpu)])
+        elif any(v.startswith(gpu) or gpu.startswith(v) for v in visible if not v.isdigit()):
+            out.append(gpu)
+        else:
             raise DeviceError(
-                f"--gpus: {gpu}: only {len(visible)} GPU(s) visible "
-                f"(CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r})"
+                f"--gpus: {gpu}: not among the visible GPUs (CUDA_VISIBLE_DEVICES={mask!r})"
             )
-        out.append(visible[int(gpu)] if gpu.isdigit() else gpu)
     return out
 
 

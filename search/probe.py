@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hpsearch.config import CategoricalParam, FloatParam, IntParam, StudyConfig, load_config
 from hpsearch.packing import MemoryModel, busy_from_step_times, fit_memory, reference_batch
-from hpsearch.trainer.types import is_resource_error
+from hpsearch.trainer.types import RESOURCE_ERROR_MARKERS, is_resource_error
 
 CONTEXT_FALLBACK = 512 << 20  # bytes: CUDA context + cuBLAS/cuDNN workspaces, when NVML can't tell
 
@@ -121,12 +122,18 @@ def time_speed_batches(
             out[ref] = train_steps(cfg, model.arch, ref, model.image_size, steps, device_name)[1]
             break
         except RuntimeError as exc:  # torch.OutOfMemoryError included
-            if not is_resource_error(exc):
+            if not is_resource_error(exc, PROBE_RESOURCE_MARKERS):
                 raise
         if torch.cuda.is_available():  # after the except: the traceback no longer holds memory
             torch.cuda.empty_cache()
         ref //= 2
     return out
+
+
+# The probe also halves its reference batch on cuDNN's INTERNAL_ERROR, which cuDNN reports
+# for some large-batch convolutions it cannot fit; a trial does not take it for a lack of
+# memory (a device-side assert can surface as it).
+PROBE_RESOURCE_MARKERS = (*RESOURCE_ERROR_MARKERS, "CUDNN_STATUS_INTERNAL_ERROR")
 
 
 def _context_bytes() -> int:
@@ -158,31 +165,64 @@ def _context_bytes() -> int:
 
 
 def warm_data_bytes(
-    items: Mapping[str, int], cache_size: int | None, image_sizes: Sequence[int]
+    items: Mapping[str, int],
+    cache_size: int | None,
+    image_sizes: Sequence[int],
+    max_entries: int,
+    fast: Callable[[int], bool] = lambda stored: True,
 ) -> int:
-    """Device bytes a warm worker keeps across trials (`trainer.trial.load_split` into its
-    `WarmCache`): each split's uint8 RGB cache (and int64 labels) at every stored size (the
-    study's `cache_size`, else 8/7 of each image size), and a resized uint8 copy of each
-    evaluated split (all but "train") at every image size the study trains at."""
+    """Device bytes a warm worker may keep across trials (`trainer.trial.load_split` into its
+    `WarmCache`): each split's uint8 RGB cache and int64 labels at a stored size (the study's
+    `cache_size`, else 8/7 of the trial's image size), and a resized uint8 copy of each
+    evaluated split (all but "train") at each image size. The cache holds at most
+    `max_entries` of them, and a new one exists beside them until it is put there: the
+    largest `max_entries + 1` count. Stored sizes on the streaming path (`fast` False) keep
+    nothing on the device."""
     sizes = sorted(set(image_sizes))
-    stored = [cache_size] if cache_size else sorted({round(r * 8 / 7) for r in sizes})
-    total = sum(items.values())
-    evaluated = sum(n for split, n in items.items() if split != "train")
-    return sum(total * (3 * s * s + 8) for s in stored) + sum(evaluated * 3 * r * r for r in sizes)
+    pairs = {(cache_size or round(r * 8 / 7), r) for r in sizes}  # (stored size, image size)
+    evaluated = [n for split, n in items.items() if split != "train"]
+    entries: list[int] = []
+    for stored in sorted({st for st, _ in pairs}):
+        if fast(stored):
+            entries += [n * (3 * stored * stored + 8) for n in items.values()]
+    for stored, r in sorted(pairs):
+        if fast(stored):
+            entries += [n * 3 * r * r for n in evaluated]
+    return sum(sorted(entries, reverse=True)[: max_entries + 1])
+
+
+def image_sizes(cfg: StudyConfig) -> list[int]:
+    """Every image size a trial of the study may train at (each value of a range)."""
+    spec = cfg.search_space.get("image_size")
+    default = cfg.trainer.defaults.image_size or cfg.dataset.image_size
+    if isinstance(spec, CategoricalParam):
+        return sorted({int(c) for c in spec.choices})  # numbers: the config's rule
+    if isinstance(spec, IntParam):
+        return list(range(int(spec.low), int(spec.high) + 1, int(spec.step or 1)))
+    if isinstance(spec, FloatParam):
+        return list(range(math.ceil(spec.low), math.floor(spec.high) + 1))
+    return [default]
 
 
 def data_bytes(cfg: StudyConfig) -> int:
     """Device bytes of the decoded dataset a worker keeps on the GPU (`warm_data_bytes`),
     which no training step shows; 0 if unknown."""
-    from hpsearch.trainer.data import get_source
+    from hpsearch.trainer import data
+    from hpsearch.trainer.types import WarmCache
 
-    sizes = [int(s) for s in choices(cfg, "image_size")] or [cfg.dataset.image_size]
     splits = ["train", "val"] + (["test"] if cfg.trainer.evaluate_test else [])
     try:
-        items = {s: len(src) for s in splits if (src := get_source(cfg, s)) is not None}
+        sources = [src for s in splits if (src := data.get_source(cfg, s)) is not None]
     except Exception:  # no data here: the workers' own checks will say so
         return 0
-    return warm_data_bytes(items, cfg.dataset.cache_size, sizes)
+    items = {src.split: len(src) for src in sources}
+    return warm_data_bytes(
+        items,
+        cfg.dataset.cache_size,
+        image_sizes(cfg),
+        WarmCache().max_data_entries,
+        lambda stored: data.use_fast_path(cfg, sources, stored),
+    )
 
 
 def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from hpsearch.trainer.types import (
     TrialResult,
     WarmCache,
     is_resource_error,
+    resource_error_cause,
 )
 from torch import Tensor, nn
 
@@ -453,9 +454,11 @@ def train(
     except torch.OutOfMemoryError:
         oom = ""  # handled below, outside the except block, so the traceback is gone
     except RuntimeError as exc:  # cuDNN's and cuBLAS's allocation failures: RuntimeError
-        if not is_resource_error(exc):
+        # A sticky CUDA error (a device-side assert, an illegal access) can surface as a
+        # library's failure: the device then fails its next sync, and it is raised as it is.
+        if not is_resource_error(exc) or not _device_usable(device):
             raise
-        oom = f": {str(exc).strip().splitlines()[0][:200]}" if str(exc).strip() else ""
+        oom = f": {cause}" if (cause := resource_error_cause(exc)) else ""
     finally:
         writer.wait()  # the last checkpoint is on disk before the result is
     if run.checkpoint_path is not None and not run.checkpoint_path.is_file():
@@ -493,6 +496,17 @@ def train(
         num_classes=run.num_classes,
         class_names=list(run.class_names),
     )
+
+
+def _device_usable(device: torch.device) -> bool:
+    """False when the CUDA device is in a sticky error state (its context is lost)."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _train(

@@ -23,27 +23,39 @@ __all__ = [
     "TrialResult",
     "WarmCache",
     "is_resource_error",
+    "resource_error_cause",
 ]
 
 # What CUDA and its libraries raise, as RuntimeError, when a batch needs more memory or
 # workspace than the device has: out of memory in the allocator or a library's own
-# allocation, and cuDNN's statuses for a workspace it could not get (INTERNAL_ERROR and
-# NOT_SUPPORTED are what cuDNN reports for some large-batch convolutions it cannot fit).
+# allocation, and cuDNN's status for a configuration it cannot run (some large-batch
+# convolutions). A trial that meets one ends out_of_memory (the batch does not fit).
 RESOURCE_ERROR_MARKERS = (
     "out of memory",
     "CUDNN_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_INTERNAL_ERROR",
     "CUDNN_STATUS_NOT_SUPPORTED",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUFFT_ALLOC_FAILED",
 )
 
 
-def is_resource_error(exc: BaseException) -> bool:
+def is_resource_error(
+    exc: BaseException, markers: tuple[str, ...] = RESOURCE_ERROR_MARKERS
+) -> bool:
     """Whether a RuntimeError from a training step is the device running out of memory or
     workspace (a smaller batch may work), rather than a bug."""
     text = str(exc)
-    return any(marker in text for marker in RESOURCE_ERROR_MARKERS)
+    return any(marker in text for marker in markers)
+
+
+def resource_error_cause(
+    exc: BaseException, markers: tuple[str, ...] = RESOURCE_ERROR_MARKERS
+) -> str:
+    """The line of the error's text that names what ran out (a wrapped error, such as a
+    compile failure, names it on a later line), at most 200 characters."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    hit = next((line for line in lines if any(m in line for m in markers)), "")
+    return hit[:200]
 
 
 Report = Callable[[int, float], bool]  # report(epoch, val_acc) -> True: stop now (pruned)

@@ -152,7 +152,7 @@ else
   STUDY_S=200
 fi
 COMMON=(--device "$DEVICE" --data-dir "$DATA" --workdir "$WORK")
-local name config label arch res batch probe study_s
+local name config label arch res batch study_s
 for name in ${STEPS:-nvml trainer study packing paths trainer-compile packing-auto}; do
   case $name in
     nvml)
@@ -183,13 +183,10 @@ for name in ${STEPS:-nvml trainer study packing paths trainer-compile packing-au
     study)
       # What is left, up to STUDY_S seconds of search; the cap adds the grace (30 s), the
       # bench's stop escalation (up to 40 s), the cache build and reading back.
-      probe=0
-      # --workers auto probes the GPU first; the probe counts inside --timeout (from the
-      # launch command's start), so this is margin for the cap, not study time
-      [ "${STUDY_WORKERS:-}" = auto ] && probe=60
-      study_s=$(($(left) - 100 - probe))
+      # --workers auto's GPU probe counts inside --timeout (from the launch command's start)
+      study_s=$(($(left) - 100))
       ((study_s > STUDY_S)) && study_s=$STUDY_S
-      step study $((130 + probe)) $((study_s + 90 + probe)) study "$OUT/study.json" -- \
+      step study 130 $((study_s + 90)) study "$OUT/study.json" -- \
         "$PY" bench/study.py "${COMMON[@]}" --timeout "$study_s" "${STUDY[@]}" \
         --json "$OUT/study.json" ;;
     *) echo "== unknown step $name (steps: nvml trainer study packing paths trainer-compile packing-auto)" ;;

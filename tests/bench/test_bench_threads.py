@@ -28,6 +28,7 @@ def test_a_busy_thread_of_a_watched_process_is_counted(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    spun = [t for t in result["threads"] if t["role"] == "other" and t["tid"] != t["pid"]]
+    mine = [t for t in result["threads"] if t["pid"] == result["command_pid"]]
+    spun = [t for t in mine if t["tid"] != t["pid"]]
     assert len(spun) == 1 and 0.4 <= spun[0]["cpu_s"] <= 1.0
     assert "top threads" in proc.stdout

@@ -29,7 +29,14 @@ from hpsearch.packing import (
     visible_gpus,
     workers_per_gpu,
 )
-from hpsearch.probe import data_bytes, probe_shapes, time_speed_batches, train_steps
+from hpsearch.probe import (
+    data_bytes,
+    image_sizes,
+    probe_shapes,
+    time_speed_batches,
+    train_steps,
+    warm_data_bytes,
+)
 from hpsearch.storage import StorageSpec
 from hpsearch.trainer import TrainOptions, WarmCache, train
 from hpsearch.worker import WorkerOptions, run_worker
@@ -125,6 +132,13 @@ def test_gpus_count_among_the_visible_ones() -> None:
     assert gpus_through_mask(["0", "1"], {"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
     assert gpus_through_mask(["1"], {"CUDA_VISIBLE_DEVICES": "GPU-a1,GPU-b2"}) == ["GPU-b2"]
     assert gpus_through_mask(["1", "GPU-c3"], {}) == ["1", "GPU-c3"]
+    assert gpus_through_mask(["GPU-b2ff"], {"CUDA_VISIBLE_DEVICES": "GPU-a1,GPU-b2"}) == [
+        "GPU-b2ff"
+    ]
+    with pytest.raises(DeviceError, match=r"--gpus: GPU-c3: not among the visible GPUs"):
+        gpus_through_mask(["GPU-c3"], {"CUDA_VISIBLE_DEVICES": "GPU-a1,GPU-b2"})
+    with pytest.raises(DeviceError, match=r"--gpus: GPU-a1: not among the visible GPUs"):
+        gpus_through_mask(["GPU-a1"], {"CUDA_VISIBLE_DEVICES": ""})
     with pytest.raises(DeviceError, match=r"--gpus: 2: only 2 GPU\(s\) visible"):
         gpus_through_mask(["2"], {"CUDA_VISIBLE_DEVICES": "2,3"})
 
@@ -260,6 +274,28 @@ def test_probe_counts_the_data_a_warm_worker_keeps_on_the_device(
                            busy=1.0, max_per_gpu=4, data_bytes=GiB)  # fmt: skip
     assert plan.trial_bytes("resnet18", 1, 32) == 2 * GiB
     assert plan.workers_per_gpu == 1  # busy alone: packing more would only time-slice
+
+
+def test_warm_data_bytes_counts_the_largest_entries_the_cache_can_hold() -> None:
+    """At most max_entries stay in a worker's WarmCache, plus the one being made; a stored
+    size on the streaming path keeps nothing on the device; a size range counts each size."""
+    items = {"train": 100, "val": 50}
+    one = warm_data_bytes(items, 40, [32], max_entries=8)
+    assert one == 150 * (3 * 40 * 40 + 8) + 50 * 3 * 32 * 32
+    sizes = [16, 24, 32, 40, 48, 56]  # no cache_size: 2 caches and 1 eval copy per size
+    every = sorted(
+        [n * (3 * round(r * 8 / 7) ** 2 + 8) for r in sizes for n in (100, 50)]
+        + [50 * 3 * r * r for r in sizes],
+        reverse=True,
+    )
+    assert warm_data_bytes(items, None, sizes, max_entries=4) == sum(every[:5])
+    streamed = warm_data_bytes(items, None, [32, 48], 8, fast=lambda stored: stored < 50)
+    assert streamed == 150 * (3 * 37 * 37 + 8) + 50 * 3 * 32 * 32  # 48 px: stored at 55
+    cfg = load_config(
+        "tiny", overrides=["search_space.image_size={type: int, low: 24, high: 32, step: 4}"]
+    )
+    assert image_sizes(cfg) == [24, 28, 32]
+    assert image_sizes(load_config("tiny")) == [32]  # not searched: the dataset's
 
 
 def test_probe_without_a_gpu_fails_in_one_line(subprocess_env: dict[str, str]) -> None:

@@ -201,14 +201,25 @@ def test_a_library_allocation_failure_is_out_of_memory_and_a_bug_is_raised(
     trial ends out_of_memory (the sampler learns the batch does not fit) with the cause in
     its message; any other RuntimeError is a bug and raised, for the worker to record."""
     alloc = "cuDNN error: CUDNN_STATUS_ALLOC_FAILED"
-    monkeypatch.setattr(train_module, "build_model", lambda cfg, hp, n: _WorkspaceErrorModel(alloc))
+    wrapped = f"backend='inductor' raised:\nRuntimeError: {alloc}\n\nSet TORCH_LOGS for more"
+    monkeypatch.setattr(
+        train_module, "build_model", lambda cfg, hp, n: _WorkspaceErrorModel(wrapped)
+    )
     result = train(synthetic(), TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
     assert result.stop_reason == "out_of_memory" and result.epochs_run == 0
-    assert result.message.startswith("out of memory at batch_size=16") and alloc in result.message
-    bug = "CUDA error: an illegal memory access was encountered"
-    monkeypatch.setattr(train_module, "build_model", lambda cfg, hp, n: _WorkspaceErrorModel(bug))
-    with pytest.raises(RuntimeError, match="illegal memory access"):
-        train(synthetic(), TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    assert result.message == (
+        f"out of memory at batch_size=16 (micro-batch 16, resnet18 at 16 px): RuntimeError: {alloc}"
+    )
+    # a bug, and cuDNN's INTERNAL_ERROR, which a device-side assert can surface as
+    for bug in (
+        "CUDA error: an illegal memory access was encountered",
+        "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR",
+    ):
+        monkeypatch.setattr(
+            train_module, "build_model", lambda cfg, hp, n, bug=bug: _WorkspaceErrorModel(bug)
+        )
+        with pytest.raises(RuntimeError, match=bug.split(": ")[1]):
+            train(synthetic(), TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
 
 
 def test_same_seed_same_history_and_seed_matters(tmp_path: Path) -> None:
