@@ -191,6 +191,7 @@ class LaunchRun:
     started: dt.datetime  # local naive time, like Optuna's trial datetimes
     stops: list[str] = field(default_factory=list)  # signals the bench had to send
     log: Path | None = None
+    interrupted: bool = False  # the bench itself got Ctrl-C or SIGTERM (its time limit)
 
     def tail(self, n: int = 5) -> str:
         if self.log is None or not self.log.is_file():
@@ -205,13 +206,16 @@ def run_launch(
     hard_stop_s: float | None = None,
     kill_grace_s: float = 30.0,
     echo: bool = False,
+    keep_on_interrupt: bool = False,
 ) -> LaunchRun:
     """Run `hpsearch launch ARGS` (the real CLI) to its end, output to `log`.
 
     At `hard_stop_s` seconds the bench does what Ctrl-C does: SIGTERM (running trials
     checkpoint at their next epoch and are re-queued), a second SIGTERM `kill_grace_s` later
     (workers killed), then SIGKILL. Ctrl-C or SIGTERM to the bench (`timeout`) stops the
-    launch at once the same way before the bench exits, so that no worker outlives it.
+    launch at once the same way before the bench exits, so that no worker outlives it;
+    then KeyboardInterrupt is raised, or with `keep_on_interrupt` the run is returned marked
+    `interrupted`, so that what the study finished can still be read and written.
     """
     cmd = [sys.executable, "-m", "hpsearch.cli", "launch", *args]
     env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
@@ -220,6 +224,7 @@ def run_launch(
     started = dt.datetime.now()
     t0 = time.monotonic()
     stops: list[str] = []
+    interrupted = False
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with open(log, "wb") as out:
@@ -240,10 +245,12 @@ def run_launch(
                         proc.wait(timeout=grace)
                     if proc.poll() is not None:
                         break
-                raise
+                if not keep_on_interrupt:
+                    raise
+                interrupted = True
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return LaunchRun(proc.returncode, time.monotonic() - t0, started, stops, log)
+    return LaunchRun(proc.returncode, time.monotonic() - t0, started, stops, log, interrupted)
 
 
 def launched_workers(run: LaunchRun) -> tuple[int | None, str]:

@@ -211,7 +211,11 @@ def run(
     # on past the study's window.
     hard_stop = args.timeout + args.grace
     with GpuWatch(device, args.gpu, args.gpu_interval) as gpu:
-        launch = run_launch(cli, workdir / "launch.log", hard_stop, echo=args.verbose)
+        # Stopped by its own time limit (`timeout` in bench/gpu/run.sh) or Ctrl-C, the bench
+        # still reads and writes what the study finished (GPU time is scarce).
+        launch = run_launch(
+            cli, workdir / "launch.log", hard_stop, echo=args.verbose, keep_on_interrupt=True
+        )
     ran, reason = launched_workers(launch)
     study = load_study(cfg.name, storage=str(journal_path(workdir)))
     trials = study.get_trials(deepcopy=False)
@@ -236,7 +240,9 @@ def run(
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
     best = (max if maximize else min)(done, key=lambda t: t.value) if done else None
     test_acc, test_from = (None, "no completed trial")
-    if best is not None:
+    if best is not None and launch.interrupted:  # before the time limit's SIGKILL
+        test_from = "not evaluated: the bench was interrupted"
+    elif best is not None:
         test_acc, test_from = test_accuracy(cfg, workdir, best, device)
     result: dict[str, Any] = {
         "workers": ran,
@@ -270,7 +276,9 @@ def run(
         "gpu": gpu.summary,
         "timings": trial_timings(workdir),
     }
-    if launch.returncode not in (0, 130):
+    if launch.interrupted:
+        result["error"] = "interrupted (Ctrl-C or the bench's time limit): the launch was stopped"
+    elif launch.returncode not in (0, 130):
         result["error"] = f"launch exit code {launch.returncode}; last lines:\n{launch.tail()}"
     print_table(cfg, args, env, result)
     if args.json_path:
@@ -287,7 +295,7 @@ def run(
         print(f"JSON: {args.json_path}")
     if "error" in result:
         print(result["error"], file=sys.stderr)
-        return 1
+        return 130 if launch.interrupted else 1
     return 0
 
 

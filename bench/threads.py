@@ -31,24 +31,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import classify
+
 WATCHED = ("hpsearch", "mlflow", "multiprocessing", "postgres")
 TICK = os.sysconf("SC_CLK_TCK")
 
 
 def role(cmdline: str) -> str:
-    """The process's part, from its command line."""
-    if "py-spy" in cmdline:
-        return "py-spy"
-    for needle, name in (
-        ("hpsearch.cli worker", "worker"),
-        ("hpsearch.cli launch", "launcher"),
-        ("multiprocessing", "helper"),
-        ("mlflow", "mlflow-server"),
-        ("postgres", "postgres"),
-    ):
-        if needle in cmdline:
-            return name
-    return "other"
+    """The process's part (`common.classify`), py-spy's own processes apart."""
+    return "py-spy" if "py-spy" in cmdline else classify(cmdline)
 
 
 Key = tuple[int, int, int]  # pid, tid, the thread's start time (ticks): tids are reused

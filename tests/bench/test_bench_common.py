@@ -80,3 +80,44 @@ def test_trial_timings_means(common: ModuleType, tmp_path: Path) -> None:
         "finish_s_mean": 0.5,  # a missing figure is left out, not counted as 0
         "trial_s_mean": 4.0,
     }
+
+
+def test_an_interrupted_launch_is_stopped_and_returned_when_asked(
+    common: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM to the bench (its time limit) stops the launch and its workers; with
+    keep_on_interrupt the run comes back marked, so bench/study.py still writes what the
+    study finished instead of nothing."""
+    import os
+    import signal
+    import threading
+
+    tests = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])
+    )
+    monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "1")
+    work = tmp_path / "w"
+    args = common.launch_args(
+        "tiny", ["budget.max_epochs=50"], data_dir=str(tmp_path), workdir=work, device="cpu",
+        gpu=None, workers=1, trials=5,
+    )  # fmt: skip
+    args += ["--train-fn", "dummy_trainer:train"]
+    log = work / "launch.log"
+
+    def stop_when_training() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if log.is_file() and "running 1" in log.read_text(errors="replace"):
+                break
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_training, daemon=True).start()
+    run = common.run_launch(args, log, hard_stop_s=120, keep_on_interrupt=True)
+    assert run.interrupted and run.returncode is not None and run.wall_s < 60
+    assert run.stops and "SIGTERM" in run.stops[0]
+    workers = subprocess.run(
+        ["pgrep", "-f", f"hpsearch.cli worker.*{work}"], capture_output=True, text=True
+    )
+    assert workers.stdout.strip() == ""  # none outlived the launch
