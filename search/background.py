@@ -160,10 +160,16 @@ class Renderer:
             _stop(pool)
 
 
-def _stop(pool: ProcessPoolExecutor) -> None:
+def _stop(pool: ProcessPoolExecutor, manager_wait_s: float = 10.0) -> None:
     """Shut a pool down without waiting for a stuck job: its process is killed, so the
-    pool's manager thread (not a daemon) ends and a worker's exit never waits on it."""
+    pool's manager thread (not a daemon) ends, and it is waited for (at most
+    `manager_wait_s`) while it closes its wake-up pipe. Before Python 3.13,
+    concurrent.futures' exit hook writes to that pipe unlocked: an exit while the thread was
+    still closing it failed with EBADF (a worker's exit code 1, seen in CI)."""
+    manager = getattr(pool, "_executor_manager_thread", None)  # None once shut down
     for proc in list((getattr(pool, "_processes", None) or {}).values()):
         with contextlib.suppress(OSError, AttributeError):
             proc.kill()
     pool.shutdown(wait=False, cancel_futures=True)
+    if manager is not None and manager is not threading.current_thread():
+        manager.join(timeout=manager_wait_s)

@@ -677,9 +677,14 @@ def _exit_without_teardown() -> None:
     # (an MLflow artifact download leaves one behind, unreachable but not yet collected),
     # then every non-daemon thread is joined. Joining without the hooks would wait forever.
     shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    else:  # not CPython: join what is left
+    try:
+        if shutdown is not None:
+            shutdown()
+    except Exception as exc:  # a library's exit hook: the command's work is done and kept
+        with contextlib.suppress(OSError, ValueError):
+            click.echo(f"warning: at exit: {type(exc).__name__}: {exc}", err=True)
+        shutdown = None
+    if shutdown is None:  # not CPython, or its hooks failed: join what is left
         for thread in threading.enumerate():
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()

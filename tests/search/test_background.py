@@ -116,6 +116,37 @@ def test_jobs_after_close_run_here() -> None:
     assert renderer.run(_pid_and_nice)[0] == os.getpid()  # no second helper is started
 
 
+def test_close_waits_for_the_pools_manager_thread_and_an_exit_right_after_is_clean(
+    tmp_path: Path,
+) -> None:
+    """Before Python 3.13, concurrent.futures' exit hook writes to the pool manager's wake-up
+    pipe without the lock its closing takes: a process exiting while that thread still
+    closed it failed with EBADF (a worker's exit code 1 in CI). close() returns only once
+    the thread is done; a worker's fast exit right after it is clean, ten times over."""
+    renderer = Renderer()
+    renderer.run(_pid_and_nice)
+    pool = renderer._pool
+    assert pool is not None
+    manager = pool._executor_manager_thread  # type: ignore[attr-defined]
+    assert manager is not None and manager.is_alive()
+    renderer.close()
+    assert not manager.is_alive()
+    script = (
+        "from hpsearch.background import Renderer\n"
+        "from hpsearch.cli import _exit_without_teardown\n"
+        "import os\n"
+        "if __name__ == '__main__':\n"
+        "    r = Renderer(); r.run(os.getpid); r.close(); _exit_without_teardown()\n"
+    )
+    (tmp_path / "exit_now.py").write_text(script)
+    for _ in range(10):
+        proc = subprocess.run(
+            [sys.executable, str(tmp_path / "exit_now.py")], capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert (proc.returncode, proc.stderr) == (0, "")
+
+
 def test_a_workers_trial_plots_leave_matplotlib_to_the_helper(tmp_path: Path) -> None:
     # The worker's own path (TrialRun._plots) in a fresh interpreter, as a worker has it:
     # the files come back from the helper, and the worker never loads matplotlib (0.3 s of

@@ -15,6 +15,7 @@ from hpsearch.trainer import (
     CheckpointError,
     EpochRecord,
     TrainOptions,
+    TrialResult,
     WarmCache,
     evaluate_model,
     load_trained_model,
@@ -232,6 +233,26 @@ def test_same_seed_same_history_and_seed_matters(tmp_path: Path) -> None:
     assert numbers(a.history) != numbers(c.history)
 
 
+def interrupted_after(
+    n: int, cfg: Any, params: dict[str, Any], ckpt: Path, epochs: list[int]
+) -> TrialResult:
+    """Train until `n` epochs are done, then stop as Ctrl-C would: the resume checkpoint at
+    `ckpt` holds them. `epochs` collects the epochs trained."""
+    result = train(
+        cfg,
+        params,
+        options=TrainOptions(
+            device="cpu",
+            workdir=ckpt.parent,
+            checkpoint_path=ckpt,
+            on_epoch=lambda r: epochs.append(r.epoch),
+            should_interrupt=lambda: len(epochs) >= n,
+        ),
+    )
+    assert result.stop_reason == "interrupted" and result.epochs_run == n
+    return result
+
+
 def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     cfg = synthetic(budget={"max_epochs": 2})
     params = {**TINY, "augment": "randaugment", "cutmix_alpha": 1.0, "schedule": "onecycle"}
@@ -242,18 +263,7 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     )
     ckpt = tmp_path / "part.pt"
     epochs: list[int] = []
-    first = train(
-        cfg,
-        params,
-        options=TrainOptions(
-            device="cpu",
-            workdir=tmp_path,
-            checkpoint_path=ckpt,
-            on_epoch=lambda r: epochs.append(r.epoch),
-            should_interrupt=lambda: len(epochs) >= 1,
-        ),
-    )
-    assert first.stop_reason == "interrupted" and first.epochs_run == 1
+    first = interrupted_after(1, cfg, params, ckpt, epochs)
     assert first.checkpoint_path == ckpt and ckpt.is_file()
     resumed = train(
         cfg,
@@ -283,20 +293,7 @@ def test_a_resumed_run_reports_its_last_restored_epoch_first_and_may_be_pruned_t
     trains, and the pruner's answer to it may stop the run there."""
     cfg = synthetic(budget={"max_epochs": 3})
     ckpt = tmp_path / "t.pt"
-    done: list[int] = []
-    first = train(
-        cfg,
-        TINY,
-        lambda e, v: False,
-        TrainOptions(
-            device="cpu",
-            workdir=tmp_path,
-            checkpoint_path=ckpt,
-            on_epoch=lambda r: done.append(r.epoch),
-            should_interrupt=lambda: len(done) >= 2,
-        ),
-    )
-    assert first.stop_reason == "interrupted" and first.epochs_run == 2
+    first = interrupted_after(2, cfg, TINY, ckpt, [])
     again = tmp_path / "again.pt"
     again.write_bytes(ckpt.read_bytes())
     restored = [(r.epoch, r.val_acc) for r in first.history]
