@@ -47,7 +47,7 @@ def choices(cfg: StudyConfig, name: str) -> list[Any]:
 def probe_shapes(cfg: StudyConfig) -> tuple[list[str], int, int, int, int]:
     """(archs, largest image size px, smallest, median and largest micro-batch)."""
     archs = [str(a) for a in choices(cfg, "arch")]
-    sizes = [int(s) for s in choices(cfg, "image_size")] or [cfg.dataset.image_size]
+    sizes = image_sizes(cfg)
     batches = sorted(int(b) for b in choices(cfg, "batch_size"))
     cap = cfg.trainer.max_micro_batch
     micro = sorted({min(b, cap) if cap else b for b in batches})
