@@ -27,7 +27,7 @@ import optuna
 from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import ConfigError, DeviceError, HpsearchError, TrackingError
-from hpsearch.packing import MemoryModel, PackingPlan, pid_alive, plan_from_probe
+from hpsearch.packing import MemoryModel, PackingPlan, gpu_env, pid_alive, plan_from_probe
 from hpsearch.storage import (
     StorageSpec,
     heartbeat_storage,
@@ -104,7 +104,7 @@ def auto_workers(
         raise DeviceError("--workers auto: no GPU is visible; give --workers N")
     out = workdir / "run" / "probe.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[0], CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    env = gpu_env(os.environ, gpus[0])  # as the workers will see it
     cmd = [sys.executable, "-m", "hpsearch.probe", "--study", str(study_file), "--out", str(out)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -480,10 +480,7 @@ class Launcher:
         # The storage URL may hold a password: pass it in the environment, not argv (ps).
         env["HPSEARCH_STORAGE"] = self.spec.url
         env["PYTHONUNBUFFERED"] = "1"
-        # GPU indices mean the same device to CUDA and to NVML (telemetry).
-        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-        if slot.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = slot.gpu
+        env = gpu_env(env, slot.gpu)
         if opts.device == "cpu" or slot.gpu is None:
             # CPU trials share the cores: one thread pool per worker oversubscribes them.
             threads = max(1, (os.cpu_count() or 1) // opts.workers)

@@ -152,8 +152,8 @@ def admit(
 def visible_gpus(
     env: Mapping[str, str] | None = None, count: Callable[[], int] | None = None
 ) -> list[str]:
-    """GPU ids workers may be placed on: CUDA_VISIBLE_DEVICES when set, else every GPU
-    NVML sees (PCI bus order, as the launcher sets CUDA_DEVICE_ORDER), else none."""
+    """GPU ids workers may be placed on: CUDA_VISIBLE_DEVICES when set, else an index for
+    every GPU NVML sees, else none. Workers read them in the order `gpu_env` gives them."""
     env = os.environ if env is None else env
     if "CUDA_VISIBLE_DEVICES" in env:
         return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
@@ -189,6 +189,19 @@ def gpus_through_mask(requested: Sequence[str], env: Mapping[str, str] | None = 
             raise DeviceError(
                 f"--gpus: {gpu}: not among the visible GPUs (CUDA_VISIBLE_DEVICES={mask!r})"
             )
+    return out
+
+
+def gpu_env(env: Mapping[str, str], gpu: str | None) -> dict[str, str]:
+    """The environment of a process the launcher places on `gpu` (a worker, the probe).
+    `gpu` is one of `visible_gpus`, which count in this process's CUDA_DEVICE_ORDER: NVML's
+    PCI bus order when unset (CUDA's own default, FASTEST_FIRST, may differ on a machine with
+    unlike GPUs), else the user's, kept so that their CUDA_VISIBLE_DEVICES keeps its meaning.
+    Telemetry finds the GPU by its UUID under another order (`tracking.gpu`)."""
+    out = dict(env)
+    out.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    if gpu is not None:
+        out["CUDA_VISIBLE_DEVICES"] = gpu
     return out
 
 

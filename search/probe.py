@@ -136,6 +136,10 @@ def time_speed_batches(
 PROBE_RESOURCE_MARKERS = (*RESOURCE_ERROR_MARKERS, "CUDNN_STATUS_INTERNAL_ERROR")
 
 
+def _nvml_text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _context_bytes() -> int:
     """Device memory this process holds beyond what PyTorch's allocator reserved."""
     import os
@@ -144,16 +148,26 @@ def _context_bytes() -> int:
 
     try:
         import pynvml
+        from hpsearch.tracking.gpu import refs_by_uuid
 
         pynvml.nvmlInit()
         try:
-            # NVML ignores CUDA_VISIBLE_DEVICES: look the probed GPU up by its id there.
+            # NVML ignores CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER: a UUID there names the
+            # probed GPU to both; an index counts in CUDA's order, so find it by the UUID
+            # CUDA gives it.
             visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-            handle = (
-                pynvml.nvmlDeviceGetHandleByIndex(int(visible))
-                if visible.isdigit()
-                else pynvml.nvmlDeviceGetHandleByUUID(visible)
-            )
+            if visible.isdigit():
+                count = int(pynvml.nvmlDeviceGetCount())
+                uuids = [
+                    _nvml_text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                    for i in range(count)
+                ]
+                found = refs_by_uuid([str(torch.cuda.get_device_properties(0).uuid)], uuids)
+                if not found:
+                    return CONTEXT_FALLBACK
+                handle = pynvml.nvmlDeviceGetHandleByIndex(found[0])
+            else:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(visible)
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if p.pid == os.getpid() and p.usedGpuMemory:
                     return max(0, int(p.usedGpuMemory) - int(torch.cuda.memory_reserved()))

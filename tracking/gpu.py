@@ -32,8 +32,10 @@ Without NVML or without a visible GPU nothing GPU-related is logged; a warning i
 per process, and nothing raises.
 
 CUDA numbers devices fastest-first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; NVML numbers them
-by PCI bus. Launchers should set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (or use UUIDs) so that index
-entries name the same GPU for both.
+by PCI bus. The launcher sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` for its workers unless the user
+set an order. Under another order, with several GPUs and an index in ``CUDA_VISIBLE_DEVICES``,
+the sampler asks CUDA (through torch, when this process has imported it) for the UUIDs of the
+GPUs it sees, so that it samples the GPU the trial runs on.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -112,6 +115,56 @@ def resolve_visible_devices(value: str | None, gpu_uuids: Sequence[str]) -> list
             break
         out.append(ref)
     return out
+
+
+def _uuid_hex(uuid: str) -> str:
+    """A UUID's 32 hex digits, lower case: NVML writes ``GPU-8f2c...-...``, torch ``8f2c...``."""
+    text = uuid.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        text = text.removeprefix(prefix)
+    return text.replace("-", "")
+
+
+def cuda_order_differs(value: str | None, order: str | None, n_gpus: int) -> bool:
+    """Whether an index in ``CUDA_VISIBLE_DEVICES`` (``value``) may name another GPU to CUDA
+    than to NVML: with more than one GPU, an index entry, and a ``CUDA_DEVICE_ORDER``
+    (``order``; unset is CUDA's FASTEST_FIRST) other than PCI_BUS_ID, NVML's order."""
+    if n_gpus < 2 or value is None:
+        return False
+    if (order or "FASTEST_FIRST").strip().upper() == "PCI_BUS_ID":
+        return False
+    return any(entry.strip().isdigit() for entry in value.split(","))
+
+
+def refs_by_uuid(cuda_uuids: Sequence[str], gpu_uuids: Sequence[str]) -> list[DeviceRef]:
+    """The NVML indices of the GPUs CUDA lists (``cuda_uuids``, in CUDA's order), by UUID;
+    ``gpu_uuids[i]`` is NVML index ``i``'s. Stops at the first one NVML does not list (a MIG
+    instance), as `resolve_visible_devices` does."""
+    index = {_uuid_hex(u): i for i, u in enumerate(gpu_uuids)}
+    out: list[DeviceRef] = []
+    for uuid in cuda_uuids:
+        found = index.get(_uuid_hex(uuid))
+        if found is None or found in out:
+            break
+        out.append(found)
+    return out
+
+
+def torch_cuda_uuids() -> list[str] | None:
+    """The UUIDs of the GPUs CUDA shows this process, in CUDA's order, from torch when this
+    process has imported it (it is not imported for telemetry); None without it or CUDA.
+    Initialises CUDA in this process."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_available():
+            return None
+        return [
+            str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
+        ]
+    except Exception:  # a broken CUDA set-up: the caller falls back to NVML's order
+        return None
 
 
 def device_labels(refs: Sequence[DeviceRef]) -> list[str]:
@@ -211,9 +264,13 @@ class GpuSampler:
         use_env: bool = True,
         nvml: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        device_order: str | None = None,
+        cuda_uuids: Callable[[], Sequence[str] | None] = torch_cuda_uuids,
     ) -> None:
         """``visible_devices`` overrides ``$CUDA_VISIBLE_DEVICES``; with ``use_env=False`` and
-        no value every GPU is sampled."""
+        no value every GPU is sampled. ``device_order`` is the order its indices count in:
+        ``$CUDA_DEVICE_ORDER`` for the environment's value, else NVML's (PCI_BUS_ID).
+        ``cuda_uuids`` lists the GPUs CUDA sees, for an order other than NVML's."""
         self.sink = sink
         self.interval_s = interval_s
         self.window_s = window_s
@@ -224,7 +281,11 @@ class GpuSampler:
         self.pid = os.getpid() if pid is None else pid
         if visible_devices is None and use_env:
             visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if device_order is None:
+                device_order = os.environ.get("CUDA_DEVICE_ORDER")
         self.visible_devices = visible_devices
+        self.device_order = "PCI_BUS_ID" if device_order is None else device_order
+        self._cuda_uuids = cuda_uuids
         self.clock = clock
         self.input_bound = False
         self.input_bound_mean: float | None = None
@@ -274,6 +335,19 @@ class GpuSampler:
                 for i in range(count)
             ]
             refs = resolve_visible_devices(self.visible_devices, uuids)
+            if cuda_order_differs(self.visible_devices, self.device_order, len(uuids)):
+                cuda = self._cuda_uuids()
+                if cuda:
+                    refs = refs_by_uuid(cuda, uuids)
+                else:
+                    warn_once(
+                        "cuda-order",
+                        "GPU telemetry: CUDA_DEVICE_ORDER=%s may number GPUs unlike NVML and "
+                        "CUDA's list is not known here; CUDA_VISIBLE_DEVICES=%r is read in "
+                        "NVML's (PCI bus) order",
+                        self.device_order,
+                        self.visible_devices,
+                    )
             labels = device_labels(refs)
             for ref, label in zip(refs, labels, strict=True):
                 handle = (
@@ -629,12 +703,15 @@ __all__ = [
     "DeviceRef",
     "GpuSampler",
     "TrackerRelay",
+    "cuda_order_differs",
     "device_labels",
     "integrate_power",
     "is_input_bound",
+    "refs_by_uuid",
     "relayed_sampler",
     "reset_warnings",
     "resolve_visible_devices",
     "sampler_for_tracker",
+    "torch_cuda_uuids",
     "warn_once",
 ]

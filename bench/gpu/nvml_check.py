@@ -6,7 +6,9 @@ log (and the input-bound rule uses) read what the GPU does?
   idle     4 s with a CUDA context but no work: utilization near 0, the rule fires
   process  whether NVML listed this PID (per-process utilization and memory), which it does
            not in containers without the host PID namespace
-  uuid     CUDA_VISIBLE_DEVICES given as a `GPU-<uuid>` prefix resolves to the same device
+  uuid     CUDA_VISIBLE_DEVICES given as a `GPU-<uuid>` prefix resolves to the same device,
+           and the UUID torch gives CUDA's device 0 is NVML's (how the sampler finds the
+           trial's GPU under a CUDA_DEVICE_ORDER other than PCI_BUS_ID)
 
 Example (on a GPU machine):
     python bench/gpu/nvml_check.py --json nvml.json
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import pynvml
     import torch
-    from hpsearch.tracking.gpu import GpuSampler
+    from hpsearch.tracking.gpu import GpuSampler, refs_by_uuid, torch_cuda_uuids
 
     if not torch.cuda.is_available():
         print("error: no CUDA device visible", file=sys.stderr)
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     by_uuid.open()
     refs = by_uuid.device_refs
     by_uuid.stop()
+    cuda_uuids = torch_cuda_uuids() or []
 
     util = "system/gpu_utilization_mean"
     checks = {
@@ -103,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         "idle_utilization_low": idle.get(util, 100.0) < 20.0,
         "idle_input_bound": bool(idle.get("input_bound", False)),
         "uuid_prefix_resolves": refs == [0],
+        "cuda_uuid_is_nvmls": refs_by_uuid(cuda_uuids[:1], [uuid]) == [0],
     }
     info = {
+        "cuda_uuid": cuda_uuids[0] if cuda_uuids else None,
         "process_utilization_seen": "system/gpu_process_utilization_mean" in busy,
         "process_memory_seen": "system/gpu_process_memory_peak_mib" in busy,
     }

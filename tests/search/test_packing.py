@@ -22,6 +22,7 @@ from hpsearch.packing import (
     busy_fraction,
     busy_from_step_times,
     fit_memory,
+    gpu_env,
     gpus_through_mask,
     place_workers,
     plan_from_probe,
@@ -141,6 +142,19 @@ def test_gpus_count_among_the_visible_ones() -> None:
         gpus_through_mask(["GPU-a1"], {"CUDA_VISIBLE_DEVICES": ""})
     with pytest.raises(DeviceError, match=r"--gpus: 2: only 2 GPU\(s\) visible"):
         gpus_through_mask(["2"], {"CUDA_VISIBLE_DEVICES": "2,3"})
+
+
+def test_gpu_env_keeps_the_users_device_order_and_defaults_to_nvmls() -> None:
+    base = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3"}
+    env = gpu_env(base, "3")
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert base == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3"}  # not changed
+    # The user's order is what their mask and `--gpus` count in: kept, for the probe too.
+    assert gpu_env({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, "1") == {
+        "CUDA_DEVICE_ORDER": "FASTEST_FIRST",
+        "CUDA_VISIBLE_DEVICES": "1",
+    }
+    assert gpu_env({"CUDA_VISIBLE_DEVICES": "0"}, None)["CUDA_VISIBLE_DEVICES"] == "0"
 
 
 def test_plan_round_trip_and_reason() -> None:

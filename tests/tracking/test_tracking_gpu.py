@@ -10,9 +10,11 @@ import pytest
 from hpsearch.tracking import gpu
 from hpsearch.tracking.gpu import (
     GpuSampler,
+    cuda_order_differs,
     device_labels,
     integrate_power,
     is_input_bound,
+    refs_by_uuid,
     resolve_visible_devices,
     sampler_for_tracker,
 )
@@ -62,6 +64,90 @@ def fleet(n: int = 4) -> list[FakeGpu]:
 )
 def test_resolve_visible_devices(value: str | None, expected: list[int | str]) -> None:
     assert resolve_visible_devices(value, UUIDS) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "order", "n_gpus", "differs"),
+    [
+        ("1", None, 4, True),  # unset: CUDA's FASTEST_FIRST
+        ("1", "FASTEST_FIRST", 4, True),
+        ("1", "PCI_BUS_ID", 4, False),
+        ("1", " pci_bus_id ", 4, False),
+        ("0", None, 1, False),  # one GPU: one order
+        (None, None, 4, False),  # every GPU: the same set, labelled by NVML
+        (UUIDS[1], None, 4, False),  # a UUID names one GPU to both
+        (f"{UUIDS[1]},0", None, 4, True),
+    ],
+)
+def test_cuda_order_differs(
+    value: str | None, order: str | None, n_gpus: int, differs: bool
+) -> None:
+    assert cuda_order_differs(value, order, n_gpus) is differs
+
+
+def torch_style(uuid: str) -> str:
+    """How torch prints a device's UUID: no ``GPU-`` prefix."""
+    return uuid.removeprefix("GPU-")
+
+
+def test_refs_by_uuid_maps_cudas_list_to_nvml_indices() -> None:
+    assert refs_by_uuid([torch_style(UUIDS[2]), UUIDS[0].upper()], UUIDS) == [2, 0]
+    assert refs_by_uuid([torch_style(UUIDS[3]), MIG, UUIDS[1]], UUIDS) == [3]  # stops there
+    assert refs_by_uuid([], UUIDS) == []
+
+
+def test_an_index_under_cudas_fastest_first_order_is_found_by_uuid(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under FASTEST_FIRST, CUDA's GPU 0 may be NVML's GPU 2: the sampler asks CUDA which GPU
+    it is and samples that one."""
+    asked: list[int] = []
+
+    def cuda_uuids() -> list[str]:
+        asked.append(1)
+        return [torch_style(UUIDS[2])]
+
+    nvml = FakeNVML(fleet())
+    s = GpuSampler(
+        None, visible_devices="0", device_order="FASTEST_FIRST", nvml=nvml, cuda_uuids=cuda_uuids
+    )
+    assert s.open() and s.device_refs == [2] and asked == [1]
+    s.sample_once()
+    assert nvml.queried == {2}
+    s.stop()
+
+    # NVML's own order: no question to CUDA.
+    s = GpuSampler(
+        None, visible_devices="0", device_order="PCI_BUS_ID", nvml=FakeNVML(fleet()),
+        cuda_uuids=cuda_uuids,
+    )  # fmt: skip
+    assert s.open() and s.device_refs == [0] and asked == [1]
+    s.stop()
+
+    # CUDA's list unknown (torch not imported, no CUDA): NVML's order, with a warning.
+    with caplog.at_level("WARNING"):
+        s = GpuSampler(
+            None, visible_devices="0", device_order="FASTEST_FIRST", nvml=FakeNVML(fleet()),
+            cuda_uuids=lambda: None,
+        )  # fmt: skip
+        assert s.open() and s.device_refs == [0]
+        s.stop()
+    assert "CUDA_DEVICE_ORDER=FASTEST_FIRST may number GPUs unlike NVML" in caplog.text
+
+
+def test_the_environments_order_applies_to_the_environments_mask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    cuda = [torch_style(UUIDS[3])]
+    s = GpuSampler(None, nvml=FakeNVML(fleet()), cuda_uuids=lambda: cuda)
+    assert s.open() and s.device_refs == [3]
+    s.stop()
+    # An explicit value is NVML's numbering unless told otherwise (bench/: `nvidia-smi` ids).
+    s = GpuSampler(None, visible_devices="1", nvml=FakeNVML(fleet()), cuda_uuids=lambda: cuda)
+    assert s.open() and s.device_refs == [1]
+    s.stop()
 
 
 def test_device_labels() -> None:
