@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -88,6 +88,20 @@ def assign_gpus(n_workers: int, gpus: Sequence[str] | None) -> list[str | None]:
     if not gpus:
         return [None] * n_workers
     return [gpus[i % len(gpus)] for i in range(n_workers)]
+
+
+def worker_env(
+    base: Mapping[str, str], storage_url: str, gpu: str | None, cpu_threads: int | None
+) -> dict[str, str]:
+    """A worker's environment: `base` placed on `gpu` (`gpu_env`, as the probe is), the
+    storage URL, which may hold a password, in the environment rather than in argv (`ps`
+    shows argv), and `cpu_threads` intra-op threads unless the user set OMP_NUM_THREADS."""
+    env = gpu_env(base, gpu)
+    env["HPSEARCH_STORAGE"] = storage_url
+    env["PYTHONUNBUFFERED"] = "1"
+    if cpu_threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
+    return env
 
 
 def auto_workers(
@@ -476,15 +490,11 @@ class Launcher:
             cmd += ["--train-fn", opts.train_fn]
         if opts.packing is not None:
             cmd += ["--packing", str(opts.packing)]
-        env = dict(os.environ)
-        # The storage URL may hold a password: pass it in the environment, not argv (ps).
-        env["HPSEARCH_STORAGE"] = self.spec.url
-        env["PYTHONUNBUFFERED"] = "1"
-        env = gpu_env(env, slot.gpu)
+        threads = None
         if opts.device == "cpu" or slot.gpu is None:
             # CPU trials share the cores: one thread pool per worker oversubscribes them.
             threads = max(1, (os.cpu_count() or 1) // opts.workers)
-            env.setdefault("OMP_NUM_THREADS", str(threads))
+        env = worker_env(os.environ, self.spec.url, slot.gpu, threads)
         log_dir = opts.workdir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         if slot.log is not None:

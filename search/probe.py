@@ -165,7 +165,12 @@ def _context_bytes() -> int:
                 found = refs_by_uuid([str(torch.cuda.get_device_properties(0).uuid)], uuids)
                 if not found:
                     return CONTEXT_FALLBACK
-                handle = pynvml.nvmlDeviceGetHandleByIndex(found[0])
+                ref = found[0]
+                handle = (
+                    pynvml.nvmlDeviceGetHandleByIndex(ref)
+                    if isinstance(ref, int)
+                    else pynvml.nvmlDeviceGetHandleByUUID(ref)
+                )
             else:
                 handle = pynvml.nvmlDeviceGetHandleByUUID(visible)
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):

@@ -34,8 +34,8 @@ per process, and nothing raises.
 CUDA numbers devices fastest-first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; NVML numbers them
 by PCI bus. The launcher sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` for its workers unless the user
 set an order. Under another order, with several GPUs and an index in ``CUDA_VISIBLE_DEVICES``,
-the sampler asks CUDA (through torch, when this process has imported it) for the UUIDs of the
-GPUs it sees, so that it samples the GPU the trial runs on.
+the sampler asks CUDA (through torch) for the UUIDs of the GPUs it sees, so that it samples
+the GPU the trial runs on.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -137,13 +136,18 @@ def cuda_order_differs(value: str | None, order: str | None, n_gpus: int) -> boo
 
 
 def refs_by_uuid(cuda_uuids: Sequence[str], gpu_uuids: Sequence[str]) -> list[DeviceRef]:
-    """The NVML indices of the GPUs CUDA lists (``cuda_uuids``, in CUDA's order), by UUID;
-    ``gpu_uuids[i]`` is NVML index ``i``'s. Stops at the first one NVML does not list (a MIG
-    instance), as `resolve_visible_devices` does."""
+    """The devices CUDA lists (``cuda_uuids``, in CUDA's order) as `resolve_visible_devices`
+    names them: a whole GPU by its NVML index (``gpu_uuids[i]`` is index ``i``'s UUID), a
+    UUID NVML does not list as a whole GPU by ``MIG-<uuid>`` (CUDA gives a MIG instance the
+    UUID NVML knows it by). Stops at a malformed or repeated UUID, as CUDA's parsing does."""
     index = {_uuid_hex(u): i for i, u in enumerate(gpu_uuids)}
     out: list[DeviceRef] = []
     for uuid in cuda_uuids:
-        found = index.get(_uuid_hex(uuid))
+        digits = _uuid_hex(uuid)
+        found: DeviceRef | None = index.get(digits)
+        if found is None and len(digits) == 32 and all(c in "0123456789abcdef" for c in digits):
+            d = digits
+            found = f"MIG-{d[:8]}-{d[8:12]}-{d[12:16]}-{d[16:20]}-{d[20:]}"
         if found is None or found in out:
             break
         out.append(found)
@@ -151,11 +155,12 @@ def refs_by_uuid(cuda_uuids: Sequence[str], gpu_uuids: Sequence[str]) -> list[De
 
 
 def torch_cuda_uuids() -> list[str] | None:
-    """The UUIDs of the GPUs CUDA shows this process, in CUDA's order, from torch when this
-    process has imported it (it is not imported for telemetry); None without it or CUDA.
-    Initialises CUDA in this process."""
-    torch = sys.modules.get("torch")
-    if torch is None:
+    """The UUIDs of the GPUs CUDA shows this process, in CUDA's order, from torch (imported
+    here if it is not yet: only where CUDA's order and NVML's may differ, in a process that
+    trains on one of these GPUs). None without torch or CUDA. Initialises CUDA."""
+    try:
+        import torch
+    except ImportError:
         return None
     try:
         if not torch.cuda.is_available():
@@ -337,15 +342,17 @@ class GpuSampler:
             refs = resolve_visible_devices(self.visible_devices, uuids)
             if cuda_order_differs(self.visible_devices, self.device_order, len(uuids)):
                 cuda = self._cuda_uuids()
-                if cuda:
-                    refs = refs_by_uuid(cuda, uuids)
+                by_uuid = refs_by_uuid(cuda, uuids) if cuda else []
+                if by_uuid:
+                    refs = by_uuid
                 else:
                     warn_once(
                         "cuda-order",
                         "GPU telemetry: CUDA_DEVICE_ORDER=%s may number GPUs unlike NVML and "
-                        "CUDA's list is not known here; CUDA_VISIBLE_DEVICES=%r is read in "
-                        "NVML's (PCI bus) order",
+                        "CUDA's devices (%s) are not known to NVML here; "
+                        "CUDA_VISIBLE_DEVICES=%r is read in NVML's (PCI bus) order",
                         self.device_order,
+                        ", ".join(cuda or []) or "none listed",
                         self.visible_devices,
                     )
             labels = device_labels(refs)

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,16 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import pynvml
     import torch
-    from hpsearch.tracking.gpu import GpuSampler, refs_by_uuid, torch_cuda_uuids
+    from hpsearch.tracking.gpu import (
+        GpuSampler,
+        refs_by_uuid,
+        resolve_visible_devices,
+        torch_cuda_uuids,
+    )
 
     if not torch.cuda.is_available():
         print("error: no CUDA device visible", file=sys.stderr)
         return 2
     torch.cuda.init()
     pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-    uuid = pynvml.nvmlDeviceGetUUID(handle)
-    uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    all_uuids = [
+        _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
+        for i in range(int(pynvml.nvmlDeviceGetCount()))
+    ]
+    uuid = all_uuids[0]
     driver = pynvml.nvmlSystemGetDriverVersion()
     pynvml.nvmlShutdown()
 
@@ -95,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     refs = by_uuid.device_refs
     by_uuid.stop()
     cuda_uuids = torch_cuda_uuids() or []
+    # CUDA's device 0, found in NVML by its UUID, is the GPU the mask names in NVML's order
+    # when CUDA counts in that order too (or there is one GPU to count).
+    cuda0 = refs_by_uuid(cuda_uuids[:1], all_uuids)
+    same_order = len(all_uuids) == 1 or os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+    masked = resolve_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), all_uuids)[:1]
 
     util = "system/gpu_utilization_mean"
     checks = {
@@ -106,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "idle_utilization_low": idle.get(util, 100.0) < 20.0,
         "idle_input_bound": bool(idle.get("input_bound", False)),
         "uuid_prefix_resolves": refs == [0],
-        "cuda_uuid_is_nvmls": refs_by_uuid(cuda_uuids[:1], [uuid]) == [0],
+        "cuda_uuid_is_nvmls": bool(cuda0) and (cuda0 == masked or not same_order),
     }
     info = {
         "cuda_uuid": cuda_uuids[0] if cuda_uuids else None,

@@ -8,9 +8,11 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
+from hpsearch import launcher
 from hpsearch.config import load_config
 from hpsearch.errors import DeviceError
 from hpsearch.packing import (
@@ -155,6 +157,84 @@ def test_gpu_env_keeps_the_users_device_order_and_defaults_to_nvmls() -> None:
         "CUDA_VISIBLE_DEVICES": "1",
     }
     assert gpu_env({"CUDA_VISIBLE_DEVICES": "0"}, None)["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_the_probe_and_the_workers_get_the_same_gpu_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Both count GPUs in the user's CUDA_DEVICE_ORDER, so the probed GPU is the one the
+    first workers train on."""
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    seen: list[dict[str, str]] = []
+
+    def fake_run(cmd: list[str], env: dict[str, str], **kwargs: object) -> object:
+        seen.append(env)
+        raise subprocess.TimeoutExpired(cmd, 1.0)
+
+    monkeypatch.setattr(launcher.subprocess, "run", fake_run)
+    with pytest.raises(DeviceError, match="the GPU probe took over"):
+        launcher.auto_workers(tmp_path / "s.yaml", ["1", "0"], tmp_path, timeout_s=1.0)
+    worker = launcher.worker_env(os.environ, "postgresql://u:secret@h/db", "1", None)
+    for env in (seen[0], worker):
+        assert (env["CUDA_DEVICE_ORDER"], env["CUDA_VISIBLE_DEVICES"]) == ("FASTEST_FIRST", "1")
+    assert worker["HPSEARCH_STORAGE"] == "postgresql://u:secret@h/db"
+    monkeypatch.delenv("CUDA_DEVICE_ORDER")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    cpu = launcher.worker_env(os.environ, "postgresql:///db", None, 1)
+    assert cpu["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and cpu["OMP_NUM_THREADS"] == "3"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert launcher.worker_env(os.environ, "postgresql:///db", None, 2)["OMP_NUM_THREADS"] == "2"
+
+
+class _ProbeNVML:
+    """The NVML calls the probe's `_context_bytes` makes: two GPUs, this process on one."""
+
+    def __init__(self, uuids: list[str], ours: int, used: int) -> None:
+        self.uuids, self.ours, self.used = uuids, ours, used
+
+    def nvmlInit(self) -> None: ...
+
+    def nvmlShutdown(self) -> None: ...
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.uuids)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        return self.uuids.index(uuid)
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:
+        return self.uuids[handle]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[object]:
+        if handle != self.ours:
+            return []
+        return [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.used)]
+
+
+def test_the_probe_measures_its_context_on_the_gpu_cuda_gave_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA's device 0 is found in NVML by its UUID, whatever the device order: here NVML's
+    GPU 1, where NVML lists this process; on GPU 0 it would find nothing (the fallback)."""
+    import torch
+    from hpsearch import probe
+
+    uuids = ["GPU-0aaaaaaa-0000-0000-0000-000000000000", "GPU-1bbbbbbb-0000-0000-0000-000000000001"]
+    monkeypatch.setitem(sys.modules, "pynvml", _ProbeNVML(uuids, ours=1, used=900 << 20))
+    props = types.SimpleNamespace(uuid="1bbbbbbb-0000-0000-0000-000000000001")  # torch's form
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 300 << 20)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert probe._context_bytes() == 600 << 20
+    props.uuid = "0aaaaaaa-0000-0000-0000-000000000000"  # NVML's GPU 0: this PID is not there
+    assert probe._context_bytes() == probe.CONTEXT_FALLBACK
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuids[1])  # a UUID names it to both
+    assert probe._context_bytes() == 600 << 20
 
 
 def test_plan_round_trip_and_reason() -> None:

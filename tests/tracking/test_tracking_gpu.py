@@ -92,7 +92,14 @@ def torch_style(uuid: str) -> str:
 
 def test_refs_by_uuid_maps_cudas_list_to_nvml_indices() -> None:
     assert refs_by_uuid([torch_style(UUIDS[2]), UUIDS[0].upper()], UUIDS) == [2, 0]
-    assert refs_by_uuid([torch_style(UUIDS[3]), MIG, UUIDS[1]], UUIDS) == [3]  # stops there
+    # A MIG instance: CUDA gives it the UUID NVML knows it by, as resolve_visible_devices.
+    assert refs_by_uuid([torch_style(UUIDS[3]), MIG.removeprefix("MIG-"), UUIDS[1]], UUIDS) == [
+        3,
+        MIG,
+        1,
+    ]
+    assert refs_by_uuid([UUIDS[1], "not-a-uuid", UUIDS[2]], UUIDS) == [1]  # stops there
+    assert refs_by_uuid([UUIDS[1], torch_style(UUIDS[1])], UUIDS) == [1]  # repeated
     assert refs_by_uuid([], UUIDS) == []
 
 
@@ -133,6 +140,18 @@ def test_an_index_under_cudas_fastest_first_order_is_found_by_uuid(
         assert s.open() and s.device_refs == [0]
         s.stop()
     assert "CUDA_DEVICE_ORDER=FASTEST_FIRST may number GPUs unlike NVML" in caplog.text
+
+    # CUDA lists a device NVML cannot be matched with: NVML's order too, not no telemetry.
+    gpu.reset_warnings()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        s = GpuSampler(
+            None, visible_devices="1", device_order="FASTEST_FIRST", nvml=FakeNVML(fleet()),
+            cuda_uuids=lambda: ["garbled"],
+        )  # fmt: skip
+        assert s.open() and s.device_refs == [1]
+        s.stop()
+    assert "(garbled) are not known to NVML" in caplog.text
 
 
 def test_the_environments_order_applies_to_the_environments_mask(
