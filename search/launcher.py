@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import importlib
 import json
 import os
@@ -247,17 +248,33 @@ def fail_trial(
     return True
 
 
+OWNERLESS_AFTER_S = 60.0  # a worker names itself on its trial within a second of claiming it
+
+
 def fail_orphans_on_this_host(
-    study: optuna.Study, spec: StorageSpec, max_retries: int
+    study: optuna.Study,
+    spec: StorageSpec,
+    max_retries: int,
+    ownerless_after_s: float = OWNERLESS_AFTER_S,
 ) -> list[int]:
     """RUNNING trials whose worker process on this host is gone (a previous launcher was
-    killed). The journal storage has no heartbeat, so the launcher does this at start."""
+    killed). The journal storage has no heartbeat, so the launcher does this at start.
+    On it, a trial that no worker named itself on for `ownerless_after_s` seconds is failed
+    too: its worker died between the claim and that write (an older version's worker,
+    whose sampler raised there), and a launch would otherwise wait for it forever. On
+    PostgreSQL the claim's first heartbeat lets the stale check find such a trial."""
     host = socket.gethostname()
+    now = datetime.datetime.now()  # Optuna dates trials in naive local time
     failed = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         pid = t.user_attrs.get(ATTR_PID)
         gone = t.user_attrs.get(ATTR_HOST) == host and isinstance(pid, int) and not pid_alive(pid)
-        if gone and fail_trial(study, spec, t, f"worker pid {pid} is gone", max_retries):
+        reason = f"worker pid {pid} is gone"
+        started = t.datetime_start
+        if not gone and spec.kind == "journal" and ATTR_WORKER not in t.user_attrs:
+            age_s = (now - started).total_seconds() if started is not None else float("inf")
+            gone, reason = age_s > ownerless_after_s, "no worker took it up"
+        if gone and fail_trial(study, spec, t, reason, max_retries):
             failed.append(t.number)
     return failed
 

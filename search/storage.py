@@ -57,7 +57,7 @@ def redact(url: str) -> str:
         return url
     try:
         u = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         scheme, _, rest = url.partition("://")
         return f"{scheme}://{rest.rpartition('@')[2]}" if "@" in rest else url
     return u.render_as_string(hide_password=True)
@@ -106,7 +106,7 @@ def resolve_storage(cli_value: str | None, workdir: Path) -> StorageSpec:
     url = normalize_url(value)
     try:
         make_url(url)
-    except ArgumentError as exc:
+    except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
         raise StorageError(f"{origin}: {redact(value)!r}: malformed URL: {exc}") from exc
     return StorageSpec("rdb", url, redact(url))
 

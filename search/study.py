@@ -26,6 +26,31 @@ CONFIG_ATTR = "hpsearch.config"
 MEMORY_CONSTRAINT = "memory"
 
 
+_PLAIN_TYPES: dict[str, Callable[[Any], bool]] = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "None": lambda v: v is None,
+}
+
+
+def option_type_error(annotation: Any, value: Any) -> str | None:
+    """What is wrong with `value` for a parameter annotated `annotation` (a string, as
+    Optuna's modules write them, or a type), when the annotation is a union of int, float,
+    bool, str and None; None when it fits or the annotation is anything richer (left to the
+    class). A sampler stores an option such as TPE's n_startup_trials unchecked and fails on
+    it only when a trial asks, in a worker."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None)
+    text = text or str(annotation)
+    parts = [part.strip() for part in text.split("|")]
+    if not all(part in _PLAIN_TYPES for part in parts):
+        return None
+    if any(_PLAIN_TYPES[part](value) for part in parts):
+        return None
+    return f"must be {' or '.join(parts)}"
+
+
 def _kwargs_for(cls: type, options: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     accepted = inspect.signature(cls.__init__).parameters  # type: ignore[misc]
     unknown = sorted(set(options) - set(accepted))
@@ -34,6 +59,9 @@ def _kwargs_for(cls: type, options: dict[str, Any], extra: dict[str, Any]) -> di
             f"unknown option(s) {', '.join(unknown)} for {cls.__name__}; "
             f"accepted: {', '.join(p for p in accepted if p != 'self')}"
         )
+    for name, value in options.items():
+        if problem := option_type_error(accepted[name].annotation, value):
+            raise TypeError(f"{name}: {value!r}: {problem} ({cls.__name__})")
     kwargs = {k: v for k, v in extra.items() if k in accepted}
     kwargs.update(options)
     return kwargs

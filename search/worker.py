@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import optuna
 from hpsearch.config import StudyConfig
-from hpsearch.errors import HpsearchError, StorageError
+from hpsearch.errors import ConfigError, HpsearchError, StorageError
 from hpsearch.packing import AdmissionStopped
 from hpsearch.reporting import TrialReports
 from hpsearch.storage import (
@@ -53,6 +53,7 @@ from hpsearch.study import (
 )
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
+from sqlalchemy.exc import SQLAlchemyError
 
 logger = logging.getLogger("hpsearch.tracking")
 
@@ -405,7 +406,29 @@ def _next_trial(
             return trial_id
     # Building the Trial (reading it back, the sampler's before_trial) needs no lock.
     study._thread_local.cached_all_trials = None
-    return optuna.Trial(study, trial_id)
+    try:
+        return optuna.Trial(study, trial_id)
+    except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
+        raise  # the database: with_db_retry's to judge
+    except Exception as exc:  # the sampler's own failure (its relative sampling runs here)
+        raise _sampler_failed(study, cfg, trial_id, exc) from exc
+
+
+def _sampler_failed(
+    study: optuna.Study, cfg: StudyConfig, trial_id: int, exc: Exception
+) -> ConfigError:
+    """Fail a claimed trial whose sampler raised (its before_trial, or the suggestions)
+    before the trial had an owner (run_trial writes it with the params): left RUNNING,
+    crash recovery would never find it (it looks for a dead worker's trials by their owner)
+    and a relaunch would wait for it forever. The error stops the worker: the next ask
+    would fail alike."""
+    message = f"sampler {cfg.sampler.name!r} failed: {type(exc).__name__}: {exc}"
+    storage = study._storage
+    with contextlib.suppress(SQLAlchemyError, optuna.exceptions.StorageInternalError):
+        storage.set_trial_user_attr(trial_id, ATTR_OUTCOME, "error")
+        storage.set_trial_user_attr(trial_id, ATTR_MESSAGE, message[:500])
+        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    return ConfigError(f"{cfg.source or cfg.name}: {message}")
 
 
 def _claim_trial(study: optuna.Study, counts: dict[str, int], n_trials: int) -> int | str | None:
@@ -590,8 +613,13 @@ def run_trial(
     late: _LateRun | None = None
     try:
         t0 = time.perf_counter()
-        with deferred_params(trial) as drawn:  # written below, with the attributes
-            params = db(lambda: suggest(trial, cfg), "suggest")
+        try:
+            with deferred_params(trial) as drawn:  # written below, with the attributes
+                params = db(lambda: suggest(trial, cfg), "suggest")
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError, StorageError):
+            raise
+        except Exception as exc:  # the sampler's (TPE samples relative params lazily, here)
+            raise _sampler_failed(study, cfg, trial._trial_id, exc) from exc
         timing.suggest_ms = (time.perf_counter() - t0) * 1e3
         root = root_trial_number(trial)
         ckpt = checkpoint_path(opts.workdir, cfg.name, root)

@@ -111,6 +111,20 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
             ["pruner.options={warmup: 3}"],
             "pruner.options: {'warmup': 3}: unknown option(s) warmup for MedianPruner",
         ),
+        # Optuna stores these unchecked and fails on them only when a worker asks.
+        (
+            ["sampler.options={n_startup_trials: abc}"],
+            "sampler.options: {'n_startup_trials': 'abc'}: n_startup_trials: 'abc': must be int (TPESampler)",
+        ),
+        (
+            ["sampler.options={multivariate: 'yes'}"],
+            "multivariate: 'yes': must be bool or None (TPESampler)",
+        ),
+        (["sampler.options={n_startup_trials: true}"], "n_startup_trials: True: must be int"),
+        (
+            ["pruner.options={n_warmup_steps: 1.5}"],
+            "n_warmup_steps: 1.5: must be int (MedianPruner)",
+        ),
         (["trainer.defaults.loss=hinge"], "trainer.defaults.loss: 'hinge': must be one of 'ce'"),
         (
             ["search_space.lr.high=2e1", "search_space.lr.low=3e1"],
@@ -133,6 +147,19 @@ def test_bad_study_files(tmp_path: Path, sets: list[str], expected: str) -> None
     assert "\n" not in msg
     assert msg.startswith(str(tmp_path / "study.yaml") + ": "), msg
     assert expected in msg, msg
+
+
+def test_option_types_leave_richer_annotations_and_fitting_values_alone() -> None:
+    from hpsearch.study import option_type_error
+
+    assert option_type_error("int", 3) is None
+    assert option_type_error("float | None", 2) is None  # an int is a float
+    assert option_type_error("float | None", None) is None
+    assert option_type_error("str | int", "auto") is None
+    assert option_type_error(int, 3) is None and option_type_error(int, "3") == "must be int"
+    assert option_type_error("Callable[[int], int] | None", "x") is None  # left to the class
+    assert option_type_error("dict[str, Any] | None", 3) is None
+    assert option_type_error("bool", 1) == "must be bool"
 
 
 def test_unreadable_and_unknown_files(tmp_path: Path) -> None:

@@ -102,6 +102,12 @@ def test_storage_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_storage("mysql://u:pw@h/db", tmp_path)
     with pytest.raises(StorageError, match="not a storage URL"):
         resolve_storage("localhost:5432", tmp_path)
+    # A port that is not a number: one line, no password.
+    for bad in ("postgresql://u:s3cret@h:notaport/db", "postgresql://u:s3cret@[::1/db"):
+        with pytest.raises(StorageError, match=r"malformed URL: invalid literal") as info:
+            resolve_storage(bad, tmp_path)
+        assert "s3cret" not in str(info.value) and "\n" not in str(info.value)
+    assert "s3cret" not in redact("mysql://u:s3cret@h:bad/db")
 
 
 def test_samplers_and_pruners_build() -> None:

@@ -194,6 +194,38 @@ def test_a_queued_retry_is_claimed_even_within_the_refresh_interval(
     assert _next_trial(mine, cfg, spec, engine, _Budget(mine, cfg)) == "wait"
 
 
+@pytest.mark.parametrize("where", ["before_trial", "sample_relative"])
+def test_a_sampler_that_fails_on_a_claimed_trial_fails_it_and_stops_the_worker(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The trial exists before the sampler runs and has no owner yet: left RUNNING, crash
+    recovery never finds it and a relaunch waits for it forever (it crashed the worker so)."""
+    from hpsearch import study as study_module
+    from hpsearch.errors import ConfigError
+    from hpsearch.worker import ATTR_MESSAGE, ATTR_OUTCOME, WorkerOptions, run_worker
+
+    class Broken(optuna.samplers.TPESampler):
+        def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            if where == "before_trial":
+                raise ValueError("bad population")
+            super().before_trial(study, trial)
+
+        def infer_relative_search_space(self, study: object, trial: object) -> dict[str, object]:
+            raise TypeError("'<' not supported between instances of 'int' and 'str'")
+
+    monkeypatch.setattr(study_module, "make_sampler", lambda cfg: Broken(seed=0))
+    spec = resolve_storage(pg_url, tmp_path)
+    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
+    opts = WorkerOptions(workdir=tmp_path, device="cpu", train_fn="dummy_trainer:train")
+    error = "ValueError: bad population" if where == "before_trial" else "TypeError: '<' not"
+    with pytest.raises(ConfigError, match=rf"tiny.yaml: sampler 'tpe' failed: {error}"):
+        run_worker(cfg, spec, opts)
+    (trial,) = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)
+    assert trial.state == optuna.trial.TrialState.FAIL
+    assert trial.user_attrs[ATTR_OUTCOME] == "error"
+    assert error in trial.user_attrs[ATTR_MESSAGE]
+
+
 def test_drawn_params_are_written_with_the_attributes_in_one_commit(
     pg_url: str, tmp_path: Path
 ) -> None:
@@ -319,3 +351,35 @@ def test_heartbeat_storage_is_the_storage_where_it_can_beat_and_if_asked_where_h
     assert heartbeat_storage(optuna.storages.InMemoryStorage(), enabled=False) is None
     study = optuna.create_study(storage=on)  # Optuna's cache in front: still beats
     assert heartbeat_storage(study._storage) is study._storage
+
+
+def test_a_relaunch_fails_a_journal_trial_no_worker_took_up(tmp_path: Path) -> None:
+    """A worker that died between claiming a trial and naming itself on it left it RUNNING
+    with no owner; on the journal storage (no heartbeats) a launch would wait for it
+    forever. One that a live worker of this host runs is left alone."""
+    import os
+    import socket
+
+    from hpsearch.launcher import fail_orphans_on_this_host
+    from hpsearch.worker import ATTR_HOST, ATTR_PID, ATTR_WORKER
+
+    spec = resolve_storage(None, tmp_path)
+    assert spec.kind == "journal"
+    cfg = load_config("tiny", overrides=["budget.n_trials=3"])
+    study = create_or_load(cfg, open_storage(spec))
+    ownerless = study.ask()
+    owned = study.ask()
+    for key, value in (
+        (ATTR_WORKER, "w0"),
+        (ATTR_HOST, socket.gethostname()),
+        (ATTR_PID, os.getpid()),
+    ):
+        owned.set_user_attr(key, value)
+    assert (
+        fail_orphans_on_this_host(study, spec, 2) == []
+    )  # just claimed: its worker may be naming itself
+    assert fail_orphans_on_this_host(study, spec, 2, ownerless_after_s=0.0) == [ownerless.number]
+    states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
+    assert states[ownerless.number] == optuna.trial.TrialState.FAIL
+    assert states[owned.number] == optuna.trial.TrialState.RUNNING
+    assert optuna.trial.TrialState.WAITING in states.values()  # re-queued, like any orphan
