@@ -85,9 +85,20 @@ def run_fixed(
     params = fixed_params(cfg, params_json, trial_number, storage, workdir)
     label = f"trial-{trial_number}" if trial_number is not None else "fixed"
     ckpt = workdir / "train" / cfg.name / f"{label}.pt"
+    # A fresh run each time (resuming is the search's business), but an earlier run's
+    # checkpoint is only set aside until this run writes its own: a run that fails first
+    # (missing data, a bad device) leaves it where it was.
+    aside = ckpt.with_name(ckpt.name + ".previous")
     if ckpt.exists():
-        ckpt.unlink()  # a fresh run each time; resuming is the search's business
+        ckpt.replace(aside)
     options = TrainOptions(
         device=device, workdir=workdir, checkpoint_path=ckpt, seed=seed, on_epoch=on_epoch
     )
-    return train(cfg, params, lambda epoch, value: False, options)
+    try:
+        result = train(cfg, params, lambda epoch, value: False, options)
+    except BaseException:
+        if aside.exists() and not ckpt.exists():
+            aside.replace(ckpt)
+        raise
+    aside.unlink(missing_ok=True)
+    return result

@@ -147,6 +147,13 @@ def create_or_load(
     else:
         kwargs["direction"] = cfg.objective.directions[0]
     study = optuna.create_study(**kwargs)
+    # Checked before anything is recorded: a refused launch leaves the study as it was.
+    existing = [d.name.lower() for d in study.directions]
+    if existing != [d.lower() for d in cfg.objective.directions]:
+        raise ConfigError(
+            f"{cfg.source or cfg.name}: objective.direction: {list(cfg.objective.directions)}: "
+            f"study {cfg.name!r} already exists with directions {existing}"
+        )
     attrs = study.user_attrs
     if owner or CONFIG_ATTR not in attrs:
         resolved = config_to_yaml(cfg)
@@ -154,12 +161,6 @@ def create_or_load(
             study.set_user_attr(CONFIG_ATTR, resolved)
         if attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
             study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
-    existing = [d.name.lower() for d in study.directions]
-    if existing != [d.lower() for d in cfg.objective.directions]:
-        raise ConfigError(
-            f"{cfg.source or cfg.name}: objective.direction: {list(cfg.objective.directions)}: "
-            f"study {cfg.name!r} already exists with directions {existing}"
-        )
     return study
 
 

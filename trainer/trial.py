@@ -906,7 +906,9 @@ def load_trained_model(
     best_model_path: Path | str,
     device: str = "cpu",
 ) -> nn.Module:
-    """The best model of a trial, in eval mode on `device` (for export or evaluation)."""
+    """The best model of a trial, in eval mode on `device` (for export or evaluation). Its
+    architecture is the one the file records: a relaunch may have changed the study's
+    defaults since the trial trained."""
     hp = config.resolve_params(params)
     path = Path(best_model_path)
     if not path.is_file():
@@ -915,7 +917,8 @@ def load_trained_model(
         raise DataError(f"best model {path}: file not found")
     blob = torch.load(path, map_location="cpu", weights_only=False)
     num_classes = int(blob["num_classes"])
-    model = torchvision.models.get_model(hp.arch, weights=None, num_classes=num_classes)
+    arch = str(blob.get("arch") or hp.arch)
+    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
     model.load_state_dict(blob["model"])
     return model.to(resolve_device(device)).eval()
 

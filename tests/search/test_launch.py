@@ -369,3 +369,21 @@ def test_exit_without_teardown_wakes_idle_thread_pools() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["job ran", "exiting"]
+
+
+def test_a_fixed_run_that_fails_first_keeps_the_earlier_runs_checkpoint(tmp_path: Path) -> None:
+    """`hpsearch train` starts afresh, but sets the earlier run's checkpoint aside only until
+    it writes its own: one that fails before (missing data here) leaves it in place."""
+    import pytest
+    from hpsearch.config import load_config
+    from hpsearch.errors import DataError
+    from hpsearch.runner import run_fixed
+
+    cfg = load_config("tiny", data_dir=str(tmp_path / "nowhere"))
+    ckpt = tmp_path / "train" / "tiny" / "fixed.pt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"an earlier run's epochs")
+    with pytest.raises(DataError, match="not found or incomplete"):
+        run_fixed(cfg, '{"lr": 0.1, "batch_size": 32}', None, None, tmp_path, "cpu", None)
+    assert ckpt.read_bytes() == b"an earlier run's epochs"
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["fixed.pt"]

@@ -383,3 +383,25 @@ def test_a_relaunch_fails_a_journal_trial_no_worker_took_up(tmp_path: Path) -> N
     assert states[ownerless.number] == optuna.trial.TrialState.FAIL
     assert states[owned.number] == optuna.trial.TrialState.RUNNING
     assert optuna.trial.TrialState.WAITING in states.values()  # re-queued, like any orphan
+
+
+def test_a_launch_refused_for_its_direction_leaves_the_study_as_it_was(tmp_path: Path) -> None:
+    from hpsearch.errors import ConfigError
+    from hpsearch.study import CONFIG_ATTR, N_TRIALS_ATTR
+
+    spec = resolve_storage(None, tmp_path)
+    cfg = load_config("tiny", overrides=["budget.n_trials=3"])
+    before = create_or_load(cfg, open_storage(spec)).user_attrs
+    other = load_config(
+        "tiny",
+        overrides=[
+            "objective.direction=minimize",
+            "budget.n_trials=50",
+            "trainer.defaults.arch=resnet34",
+        ],
+    )
+    with pytest.raises(ConfigError, match="already exists with directions"):
+        create_or_load(other, open_storage(spec))
+    after = create_or_load(cfg, open_storage(spec), owner=False).user_attrs
+    assert after[N_TRIALS_ATTR] == before[N_TRIALS_ATTR] == 3
+    assert after[CONFIG_ATTR] == before[CONFIG_ATTR]

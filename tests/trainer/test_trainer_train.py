@@ -66,6 +66,15 @@ def test_resnet18_learns_flowers102(flowers_root: Path, cache_workdir: Path) -> 
     assert result.best_model_path is not None and result.best_model_path.is_file()
     model = load_trained_model(cfg, params, result.best_model_path)
     assert not model.training
+    # The file names its architecture: a study relaunched with another default still loads
+    # it (resnet34's layers would not take these weights: load_state_dict raises).
+    defaults = cfg.trainer.defaults.model_copy(update={"arch": "resnet34"})
+    other = cfg.model_copy(
+        update={"trainer": cfg.trainer.model_copy(update={"defaults": defaults})}
+    )
+    assert other.resolve_params(params).arch == "resnet34"
+    again = load_trained_model(other, params, result.best_model_path)
+    assert len(list(again.parameters())) == len(list(model.parameters()))
     acc, loss = evaluate_model(cfg, params, model, "val", cache_workdir)
     assert acc == result.best_val_acc
     assert loss == pytest.approx(result.best_val_loss, rel=1e-5)
