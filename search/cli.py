@@ -223,9 +223,11 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         parse_gpus,
     )
     from hpsearch.packing import gpus_through_mask, place_workers, visible_gpus
+    from hpsearch.runner import ensure_workdir
     from hpsearch.storage import resolve_storage
     from hpsearch.tracking.server import resolve_tracking_uri
 
+    ensure_workdir(workdir)
     cfg = _load(study, overrides, data_dir, download, trials)
     gpu_list = parse_gpus(gpus)
     if gpu_list or device == "cuda":
@@ -379,10 +381,12 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
       hpsearch worker --study flowers102 --storage postgresql://user@db-host/optuna \\
           --tracking-uri http://mlflow-host:5000 --data-dir /data
     """
+    from hpsearch.runner import ensure_workdir
     from hpsearch.storage import resolve_storage
     from hpsearch.tracking.server import resolve_tracking_uri, running_server_url
     from hpsearch.worker import WorkerOptions, run_worker
 
+    ensure_workdir(workdir)
     cfg = _load(study, overrides, data_dir, download, trials)
     _check_device(device)
     spec = resolve_storage(storage, workdir)
@@ -574,8 +578,9 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
       hpsearch train --study tiny --params '{"lr": 0.05, "batch_size": 32}'
       hpsearch train --study flowers102 --trial 7 --storage postgresql://postgres@127.0.0.1/test
     """
-    from hpsearch.runner import run_fixed
+    from hpsearch.runner import ensure_workdir, run_fixed
 
+    ensure_workdir(workdir)
     result = run_fixed(
         _load(study, overrides, data_dir, download), params_json, trial_number, storage,
         workdir, device, seed,

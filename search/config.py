@@ -450,12 +450,17 @@ def load_config(
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{src}: not valid YAML: {' '.join(str(exc).split())}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{src}: not UTF-8 text (byte {exc.start})") from exc
     except OSError as exc:
         raise ConfigError(f"{src}: cannot read: {exc.strerror}") from exc
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{src}: <root>: {type(raw).__name__}: must be a mapping")
+    for key in raw:
+        if not isinstance(key, str):
+            raise ConfigError(f"{src}: {key!r}: unknown key")
     raw = _yaml_number(raw)
     raw.setdefault("name", path.stem)
     apply_overrides(raw, parse_overrides(overrides), src)

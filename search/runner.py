@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,20 @@ def flowers_layout_error(root: Path) -> str | None:
     if (base / "jpg").is_dir() and (base / "setid.mat").is_file():
         return None
     return flowers_layout_message(root)
+
+
+def ensure_workdir(path: Path) -> Path:
+    """The work folder, created when missing and checked writable: ConfigError when it
+    cannot be (a path under a file or under /proc, no permission, a read-only disk)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"--workdir: {path}: cannot create or write there: {exc.strerror or exc}"
+        ) from exc
+    return path
 
 
 def check_dataset(cfg: StudyConfig, light: bool = False) -> None:

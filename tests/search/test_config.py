@@ -173,6 +173,14 @@ def test_unreadable_and_unknown_files(tmp_path: Path) -> None:
         load_config("nosuch")
     with pytest.raises(ConfigError, match=r"missing.yaml: study file not found"):
         load_config(tmp_path / "missing.yaml")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("description: Blüten\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin.yaml: not UTF-8 text \(byte 15\)$"):
+        load_config(latin)
+    numbered = tmp_path / "numbered.yaml"
+    numbered.write_text("1: foo\nname: x\n")
+    with pytest.raises(ConfigError, match=r"numbered.yaml: 1: unknown key$"):
+        load_config(numbered)
 
 
 def test_parse_overrides_types() -> None:

@@ -387,3 +387,16 @@ def test_a_fixed_run_that_fails_first_keeps_the_earlier_runs_checkpoint(tmp_path
         run_fixed(cfg, '{"lr": 0.1, "batch_size": 32}', None, None, tmp_path, "cpu", None)
     assert ckpt.read_bytes() == b"an earlier run's epochs"
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["fixed.pt"]
+
+
+def test_a_work_folder_that_cannot_be_made_is_one_line(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    for command in ("launch", "worker", "train"):
+        r = hpsearch([command, "--study", "tiny", "--workdir", str(blocked / "w")], subprocess_env)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert r.stderr.strip() == (
+            f"Error: --workdir: {blocked / 'w'}: cannot create or write there: Not a directory"
+        ), r.stderr
