@@ -459,7 +459,7 @@ class Launcher:
 
     def _prepare_tracking(self, uri: str, port: int | None) -> None:
         from hpsearch.runs import open_study_run
-        from hpsearch.tracking.server import start_local_server
+        from hpsearch.tracking.server import redact_uri, start_local_server
 
         try:
             if port is not None:  # only the server started here is stopped at the end
@@ -472,6 +472,17 @@ class Launcher:
             open_study_run(self.cfg, self.spec, uri)
         except HpsearchError as exc:  # raised in the supervising loop, which stops the workers
             self._tracking_error = exc
+        except Exception as exc:
+            from mlflow.exceptions import MlflowException
+
+            if not isinstance(exc, MlflowException | OSError):
+                raise
+            # MLflow refused the URI or its store (a bare path is a file store, which MLflow
+            # 3 refuses): one line, and the launch stops as for a server that does not answer.
+            first = str(exc).split(". ")[0].strip()
+            self._tracking_error = TrackingError(
+                f"MLflow at {redact_uri(uri)}: {first} (give --tracking-uri http://HOST:PORT)"
+            )
 
     def _tracking_ready(self) -> bool:
         """Whether the server and the study run are up; raises what setting them up raised."""

@@ -330,6 +330,17 @@ def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
     assert "Traceback" not in r.stderr
     assert not (work / "optuna.journal").exists()  # no study, no trial, no worker started
     assert not (work / "logs").exists()
+    # A URI MLflow itself refuses (a bare word is a file store, which MLflow 3 refuses):
+    # the same one line and exit code, not a traceback and a launch that "succeeds".
+    r = hpsearch(
+        ["launch", "--study", "tiny", "--workdir", str(work), "--train-fn", DUMMY,
+         "--tracking-uri", "notauri", "--set", "budget.max_epochs=1"],
+        subprocess_env,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: MLflow at notauri: The filesystem tracking backend"), r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_every_command_has_help_with_an_example() -> None:
