@@ -68,6 +68,9 @@ def parse_gpus(value: str | None) -> list[str] | None:
     items = [v.strip() for v in value.split(",")]
     if any(not v for v in items):
         raise ConfigError(f"--gpus: {value!r}: expected a comma-separated list like 0,1")
+    for item in items:
+        if not (item.isdigit() or item.upper().startswith(("GPU-", "MIG-"))):
+            raise ConfigError(f"--gpus: {item!r}: not a GPU index (0, 1, ...) or a GPU-/MIG- UUID")
     return items
 
 
@@ -82,6 +85,8 @@ def check_gpus(gpus: list[str] | None, available: int, device: str) -> None:
                 f"--gpus: {g!r}: no such GPU; this machine has {available} "
                 f"(valid: {', '.join(map(str, range(available))) or 'none'})"
             )
+    if gpus and available == 0:  # UUIDs, with no GPU at all: not quietly the CPU
+        raise DeviceError(f"--gpus: {','.join(gpus)!r}: CUDA is not available on this machine")
 
 
 def assign_gpus(n_workers: int, gpus: Sequence[str] | None) -> list[str | None]:

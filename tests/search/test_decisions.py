@@ -69,6 +69,14 @@ def test_gpu_and_device_checks() -> None:
     with pytest.raises(DeviceError, match="CUDA is not available"):
         check_gpus(None, 0, "cuda")
     check_gpus(["0", "GPU-abc"], 1, "auto")
+    assert parse_gpus("GPU-8f2c,MIG-1a2b,3") == ["GPU-8f2c", "MIG-1a2b", "3"]
+    for bad in ("-1", "abc", "0,x"):
+        with pytest.raises(ConfigError, match=r"--gpus: '(-1|abc|x)': not a GPU index"):
+            parse_gpus(bad)
+    with pytest.raises(DeviceError, match=r"--gpus: '0': no such GPU; this machine has 0"):
+        check_gpus(["0"], 0, "auto")  # no GPU: not quietly the CPU
+    with pytest.raises(DeviceError, match=r"--gpus: 'GPU-abc': CUDA is not available"):
+        check_gpus(["GPU-abc"], 0, "auto")
 
 
 def test_should_restart_is_bounded() -> None:
