@@ -646,8 +646,10 @@ def dashboard(storage: str | None, workdir: Path, host: str, port: int) -> None:
     """
     from hpsearch.dashboard import run_dashboard
 
-    click.echo(f"optuna-dashboard: http://{host}:{port} (Ctrl-C to stop)")
-    run_dashboard(storage, workdir, host, port)
+    run_dashboard(
+        storage, workdir, host, port,
+        on_listening=lambda url: click.echo(f"optuna-dashboard: {url} (Ctrl-C to stop)"),
+    )  # fmt: skip
 
 
 def main() -> None:

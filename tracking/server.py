@@ -197,17 +197,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def port_in_use(host: str, port: int) -> bool:
-    """Whether a listener holds ``host:port`` (TIME_WAIT leftovers of a stopped server do not
-    count: SO_REUSEADDR, as uvicorn binds)."""
+def listen_problem(host: str, port: int) -> str | None:
+    """Why this process could not listen on ``host:port`` (a listener holds it, no such
+    address here, a name that does not resolve), or None when it could. TIME_WAIT leftovers
+    of a stopped server do not count: SO_REUSEADDR, as uvicorn binds."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return True
-    return False
+        except OSError as exc:  # gaierror included
+            return exc.strerror or str(exc)
+    return None
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether ``host:port`` cannot be listened on (`listen_problem`)."""
+    return listen_problem(host, port) is not None
 
 
 def _url_host(host: str) -> str:
@@ -385,8 +391,8 @@ def start_local_server(
         raise TrackingError(f"cannot create the MLflow store under {db.parent}: {exc}") from exc
     if port is None:
         port = free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
-    elif port_in_use(host, port):
-        raise TrackingError(f"cannot start the MLflow server: port {port} on {host} is in use")
+    elif (problem := listen_problem(host, port)) is not None:
+        raise TrackingError(f"cannot start the MLflow server on {host}:{port}: {problem}")
     if allowed_hosts is None:
         allowed_hosts = allowed_hosts_for(host, port, (socket.gethostname(), socket.getfqdn()))
     cmd = server_command(

@@ -411,3 +411,20 @@ def test_a_work_folder_that_cannot_be_made_is_one_line(
         assert r.stderr.strip() == (
             f"Error: --workdir: {blocked / 'w'}: cannot create or write there: Not a directory"
         ), r.stderr
+
+
+def test_a_dashboard_that_cannot_listen_is_one_line(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = hpsearch(["dashboard", "--workdir", str(tmp_path), "--port", str(port)], subprocess_env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.strip() == (
+        f"Error: --host/--port: 127.0.0.1:{port}: cannot listen there: Address already in use"
+    )
+    assert "optuna-dashboard: http" not in r.stdout  # it never listened

@@ -156,8 +156,11 @@ def test_port_in_use_is_a_tracking_error(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(TrackingError, match=f"port {port}"):
+        with pytest.raises(TrackingError, match=f"on 127.0.0.1:{port}: Address already in use$"):
             start_local_server(tmp_path, port=port)
+    # A host that is not this machine's or does not resolve: said so, not "in use".
+    with pytest.raises(TrackingError, match=r"on 999.1.1.1:5000: (?!Address already in use)"):
+        start_local_server(tmp_path, host="999.1.1.1", port=5000)
 
 
 def test_server_that_dies_reports_its_stderr_in_one_line(
