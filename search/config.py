@@ -10,6 +10,7 @@ Nothing here touches storage; loading is pure, so a bad file writes nothing.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -391,6 +392,40 @@ def find_study_file(study: str) -> Path:
     raise ConfigError(f"--study: {study!r}: no such study file; known studies: {known}")
 
 
+class StudyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with two habits of YAML 1.2 that study files rely on: a plain
+    (unquoted) `1e-3` or `5e4` is a float, as YAML 1.2 reads it (YAML 1.1 needs a dot and a
+    signed exponent; a quoted "1e3" stays a string), and a key given twice in one mapping
+    is an error rather than the last one silently winning."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+StudyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """A study file's or a --set value's YAML, read with `StudyLoader`."""
+    return yaml.load(text, Loader=StudyLoader)
+
+
 def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
     """`key.sub=value` pairs; values are parsed as YAML (`2`, `1e-3`, `[a, b]`, `null`)."""
     out = []
@@ -399,25 +434,13 @@ def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
         if not sep or not key.strip():
             raise ConfigError(f"--set: {item!r}: expected key=value, e.g. budget.max_epochs=2")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--set: {item!r}: value is not valid YAML: {exc}") from exc
-        out.append((key.strip(), _yaml_number(value)))
+            raise ConfigError(
+                f"--set: {item!r}: value is not valid YAML: {' '.join(str(exc).split())}"
+            ) from exc
+        out.append((key.strip(), value))
     return out
-
-
-def _yaml_number(value: Any) -> Any:
-    # PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string; users mean a float.
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value for c in "eE") and value[0] != "e" else value
-        except ValueError:
-            return value
-    if isinstance(value, list):
-        return [_yaml_number(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _yaml_number(v) for k, v in value.items()}
-    return value
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]], src: str) -> None:
@@ -447,7 +470,7 @@ def load_config(
     path = find_study_file(str(study))
     src = str(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{src}: not valid YAML: {' '.join(str(exc).split())}") from exc
     except UnicodeDecodeError as exc:
@@ -461,7 +484,6 @@ def load_config(
     for key in raw:
         if not isinstance(key, str):
             raise ConfigError(f"{src}: {key!r}: unknown key")
-    raw = _yaml_number(raw)
     raw.setdefault("name", path.stem)
     apply_overrides(raw, parse_overrides(overrides), src)
     env_dir = os.environ.get("HPSEARCH_DATA_DIR")

@@ -149,6 +149,28 @@ def test_bad_study_files(tmp_path: Path, sets: list[str], expected: str) -> None
     assert expected in msg, msg
 
 
+def test_yaml_reads_plain_exponents_as_floats_keeps_quoted_strings_and_refuses_duplicates(
+    tmp_path: Path,
+) -> None:
+    from hpsearch.config import load_yaml
+
+    assert load_yaml("a: 1e-3\nb: '1e3'\nc: 5e4\nd: [1.0e5, e5]\n") == {
+        "a": 0.001,
+        "b": "1e3",
+        "c": 50000.0,
+        "d": [100000.0, "e5"],
+    }
+    study = tmp_path / "s.yaml"
+    study.write_text(yaml.safe_dump(GOOD, sort_keys=False) + 'description: "1e3"\n')
+    assert load_config(study).description == "1e3"  # quoted: a string, as written
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(yaml.safe_dump(GOOD, sort_keys=False) + "budget: {max_epochs: 3}\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: not valid YAML: duplicate key 'budget'"):
+        load_config(twice)
+    with pytest.raises(ConfigError, match=r"--set: .*duplicate key 'a'"):
+        load_with(tmp_path, "search_space.lr={a: 1, a: 2}")
+
+
 def test_option_types_leave_richer_annotations_and_fitting_values_alone() -> None:
     from hpsearch.study import option_type_error
 
