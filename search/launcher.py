@@ -663,7 +663,7 @@ class Launcher:
         else:
             slot.state = "crashed"
             tail = self._log_tail(slot)
-            why = "no restarts left" if budget_left else "budget spent"
+            why = "no restarts left" if budget_left else "no trial of the budget left to start"
             self._event(f"{msg}; not restarted ({why}). Last log line: {tail}")
 
     def _log_tail(self, slot: _Slot) -> str:
