@@ -401,6 +401,8 @@ class StudyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base`: its keys may be overridden here, as YAML allows
             key = self.construct_object(key_node, deep=deep)
             try:
                 duplicate = key in seen
@@ -414,11 +416,15 @@ class StudyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-StudyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+class StudyDumper(yaml.SafeDumper):
+    """Writes what `StudyLoader` reads back the same: a string such as "1e3" is quoted."""
+
+
+# YAML 1.2's exponent floats without a dot (`1e-3`, `.5e3`, `-2E+3`); YAML 1.1 needs the
+# dot and a signed exponent (`1.0e-3`), which PyYAML's own resolver already reads.
+_EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
+for _cls in (StudyLoader, StudyDumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT, list("-+.0123456789"))
 
 
 def load_yaml(text: str) -> Any:
@@ -470,7 +476,7 @@ def load_config(
     path = find_study_file(str(study))
     src = str(path)
     try:
-        raw = load_yaml(path.read_text())
+        raw = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{src}: not valid YAML: {' '.join(str(exc).split())}") from exc
     except UnicodeDecodeError as exc:
@@ -511,4 +517,4 @@ def validate_config(raw: dict[str, Any], src: str = "<config>") -> StudyConfig:
 def config_to_yaml(cfg: StudyConfig) -> str:
     """The resolved study (defaults filled in), as logged next to each study."""
     data = cfg.model_dump(mode="json", exclude={"source"})
-    return yaml.safe_dump(data, sort_keys=False)
+    return yaml.dump(data, Dumper=StudyDumper, sort_keys=False)

@@ -69,7 +69,7 @@ def parse_gpus(value: str | None) -> list[str] | None:
     if any(not v for v in items):
         raise ConfigError(f"--gpus: {value!r}: expected a comma-separated list like 0,1")
     for item in items:
-        if not (item.isdigit() or item.upper().startswith(("GPU-", "MIG-"))):
+        if not ((item.isascii() and item.isdigit()) or item.upper().startswith(("GPU-", "MIG-"))):
             raise ConfigError(f"--gpus: {item!r}: not a GPU index (0, 1, ...) or a GPU-/MIG- UUID")
     return items
 
@@ -265,9 +265,10 @@ def fail_orphans_on_this_host(
     """RUNNING trials whose worker process on this host is gone (a previous launcher was
     killed). The journal storage has no heartbeat, so the launcher does this at start.
     On it, a trial that no worker named itself on for `ownerless_after_s` seconds is failed
-    too: its worker died between the claim and that write (an older version's worker,
-    whose sampler raised there), and a launch would otherwise wait for it forever. On
-    PostgreSQL the claim's first heartbeat lets the stale check find such a trial."""
+    too (a worker names itself on its claim, worker._next_trial): its worker died between
+    the two, or was an older version's, whose sampler could raise there; a launch would
+    otherwise wait for it forever. On PostgreSQL the claim's first heartbeat lets the
+    stale check find such a trial."""
     host = socket.gethostname()
     now = datetime.datetime.now()  # Optuna dates trials in naive local time
     failed = []
@@ -276,7 +277,7 @@ def fail_orphans_on_this_host(
         gone = t.user_attrs.get(ATTR_HOST) == host and isinstance(pid, int) and not pid_alive(pid)
         reason = f"worker pid {pid} is gone"
         started = t.datetime_start
-        if not gone and spec.kind == "journal" and ATTR_WORKER not in t.user_attrs:
+        if not gone and spec.kind == "journal" and ATTR_PID not in t.user_attrs:
             age_s = (now - started).total_seconds() if started is not None else float("inf")
             gone, reason = age_s > ownerless_after_s, "no worker took it up"
         if gone and fail_trial(study, spec, t, reason, max_retries):
@@ -319,6 +320,9 @@ class Launcher:
         self._prepared = False  # _prepare_finish ran
         self._finalizer: threading.Thread | None = None  # study artifacts, once all finished
         self._tracking_thread: threading.Thread | None = None  # server start + study run
+        # Set once the study opened (self._study) or never will: the study run is touched
+        # only after the storage accepted this launch (a refused one changes nothing).
+        self._study_settled = threading.Event()
         self._tracking_error: HpsearchError | None = None
         self._finalized: list[str] = []
         self._last_trials: list[FrozenTrial] = []
@@ -384,20 +388,27 @@ class Launcher:
                 slot = _Slot(i, gpu)
                 self._slots.append(slot)
                 self._spawn(slot, resolved, tracking_uri)
-            self._open_study()
+            try:
+                self._open_study()
+            finally:
+                self._study_settled.set()
             # Orphans are RUNNING trials of dead processes on this host: the workers just
             # started have none yet (they are still importing).
             for n in fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):
                 self._messages.append(f"trial {n}: its worker was gone; re-queued to resume")
             stopped_by = self._supervise(resolved, tracking_uri)
         finally:
+            self._study_settled.set()
             self._kill_all()
             if self._study is not None:
                 self._cleanup_running()
             if self._tracking_thread is not None:
                 self._tracking_thread.join()
-            if tracking_uri is not None and self._tracking_error is None:
-                # Also when the study never opened: its MLflow run is then closed as KILLED.
+            if (  # a refused launch (the study never opened) leaves MLflow as it was
+                tracking_uri is not None
+                and self._tracking_error is None
+                and self._study is not None
+            ):
                 self._finish_tracking(tracking_uri, stopped_by)
             if self._server is not None:
                 self._server.stop()
@@ -474,6 +485,9 @@ class Launcher:
             # After the server's start (it would inherit it; users browse it). Not idle:
             # workers wait for the study run, with a time limit, while they train.
             lower_priority()
+            self._study_settled.wait()
+            if self._study is None:
+                return  # refused (its direction) or the storage failed: MLflow untouched
             open_study_run(self.cfg, self.spec, uri)
         except HpsearchError as exc:  # raised in the supervising loop, which stops the workers
             self._tracking_error = exc
@@ -485,9 +499,8 @@ class Launcher:
             # MLflow refused the URI or its store (a bare path is a file store, which MLflow
             # 3 refuses): one line, and the launch stops as for a server that does not answer.
             first = str(exc).split(". ")[0].strip()
-            self._tracking_error = TrackingError(
-                f"MLflow at {redact_uri(uri)}: {first} (give --tracking-uri http://HOST:PORT)"
-            )
+            hint = "" if uri.startswith(("http://", "https://")) else " (give http://HOST:PORT)"
+            self._tracking_error = TrackingError(f"MLflow at {redact_uri(uri)}: {first}{hint}")
 
     def _tracking_ready(self) -> bool:
         """Whether the server and the study run are up; raises what setting them up raised."""

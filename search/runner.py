@@ -96,24 +96,35 @@ def run_fixed(
     on_epoch: Callable[[Any], None] | None = None,
 ) -> Any:  # fmt: skip
     from hpsearch.trainer import TrainOptions, train
+    from hpsearch.trainer.trial import best_model_path_for
 
     params = fixed_params(cfg, params_json, trial_number, storage, workdir)
     label = f"trial-{trial_number}" if trial_number is not None else "fixed"
     ckpt = workdir / "train" / cfg.name / f"{label}.pt"
     # A fresh run each time (resuming is the search's business), but an earlier run's
-    # checkpoint is only set aside until this run writes its own: a run that fails first
-    # (missing data, a bad device) leaves it where it was.
-    aside = ckpt.with_name(ckpt.name + ".previous")
-    if ckpt.exists():
-        ckpt.replace(aside)
+    # checkpoint and best model are only set aside: when this run fails (missing data, a
+    # bad device, an error before its end) they come back together, and what this run
+    # wrote is kept beside them as `<file>.failed`.
+    files = [ckpt, best_model_path_for(ckpt)]
+    aside = [f.with_name(f.name + ".previous") for f in files]
+    earlier = False
+    for f, a in zip(files, aside, strict=True):
+        if f.exists():
+            f.replace(a)
+            earlier = True
     options = TrainOptions(
         device=device, workdir=workdir, checkpoint_path=ckpt, seed=seed, on_epoch=on_epoch
     )
     try:
         result = train(cfg, params, lambda epoch, value: False, options)
     except BaseException:
-        if aside.exists() and not ckpt.exists():
-            aside.replace(ckpt)
+        if earlier:
+            for f, a in zip(files, aside, strict=True):
+                if f.exists():
+                    f.replace(f.with_name(f.name + ".failed"))
+                if a.exists():
+                    a.replace(f)
         raise
-    aside.unlink(missing_ok=True)
+    for a in aside:
+        a.unlink(missing_ok=True)
     return result

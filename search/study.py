@@ -35,20 +35,22 @@ _PLAIN_TYPES: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def option_type_error(annotation: Any, value: Any) -> str | None:
-    """What is wrong with `value` for a parameter annotated `annotation` (a string, as
-    Optuna's modules write them, or a type), when the annotation is a union of int, float,
-    bool, str and None; None when it fits or the annotation is anything richer (left to the
-    class). A sampler stores an option such as TPE's n_startup_trials unchecked and fails on
-    it only when a trial asks, in a worker."""
+def check_option(annotation: Any, value: Any) -> Any:
+    """`value` for a parameter annotated `annotation` (a string, as Optuna's modules write
+    them, or a type) when the annotation is a union of int, float, bool, str and None: a
+    whole float for an int (`1e1` is 10), else TypeError saying what it must be. Any richer
+    annotation is left to the class. A sampler stores an option such as TPE's
+    n_startup_trials unchecked and fails on it only when a trial asks, in a worker."""
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None)
     text = text or str(annotation)
     parts = [part.strip() for part in text.split("|")]
     if not all(part in _PLAIN_TYPES for part in parts):
-        return None
+        return value
     if any(_PLAIN_TYPES[part](value) for part in parts):
-        return None
-    return f"must be {' or '.join(parts)}"
+        return value
+    if "int" in parts and isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise TypeError(f"{value!r}: must be {' or '.join(parts)}")
 
 
 def _kwargs_for(cls: type, options: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -59,11 +61,14 @@ def _kwargs_for(cls: type, options: dict[str, Any], extra: dict[str, Any]) -> di
             f"unknown option(s) {', '.join(unknown)} for {cls.__name__}; "
             f"accepted: {', '.join(p for p in accepted if p != 'self')}"
         )
+    checked = {}
     for name, value in options.items():
-        if problem := option_type_error(accepted[name].annotation, value):
-            raise TypeError(f"{name}: {value!r}: {problem} ({cls.__name__})")
+        try:
+            checked[name] = check_option(accepted[name].annotation, value)
+        except TypeError as exc:
+            raise TypeError(f"{name}: {exc} ({cls.__name__})") from exc
     kwargs = {k: v for k, v in extra.items() if k in accepted}
-    kwargs.update(options)
+    kwargs.update(checked)
     return kwargs
 
 

@@ -320,6 +320,7 @@ def run_worker(
     deadlines = [time.time() + opts.timeout_s] if opts.timeout_s else []
     deadline = min(deadlines + ([opts.deadline] if opts.deadline else []), default=None)
     errors = 0
+    owner = {ATTR_WORKER: wid, ATTR_HOST: socket.gethostname(), ATTR_PID: os.getpid()}
     try:
         while not stop.is_set():
             if opts.max_trials is not None and len(summary.trials) >= opts.max_trials:
@@ -330,7 +331,7 @@ def run_worker(
                 break
             asked_at = time.perf_counter()
             trial = with_db_retry(
-                lambda: _next_trial(study, cfg, spec, lock_engine, budget),
+                lambda: _next_trial(study, cfg, spec, lock_engine, budget, owner),
                 give_up_after_s=opts.db_outage_limit_s,
                 what="ask",
             )
@@ -381,7 +382,12 @@ class _Budget:
 
 
 def _next_trial(
-    study: optuna.Study, cfg: StudyConfig, spec: StorageSpec, engine: Any, budget: _Budget
+    study: optuna.Study,
+    cfg: StudyConfig,
+    spec: StorageSpec,
+    engine: Any,
+    budget: _Budget,
+    owner: Mapping[str, Any] | None = None,
 ) -> optuna.Trial | str | None:
     """Ask under the study lock, so concurrent workers never overshoot `n_trials`.
 
@@ -404,6 +410,12 @@ def _next_trial(
             return asked
         if isinstance(trial_id, str):  # the queued retry went to another worker; budget spent
             return trial_id
+    # On the journal storage (no heartbeats) the claim names its worker at once: a relaunch
+    # then tells a live worker's trial, its sampler still at work, from a dead one's by
+    # its pid (launcher.fail_orphans_on_this_host). PostgreSQL has the claim's heartbeat.
+    if owner and spec.kind == "journal":
+        for key, value in owner.items():
+            study._storage.set_trial_user_attr(trial_id, key, value)
     # Building the Trial (reading it back, the sampler's before_trial) needs no lock.
     study._thread_local.cached_all_trials = None
     try:
@@ -424,7 +436,11 @@ def _sampler_failed(
     would fail alike."""
     message = f"sampler {cfg.sampler.name!r} failed: {type(exc).__name__}: {exc}"
     storage = study._storage
-    with contextlib.suppress(SQLAlchemyError, optuna.exceptions.StorageInternalError):
+    with contextlib.suppress(  # finished elsewhere meanwhile: its state stands
+        SQLAlchemyError,
+        optuna.exceptions.StorageInternalError,
+        optuna.exceptions.UpdateFinishedTrialError,
+    ):
         storage.set_trial_user_attr(trial_id, ATTR_OUTCOME, "error")
         storage.set_trial_user_attr(trial_id, ATTR_MESSAGE, message[:500])
         storage.set_trial_state_values(trial_id, TrialState.FAIL)

@@ -6,8 +6,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hpsearch.config import available_studies, load_config, parse_overrides
+from hpsearch.config import (
+    available_studies,
+    config_to_yaml,
+    load_config,
+    load_yaml,
+    parse_overrides,
+)
 from hpsearch.errors import ConfigError
+from hpsearch.study import make_sampler
 from pydantic import ValidationError
 
 GOOD = {
@@ -121,6 +128,7 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
             "multivariate: 'yes': must be bool or None (TPESampler)",
         ),
         (["sampler.options={n_startup_trials: true}"], "n_startup_trials: True: must be int"),
+        (["sampler.options={n_startup_trials: 2.5}"], "n_startup_trials: 2.5: must be int"),
         (
             ["pruner.options={n_warmup_steps: 1.5}"],
             "n_warmup_steps: 1.5: must be int (MedianPruner)",
@@ -152,8 +160,6 @@ def test_bad_study_files(tmp_path: Path, sets: list[str], expected: str) -> None
 def test_yaml_reads_plain_exponents_as_floats_keeps_quoted_strings_and_refuses_duplicates(
     tmp_path: Path,
 ) -> None:
-    from hpsearch.config import load_yaml
-
     assert load_yaml("a: 1e-3\nb: '1e3'\nc: 5e4\nd: [1.0e5, e5]\n") == {
         "a": 0.001,
         "b": "1e3",
@@ -169,19 +175,38 @@ def test_yaml_reads_plain_exponents_as_floats_keeps_quoted_strings_and_refuses_d
         load_config(twice)
     with pytest.raises(ConfigError, match=r"--set: .*duplicate key 'a'"):
         load_with(tmp_path, "search_space.lr={a: 1, a: 2}")
+    assert load_yaml(".5e3: x\ny: [-.5e-3, +.5e3, '.5e3', 1_000]\n") == {
+        500.0: "x",
+        "y": [-0.0005, 500.0, ".5e3", 1000],
+    }
+    # A merge key's entries may be overridden after it, as YAML allows.
+    assert load_yaml("b: &b {x: 1, y: 2}\nc:\n  <<: *b\n  y: 3\n")["c"] == {"x": 1, "y": 3}
+    # What the launcher writes for its workers reads back the same: "1e3" stays a string.
+    assert load_yaml(config_to_yaml(load_config(study)))["description"] == "1e3"
+    # An int option written as a whole float is that int.
+    cfg = load_config(write(tmp_path, GOOD), ["sampler.options={n_startup_trials: 1e1}"])
+    assert make_sampler(cfg)._n_startup_trials == 10  # type: ignore[attr-defined]
 
 
 def test_option_types_leave_richer_annotations_and_fitting_values_alone() -> None:
-    from hpsearch.study import option_type_error
+    from hpsearch.study import check_option
 
-    assert option_type_error("int", 3) is None
-    assert option_type_error("float | None", 2) is None  # an int is a float
-    assert option_type_error("float | None", None) is None
-    assert option_type_error("str | int", "auto") is None
-    assert option_type_error(int, 3) is None and option_type_error(int, "3") == "must be int"
-    assert option_type_error("Callable[[int], int] | None", "x") is None  # left to the class
-    assert option_type_error("dict[str, Any] | None", 3) is None
-    assert option_type_error("bool", 1) == "must be bool"
+    assert check_option("int", 3) == 3
+    assert check_option("int", 1e1) == 10 and isinstance(check_option("int", 1e1), int)
+    assert check_option("float | None", 2) == 2  # an int is a float
+    assert check_option("float | None", None) is None
+    assert check_option("str | int", "auto") == "auto"
+    assert check_option(int, 3) == 3
+    assert check_option("Callable[[int], int] | None", "x") == "x"  # left to the class
+    assert check_option("dict[str, Any] | None", 3) == 3
+    for annotation, value, rule in (
+        (int, "3", "must be int"),
+        ("bool", 1, "must be bool"),
+        ("int", 2.5, "must be int"),
+        ("bool | None", "yes", "must be bool or None"),
+    ):
+        with pytest.raises(TypeError, match=rf": {rule}$"):
+            check_option(annotation, value)
 
 
 def test_unreadable_and_unknown_files(tmp_path: Path) -> None:

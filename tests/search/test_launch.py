@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import hpsearch as hps
+import pytest
 from cli_util import DUMMY, hpsearch, popen
 from optuna.trial import TrialState
 
@@ -392,12 +393,15 @@ def test_a_fixed_run_that_fails_first_keeps_the_earlier_runs_checkpoint(tmp_path
 
     cfg = load_config("tiny", data_dir=str(tmp_path / "nowhere"))
     ckpt = tmp_path / "train" / "tiny" / "fixed.pt"
+    best = ckpt.with_name("fixed.best.pt")
     ckpt.parent.mkdir(parents=True)
     ckpt.write_bytes(b"an earlier run's epochs")
+    best.write_bytes(b"an earlier run's best model")
     with pytest.raises(DataError, match="not found or incomplete"):
         run_fixed(cfg, '{"lr": 0.1, "batch_size": 32}', None, None, tmp_path, "cpu", None)
     assert ckpt.read_bytes() == b"an earlier run's epochs"
-    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["fixed.pt"]
+    assert best.read_bytes() == b"an earlier run's best model"
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["fixed.best.pt", "fixed.pt"]
 
 
 def test_a_work_folder_that_cannot_be_made_is_one_line(
@@ -428,3 +432,46 @@ def test_a_dashboard_that_cannot_listen_is_one_line(
         f"Error: --host/--port: 127.0.0.1:{port}: cannot listen there: Address already in use"
     )
     assert "optuna-dashboard: http" not in r.stdout  # it never listened
+
+
+def test_a_fixed_run_that_fails_late_puts_the_earlier_pair_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The earlier run's checkpoint and best model come back together; what the failed run
+    wrote stays beside them. A run that succeeds replaces both."""
+    import pytest
+    from hpsearch import trainer
+    from hpsearch.config import load_config
+    from hpsearch.runner import run_fixed
+
+    ckpt = tmp_path / "train" / "tiny" / "fixed.pt"
+    best = ckpt.with_name("fixed.best.pt")
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"old epochs")
+    best.write_bytes(b"old best")
+
+    def fails_in_test_eval(cfg: object, params: object, report: object, options: object) -> None:
+        best.write_bytes(b"new best")  # a short run writes only its best model
+        raise RuntimeError("test split: out of memory")
+
+    monkeypatch.setattr(trainer, "train", fails_in_test_eval)
+    cfg = load_config("tiny")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_fixed(cfg, '{"lr": 0.1, "batch_size": 32}', None, None, tmp_path, "cpu", None)
+    assert (ckpt.read_bytes(), best.read_bytes()) == (b"old epochs", b"old best")
+    assert (ckpt.parent / "fixed.best.pt.failed").read_bytes() == b"new best"
+
+    def succeeds(cfg: object, params: object, report: object, options: object) -> str:
+        best.write_bytes(b"newer best")
+        return "result"
+
+    monkeypatch.setattr(trainer, "train", succeeds)
+    assert (
+        run_fixed(cfg, '{"lr": 0.1, "batch_size": 32}', None, None, tmp_path, "cpu", None)
+        == "result"
+    )
+    assert not ckpt.exists() and best.read_bytes() == b"newer best"
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == [
+        "fixed.best.pt",
+        "fixed.best.pt.failed",
+    ]

@@ -383,6 +383,15 @@ def test_a_relaunch_fails_a_journal_trial_no_worker_took_up(tmp_path: Path) -> N
     assert states[ownerless.number] == optuna.trial.TrialState.FAIL
     assert states[owned.number] == optuna.trial.TrialState.RUNNING
     assert optuna.trial.TrialState.WAITING in states.values()  # re-queued, like any orphan
+    # A worker's claim names it before its sampler runs (which may take long): the rule
+    # then never takes a live worker's trial for an orphan, however old.
+    from hpsearch.worker import _Budget, _next_trial
+
+    owner = {ATTR_WORKER: "w1", ATTR_HOST: socket.gethostname(), ATTR_PID: os.getpid()}
+    claimed = _next_trial(study, cfg, spec, None, _Budget(study, cfg), owner)
+    assert isinstance(claimed, optuna.Trial)
+    assert {k: claimed.user_attrs[k] for k in owner} == owner
+    assert fail_orphans_on_this_host(study, spec, 2, ownerless_after_s=0.0) == []
 
 
 def test_a_launch_refused_for_its_direction_leaves_the_study_as_it_was(tmp_path: Path) -> None:

@@ -36,6 +36,16 @@ def test_study_in_mlflow_and_best_model(
     study = hps.load_study("tiny", storage=pg_url)
     trials = study.get_trials()
     assert len(trials) == 4
+    # A relaunch the storage refuses (another direction) leaves the study run as it was:
+    # not reopened, retagged with its sampler, nor closed as KILLED.
+    r = hpsearch(
+        ["launch", "--study", "tiny", "--workers", "1", "--storage", pg_url, "--workdir",
+         str(work), "--device", "cpu", "--data-dir", str(flowers_root),
+         "--set", "objective.direction=minimize", "--set", "sampler.name=random",
+         "--set", "sampler.options={}"],
+        subprocess_env, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 1 and "already exists with directions" in r.stderr, r.stderr
 
     # launch stopped its server; a new one on the same store shows the runs again.
     with start_local_server(work) as server:
