@@ -501,7 +501,24 @@ def load_config(
         if download is not None:
             raw["dataset"]["download"] = download
     raw["source"] = src
-    return validate_config(raw, src)
+    try:
+        return validate_config(raw, src)
+    except ConfigError as exc:
+        raise ConfigError(blame_override(str(exc), src, overrides)) from exc
+
+
+def blame_override(message: str, src: str, overrides: Sequence[str]) -> str:
+    """`message` (`<src>: <field>: ...`) with the --set that gave that field, when one did:
+    the value is not in the file the message names."""
+    head = f"{src}: "
+    if not message.startswith(head):
+        return message
+    field = message[len(head) :].split(": ", 1)[0]
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if field == key or field.startswith(key + ".") or key.startswith(field + "."):
+            return f"{message} (from --set {item})"
+    return message
 
 
 def validate_config(raw: dict[str, Any], src: str = "<config>") -> StudyConfig:

@@ -83,7 +83,10 @@ def fixed_params(
         raise ConfigError(f"--params: {params_json!r}: not valid JSON: {exc.msg}") from exc
     if not isinstance(params, dict):
         raise ConfigError(f"--params: {params_json!r}: must be a JSON object")
-    cfg.resolve_params(params)  # validates names and values with the study's rules
+    try:
+        cfg.resolve_params(params)  # validates names and values with the study's rules
+    except ConfigError as exc:  # about --params, not the study file it names
+        raise ConfigError(f"--params: {str(exc).split(': params.', 1)[-1]}") from exc
     unknown = sorted(set(params) - set(cfg.fixed_params()))
     if unknown:
         raise ConfigError(f"--params: {', '.join(unknown)}: unknown hyperparameter")

@@ -155,6 +155,17 @@ def test_bad_study_files(tmp_path: Path, sets: list[str], expected: str) -> None
     assert "\n" not in msg
     assert msg.startswith(str(tmp_path / "study.yaml") + ": "), msg
     assert expected in msg, msg
+    if any(expected.startswith(s.partition("=")[0]) for s in sets):  # the field was --set
+        assert msg.endswith(tuple(f"(from --set {s})" for s in sets)), msg  # not in the file
+
+
+def test_a_bad_value_from_the_file_itself_names_no_override(tmp_path: Path) -> None:
+    bad = {**GOOD, "budget": {"n_trials": 0, "max_epochs": 2}}
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, bad), ["budget.max_epochs=3", "search_space.lr.high=0.4"])
+    assert str(info.value).endswith(
+        "budget.n_trials: 0: Input should be greater than or equal to 1"
+    )
 
 
 def test_yaml_reads_plain_exponents_as_floats_keeps_quoted_strings_and_refuses_duplicates(

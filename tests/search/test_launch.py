@@ -475,3 +475,12 @@ def test_a_fixed_run_that_fails_late_puts_the_earlier_pair_back(
         "fixed.best.pt",
         "fixed.best.pt.failed",
     ]
+
+
+def test_a_bad_fixed_param_is_blamed_on_params_not_the_study_file(tmp_path: Path) -> None:
+    from hpsearch.config import load_config
+    from hpsearch.errors import ConfigError
+    from hpsearch.runner import fixed_params
+
+    with pytest.raises(ConfigError, match=r"^--params: lr: -1: Input should be greater than 0$"):
+        fixed_params(load_config("tiny"), '{"lr": -1}', None, None, tmp_path)
