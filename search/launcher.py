@@ -388,10 +388,8 @@ class Launcher:
                 slot = _Slot(i, gpu)
                 self._slots.append(slot)
                 self._spawn(slot, resolved, tracking_uri)
-            try:
-                self._open_study()
-            finally:
-                self._study_settled.set()
+            self._open_study()
+            self._study_settled.set()  # (the finally below sets it when this raised)
             # Orphans are RUNNING trials of dead processes on this host: the workers just
             # started have none yet (they are still importing).
             for n in fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):

@@ -136,10 +136,6 @@ def time_speed_batches(
 PROBE_RESOURCE_MARKERS = (*RESOURCE_ERROR_MARKERS, "CUDNN_STATUS_INTERNAL_ERROR")
 
 
-def _nvml_text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _context_bytes() -> int:
     """Device memory this process holds beyond what PyTorch's allocator reserved."""
     import os
@@ -148,7 +144,7 @@ def _context_bytes() -> int:
 
     try:
         import pynvml
-        from hpsearch.tracking.gpu import refs_by_uuid
+        from hpsearch.tracking.gpu import nvml_uuids, refs_by_uuid
 
         pynvml.nvmlInit()
         try:
@@ -157,11 +153,7 @@ def _context_bytes() -> int:
             # CUDA gives it.
             visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
             if visible.isdigit():
-                count = int(pynvml.nvmlDeviceGetCount())
-                uuids = [
-                    _nvml_text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                    for i in range(count)
-                ]
+                uuids = nvml_uuids(pynvml)
                 found = refs_by_uuid([str(torch.cuda.get_device_properties(0).uuid)], uuids)
                 if not found:
                     return CONTEXT_FALLBACK

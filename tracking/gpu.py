@@ -154,6 +154,13 @@ def refs_by_uuid(cuda_uuids: Sequence[str], gpu_uuids: Sequence[str]) -> list[De
     return out
 
 
+def nvml_uuids(nvml: Any) -> list[str]:
+    """The UUID of every GPU NVML lists, by NVML index (``nvml``: the pynvml module or a
+    fake of it, initialised)."""
+    count = int(nvml.nvmlDeviceGetCount())
+    return [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+
+
 def torch_cuda_uuids() -> list[str] | None:
     """The UUIDs of the GPUs CUDA shows this process, in CUDA's order, from torch (imported
     here if it is not yet: only where CUDA's order and NVML's may differ, in a process that
@@ -334,11 +341,7 @@ class GpuSampler:
             self._nvml = None
             return False
         try:
-            count = int(nvml.nvmlDeviceGetCount())
-            uuids = [
-                _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)))
-                for i in range(count)
-            ]
+            uuids = nvml_uuids(nvml)
             refs = resolve_visible_devices(self.visible_devices, uuids)
             if cuda_order_differs(self.visible_devices, self.device_order, len(uuids)):
                 cuda = self._cuda_uuids()
@@ -714,6 +717,7 @@ __all__ = [
     "device_labels",
     "integrate_power",
     "is_input_bound",
+    "nvml_uuids",
     "refs_by_uuid",
     "relayed_sampler",
     "reset_warnings",

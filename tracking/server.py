@@ -211,11 +211,6 @@ def listen_problem(host: str, port: int) -> str | None:
     return None
 
 
-def port_in_use(host: str, port: int) -> bool:
-    """Whether ``host:port`` cannot be listened on (`listen_problem`)."""
-    return listen_problem(host, port) is not None
-
-
 def _url_host(host: str) -> str:
     if host in ("0.0.0.0", ""):
         return "127.0.0.1"

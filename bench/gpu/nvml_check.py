@@ -26,10 +26,6 @@ from pathlib import Path
 from typing import Any
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seconds", type=float, default=4.0, help="length of each phase")
@@ -82,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from hpsearch.tracking.gpu import (
         GpuSampler,
+        nvml_uuids,
         refs_by_uuid,
         resolve_visible_devices,
         torch_cuda_uuids,
@@ -92,10 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.cuda.init()
     pynvml.nvmlInit()
-    all_uuids = [
-        _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
-        for i in range(int(pynvml.nvmlDeviceGetCount()))
-    ]
+    all_uuids = nvml_uuids(pynvml)
     uuid = all_uuids[0]
     driver = pynvml.nvmlSystemGetDriverVersion()
     pynvml.nvmlShutdown()
