@@ -223,13 +223,19 @@ class StudyConfig(_Frozen):
         """Hyperparameter values used for everything the search space leaves out."""
         return self.trainer.defaults.model_dump()
 
-    def resolve_params(self, sampled: Mapping[str, Any]) -> Hyperparams:
-        """Defaults overlaid with sampled values, validated."""
+    def resolve_params(
+        self, sampled: Mapping[str, Any], given_by: str | None = None
+    ) -> Hyperparams:
+        """Defaults overlaid with sampled values, validated. An error names the study file
+        (`<file>: params.lr: ...`), or `given_by` when the values came from there
+        (`--params: lr: ...`)."""
         merged = {**self.fixed_params(), **dict(sampled)}
         merged = {k: v for k, v in merged.items() if k in HPARAM_NAMES}
         try:
             return Hyperparams(**merged)
         except ValidationError as exc:
+            if given_by is not None:
+                raise ConfigError(_format_validation(given_by, exc)) from exc
             raise ConfigError(_format_validation(self.source or self.name, exc, "params")) from exc
 
 

@@ -83,10 +83,7 @@ def fixed_params(
         raise ConfigError(f"--params: {params_json!r}: not valid JSON: {exc.msg}") from exc
     if not isinstance(params, dict):
         raise ConfigError(f"--params: {params_json!r}: must be a JSON object")
-    try:
-        cfg.resolve_params(params)  # validates names and values with the study's rules
-    except ConfigError as exc:  # about --params, not the study file it names
-        raise ConfigError(f"--params: {str(exc).split(': params.', 1)[-1]}") from exc
+    cfg.resolve_params(params, given_by="--params")  # the study's rules for names and values
     unknown = sorted(set(params) - set(cfg.fixed_params()))
     if unknown:
         raise ConfigError(f"--params: {', '.join(unknown)}: unknown hyperparameter")
