@@ -376,6 +376,12 @@ class Launcher:
         resolved.parent.mkdir(parents=True, exist_ok=True)
         resolved.write_text(config_to_yaml(cfg))
         placement = opts.placement or assign_gpus(opts.workers, opts.gpus)
+        if not cfg.search_space:
+            # Legitimate (bench/packing.py measures fixed params so), but rarely meant.
+            self._event(
+                f"{cfg.source or cfg.name}: search_space is empty: every trial trains "
+                "trainer.defaults"
+            )
         tracking_uri = self._start_tracking()
         self._tracking_uri = tracking_uri
         self._t0 = opts.started_at if opts.started_at is not None else time.monotonic()

@@ -154,17 +154,40 @@ def open_storage(
         )
     try:
         with _schema_lock(spec):
-            return FastRDBStorage(
-                spec.url,
-                engine_kwargs=engine_kwargs,
-                heartbeat_interval=heartbeat_interval,
-                grace_period=grace_period,
-                heartbeat_stale_trial_callback=failed_trial_callback,
-            )
+            attempt = 1
+            while True:
+                try:
+                    return FastRDBStorage(
+                        spec.url,
+                        engine_kwargs=engine_kwargs,
+                        heartbeat_interval=heartbeat_interval,
+                        grace_period=grace_period,
+                        heartbeat_stale_trial_callback=failed_trial_callback,
+                    )
+                except SQLAlchemyError as exc:
+                    # The lock orders hpsearch's processes only; another Optuna client on
+                    # the same empty database (optuna-dashboard, a notebook) can create a
+                    # table between Optuna's existence check and its CREATE. A second
+                    # attempt finds it there.
+                    if not is_schema_race(exc) or attempt == SCHEMA_RACE_ATTEMPTS:
+                        raise
+                    time.sleep(0.2 * attempt)  # seconds
+                    attempt += 1
     except (SQLAlchemyError, NoSuchModuleError) as exc:
         raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
     except ImportError as exc:
         raise StorageError(f"storage {spec.display}: driver missing: {exc}") from exc
+
+
+# SQLSTATEs of a schema object that appeared between a check and a CREATE: unique_violation
+# (pg_type's name index, Optuna's one version_info row), duplicate_table, duplicate_object.
+_SCHEMA_RACE_CODES = frozenset({"23505", "42P07", "42710"})
+SCHEMA_RACE_ATTEMPTS = 4
+
+
+def is_schema_race(exc: BaseException) -> bool:
+    """True for the error of creating a schema object that another process created first."""
+    return getattr(getattr(exc, "orig", None), "pgcode", None) in _SCHEMA_RACE_CODES
 
 
 class HeartbeatStorage(Protocol):

@@ -484,3 +484,18 @@ def test_a_bad_fixed_param_is_blamed_on_params_not_the_study_file(tmp_path: Path
 
     with pytest.raises(ConfigError, match=r"^--params: lr: -1: Input should be greater than 0$"):
         fixed_params(load_config("tiny"), '{"lr": -1}', None, None, tmp_path)
+
+
+def test_an_empty_search_space_runs_the_defaults_and_says_so(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A study with nothing to search trains trainer.defaults in every trial: allowed (the
+    packing bench measures fixed params so) but said, as it is rarely what a user meant."""
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "1",
+                  "--workdir", str(tmp_path / "w"), "--train-fn", DUMMY, "--no-tracking",
+                  "--set", "search_space={}", "--set", "budget.max_epochs=1"],
+                 subprocess_env, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "search_space is empty: every trial trains trainer.defaults" in r.stdout, r.stdout
+    [trial] = hps.load_study("tiny", workdir=tmp_path / "w").get_trials()
+    assert trial.params == {} and trial.state == TrialState.COMPLETE

@@ -5,6 +5,7 @@ test is the search layer's bookkeeping."""
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from typing import Any
 import hpsearch as hps
 import optuna
 from cli_util import DUMMY, hpsearch
+from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -38,7 +40,7 @@ def wait_for(
 
 def running_with_epochs(url: str, name: str, epochs: int) -> optuna.trial.FrozenTrial | None:
     try:
-        study = optuna.load_study(study_name=name, storage=url_for_optuna(url))
+        study = optuna.load_study(study_name=name, storage=storage_for(url))
     except KeyError:
         return None
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -47,10 +49,14 @@ def running_with_epochs(url: str, name: str, epochs: int) -> optuna.trial.Frozen
     return None
 
 
-def url_for_optuna(url: str) -> str:
-    from hpsearch.storage import normalize_url
+@functools.cache
+def storage_for(url: str) -> BaseStorage:
+    """The test's polls open the storage as hpsearch does, under its schema lock: a bare
+    Optuna client polling while workers first connect to the empty database would race
+    them creating Optuna's tables. One per database (each test has its own)."""
+    from hpsearch.storage import open_storage, resolve_storage
 
-    return normalize_url(url)
+    return open_storage(resolve_storage(url, Path.cwd()))
 
 
 def launch_cmd(*args: str) -> list[str]:
@@ -164,7 +170,7 @@ def test_independent_worker_killed_is_detected_stale_and_retried(
             env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
 
-    storage = url_for_optuna(pg_url)
+    storage = storage_for(pg_url)
 
     def running_of(name: str, epochs: int) -> optuna.trial.FrozenTrial | None:
         try:
@@ -407,7 +413,7 @@ def test_a_worker_dying_while_the_embedded_server_starts_does_not_hold_up_the_la
 
     monkeypatch.setattr(server_mod, "start_local_server", slow_start)
     summary = launcher.run()
-    study = optuna.load_study(study_name=name, storage=url_for_optuna(pg_url))
+    study = optuna.load_study(study_name=name, storage=storage_for(pg_url))
 
     def context() -> str:
         """What a failure here shows: the events, the trials and the workers' logs."""

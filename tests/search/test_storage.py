@@ -414,3 +414,48 @@ def test_a_launch_refused_for_its_direction_leaves_the_study_as_it_was(tmp_path:
     after = create_or_load(cfg, open_storage(spec), owner=False).user_attrs
     assert after[N_TRIALS_ATTR] == before[N_TRIALS_ATTR] == 3
     assert after[CONFIG_ATTR] == before[CONFIG_ATTR]
+
+
+def test_a_table_another_optuna_client_creates_first_does_not_fail_the_open(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """The schema lock orders hpsearch's processes only. Another Optuna client (a notebook,
+    optuna-dashboard) on the same empty database can create a table between Optuna's check
+    and its CREATE: CI saw a worker fail with 'duplicate key value violates unique
+    constraint "pg_type_typname_nsp_index" ... (alembic_version, 2200)'. Here that other
+    client holds the table uncommitted until the open waits on it, then commits."""
+    spec = resolve_storage(pg_url, tmp_path)
+    other = sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
+    opened: list[object] = []
+    try:
+        with other.connect() as conn:
+            conn.execute(sa.text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)"))
+            t = threading.Thread(target=lambda: opened.append(_open_or_error(spec)))
+            t.start()
+
+            def waiting() -> bool:
+                sql = (
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )
+                with other.connect() as probe:
+                    return bool(probe.execute(sa.text(sql)).scalar())
+
+            deadline = time.monotonic() + 60
+            while not waiting():
+                assert time.monotonic() < deadline, "the open never reached the CREATE"
+                time.sleep(0.05)
+            conn.commit()
+        t.join(60)
+        assert len(opened) == 1 and isinstance(opened[0], BaseStorage), opened
+        study = optuna.create_study(storage=opened[0], study_name="after-the-race")
+        assert study.study_name == "after-the-race"
+    finally:
+        other.dispose()
+
+
+def _open_or_error(spec: StorageSpec) -> object:
+    try:
+        return open_storage(spec)
+    except Exception as exc:  # the test shows what the open raised
+        return exc
