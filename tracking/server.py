@@ -378,16 +378,49 @@ def start_local_server(
             f"an MLflow server for {workdir} is already running at {other}; use it "
             f"(--tracking-uri {other}) instead of starting a second writer of the same store"
         )
-    db, artifacts, log_path = store_paths(workdir)
+    db, artifacts, _ = store_paths(workdir)
     try:
         db.parent.mkdir(parents=True, exist_ok=True)
         artifacts.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TrackingError(f"cannot create the MLflow store under {db.parent}: {exc}") from exc
+    picked = port is None
     if port is None:
         port = free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
     elif (problem := listen_problem(host, port)) is not None:
         raise TrackingError(f"cannot start the MLflow server on {host}:{port}: {problem}")
+    for attempt in range(1, PICKED_PORT_ATTEMPTS + 1):
+        try:
+            return _spawn_and_wait(
+                workdir, host, port, workers, timeout_s, allowed_hosts, cors_allowed_origins
+            )
+        except _PortTaken as exc:
+            # A port picked free can be taken before the server binds it (another server,
+            # or an outgoing connection given it as its local port): pick another.
+            if not picked or attempt == PICKED_PORT_ATTEMPTS:
+                raise TrackingError(str(exc)) from None
+            port = free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
+    raise TrackingError(f"cannot start the MLflow server on {host}")  # not reached
+
+
+PICKED_PORT_ATTEMPTS = 3
+START_MARKER = "==== hpsearch: starting"  # begins each start's part of the server log
+
+
+class _PortTaken(Exception):
+    """The server exited because its port was taken; the message is the one-line error."""
+
+
+def _spawn_and_wait(
+    workdir: Path,
+    host: str,
+    port: int,
+    workers: int,
+    timeout_s: float,
+    allowed_hosts: str | None,
+    cors_allowed_origins: str | None,
+) -> LocalServer:
+    db, _, log_path = store_paths(workdir)
     if allowed_hosts is None:
         allowed_hosts = allowed_hosts_for(host, port, (socket.gethostname(), socket.getfqdn()))
     cmd = server_command(
@@ -404,7 +437,7 @@ def start_local_server(
     t0 = time.monotonic()
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
     try:
-        log.write(f"\n==== hpsearch: starting {' '.join(cmd)}\n".encode())
+        log.write(f"\n{START_MARKER} {' '.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(
             cmd,
@@ -425,10 +458,14 @@ def start_local_server(
     while True:
         if proc.poll() is not None:
             server.stop()
-            raise TrackingError(
+            message = (
                 f"the MLflow server exited with code {proc.returncode} before it was ready: "
                 f"{server.log_tail()}"
             )
+            this_start = _read_tail(log_path).rsplit(START_MARKER, 1)[-1]
+            if "address already in use" in this_start.lower():
+                raise _PortTaken(message)
+            raise TrackingError(message)
         if health_ok(url, timeout_s=2.0):
             server.started_s = time.monotonic() - t0
             server.write_state()

@@ -48,7 +48,9 @@ def test_cpu_sampler_counts_a_child_by_role(common: ModuleType) -> None:
     subprocess.run([sys.executable, "-c", burn, "--child"], check=True)
     time.sleep(0.1)
     totals = sampler.stop()
-    assert 0.5 <= totals.get("plain", 0.0) <= 1.5  # its 0.6 s of CPU and its start-up
+    # Its 0.6 s of CPU and its start-up, less what it burns after the last sample (50 ms,
+    # more when a loaded machine starves the sampler).
+    assert 0.45 <= totals.get("plain", 0.0) <= 1.5
 
 
 def test_gpu_watch_mean_between(common: ModuleType) -> None:

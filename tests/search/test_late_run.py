@@ -90,7 +90,7 @@ def test_epochs_from_before_the_start_reach_the_run_in_order_without_blocking_tr
     assert run.replaying.wait(10)  # the start is replaying epoch 1, waiting on the slow write
     t0 = time.perf_counter()
     late.log_epoch(Record(3))  # the training thread's next epoch
-    assert time.perf_counter() - t0 < 0.1  # not held up by the replay
+    assert time.perf_counter() - t0 < 1.0  # not held up by the replay (up to 10 s)
     run.release.set()
     start.join(10)
     assert not start.is_alive()

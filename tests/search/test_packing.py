@@ -9,7 +9,9 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hpsearch import launcher
@@ -440,6 +442,23 @@ def test_reservation_waits_for_room_then_gives_up(tmp_path: Path) -> None:
         sleeper.wait()
 
 
+def _on_first_refusal(
+    monkeypatch: pytest.MonkeyPatch, action: Callable[[], None], after_s: float
+) -> None:
+    """Run `action` `after_s` seconds after a ledger first refuses a reservation."""
+    real = GpuLedger.try_reserve
+    armed: list[threading.Timer] = []
+
+    def spy(self: GpuLedger, *args: Any, **kwargs: Any) -> bool:
+        ok = real(self, *args, **kwargs)
+        if not ok and not armed:
+            armed.append(threading.Timer(after_s, action))
+            armed[0].start()
+        return ok
+
+    monkeypatch.setattr(GpuLedger, "try_reserve", spy)
+
+
 def test_packed_worker_waits_for_gpu_memory_before_training(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -458,7 +477,9 @@ def test_packed_worker_waits_for_gpu_memory_before_training(
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert ledger.try_reserve(8 * GiB, pid=other.pid)  # another trial fills the GPU
-        threading.Timer(1.5, lambda: ledger.release(pid=other.pid)).start()
+        # The room frees 1.5 s after the worker was first refused (not after it started:
+        # a loaded machine may take longer than that to get there).
+        _on_first_refusal(monkeypatch, lambda: ledger.release(pid=other.pid), 1.5)
         spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
         opts = WorkerOptions(
             workdir=tmp_path, worker_id="w0", device="auto", packing=plan_file,
@@ -513,7 +534,7 @@ def test_stop_while_waiting_for_gpu_memory_requeues_the_trial(
     stop = threading.Event()
     try:
         assert ledger.try_reserve(9 * GiB, pid=other.pid)  # the GPU stays full
-        threading.Timer(1.0, stop.set).start()
+        _on_first_refusal(monkeypatch, stop.set, 1.0)  # told to stop while it waits
         spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
         opts = WorkerOptions(
             workdir=tmp_path, worker_id="w0", device="auto", packing=plan_file,

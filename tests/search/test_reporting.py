@@ -251,6 +251,24 @@ def test_a_trial_finished_elsewhere_counts_at_the_next_report(pg_url: str, tmp_p
     study = _study_with_history(pg_url, tmp_path, "median-late")
     other = _open(pg_url, tmp_path, "median-late")
     throttle_trial_reads(study)
+    backend = study._storage._backend  # type: ignore[attr-defined]
+    real_read = backend._get_trials
+    waiting: list[tuple[float, threading.Event]] = []
+
+    def read_after(t: float) -> threading.Event:
+        waiting.append((t, threading.Event()))
+        return waiting[-1][1]
+
+    def spying_read(*args: Any, **kwargs: Any) -> Any:
+        began = time.monotonic()
+        out = real_read(*args, **kwargs)
+        if threading.current_thread().name == "hpsearch-reports":
+            for t, done in waiting:
+                if began > t:
+                    done.set()
+        return out
+
+    backend._get_trials = spying_read
     late, trial = other.ask(), study.ask()
     with (
         TrialReports(study, trial, _db, max_age_s=2.0) as reports,
@@ -259,7 +277,11 @@ def test_a_trial_finished_elsewhere_counts_at_the_next_report(pg_url: str, tmp_p
         assert reports.report(1, 0.01) is False  # 4 complete trials: still starting up
         late.report(0.5, 1)
         other.tell(late, 0.9)
-        time.sleep(1.3)  # an epoch longer than the writer's 1 s refresh period
+        told_at = time.monotonic()
+        # An epoch longer than the writer's 1 s refresh period: wait until a read of the
+        # writer thread's, begun after the tell, is done (a fixed sleep could end first on
+        # a loaded machine).
+        assert read_after(told_at).wait(30)
         assert reports.report(2, 0.02) is True  # 5 complete: far below their median
     assert on_training_thread == []
 

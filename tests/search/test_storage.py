@@ -150,14 +150,14 @@ def test_trial_reads_are_throttled_but_never_older_than_the_interval(
         return real(*args, **kwargs)
 
     backend._get_trials = counting
-    throttle_trial_reads(mine, 0.5)
+    throttle_trial_reads(mine, 3.0)  # s; the reads, ask and tell below fit well inside
     for _ in range(20):
         mine.get_trials(deepcopy=False)
     assert reads["n"] == 1
     t = other.ask()
     other.tell(t, 0.5)
     assert len(mine.get_trials(deepcopy=False)) == 0  # within the interval: the old view
-    time.sleep(0.6)
+    time.sleep(3.1)
     assert [x.state for x in mine.get_trials(deepcopy=False)] == [optuna.trial.TrialState.COMPLETE]
     assert reads["n"] == 2
     own = mine.ask()  # a process's own running trial is read fresh

@@ -32,7 +32,7 @@ def test_stopped_trial_resumes_elsewhere_from_its_uploaded_checkpoint(
         return ["launch", "--study", "tiny", "--workers", "1", "--trials", "1",
                 "--storage", pg_url, "--tracking-uri", mlflow_server.url,
                 "--workdir", str(workdir), "--train-fn", DUMMY,
-                "--set", f"name={name}", "--set", "budget.max_epochs=8",
+                "--set", f"name={name}", "--set", "budget.max_epochs=12",
                 "--set", "pruner.name=none", "--set", "pruner.options={}",
                 "--set", "tracking.upload_checkpoints=true"]  # fmt: skip
 
@@ -61,7 +61,7 @@ def test_stopped_trial_resumes_elsewhere_from_its_uploaded_checkpoint(
     trials = hps.load_study(name, storage=pg_url).get_trials()
     [stopped] = [t for t in trials if t.state == TrialState.FAIL]
     last = max(stopped.intermediate_values)
-    assert 3 <= last < 8
+    assert 3 <= last < 12  # 12: the stop lands with 4.5 s to spare on a loaded machine
 
     # The run holds the stop's own save (the last epoch), not an earlier one.
     client = MlflowClient(tracking_uri=mlflow_server.url)
@@ -77,7 +77,7 @@ def test_stopped_trial_resumes_elsewhere_from_its_uploaded_checkpoint(
     [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == stopped.number]
     assert retry.state == TrialState.COMPLETE
     assert retry.user_attrs["resumed_from_epoch"] == last + 1
-    assert max(retry.intermediate_values) == 8
+    assert max(retry.intermediate_values) == 12
 
 
 def test_best_trial_onnx_does_not_wait_for_a_run_whose_worker_is_gone(

@@ -19,7 +19,7 @@ from hpsearch.worker import WorkerOptions, run_worker
 from mlflow.tracking import MlflowClient
 from tracking_helpers import UUIDS, FakeGpu, FakeNVML
 
-SETUP_S = 2.0  # s: the MLflow set-up is held up this long, past the first trial's epochs
+SETUP_S = 5.0  # s: the MLflow set-up is held up this long, past the first trial's epochs
 
 
 @pytest.fixture

@@ -163,6 +163,27 @@ def test_port_in_use_is_a_tracking_error(tmp_path: Path) -> None:
         start_local_server(tmp_path, host="999.1.1.1", port=5000)
 
 
+def test_a_picked_port_taken_before_the_server_binds_it_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`port=None` picks a free port, which another process can take before the server
+    binds it: the real server then exits with 'address already in use', and the start
+    picks another port instead of failing the launch."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        picks = iter([taken, srv.free_port()])
+        monkeypatch.setattr(srv, "free_port", lambda host="127.0.0.1": next(picks))
+        server = start_local_server(tmp_path)
+        try:
+            assert server.url.rsplit(":", 1)[1] != str(taken)
+            assert srv.health_ok(server.url)
+            assert "address already in use" in srv._read_tail(server.log_path).lower()
+        finally:
+            server.stop()
+
+
 def test_server_that_dies_reports_its_stderr_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
