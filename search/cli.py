@@ -367,12 +367,20 @@ def _on_signals(stop: Callable[[], None], what: str) -> None:
     hidden=True,
     help="The launcher's --workers auto plan: reserve GPU memory by it.",
 )
+@click.option(
+    "--sampler-stream",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Which stream of the study's sampler seed this worker draws from (default: one "
+    "of its own; 0 on a fresh study is the seed itself). Workers sharing one propose the "
+    "same parameters.",
+)
 @_edge
 def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
            workdir: Path, device: str, storage: str | None, tracking_uri: str | None,
            no_tracking: bool, worker_id: str, trials: int | None, max_trials: int | None,
            deadline: float | None, await_study_run: float, packing: Path | None,
-           timeout: float | None,
+           sampler_stream: int | None, timeout: float | None,
            max_retries: int, heartbeat: int, train_fn: str) -> None:  # fmt: skip
     """Join an existing study from any machine and run trials until its budget is spent.
 
@@ -410,6 +418,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         train_fn=train_fn,
         set_budget=trials is not None,
         packing=packing,
+        sampler_stream=sampler_stream,
     )
     stop = threading.Event()
     _on_signals(stop.set, "worker")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -85,7 +86,23 @@ def grid_space(cfg: StudyConfig) -> dict[str, list[Any]]:
     return space
 
 
-def make_sampler(cfg: StudyConfig) -> optuna.samplers.BaseSampler:
+def sampler_seed(seed: int | None, stream: int, trials_before: int) -> int | None:
+    """The seed a worker's sampler draws with. Optuna's samplers draw from their seed's
+    sequence, so workers sharing the study's seed propose the same parameters (all random
+    start-up trials alike), and a restarted worker or a later launch replays them. The first
+    worker of a fresh study keeps the study's seed (one worker reproduces plain Optuna with
+    it); every other worker (`stream`), restart and resumed study (`trials_before`, the
+    trials already there) draws from a seed of its own, derived from the study's."""
+    if seed is None or (stream == 0 and trials_before == 0):
+        return seed
+    digest = hashlib.sha256(f"{seed}:{stream}:{trials_before}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")  # numpy's seeds are < 2**32
+
+
+def make_sampler(
+    cfg: StudyConfig, stream: int = 0, trials_before: int = 0
+) -> optuna.samplers.BaseSampler:
+    """The study file's sampler, seeded for worker `stream` (`sampler_seed`)."""
     s = cfg.sampler
     classes: dict[str, type] = {
         "tpe": optuna.samplers.TPESampler,
@@ -96,7 +113,7 @@ def make_sampler(cfg: StudyConfig) -> optuna.samplers.BaseSampler:
         "nsga2": optuna.samplers.NSGAIISampler,
     }
     cls = classes[s.name]
-    extra: dict[str, Any] = {"seed": s.seed}
+    extra: dict[str, Any] = {"seed": sampler_seed(s.seed, stream, trials_before)}
     if s.name == "grid":
         extra["search_space"] = grid_space(cfg)
     if s.name == "cmaes":

@@ -18,6 +18,7 @@ import time
 import traceback
 import uuid
 import warnings
+import zlib
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from hpsearch.study import (
     MEMORY_CONSTRAINT,
     budget_counts,
     create_or_load,
+    make_sampler,
     may_start_trial,
     objective_values,
     study_budget,
@@ -100,9 +102,17 @@ class WorkerOptions:
     train_fn: str = ""  # "module:function"; empty = hpsearch.trainer.train
     set_budget: bool = False  # record config.budget.n_trials on the study (worker --trials)
     packing: Path | None = None  # --workers auto plan: reserve GPU memory before each trial
+    sampler_stream: int | None = None  # study.sampler_seed's stream; None: one of its own
 
     def resolved_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+
+    def stream(self) -> int:
+        """The launcher numbers its workers' streams; a worker started on its own takes one
+        from its name and process, so neither a second worker nor a restart repeats it."""
+        if self.sampler_stream is not None:
+            return self.sampler_stream
+        return 1 + zlib.crc32(f"{self.resolved_id()}:{os.getpid()}".encode())
 
 
 @dataclass
@@ -286,6 +296,8 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
     study = with_db_retry(
         lambda: create_or_load(cfg, storage, owner=opts.set_budget), what="create study"
     )
+    before = with_db_retry(lambda: len(study.get_trials(deepcopy=False)), what="count trials")
+    study.sampler = make_sampler(cfg, opts.stream(), before)
     if spec.is_postgres:  # the budget count there is SQL, not this cache
         throttle_trial_reads(study)
     return study

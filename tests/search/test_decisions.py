@@ -20,6 +20,7 @@ from hpsearch.study import (
     make_pruner,
     make_sampler,
     may_start_trial,
+    sampler_seed,
     suggest,
 )
 from hpsearch.trainer import EpochRecord
@@ -238,3 +239,12 @@ def test_a_retrys_restored_epochs_without_a_stored_value_are_reported() -> None:
     history = [rec(1, 0.2), rec(2, None), rec(3, 0.4), rec(4, 0.5)]  # eval every other epoch
     assert unreported_epochs(history, {1: 0.2, 4: 0.5}) == [(3, 0.4)]
     assert unreported_epochs(history, {1: 0.2, 3: 0.4, 4: 0.5}) == []
+
+
+def test_each_worker_restart_and_resumed_study_draws_from_a_seed_of_its_own() -> None:
+    assert sampler_seed(7, 0, 0) == 7  # the first worker of a fresh study: the study's seed
+    assert sampler_seed(None, 3, 5) is None  # unseeded stays unseeded
+    seeds = {sampler_seed(7, stream, before) for stream in range(8) for before in (0, 4, 40)}
+    assert len(seeds) == 24 and all(s is not None and 0 <= s < 2**32 for s in seeds)
+    assert sampler_seed(7, 2, 4) == sampler_seed(7, 2, 4)  # reproducible
+    assert sampler_seed(7, 1, 0) != sampler_seed(8, 1, 0)  # and follows the study's seed

@@ -499,3 +499,40 @@ def test_an_empty_search_space_runs_the_defaults_and_says_so(
     assert "search_space is empty: every trial trains trainer.defaults" in r.stdout, r.stdout
     [trial] = hps.load_study("tiny", workdir=tmp_path / "w").get_trials()
     assert trial.params == {} and trial.state == TrialState.COMPLETE
+
+
+def test_workers_of_one_seed_propose_different_parameters(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Workers sharing the study's sampler seed drew the same random start-up parameters
+    (the review found trials 0 and 1 of a 2-worker launch alike, and a restarted worker
+    repeating trial 0). Each worker now draws from its own stream; one worker on a fresh
+    study still draws what plain Optuna draws with the study's seed."""
+    import optuna
+    from hpsearch.config import load_config
+    from hpsearch.study import suggest
+
+    sets = ["--set", "sampler={name: random, seed: 3}", "--set", "budget.max_epochs=1",
+            "--set", "pruner={name: none}"]  # fmt: skip
+    two = tmp_path / "two"
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "2", "--trials", "6",
+                  "--workdir", str(two), "--train-fn", DUMMY, "--no-tracking", *sets],
+                 subprocess_env, timeout=180)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    drawn = [tuple(sorted(t.params.items())) for t in hps.load_study("tiny", workdir=two).trials]
+    assert len(drawn) == 6 and len(set(drawn)) == 6, drawn
+
+    one = tmp_path / "one"
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "2",
+                  "--workdir", str(one), "--train-fn", DUMMY, "--no-tracking", *sets],
+                 subprocess_env, timeout=180)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    cfg = load_config("tiny", [s for s in sets if s != "--set"])
+    plain = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    expected = []
+    for _ in range(2):
+        trial = plain.ask()
+        expected.append(suggest(trial, cfg))
+        plain.tell(trial, 0.0)
+    got = [t.params for t in hps.load_study("tiny", workdir=one).trials]
+    assert got == expected
