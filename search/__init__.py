@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 from hpsearch.config import StudyConfig, load_config
 from hpsearch.errors import (
+    CheckpointError,
     ConfigError,
     DataError,
     DeviceError,
@@ -43,6 +44,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "DataError",
     "DeviceError",

@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -453,7 +454,7 @@ def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> Non
 
     st = study_status(study, storage, workdir)
     if as_json:
-        click.echo(json.dumps(asdict(st), default=str, indent=2))
+        click.echo(_json(asdict(st)))
         return
     counts = " ".join(f"{k} {v}" for k, v in st.counts.items())
     click.echo(f"study {st.name} ({st.storage}): {counts}")
@@ -469,18 +470,24 @@ def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> Non
         click.echo(f"per-trial start-up (ask to first step): median {st.startup_s_median:.2f} s")
 
 
-def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
-    """A DataFrame row as exact JSON values: NaN -> null, timestamps -> ISO strings."""
-    out: dict[str, Any] = {}
-    for k, v in row.items():
-        if isinstance(v, float) and v != v:
-            v = None
-        elif hasattr(v, "isoformat"):
-            v = v.isoformat()
-        elif hasattr(v, "item"):  # numpy scalars
-            v = v.item()
-        out[str(k)] = v
-    return out
+def _jsonable(value: Any) -> Any:
+    """`value` as strict JSON values (RFC 8259, which jq and JavaScript read): a non-finite
+    float (a diverged val_loss of inf, NaN) -> null, timestamps -> ISO strings."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if hasattr(value, "item"):  # numpy scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _json(value: Any) -> str:
+    return json.dumps(_jsonable(value), indent=2, allow_nan=False, default=str)
 
 
 def format_value(value: Any) -> str:
@@ -513,12 +520,11 @@ def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) 
     Example:
       hpsearch best --study flowers102 -k 3 --json
     """
-    from hpsearch.query import best_trials
+    from hpsearch.query import top_trials
 
-    df = best_trials(study, storage, k, workdir)
-    rows = [_jsonable(r) for r in df.to_dict(orient="records")]
+    rows = top_trials(study, storage, k, workdir)
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(_json(rows))
         return
     if not rows:
         click.echo("no completed trials yet")
@@ -545,7 +551,7 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
 
     rows = list_studies(storage, workdir)
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(_json(rows))
         return
     if not rows:
         click.echo("no studies")

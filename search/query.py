@@ -10,7 +10,7 @@ from typing import Any
 import optuna
 import pandas as pd
 from hpsearch.errors import HpsearchError, StudyNotFoundError
-from hpsearch.storage import StorageSpec, open_storage, resolve_storage
+from hpsearch.storage import StorageSpec, has_optuna_tables, open_storage, resolve_storage
 from hpsearch.study import CONFIG_ATTR
 from optuna.trial import FrozenTrial, TrialState
 
@@ -30,7 +30,9 @@ def load_study(name: str, storage: str | None = None, workdir: Path | None = Non
     spec = _spec(storage, workdir)
     if spec.kind == "journal" and not Path(spec.url).exists():
         raise StudyNotFoundError(f"study {name!r} not found: no journal at {spec.url}")
-    st = open_storage(spec, pool_size=1)
+    if spec.kind == "rdb" and not has_optuna_tables(spec):  # none made in a mistyped database
+        raise StudyNotFoundError(f"study {name!r} not found: no Optuna tables in {spec.display}")
+    st = open_storage(spec, pool_size=1, create=False)
     try:
         return optuna.load_study(study_name=name, storage=st)
     except KeyError as exc:
@@ -38,11 +40,15 @@ def load_study(name: str, storage: str | None = None, workdir: Path | None = Non
 
 
 def _ranked(study: optuna.Study) -> list[FrozenTrial]:
-    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    """Completed trials, best first (ties: the earlier trial). A multi-objective study has
+    no single best: its Pareto front, ordered by the first objective."""
     if len(study.directions) > 1:
-        return list(study.best_trials)
-    reverse = study.direction == optuna.study.StudyDirection.MAXIMIZE
-    return sorted(done, key=lambda t: t.value if t.value is not None else 0.0, reverse=reverse)
+        front = list(study.best_trials)
+        sign = 1.0 if study.directions[0] == optuna.study.StudyDirection.MINIMIZE else -1.0
+        return sorted(front, key=lambda t: (sign * t.values[0], t.number))
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    sign = 1.0 if study.direction == optuna.study.StudyDirection.MINIMIZE else -1.0
+    return sorted(done, key=lambda t: (sign * float(t.value or 0.0), t.number))
 
 
 def checkpoint_uri(trial: FrozenTrial) -> str | None:
@@ -70,16 +76,30 @@ def trial_row(t: FrozenTrial) -> dict[str, Any]:
     return row
 
 
+FIXED_COLUMNS = ("number", "value", "state", "datetime_start", "duration_s", *USER_COLUMNS,
+                 "checkpoint_uri")  # fmt: skip
+
+
+def top_trials(
+    name: str, storage: str | None = None, k: int = 5, workdir: Path | None = None
+) -> list[dict[str, Any]]:
+    """`best_trials` as rows (`trial_row`), each with only its own trial's parameters."""
+    if k < 1:
+        raise HpsearchError(f"k: {k}: must be at least 1")
+    study = load_study(name, storage, workdir)
+    return [trial_row(t) for t in _ranked(study)[:k]]
+
+
 def best_trials(
     name: str, storage: str | None = None, k: int = 5, workdir: Path | None = None
 ) -> pd.DataFrame:
     """The top-k completed trials, best first: number, value, state, one `params_<name>` column
-    per parameter, start and duration, and user attributes including `mlflow_run_id`."""
-    if k < 1:
-        raise HpsearchError(f"k: {k}: must be at least 1")
-    study = load_study(name, storage, workdir)
-    rows = [trial_row(t) for t in _ranked(study)[:k]]
-    return pd.DataFrame(rows)
+    per parameter, start and duration, and user attributes including `mlflow_run_id`. Its
+    columns are there when no trial has completed yet (an empty frame). A multi-objective
+    study gives its Pareto front, ordered by the first objective."""
+    rows = top_trials(name, storage, k, workdir)
+    params = sorted({c for r in rows for c in r if c.startswith("params_")})
+    return pd.DataFrame(rows, columns=[*FIXED_COLUMNS[:3], *params, *FIXED_COLUMNS[3:]])
 
 
 @dataclass(frozen=True)
@@ -120,9 +140,9 @@ def study_status(name: str, storage: str | None = None, workdir: Path | None = N
 
 def list_studies(storage: str | None = None, workdir: Path | None = None) -> list[dict[str, Any]]:
     spec = _spec(storage, workdir)
-    if spec.kind == "journal" and not Path(spec.url).exists():
+    if not (Path(spec.url).exists() if spec.kind == "journal" else has_optuna_tables(spec)):
         return []
-    st = open_storage(spec, pool_size=1)
+    st = open_storage(spec, pool_size=1, create=False)
     out = []
     for s in optuna.get_all_study_summaries(st, include_best_trial=True):
         best = s.best_trial
@@ -138,14 +158,33 @@ def list_studies(storage: str | None = None, workdir: Path | None = None) -> lis
     return out
 
 
+def _local_best_model(trial: FrozenTrial, workdir: Path) -> Path | None:
+    """The trial's best-model file when it is on this machine. Older studies stored the
+    path relative to the launch's folder: then it is looked for under `workdir`."""
+    stored = trial.user_attrs.get("best_model")
+    if not stored:
+        return None
+    path = Path(str(stored))
+    if path.exists():
+        return path
+    parts = path.parts
+    if not path.is_absolute() and "checkpoints" in parts:
+        under = workdir.joinpath(*parts[parts.index("checkpoints") :])
+        if under.exists():
+            return under
+    return None
+
+
 def load_best_model(
     name: str,
     storage: str | None = None,
     tracking_uri: str | None = None,
     workdir: Path | None = None,
     device: str = "cpu",
+    trial: int | None = None,
 ) -> Any:
-    """The torch model of the best trial, in eval mode.
+    """The torch model of the best trial (or of completed trial number `trial`), in eval
+    mode. A multi-objective study has no single best: name the trial.
 
     Weights come from the trial's best-model file when it is on this machine, else from the
     checkpoint logged to MLflow (`tracking_uri`, MLFLOW_TRACKING_URI).
@@ -155,16 +194,28 @@ def load_best_model(
     from hpsearch.trainer import load_trained_model
 
     study = load_study(name, storage, workdir)
-    ranked = _ranked(study)
-    if not ranked:
-        raise HpsearchError(f"study {name!r} has no completed trial yet")
-    best = ranked[0]
+    if trial is not None:
+        done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        chosen = [t for t in done if t.number == trial]
+        if not chosen:
+            raise HpsearchError(f"study {name!r}: trial {trial}: no such completed trial")
+        best = chosen[0]
+    else:
+        if len(study.directions) > 1:
+            raise HpsearchError(
+                f"study {name!r} is multi-objective: no single best trial; pick one of "
+                "best_trials() and pass trial=NUMBER"
+            )
+        ranked = _ranked(study)
+        if not ranked:
+            raise HpsearchError(f"study {name!r} has no completed trial yet")
+        best = ranked[0]
     raw_cfg = study.user_attrs.get(CONFIG_ATTR)
     if not raw_cfg:
         raise HpsearchError(f"study {name!r} has no stored config; was it created by hpsearch?")
     cfg = validate_config(yaml.safe_load(raw_cfg), f"study {name}")
-    path = best.user_attrs.get("best_model")
-    if not path or not Path(str(path)).exists():  # another host's trial: from MLflow
+    path = _local_best_model(best, workdir or default_workdir())
+    if path is None:  # another host's trial: from MLflow
         from hpsearch.runs import download_best_model
 
         path = download_best_model(best, tracking_uri, workdir or default_workdir())

@@ -1019,7 +1019,7 @@ def _export_best_onnx(
 
 def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: Path) -> Path:
     """The best-model checkpoint of a trial, fetched from its MLflow run."""
-    from hpsearch.tracking.server import resolve_tracking_uri
+    from hpsearch.tracking.server import redact_uri, resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
     run_id = trial.user_attrs.get(ATTR_RUN_ID)
@@ -1032,9 +1032,11 @@ def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: P
     dest.mkdir(parents=True, exist_ok=True)
     try:
         local = _client(uri).download_artifacts(run_id, f"{CHECKPOINT_ARTIFACT}/best.pt", str(dest))
-    except Exception as exc:
+    except Exception as exc:  # MlflowException, or an HTTP error: no run, no such artifact
+        shown = redact_uri(uri)  # a password in the URI is never printed
         raise TrackingError(
-            f"trial {trial.number}: cannot download its checkpoint from {uri}: {exc}"
+            f"trial {trial.number}: cannot download its checkpoint from {shown}: "
+            f"{str(exc).replace(uri, shown)}"
         ) from exc
     return Path(local)
 

@@ -126,18 +126,32 @@ def open_storage(
     heartbeat_interval: float | None = None,
     grace_period: float | None = None,
     failed_trial_callback: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
+    create: bool = True,
 ) -> BaseStorage:
-    """Open the storage, checking the connection so that a bad URL fails with one line."""
+    """Open the storage, checking the connection so that a bad URL fails with one line.
+    `create=False` (readers) leaves a database's missing Optuna tables uncreated."""
     if spec.kind == "journal":
         path = Path(spec.url)
+        if path.is_dir():
+            raise StorageError(f"storage {spec.display}: is a folder, not a journal file")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StorageError(
                 f"storage {spec.display}: cannot create folder: {exc.strerror}"
             ) from exc
-        backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
-        return JournalStorage(backend)
+        try:
+            backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
+            return JournalStorage(backend)  # reads the whole journal
+        except OSError as exc:
+            raise StorageError(f"storage {spec.display}: cannot read: {exc}") from exc
+        except (ValueError, KeyError, AssertionError) as exc:
+            # A line that is not JSON, or an operation Optuna does not know ("Should not
+            # reach."): a damaged file, or another program's.
+            raise StorageError(
+                f"storage {spec.display}: not a readable Optuna journal: "
+                f"{type(exc).__name__}: {_one_line(exc)}"
+            ) from exc
     # No pool_pre_ping: it adds a round trip to every session Optuna opens (about 16 per
     # trial). A connection a database restart broke fails its statement instead;
     # SQLAlchemy then discards the pool's connections and `with_db_retry` runs the
@@ -159,6 +173,7 @@ def open_storage(
                 try:
                     return FastRDBStorage(
                         spec.url,
+                        skip_table_creation=not create,
                         engine_kwargs=engine_kwargs,
                         heartbeat_interval=heartbeat_interval,
                         grace_period=grace_period,
@@ -177,6 +192,34 @@ def open_storage(
         raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
     except ImportError as exc:
         raise StorageError(f"storage {spec.display}: driver missing: {exc}") from exc
+    except RuntimeError as exc:  # Optuna: the tables' schema is another Optuna version's
+        raise StorageError(f"storage {spec.display}: {_one_line(exc)}") from exc
+
+
+def has_optuna_tables(spec: StorageSpec) -> bool:
+    """Whether the database holds Optuna's tables; reads only (a SQLite file that does not
+    exist is not created). For readers, which must not create a schema in a database a
+    URL names by mistake."""
+    if spec.kind == "journal":
+        return Path(spec.url).exists()  # a folder there: open_storage says so
+    url = make_url(spec.url)
+    if url.get_backend_name() == "sqlite":
+        db = url.database or ""
+        if db in ("", ":memory:") or not Path(db).is_file():
+            return False
+    try:
+        engine = sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
+    except (SQLAlchemyError, NoSuchModuleError) as exc:
+        raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
+    except ImportError as exc:
+        raise StorageError(f"storage {spec.display}: driver missing: {exc}") from exc
+    try:
+        with engine.connect() as conn:
+            return bool(sa.inspect(conn).has_table("studies"))
+    except SQLAlchemyError as exc:
+        raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
+    finally:
+        engine.dispose()
 
 
 # SQLSTATEs of a schema object that appeared between a check and a CREATE: unique_violation

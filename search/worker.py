@@ -823,7 +823,8 @@ def _tell(
     if result.test_acc is not None:
         attrs[ATTR_TEST_ACC] = float(result.test_acc)
     if result.best_model_path is not None:
-        attrs[ATTR_BEST_MODEL] = str(result.best_model_path)
+        # Absolute: readers (load_best_model) run from any folder.
+        attrs[ATTR_BEST_MODEL] = str(Path(result.best_model_path).absolute())
     uri = run.checkpoint_uri(result) if run is not None else None
     if uri is not None:
         attrs["checkpoint_uri"] = uri

@@ -1,0 +1,177 @@
+"""Reading studies back (`hpsearch.query` and the `status`, `best`, `studies` commands) on
+studies in every shape a reader meets: none complete, non-finite values, conditional params,
+several objectives, damaged or mistyped storages. Found by a review of the query API."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import hpsearch as hps
+import optuna
+import pytest
+import sqlalchemy as sa
+from cli_util import hpsearch
+from hpsearch.query import _local_best_model, best_trials, list_studies, load_best_model
+from optuna.distributions import CategoricalDistribution, IntDistribution
+from optuna.trial import TrialState, create_trial
+
+
+def _journal_study(workdir: Path, name: str, **kwargs: object) -> optuna.Study:
+    workdir.mkdir(parents=True, exist_ok=True)
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(workdir / "optuna.journal"))
+    )
+    return optuna.create_study(study_name=name, storage=storage, **kwargs)  # type: ignore[arg-type]
+
+
+def _tables(url: str) -> set[str]:
+    eng = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with eng.connect() as conn:
+            return set(sa.inspect(conn).get_table_names())
+    finally:
+        eng.dispose()
+
+
+def test_readers_create_no_schema_in_a_database_without_one(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """`studies`, `status`, `best` and the Python readers on a database (or a SQLite path)
+    the URL names by mistake: nothing is created there."""
+    from hpsearch.storage import normalize_url
+
+    assert list_studies(pg_url) == []
+    with pytest.raises(hps.StudyNotFoundError, match="no Optuna tables"):
+        hps.load_study("x", storage=pg_url)
+    r = hpsearch(["best", "-s", "x", "--storage", pg_url], subprocess_env)
+    assert r.returncode == 1 and "no Optuna tables" in r.stderr, r.stderr
+    assert _tables(normalize_url(pg_url)) == set()
+    typo = tmp_path / "typo.db"
+    r = hpsearch(["status", "-s", "x", "--storage", f"sqlite:///{typo}"], subprocess_env)
+    assert r.returncode == 1 and "not found" in r.stderr
+    assert not typo.exists()
+
+
+def test_a_schema_of_another_optuna_version_is_one_line(pg_url: str) -> None:
+    from hpsearch.storage import normalize_url
+
+    url = normalize_url(pg_url)
+    optuna.create_study(storage=url, study_name="old")
+    eng = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with eng.begin() as conn:
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = 'v3.0.0.d'"))
+    eng.dispose()
+    with pytest.raises(hps.StorageError, match="optuna storage upgrade"):
+        list_studies(pg_url)
+
+
+def test_a_damaged_journal_or_a_folder_is_a_storage_error(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    bad = tmp_path / "bad.journal"
+    bad.write_text("not json\nat all\n")
+    with pytest.raises(hps.StorageError, match="not a readable Optuna journal"):
+        hps.load_study("s", storage=str(bad))
+    folder = tmp_path / "dir.journal"
+    folder.mkdir()
+    r = hpsearch(["status", "-s", "s", "--storage", str(folder)], subprocess_env)
+    assert r.returncode == 1 and "is a folder, not a journal file" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_best_trials_of_a_study_with_none_complete_has_its_columns(tmp_path: Path) -> None:
+    study = _journal_study(tmp_path, "empty", direction="maximize")
+    study.tell(
+        study.ask({"lr": optuna.distributions.FloatDistribution(0.1, 1.0)}), state=TrialState.PRUNED
+    )
+    top = best_trials("empty", workdir=tmp_path)
+    assert top.empty
+    assert {"number", "value", "state", "mlflow_run_id", "checkpoint_uri"} <= set(top.columns)
+    assert top[["number", "value", "mlflow_run_id"]].empty  # the README's own selection
+
+
+def test_best_json_is_strict_with_exact_params(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A diverged trial's inf is null in strict JSON (jq, JavaScript); an int parameter stays
+    an int, and a conditional one a trial did not draw is absent, not null."""
+    study = _journal_study(tmp_path, "s", direction="minimize")
+    warm = IntDistribution(0, 5)
+    opt = CategoricalDistribution(["sgd", "adamw"])
+    study.add_trial(create_trial(value=0.5, params={"opt": "sgd", "warmup": 3},
+                                 distributions={"opt": opt, "warmup": warm}))  # fmt: skip
+    study.add_trial(create_trial(value=math.inf, params={"opt": "adamw"},
+                                 distributions={"opt": opt}))  # fmt: skip
+    study.add_trial(create_trial(value=-math.inf, params={"opt": "adamw"},
+                                 distributions={"opt": opt}))  # fmt: skip
+
+    def strict(constant: str) -> None:
+        raise AssertionError(f"{constant} in JSON")
+
+    for cmd in (["best", "-s", "s", "-k", "3"], ["studies"], ["status", "-s", "s"]):
+        r = hpsearch([*cmd, "--workdir", str(tmp_path), "--json"], subprocess_env)
+        assert r.returncode == 0, r.stderr
+        json.loads(r.stdout, parse_constant=strict)
+    r = hpsearch(["best", "-s", "s", "-k", "3", "--workdir", str(tmp_path), "--json"],
+                 subprocess_env)  # fmt: skip
+    rows = json.loads(r.stdout)
+    assert [row["number"] for row in rows] == [2, 0, 1]  # minimize: -inf first
+    assert rows[0]["value"] is None and rows[2]["value"] is None
+    assert rows[1]["params_warmup"] == 3 and isinstance(rows[1]["params_warmup"], int)
+    assert "params_warmup" not in rows[0]
+    r = hpsearch(["best", "-s", "s", "-k", "3", "--workdir", str(tmp_path)], subprocess_env)
+    assert "params {'opt': 'sgd', 'warmup': 3}" in r.stdout, r.stdout
+
+
+def test_a_multi_objective_study_ranks_its_front_and_needs_a_trial_to_load(
+    tmp_path: Path,
+) -> None:
+    study = _journal_study(tmp_path, "mo", directions=["maximize", "minimize"])
+    for values in ([0.5, 2.0], [0.9, 5.0], [0.2, 1.0], [0.1, 9.0]):
+        study.add_trial(create_trial(values=values))
+    top = best_trials("mo", workdir=tmp_path, k=5)
+    assert list(top["number"]) == [1, 0, 2]  # the Pareto front, by the first objective
+    with pytest.raises(hps.HpsearchError, match=r"multi-objective.*trial=NUMBER"):
+        load_best_model("mo", workdir=tmp_path)
+    with pytest.raises(hps.HpsearchError, match="trial 103: no such completed trial"):
+        load_best_model("mo", workdir=tmp_path, trial=103)
+
+
+def test_a_best_model_stored_relative_to_the_launch_folder_is_found_under_the_workdir(
+    tmp_path: Path,
+) -> None:
+    """Older studies stored the best-model path relative to where the launch ran."""
+    work = tmp_path / "run" / ".hpsearch"
+    model = work / "checkpoints" / "tiny" / "trial-00000.best.pt"
+    model.parent.mkdir(parents=True)
+    model.write_bytes(b"weights")
+    trial = create_trial(
+        value=0.5, user_attrs={"best_model": ".hpsearch/checkpoints/tiny/trial-00000.best.pt"}
+    )
+    assert _local_best_model(trial, work) == model
+    absolute = create_trial(value=0.5, user_attrs={"best_model": str(model)})
+    assert _local_best_model(absolute, tmp_path / "elsewhere") == model
+    gone = create_trial(value=0.5, user_attrs={"best_model": "w/checkpoints/tiny/x.best.pt"})
+    assert _local_best_model(gone, work) is None
+
+
+def test_a_failed_download_never_shows_the_tracking_password(tmp_path: Path) -> None:
+    from hpsearch.runs import download_best_model
+
+    trial = create_trial(value=0.5, user_attrs={"mlflow_run_id": "abc123"})
+    with pytest.raises(hps.TrackingError) as info:
+        download_best_model(trial, "http://bob:s3cret@127.0.0.1:9", tmp_path)
+    assert "s3cret" not in str(info.value) and "bob:***@127.0.0.1:9" in str(info.value)
+
+
+def test_every_library_exception_is_exported() -> None:
+    import inspect
+
+    from hpsearch import errors
+
+    classes = {
+        n for n, c in vars(errors).items() if inspect.isclass(c) and c.__module__ == errors.__name__
+    }
+    assert classes <= set(hps.__all__) and all(hasattr(hps, n) for n in classes)
