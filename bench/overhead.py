@@ -503,6 +503,7 @@ def run_plain(
                 "device": args.device,
                 "workdir": str(workdir),
                 "worker": f"plain:w{i}",
+                "stream": i,  # the seed stream hpsearch's launcher gives its worker i
                 "trials": quota,
                 "checkpoint": bool(args.plain_checkpoint),
                 "timings": str(workdir / "timings" / f"plain-w{i}.jsonl"),
@@ -633,7 +634,9 @@ def plain_loop(spec: dict[str, Any]) -> dict[str, Any]:
     study = optuna.create_study(
         study_name=cfg.name,
         storage=driver_url(spec["storage"]),
-        sampler=make_sampler(cfg),
+        # Each worker its own seed stream, as hpsearch's workers draw (a shared seed would
+        # have every worker train the same parameters).
+        sampler=make_sampler(cfg, int(spec.get("stream", 0))),
         pruner=make_pruner(cfg),
         load_if_exists=True,  # several plain workers share one study
         **kwargs,

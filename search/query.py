@@ -165,10 +165,10 @@ def _local_best_model(trial: FrozenTrial, workdir: Path) -> Path | None:
     if not stored:
         return None
     path = Path(str(stored))
-    if path.exists():
-        return path
-    parts = path.parts
-    if not path.is_absolute() and "checkpoints" in parts:
+    if path.is_absolute():
+        return path if path.exists() else None
+    parts = path.parts  # not looked for in the current folder: another study's may be there
+    if "checkpoints" in parts:
         under = workdir.joinpath(*parts[parts.index("checkpoints") :])
         if under.exists():
             return under

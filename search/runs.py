@@ -1034,10 +1034,11 @@ def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: P
         local = _client(uri).download_artifacts(run_id, f"{CHECKPOINT_ARTIFACT}/best.pt", str(dest))
     except Exception as exc:  # MlflowException, or an HTTP error: no run, no such artifact
         shown = redact_uri(uri)  # a password in the URI is never printed
+        # No cause attached: MLflow's own error, printed in a traceback, holds the URI.
         raise TrackingError(
             f"trial {trial.number}: cannot download its checkpoint from {shown}: "
-            f"{str(exc).replace(uri, shown)}"
-        ) from exc
+            f"{type(exc).__name__}: {str(exc).replace(uri, shown)}"
+        ) from None
     return Path(local)
 
 

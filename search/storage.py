@@ -145,9 +145,9 @@ def open_storage(
             return JournalStorage(backend)  # reads the whole journal
         except OSError as exc:
             raise StorageError(f"storage {spec.display}: cannot read: {exc}") from exc
-        except (ValueError, KeyError, AssertionError) as exc:
-            # A line that is not JSON, or an operation Optuna does not know ("Should not
-            # reach."): a damaged file, or another program's.
+        except (ValueError, KeyError, TypeError, AssertionError) as exc:
+            # A line that is not JSON (or not a JSON object), or an operation Optuna does
+            # not know ("Should not reach."): a damaged file, or another program's.
             raise StorageError(
                 f"storage {spec.display}: not a readable Optuna journal: "
                 f"{type(exc).__name__}: {_one_line(exc)}"
@@ -168,32 +168,50 @@ def open_storage(
         )
     try:
         with _schema_lock(spec):
-            attempt = 1
-            while True:
-                try:
-                    return FastRDBStorage(
-                        spec.url,
-                        skip_table_creation=not create,
-                        engine_kwargs=engine_kwargs,
-                        heartbeat_interval=heartbeat_interval,
-                        grace_period=grace_period,
-                        heartbeat_stale_trial_callback=failed_trial_callback,
-                    )
-                except SQLAlchemyError as exc:
-                    # The lock orders hpsearch's processes only; another Optuna client on
-                    # the same empty database (optuna-dashboard, a notebook) can create a
-                    # table between Optuna's existence check and its CREATE. A second
-                    # attempt finds it there.
-                    if not is_schema_race(exc) or attempt == SCHEMA_RACE_ATTEMPTS:
-                        raise
-                    time.sleep(0.2 * attempt)  # seconds
-                    attempt += 1
+            if create:
+                _create_schema(spec)
+            return FastRDBStorage(
+                spec.url,
+                skip_table_creation=True,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=heartbeat_interval,
+                grace_period=grace_period,
+                heartbeat_stale_trial_callback=failed_trial_callback,
+            )
     except (SQLAlchemyError, NoSuchModuleError) as exc:
         raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
     except ImportError as exc:
         raise StorageError(f"storage {spec.display}: driver missing: {exc}") from exc
     except RuntimeError as exc:  # Optuna: the tables' schema is another Optuna version's
         raise StorageError(f"storage {spec.display}: {_one_line(exc)}") from exc
+
+
+def _create_schema(spec: StorageSpec) -> None:
+    """Optuna's tables where missing, made on connections that close when done (a failed
+    attempt leaves none open in a pool).
+
+    The schema lock orders hpsearch's processes only; another Optuna client on the same
+    empty database (optuna-dashboard, a notebook) can create a table between Optuna's
+    existence check and its CREATE. A second attempt finds it there."""
+    attempt = 1
+    while True:
+        try:
+            RDBStorage(spec.url, engine_kwargs=_one_shot_engine_kwargs(spec)).engine.dispose()
+            return
+        except SQLAlchemyError as exc:
+            if not is_schema_race(exc) or attempt == SCHEMA_RACE_ATTEMPTS:
+                raise
+            time.sleep(0.2 * attempt)  # seconds
+            attempt += 1
+
+
+def _one_shot_engine_kwargs(spec: StorageSpec) -> dict[str, Any]:
+    """An engine whose connections close when returned; on PostgreSQL one that gives up on
+    a server that accepts the connection and never answers."""
+    kwargs: dict[str, Any] = {"poolclass": sa.pool.NullPool}
+    if spec.is_postgres:
+        kwargs["connect_args"] = {"connect_timeout": 10}  # seconds
+    return kwargs
 
 
 def has_optuna_tables(spec: StorageSpec) -> bool:
@@ -208,7 +226,7 @@ def has_optuna_tables(spec: StorageSpec) -> bool:
         if db in ("", ":memory:") or not Path(db).is_file():
             return False
     try:
-        engine = sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
+        engine = sa.create_engine(spec.url, **_one_shot_engine_kwargs(spec))
     except (SQLAlchemyError, NoSuchModuleError) as exc:
         raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
     except ImportError as exc:
@@ -230,7 +248,9 @@ SCHEMA_RACE_ATTEMPTS = 4
 
 def is_schema_race(exc: BaseException) -> bool:
     """True for the error of creating a schema object that another process created first."""
-    return getattr(getattr(exc, "orig", None), "pgcode", None) in _SCHEMA_RACE_CODES
+    orig = getattr(exc, "orig", None)
+    code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)  # psycopg2, 3
+    return code in _SCHEMA_RACE_CODES
 
 
 class HeartbeatStorage(Protocol):
@@ -335,7 +355,7 @@ def _schema_lock(spec: StorageSpec) -> Iterator[None]:
     if not spec.is_postgres:
         yield
         return
-    eng = sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
+    eng = sa.create_engine(spec.url, **_one_shot_engine_kwargs(spec))
     try:
         with _advisory_lock(eng, "<schema>"):
             yield

@@ -74,6 +74,9 @@ def test_a_damaged_journal_or_a_folder_is_a_storage_error(
     bad.write_text("not json\nat all\n")
     with pytest.raises(hps.StorageError, match="not a readable Optuna journal"):
         hps.load_study("s", storage=str(bad))
+    bad.write_text("1\n")  # JSON, but not an operation: a JSON-lines log named by mistake
+    with pytest.raises(hps.StorageError, match="not a readable Optuna journal"):
+        hps.load_study("s", storage=str(bad))
     folder = tmp_path / "dir.journal"
     folder.mkdir()
     r = hpsearch(["status", "-s", "s", "--storage", str(folder)], subprocess_env)
@@ -164,6 +167,8 @@ def test_a_failed_download_never_shows_the_tracking_password(tmp_path: Path) -> 
     with pytest.raises(hps.TrackingError) as info:
         download_best_model(trial, "http://bob:s3cret@127.0.0.1:9", tmp_path)
     assert "s3cret" not in str(info.value) and "bob:***@127.0.0.1:9" in str(info.value)
+    # MLflow's own error, which holds the URI, is not chained to it (a traceback prints it).
+    assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
 def test_every_library_exception_is_exported() -> None:

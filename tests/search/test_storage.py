@@ -3,6 +3,7 @@ batched trial attributes must agree with what Optuna's own API reports."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -213,7 +214,10 @@ def test_a_sampler_that_fails_on_a_claimed_trial_fails_it_and_stops_the_worker(
         def infer_relative_search_space(self, study: object, trial: object) -> dict[str, object]:
             raise TypeError("'<' not supported between instances of 'int' and 'str'")
 
-    monkeypatch.setattr(study_module, "make_sampler", lambda cfg: Broken(seed=0))
+    from hpsearch import worker as worker_module
+
+    for module in (study_module, worker_module):  # the worker's own, seeded for its stream
+        monkeypatch.setattr(module, "make_sampler", lambda cfg, *stream: Broken(seed=0))
     spec = resolve_storage(pg_url, tmp_path)
     cfg = load_config("tiny", overrides=["budget.n_trials=2"])
     opts = WorkerOptions(workdir=tmp_path, device="cpu", train_fn="dummy_trainer:train")
@@ -416,17 +420,21 @@ def test_a_launch_refused_for_its_direction_leaves_the_study_as_it_was(tmp_path:
     assert after[CONFIG_ATTR] == before[CONFIG_ATTR]
 
 
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
 def test_a_table_another_optuna_client_creates_first_does_not_fail_the_open(
-    pg_url: str, tmp_path: Path
+    pg_url: str, tmp_path: Path, driver: str
 ) -> None:
     """The schema lock orders hpsearch's processes only. Another Optuna client (a notebook,
     optuna-dashboard) on the same empty database can create a table between Optuna's check
     and its CREATE: CI saw a worker fail with 'duplicate key value violates unique
     constraint "pg_type_typname_nsp_index" ... (alembic_version, 2200)'. Here that other
-    client holds the table uncommitted until the open waits on it, then commits."""
-    spec = resolve_storage(pg_url, tmp_path)
+    client holds the table uncommitted until the open waits on it, then commits. On both
+    drivers (their errors carry the SQLSTATE differently), and the failed attempt leaves no
+    connection open."""
+    spec = resolve_storage(pg_url.replace("postgresql://", f"postgresql+{driver}://", 1), tmp_path)
     other = sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
     opened: list[object] = []
+    gc.disable()  # an orphaned connection would otherwise close when a collection ran
     try:
         with other.connect() as conn:
             conn.execute(sa.text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)"))
@@ -450,7 +458,12 @@ def test_a_table_another_optuna_client_creates_first_does_not_fail_the_open(
         assert len(opened) == 1 and isinstance(opened[0], BaseStorage), opened
         study = optuna.create_study(storage=opened[0], study_name="after-the-race")
         assert study.study_name == "after-the-race"
+        opened[0].engine.dispose()  # type: ignore[attr-defined]
+        with other.connect() as probe:
+            sql = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            assert probe.execute(sa.text(sql)).scalar() == 1  # this probe's: no orphan
     finally:
+        gc.enable()
         other.dispose()
 
 
