@@ -11,6 +11,7 @@ import functools
 import importlib
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -22,7 +23,7 @@ import zlib
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import optuna
 from hpsearch.config import StudyConfig
@@ -168,11 +169,28 @@ def load_train_fn(spec: str) -> TrainFn:
 
         return train
     module, _, name = spec.partition(":")
+    if not module or not name:
+        raise HpsearchError(f"--train-fn: {spec!r}: expected MODULE:FUNCTION")
     try:
         fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise HpsearchError(f"--train-fn: {spec!r}: cannot import: {exc}") from exc
-    return fn
+    except Exception as exc:  # the module's own import may raise anything (SyntaxError...)
+        raise HpsearchError(
+            f"--train-fn: {spec!r}: cannot import: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not callable(fn):
+        raise HpsearchError(f"--train-fn: {spec!r}: {type(fn).__name__} is not callable")
+    return cast(TrainFn, fn)
+
+
+def check_result(result: object) -> None:
+    """A train function returns a `hpsearch.trainer.TrialResult`; anything else fails its
+    trial with this message rather than the worker."""
+    from hpsearch.trainer import TrialResult
+
+    if not isinstance(result, TrialResult):
+        raise HpsearchError(
+            f"the train function returned {type(result).__name__}, not a TrialResult"
+        )
 
 
 def checkpoint_path(workdir: Path, study: str, root_trial: int) -> Path:
@@ -722,6 +740,7 @@ def run_trial(
                 timing.admission_wait_s = waited
                 result = train_fn(cfg, params, report, options)
                 returned = time.perf_counter()
+                check_result(result)
         except StorageError:
             raise  # the database stayed down past the limit: stop the worker, not the trial
         except AdmissionStopped as exc:  # never started: queue it again as it is
@@ -758,7 +777,14 @@ def run_trial(
         timing.epochs_s = max(0.0, last - training_from)
         timing.finish_s = max(0.0, returned - last)
         t0 = time.perf_counter()
-        outcome = _tell(study, trial, cfg, opts, result, run, db, timing.startup_s)
+        try:
+            outcome = _tell(study, trial, cfg, opts, result, run, db, timing.startup_s)
+        except StorageError:
+            raise
+        except Exception as exc:  # a result the study cannot take: recorded, not a crash
+            _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run,
+                  traceback.format_exc(), db)  # fmt: skip
+            return "error"
         timing.tell_ms = (time.perf_counter() - t0) * 1e3
         if outcome != "interrupted":
             _prune_checkpoints(study, cfg, opts.workdir)
@@ -778,6 +804,11 @@ def _safe_tell(db: Db, fn: Callable[[], Any]) -> bool:
     try:
         db(fn, "tell")
     except optuna.exceptions.UpdateFinishedTrialError as exc:
+        warnings.warn(f"trial was already finished elsewhere: {exc}", stacklevel=2)
+        return False
+    except ValueError as exc:  # Optuna's tell: "Cannot tell a FAIL trial." (same cause)
+        if "Cannot tell a" not in str(exc):
+            raise
         warnings.warn(f"trial was already finished elsewhere: {exc}", stacklevel=2)
         return False
     return True
@@ -845,6 +876,11 @@ def _tell(
         # Pruned, diverged and OOM trials teach the sampler that region is bad; a FAIL
         # would hide it. Optuna uses the last reported value for a PRUNED trial.
         ok = _safe_tell(db, lambda: tell(study, trial, state=TrialState.PRUNED))
+    elif not all(math.isfinite(v) for v in values):
+        # Optuna would store a NaN as FAIL, which counts toward no budget: a trainer that
+        # always returns one would make trials without end. An inf would be the best.
+        _fail(study, trial, "error", f"objective {values} is not finite", run, None, db)
+        return "error"
     else:
         told = values if cfg.objective.multi else values[0]
         ok = _safe_tell(db, lambda: tell(study, trial, told))

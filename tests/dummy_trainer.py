@@ -132,3 +132,17 @@ def train(
         num_classes=2,
         class_names=["a", "b"],
     )
+
+
+def returns_none(config: Any, params: Mapping[str, Any], report: Any, options: Any) -> None:
+    """A train function with a bug: it returns nothing."""
+    return None
+
+
+def returns_nan(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """A train function whose objective is NaN (Optuna would store the trial as FAIL)."""
+    import dataclasses
+
+    return dataclasses.replace(train(config, params, report, options), best_val_acc=math.nan)

@@ -472,3 +472,38 @@ def _open_or_error(spec: StorageSpec) -> object:
         return open_storage(spec)
     except Exception as exc:  # the test shows what the open raised
         return exc
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [("returns_none", "returned NoneType, not a TrialResult"), ("returns_nan", "is not finite")],
+)
+def test_a_train_function_returning_no_usable_result_fails_its_trials_and_stops(
+    tmp_path: Path, fn: str, message: str
+) -> None:
+    """A result the study cannot take fails the trial with a message (the worker crashed on
+    None, leaving the trial RUNNING; a NaN was stored FAIL by Optuna, counted toward nothing,
+    and the worker made trials without end). After max_errors such trials it gives up."""
+    from hpsearch.worker import ATTR_MESSAGE, WorkerOptions, run_worker
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=4", "budget.max_epochs=1"])
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    opts = WorkerOptions(workdir=tmp_path, train_fn=f"dummy_trainer:{fn}", max_errors=2)
+    summary = run_worker(cfg, spec, opts)
+    assert summary.outcomes == {"error": 2}
+    trials = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)
+    assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] * 2
+    assert all(message in t.user_attrs[ATTR_MESSAGE] for t in trials)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [(":train", "expected MODULE:FUNCTION"), ("dummy_trainer:_BARRIER_PASSED", "bool is not callable"),
+     ("json.decoder:nope", "cannot import: AttributeError")],
+)  # fmt: skip
+def test_a_train_function_that_cannot_be_used_is_one_error(spec: str, message: str) -> None:
+    from hpsearch.errors import HpsearchError
+    from hpsearch.worker import load_train_fn
+
+    with pytest.raises(HpsearchError, match=message):
+        load_train_fn(spec)
