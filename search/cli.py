@@ -82,9 +82,14 @@ class _WorkersType(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         text = str(value).strip().lower()
-        if text == "auto" or (text.isdigit() and int(text) >= 1):
+        if text.isascii() and text.isdigit() and int(text) > MAX_WORKERS:
+            self.fail(f"{value!r}: at most {MAX_WORKERS} workers per launch", param, ctx)
+        if text == "auto" or (text.isascii() and text.isdigit() and int(text) >= 1):
             return text
         self.fail(f"{value!r}: expected a whole number >= 1 or 'auto'", param, ctx)
+
+
+MAX_WORKERS = 256  # per launch: 8 GPUs x 32 packed workers; more only exhausts the machine
 
 
 _WORKERS = _WorkersType()
@@ -97,7 +102,8 @@ def _trial_options(fn: F) -> F:
                      help="Stop handing out trials after SEC seconds."),
         click.option("--max-retries", type=click.IntRange(min=0), default=2, show_default=True,
                      help="Retries (resumed from checkpoint) of a trial whose worker died."),
-        click.option("--heartbeat", type=click.IntRange(min=1), default=10, show_default=True,
+        click.option("--heartbeat", type=click.IntRange(min=1, max=3600), default=10,
+                     show_default=True,
                      help="Trial heartbeat in seconds (PostgreSQL); a dead worker's trial is "
                      "failed and re-queued within twice that."),
         click.option("--train-fn", default="", hidden=True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import fcntl
 import importlib
 import json
 import os
@@ -312,6 +313,7 @@ class Launcher:
         self.opts = opts
         self.on_progress = on_progress
         self._stop_requests = 0
+        self._launch_lock: IO[str] | None = None  # run/<study>.lock, held while running
         self._lock = threading.Lock()
         self._slots: list[_Slot] = []
         self._messages: list[str] = []
@@ -339,6 +341,27 @@ class Launcher:
         if self._study is None:
             raise RuntimeError("the launcher's study is opened in run()")
         return self._study
+
+    def _hold_launch_lock(self, path: Path) -> None:
+        """One launch per study and work folder: a second one's workers would share the
+        first's worker names and logs, and its stop would fail the first's trials. Held
+        until this process exits (the kernel drops it even after a SIGKILL)."""
+        fh = open(path, "a+")  # noqa: SIM115 - kept open: the lock lives with it
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "?"
+            fh.close()
+            raise ConfigError(
+                f"study {self.cfg.name!r} is already being launched from {self.opts.workdir} "
+                f"(pid {holder}); add workers to it with `hpsearch worker`, or use another "
+                "--workdir"
+            ) from None
+        fh.truncate(0)
+        fh.write(str(os.getpid()))
+        fh.flush()
+        self._launch_lock = fh
 
     def stop(self) -> None:
         with self._lock:
@@ -371,10 +394,29 @@ class Launcher:
 
     def run(self) -> LaunchSummary:
         cfg, opts = self.cfg, self.opts
-        opts.workdir.mkdir(parents=True, exist_ok=True)
         resolved = opts.workdir / "run" / f"{cfg.name}.yaml"
-        resolved.parent.mkdir(parents=True, exist_ok=True)
-        resolved.write_text(config_to_yaml(cfg))
+        try:
+            for folder in (resolved.parent, opts.workdir / "logs"):
+                folder.mkdir(parents=True, exist_ok=True)
+            self._hold_launch_lock(resolved.with_suffix(".lock"))
+        except OSError as exc:
+            raise ConfigError(
+                f"--workdir: {opts.workdir}: cannot write {exc.filename or resolved}: "
+                f"{exc.strerror or exc}"
+            ) from exc
+        try:
+            return self._run_locked(resolved)
+        finally:
+            if self._launch_lock is not None:
+                self._launch_lock.close()  # releases the lock
+                self._launch_lock = None
+
+    def _run_locked(self, resolved: Path) -> LaunchSummary:
+        cfg, opts = self.cfg, self.opts
+        try:
+            resolved.write_text(config_to_yaml(cfg))
+        except OSError as exc:
+            raise ConfigError(f"--workdir: cannot write {resolved}: {exc.strerror or exc}") from exc
         placement = opts.placement or assign_gpus(opts.workers, opts.gpus)
         if not cfg.search_space:
             # Legitimate (bench/packing.py measures fixed params so), but rarely meant.
@@ -391,9 +433,14 @@ class Launcher:
             # process's own connection and study set-up below. Optuna's create_study with
             # load_if_exists tolerates the race of whoever creates the study first.
             for i, gpu in enumerate(placement):
+                if self._stop_requests:  # Ctrl-C while starting: start no more
+                    break
                 slot = _Slot(i, gpu)
                 self._slots.append(slot)
                 self._spawn(slot, resolved, tracking_uri)
+                if self._stop_requests and slot.proc is not None:  # stop() may have missed it
+                    with contextlib.suppress(ProcessLookupError):
+                        slot.proc.send_signal(signal.SIGTERM)
             self._open_study()
             self._study_settled.set()  # (the finally below sets it when this raised)
             # Orphans are RUNNING trials of dead processes on this host: the workers just

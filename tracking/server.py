@@ -453,31 +453,35 @@ def _spawn_and_wait(
     finally:
         log.close()
     server = LocalServer(proc, url, workdir, log_path)
-    deadline = t0 + timeout_s
-    delay = 0.1
-    while True:
-        if proc.poll() is not None:
-            server.stop()
-            message = (
-                f"the MLflow server exited with code {proc.returncode} before it was ready: "
-                f"{server.log_tail()}"
-            )
-            this_start = _read_tail(log_path).rsplit(START_MARKER, 1)[-1]
-            if "address already in use" in this_start.lower():
-                raise _PortTaken(message)
-            raise TrackingError(message)
-        if health_ok(url, timeout_s=2.0):
-            server.started_s = time.monotonic() - t0
-            server.write_state()
-            return server
-        if time.monotonic() >= deadline:
-            server.stop()
-            raise TrackingError(
-                f"the MLflow server at {url} was not healthy after {timeout_s:.0f} s: "
-                f"{server.log_tail()}"
-            )
-        time.sleep(delay)
-        delay = min(delay * 1.5, 1.0)
+    try:
+        deadline = t0 + timeout_s
+        delay = 0.1
+        while True:
+            if proc.poll() is not None:
+                server.stop()
+                message = (
+                    f"the MLflow server exited with code {proc.returncode} before it was ready: "
+                    f"{server.log_tail()}"
+                )
+                this_start = _read_tail(log_path).rsplit(START_MARKER, 1)[-1]
+                if "address already in use" in this_start.lower():
+                    raise _PortTaken(message)
+                raise TrackingError(message)
+            if health_ok(url, timeout_s=2.0):
+                server.started_s = time.monotonic() - t0
+                server.write_state()
+                return server
+            if time.monotonic() >= deadline:
+                server.stop()
+                raise TrackingError(
+                    f"the MLflow server at {url} was not healthy after {timeout_s:.0f} s: "
+                    f"{server.log_tail()}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C while it starts: no server left behind
+        server.stop()
+        raise
 
 
 def attach_or_start(

@@ -536,3 +536,70 @@ def test_workers_of_one_seed_propose_different_parameters(
         plain.tell(trial, 0.0)
     got = [t.params for t in hps.load_study("tiny", workdir=one).trials]
     assert got == expected
+
+
+def test_a_second_launch_of_a_study_in_one_work_folder_is_refused(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Two launches in one folder named their workers alike and shared their logs; the
+    second's Ctrl-C failed the first's running trial. Now the second is one line, and the
+    first goes on untouched."""
+    work = tmp_path / "w"
+    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1")
+    args = ["launch", "--study", "tiny", "--workers", "1", "--trials", "1", "--workdir",
+            str(work), "--train-fn", DUMMY, "--no-tracking", "--set", "budget.max_epochs=3",
+            "--set", "pruner={name: none}"]  # fmt: skip
+    first = popen(args, env, tmp_path / "first.log")
+    try:
+        lock = work / "run" / "tiny.lock"
+        deadline = time.monotonic() + 60
+        while not (lock.exists() and lock.read_text().strip()):
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.1)
+        second = hpsearch(args, env, timeout=60)
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert f"is already being launched from {work} (pid {first.pid})" in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+        assert first.wait(120) == 0, (tmp_path / "first.log").read_text()
+    finally:
+        first.kill()
+    [trial] = hps.load_study("tiny", workdir=work).get_trials()
+    assert trial.state == TrialState.COMPLETE
+    again = hpsearch([*args[:6], "2", *args[7:]], env, timeout=120)  # the lock went with it
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_a_stop_while_workers_start_starts_no_more(tmp_path: Path) -> None:
+    """Ctrl-C between two worker starts: workers started after it never got the stop and
+    trained through the grace period (and --workers 1000000 went on starting)."""
+    from hpsearch.config import load_config
+    from hpsearch.launcher import Launcher, LaunchOptions
+    from hpsearch.storage import resolve_storage
+
+    cfg = load_config("tiny", ["budget.max_epochs=1"])
+    work = tmp_path / "w"
+    opts = LaunchOptions(workers=3, workdir=work, device="cpu", tracking=False,
+                         train_fn=DUMMY, grace_s=30)  # fmt: skip
+    launcher = Launcher(cfg, resolve_storage(None, work), opts)
+    real = launcher._spawn
+
+    def spawn_then_stop(*args: object) -> None:
+        real(*args)  # type: ignore[arg-type]
+        launcher.stop()  # the Ctrl-C lands right after the first worker started
+
+    launcher._spawn = spawn_then_stop  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    launcher.run()
+    assert len(launcher._slots) == 1
+    assert time.monotonic() - t0 < 25  # not the 30 s grace: the one started got the stop
+
+
+def test_worker_counts_and_heartbeats_past_any_use_are_refused(
+    subprocess_env: dict[str, str], tmp_path: Path
+) -> None:
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "1000000",
+                  "--workdir", str(tmp_path)], subprocess_env)  # fmt: skip
+    assert r.returncode == 2 and "at most 256 workers per launch" in r.stderr
+    r = hpsearch(["worker", "--study", "tiny", "--heartbeat", "99999999999",
+                  "--workdir", str(tmp_path)], subprocess_env)  # fmt: skip
+    assert r.returncode == 2 and "--heartbeat" in r.stderr

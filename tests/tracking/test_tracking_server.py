@@ -184,6 +184,29 @@ def test_a_picked_port_taken_before_the_server_binds_it_is_replaced(
             server.stop()
 
 
+def test_ctrl_c_while_the_server_starts_leaves_no_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hpsearch ui` interrupted before the server answered: the server (its own session,
+    so the terminal's Ctrl-C never reaches it) is stopped, not left holding the port."""
+    started: list[srv.LocalServer] = []
+    real_stop = srv.LocalServer.stop
+
+    def recording_stop(self: srv.LocalServer, timeout_s: float = 10.0) -> None:
+        started.append(self)
+        real_stop(self, timeout_s)
+
+    def interrupted(url: str, timeout_s: float = 2.0) -> bool:
+        time.sleep(1.0)  # the server process is up by now
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(srv.LocalServer, "stop", recording_stop)
+    monkeypatch.setattr(srv, "health_ok", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        start_local_server(tmp_path)
+    assert len(started) == 1 and not started[0].group_alive()
+
+
 def test_server_that_dies_reports_its_stderr_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
