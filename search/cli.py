@@ -587,7 +587,9 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
     default=None,
     help="Take the params of trial N of the study in --storage.",
 )
-@click.option("--seed", type=int, default=None, help="Seed (default: the study's).")
+@click.option(
+    "--seed", type=click.IntRange(0, 2**32 - 1), default=None, help="Seed (default: the study's)."
+)
 @_edge
 def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
           workdir: Path, device: str, storage: str | None, params_json: str | None,

@@ -22,7 +22,8 @@ def flowers_layout_message(root: Path, problem: str = "not found or incomplete")
 def flowers_layout_error(root: Path) -> str | None:
     """The one-line complaint about `<root>/flowers-102/`, or None when its layout is there."""
     base = root / "flowers-102"
-    if (base / "jpg").is_dir() and (base / "setid.mat").is_file():
+    if all([(base / "jpg").is_dir(), (base / "setid.mat").is_file(),
+            (base / "imagelabels.mat").is_file()]):  # fmt: skip
         return None
     return flowers_layout_message(root)
 
@@ -117,13 +118,17 @@ def run_fixed(
     )
     try:
         result = train(cfg, params, lambda epoch, value: False, options)
-    except BaseException:
+    except BaseException as exc:
         if earlier:
             for f, a in zip(files, aside, strict=True):
                 if f.exists():
                     f.replace(f.with_name(f.name + ".failed"))
                 if a.exists():
                     a.replace(f)
+        if isinstance(exc, Exception) and not isinstance(exc, HpsearchError):
+            # What a trial records as its error (say, batch_size 1 under BatchNorm: "Expected
+            # more than 1 value per channel"): one line, as the worker's trial message.
+            raise HpsearchError(f"training failed: {type(exc).__name__}: {exc}") from exc
         raise
     for a in aside:
         a.unlink(missing_ok=True)

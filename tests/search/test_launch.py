@@ -603,3 +603,35 @@ def test_worker_counts_and_heartbeats_past_any_use_are_refused(
     r = hpsearch(["worker", "--study", "tiny", "--heartbeat", "99999999999",
                   "--workdir", str(tmp_path)], subprocess_env)  # fmt: skip
     assert r.returncode == 2 and "--heartbeat" in r.stderr
+
+
+def test_a_fixed_run_the_trainer_fails_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flowers_root: Path
+) -> None:
+    """`hpsearch train` with params the model cannot train (BatchNorm's "Expected more than
+    1 value per channel" at batch 1, say) printed a traceback: now one line, like the
+    message a trial of the search records."""
+    import hpsearch.trainer
+    from hpsearch.config import load_config
+    from hpsearch.errors import HpsearchError
+    from hpsearch.runner import run_fixed
+
+    def failing(*args: object) -> None:
+        raise ValueError("Expected more than 1 value per channel when training")
+
+    monkeypatch.setattr(hpsearch.trainer, "train", failing)
+    cfg = load_config("tiny", data_dir=str(flowers_root))
+    with pytest.raises(HpsearchError, match=r"^training failed: ValueError: Expected more"):
+        run_fixed(cfg, '{"batch_size": 32}', None, None, tmp_path, "cpu", None)
+
+
+def test_a_flowers_folder_without_its_labels_is_refused_before_any_worker(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    base = tmp_path / "data" / "flowers-102"
+    (base / "jpg").mkdir(parents=True)
+    (base / "setid.mat").write_bytes(b"")
+    r = hpsearch(["launch", "--study", "tiny", "--data-dir", str(tmp_path / "data"),
+                  "--workdir", str(tmp_path / "w"), "--no-tracking"], subprocess_env)  # fmt: skip
+    assert r.returncode == 1 and "not found or incomplete" in r.stderr, r.stderr
+    assert not (tmp_path / "w" / "logs").exists() or not any((tmp_path / "w" / "logs").iterdir())
