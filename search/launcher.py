@@ -396,8 +396,7 @@ class Launcher:
         cfg, opts = self.cfg, self.opts
         resolved = opts.workdir / "run" / f"{cfg.name}.yaml"
         try:
-            for folder in (resolved.parent, opts.workdir / "logs"):
-                folder.mkdir(parents=True, exist_ok=True)
+            resolved.parent.mkdir(parents=True, exist_ok=True)
             self._hold_launch_lock(resolved.with_suffix(".lock"))
         except OSError as exc:
             raise ConfigError(
@@ -595,10 +594,16 @@ class Launcher:
             threads = max(1, (os.cpu_count() or 1) // opts.workers)
         env = worker_env(os.environ, self.spec.url, slot.gpu, threads)
         log_dir = opts.workdir / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
         if slot.log is not None:
             slot.log.close()
-        slot.log = open(log_dir / f"worker-{slot.index}.log", "ab")  # noqa: SIM115
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            slot.log = open(log_dir / f"worker-{slot.index}.log", "ab")  # noqa: SIM115
+        except OSError as exc:
+            raise ConfigError(
+                f"--workdir: {opts.workdir}: cannot write {exc.filename or log_dir}: "
+                f"{exc.strerror or exc}"
+            ) from exc
         slot.proc = subprocess.Popen(
             cmd,
             env=env,

@@ -442,6 +442,7 @@ def test_a_fixed_run_that_fails_late_puts_the_earlier_pair_back(
     import pytest
     from hpsearch import trainer
     from hpsearch.config import load_config
+    from hpsearch.errors import HpsearchError
     from hpsearch.runner import run_fixed
 
     ckpt = tmp_path / "train" / "tiny" / "fixed.pt"
@@ -456,7 +457,7 @@ def test_a_fixed_run_that_fails_late_puts_the_earlier_pair_back(
 
     monkeypatch.setattr(trainer, "train", fails_in_test_eval)
     cfg = load_config("tiny")
-    with pytest.raises(RuntimeError, match="out of memory"):
+    with pytest.raises(HpsearchError, match=r"training failed: RuntimeError: .* out of memory"):
         run_fixed(cfg, '{"lr": 0.1, "batch_size": 32}', None, None, tmp_path, "cpu", None)
     assert (ckpt.read_bytes(), best.read_bytes()) == (b"old epochs", b"old best")
     assert (ckpt.parent / "fixed.best.pt.failed").read_bytes() == b"new best"
@@ -635,3 +636,17 @@ def test_a_flowers_folder_without_its_labels_is_refused_before_any_worker(
                   "--workdir", str(tmp_path / "w"), "--no-tracking"], subprocess_env)  # fmt: skip
     assert r.returncode == 1 and "not found or incomplete" in r.stderr, r.stderr
     assert not (tmp_path / "w" / "logs").exists() or not any((tmp_path / "w" / "logs").iterdir())
+
+
+def test_a_work_folder_whose_logs_is_a_file_is_one_line(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "logs").write_text("not a folder")
+    r = hpsearch(["launch", "--study", "tiny", "--workdir", str(work), "--train-fn", DUMMY,
+                  "--no-tracking", "--set", "budget.max_epochs=1"], subprocess_env)  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"Error: --workdir: {work}: cannot write {work / 'logs'}: File exists"
+    ], r.stderr
