@@ -193,6 +193,8 @@ def _create_schema(spec: StorageSpec) -> None:
     The schema lock orders hpsearch's processes only; another Optuna client on the same
     empty database (optuna-dashboard, a notebook) can create a table between Optuna's
     existence check and its CREATE. A second attempt finds it there."""
+    if has_optuna_tables(spec):  # the usual case: one query, not Optuna's whole set-up
+        return
     attempt = 1
     while True:
         try:
