@@ -567,7 +567,7 @@ class Launcher:
             "--device", opts.device,
             "--worker-id", slot.worker_id,
             # Each worker and each restart draws its own parameters (study.sampler_seed).
-            "--sampler-stream", str(slot.index + len(self._slots) * slot.restarts),
+            "--sampler-stream", str(slot.index + opts.workers * slot.restarts),
             "--max-retries", str(opts.max_retries),
             "--heartbeat", str(opts.heartbeat_interval_s),
             # The launch's budget, which the worker records on the study itself: it may

@@ -140,7 +140,7 @@ def study_status(name: str, storage: str | None = None, workdir: Path | None = N
 
 def list_studies(storage: str | None = None, workdir: Path | None = None) -> list[dict[str, Any]]:
     spec = _spec(storage, workdir)
-    if not (Path(spec.url).exists() if spec.kind == "journal" else has_optuna_tables(spec)):
+    if not has_optuna_tables(spec):
         return []
     st = open_storage(spec, pool_size=1, create=False)
     out = []

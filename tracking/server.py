@@ -389,7 +389,8 @@ def start_local_server(
         port = free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
     elif (problem := listen_problem(host, port)) is not None:
         raise TrackingError(f"cannot start the MLflow server on {host}:{port}: {problem}")
-    for attempt in range(1, PICKED_PORT_ATTEMPTS + 1):
+    attempt = 1
+    while True:
         try:
             return _spawn_and_wait(
                 workdir, host, port, workers, timeout_s, allowed_hosts, cors_allowed_origins
@@ -400,7 +401,7 @@ def start_local_server(
             if not picked or attempt == PICKED_PORT_ATTEMPTS:
                 raise TrackingError(str(exc)) from None
             port = free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
-    raise TrackingError(f"cannot start the MLflow server on {host}")  # not reached
+            attempt += 1
 
 
 PICKED_PORT_ATTEMPTS = 3
