@@ -261,7 +261,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             study_file.parent.mkdir(parents=True, exist_ok=True)
             study_file.write_text(config_to_yaml(cfg))
             plan = auto_workers(study_file, use_gpus, workdir, max_per_gpu)
-            placement = place_workers({g: plan.workers_per_gpu for g in use_gpus})
+            placement = place_workers({g: plan.workers_on(g) for g in use_gpus})
             n_workers, packing = len(placement), workdir / "run" / "packing.json"
             click.echo(f"--workers auto: {plan.reason}")
     else:

@@ -119,13 +119,16 @@ def auto_workers(
     timeout_s: float = 900.0,
 ) -> PackingPlan:
     """`--workers auto`: probe the study's trial shapes on the first GPU (in a child
-    process, so this one holds no CUDA context), then pack every GPU alike. The plan is
-    saved as `<workdir>/run/packing.json`; workers reserve memory by it."""
+    process, so this one holds no CUDA context), then pack each GPU by its free memory
+    (the probe reads every GPU's before it trains). The plan is saved as
+    `<workdir>/run/packing.json`; workers reserve memory by it."""
     if not gpus:
         raise DeviceError("--workers auto: no GPU is visible; give --workers N")
     out = workdir / "run" / "probe.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = gpu_env(os.environ, gpus[0])  # as the workers will see it
+    # The first GPU as device 0, as its workers will see it; the others after it, in order,
+    # so that the probe reads their free memory too.
+    env = gpu_env(os.environ, ",".join(gpus))
     cmd = [sys.executable, "-m", "hpsearch.probe", "--study", str(study_file), "--out", str(out)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -139,6 +142,7 @@ def auto_workers(
     plan = plan_from_probe(
         gpus, int(raw["total_bytes"]), models, int(raw["worst_trial_bytes"]),
         float(raw["busy"]), max_per_gpu, int(raw.get("data_bytes", 0)),
+        [int(b) for b in raw.get("free_bytes", [])],
     )  # fmt: skip
     (workdir / "run" / "packing.json").write_text(plan.to_json())
     return plan

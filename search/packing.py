@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpsearch.errors import DeviceError
@@ -227,6 +227,17 @@ class PackingPlan:
     models: list[MemoryModel]
     reason: str
     data_bytes: int = 0  # the decoded dataset each worker keeps on the GPU
+    # Per GPU id, where GPUs differ or hold other jobs' memory: the bytes reservations
+    # count against (free when the probe started) and the workers placed there. A GPU not
+    # listed (a plan from an older version) takes `total_bytes` and `workers_per_gpu`.
+    gpu_bytes: dict[str, int] = field(default_factory=dict)
+    gpu_workers: dict[str, int] = field(default_factory=dict)
+
+    def bytes_on(self, gpu: str) -> int:
+        return self.gpu_bytes.get(gpu, self.total_bytes)
+
+    def workers_on(self, gpu: str) -> int:
+        return self.gpu_workers.get(gpu, self.workers_per_gpu)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -337,16 +348,40 @@ def plan_from_probe(
     busy: float,
     max_per_gpu: int,
     data_bytes: int = 0,
+    free_bytes: Sequence[int | None] = (),
 ) -> PackingPlan:
+    """Workers per GPU from the probe's measurements. `free_bytes[i]` is GPU `gpus[i]`'s
+    free memory when the probe started (None or missing: unknown, `total_bytes` is used):
+    GPUs of unlike sizes, or holding other jobs' memory, get fewer workers, and each one's
+    reservations count against its own free memory."""
     context = max((m.context_bytes for m in models), default=0) + data_bytes
-    k = workers_per_gpu(total_bytes, worst_trial_bytes, context, busy, max_per_gpu)
-    by_memory = int(HEADROOM * total_bytes // max(1, worst_trial_bytes + context))
+    per_worker = max(1, worst_trial_bytes + context)
+    room: dict[str, int] = {}
+    for i, gpu in enumerate(gpus):
+        known = free_bytes[i] if i < len(free_bytes) else None
+        room[gpu] = total_bytes if known is None else min(int(known), total_bytes)
+    counts = {
+        g: workers_per_gpu(room[g], worst_trial_bytes, context, busy, max_per_gpu) for g in gpus
+    }
+    first = gpus[0] if gpus else ""
+    k = counts.get(first, workers_per_gpu(total_bytes, worst_trial_bytes, context, busy,
+                                          max_per_gpu))  # fmt: skip
+    by_memory = int(HEADROOM * room.get(first, total_bytes) // per_worker)
     why = "memory" if k == by_memory else ("compute" if k < max_per_gpu else "the cap")
     reason = (
         f"{k} workers per GPU on {len(gpus)} GPU(s): one worker keeps a GPU {busy:.0%} busy; "
-        f"the largest trial needs {(worst_trial_bytes + context) // MiB} MiB of "
-        f"{total_bytes // MiB} MiB (limited by {why})"
+        f"the largest trial needs {per_worker // MiB} MiB of "
+        f"{room.get(first, total_bytes) // MiB} MiB free (limited by {why})"
     )
+    if len(set(counts.values())) > 1:
+        reason = (
+            f"{sum(counts.values())} workers on {len(gpus)} GPU(s), "
+            + ", ".join(f"{n} on {g} ({room[g] // MiB} MiB free)" for g, n in counts.items())
+            + f": one worker keeps a GPU {busy:.0%} busy; the largest trial needs "
+            f"{per_worker // MiB} MiB"
+        )
+    measured = any(f is not None for f in free_bytes)
     return PackingPlan(
-        list(gpus), k, total_bytes, worst_trial_bytes, busy, list(models), reason, data_bytes
-    )
+        list(gpus), k, total_bytes, worst_trial_bytes, busy, list(models), reason, data_bytes,
+        gpu_bytes=room if measured else {}, gpu_workers=counts if measured else {},
+    )  # fmt: skip

@@ -246,6 +246,11 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = True
     archs, size, small, mid, large = probe_shapes(cfg)
     total = int(torch.cuda.get_device_properties(0).total_memory)
+    # Before any training step: every GPU of the launch's mask, in its order (other jobs'
+    # memory and unlike sizes shrink what may be packed there). Under a MIG mask CUDA shows
+    # one device: the others stay unknown (None) and are planned like the first.
+    free = [int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())]
+    torch.cuda.set_device(0)  # the probe trains on the first GPU
     models: list[MemoryModel] = []
     step_s: dict[int, float] = {}  # batch -> median step seconds, the first arch's
     for i, arch in enumerate(archs):
@@ -267,6 +272,7 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name(0),
         "total_bytes": total,
+        "free_bytes": free,
         "image_size": size,
         "batches": [small, mid, large],
         "busy": busy,

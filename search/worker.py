@@ -967,7 +967,7 @@ def _gpu_reservation(
     if need is None:  # an arch the probe did not see: the largest it did
         context = max((m.context_bytes for m in plan.models), default=0)
         need = plan.worst_trial_bytes + context + plan.data_bytes
-    ledger = GpuLedger(opts.workdir, gpu, plan.total_bytes)
+    ledger = GpuLedger(opts.workdir, gpu, plan.bytes_on(gpu))
     with ledger.reservation(need, stop.is_set) as waited:
         try:
             yield waited

@@ -14,9 +14,10 @@ and hands each sample to a sink, normally :meth:`TrialTracker.log_system`:
 ``system/gpu_sm_clock_mhz``        SM clock, MHz
 =================================  =========================================================
 
-Process-level values are logged (and used by the input-bound rule) only once NVML has listed
-this worker's PID: in a container without the host PID namespace NVML reports host PIDs, and the
-device values are used instead.
+Process-level values are logged (and used by the input-bound rule) only once the NVML query
+that gives them has listed this worker's PID: in a container without the host PID namespace
+NVML reports host PIDs (for one query and not the other on some drivers), and the device
+values are used instead.
 
 With several GPUs every name gets a ``_<nvml index>`` suffix (``_mig<k>`` for MIG entries).
 Summaries (:meth:`GpuSampler.summary`): mean utilization, peak memory, energy in J (NVML's
@@ -24,9 +25,11 @@ energy counter delta where supported, else power integrated over time).
 
 Input-bound rule: once ``window_s`` seconds of samples (after ``warmup_s``) exist, if the mean
 utilization over the last ``window_s`` seconds (this process's utilization when available, since
-trials may share a GPU; else the device's) is below ``threshold_pct``, the sampler flags the
-trial once (warning + ``on_input_bound(mean)``); with ``stop_when_input_bound`` its
-:meth:`GpuSampler.should_stop` turns True so the trainer can stop the trial.
+trials may share a GPU, times the number of processes busy on it in that sample, since packed
+processes take turns: K busy ones read about 100/K % each; else the device's) is below
+``threshold_pct``, the sampler flags the trial once (warning + ``on_input_bound(mean)``); with
+``stop_when_input_bound`` its :meth:`GpuSampler.should_stop` turns True so the trainer can stop
+the trial.
 
 Without NVML or without a visible GPU nothing GPU-related is logged; a warning is logged once
 per process, and nothing raises.
@@ -213,6 +216,13 @@ def is_input_bound(
     return mean < threshold_pct, mean
 
 
+def share_scaled_utilization(process_pct: float, active_processes: int) -> float:
+    """This process's SM utilization (%) scaled to the GPU it would use alone: processes on one
+    GPU (without MPS) are time-sliced, so each of K busy ones reads about 100/K %. Capped at
+    100 %. ``active_processes`` counts the processes NVML sampled as busy, this one included."""
+    return min(100.0, process_pct * max(1, active_processes))
+
+
 def integrate_power(samples: Sequence[tuple[float, float]]) -> float:
     """Energy in J from (time s, power W) samples, trapezoid rule."""
     energy = 0.0
@@ -240,7 +250,12 @@ class _DeviceStats:
     proc_util_n: int = 0
     proc_util_supported: bool = True
     proc_mem_supported: bool = True
-    pid_seen: bool = False  # NVML listed this worker's PID at least once
+    # NVML listed this worker's PID at least once, per query: drivers can answer the two
+    # queries in different PID namespaces inside a container (host PIDs in one, the
+    # container's in the other), so one query's sighting says nothing about the other's.
+    util_pid_seen: bool = False
+    mem_pid_seen: bool = False
+    proc_active_n: int = 1  # processes with a utilization sample in the last query
     last_proc_ts: int = 0  # NVML µs timestamp of the newest process sample seen
     mem_peak_mib: float = 0.0
     proc_mem_peak_mib: float = 0.0
@@ -469,14 +484,16 @@ class GpuSampler:
             out[f"system/gpu_utilization{sfx}"] = util
             dev.util_sum += util
             dev.util_n += 1
-        # Process-level numbers only count once NVML has shown this worker's PID (inside a
-        # container without the host PID namespace it never does: NVML reports host PIDs, and a
-        # constant 0 % would wrongly flag every trial input-bound).
+        # Process-level numbers only count once that query has shown this worker's PID (inside
+        # a container without the host PID namespace it may never: NVML reports host PIDs, and
+        # a constant 0 % would wrongly flag every trial input-bound).
         proc_mem = self._process_memory(dev) if dev.proc_mem_supported else None
         if dev.proc_util_supported:
             proc_util = self._process_utilization(dev)
-        if not dev.pid_seen:
-            proc_util = proc_mem = None
+        if not dev.util_pid_seen:
+            proc_util = None
+        if not dev.mem_pid_seen:
+            proc_mem = None
         if proc_util is not None:
             out[f"system/gpu_process_utilization{sfx}"] = proc_util
             dev.proc_util_sum += proc_util
@@ -504,7 +521,11 @@ class GpuSampler:
             energy = _try(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(h))
             if energy is not None:
                 dev.energy_last_mj = float(energy)
-        return proc_util if proc_util is not None else util
+        if proc_util is None:
+            return util
+        # Processes sharing a GPU take turns on it: K busy packed workers read about 100/K %
+        # each. The rule judges this worker's share scaled by the processes it shares with.
+        return share_scaled_utilization(proc_util, dev.proc_active_n)
 
     def _process_utilization(self, dev: _DeviceStats) -> float | None:
         nvml = self._nvml
@@ -515,14 +536,14 @@ class GpuSampler:
                 dev.proc_util_supported = False
                 return None
             return 0.0  # NOT_FOUND / no sample since last time: this process was idle
-        mine = [
-            s for s in samples if int(s.pid) == self.pid and int(s.timeStamp) > dev.last_proc_ts
-        ]
+        fresh = [s for s in samples if int(s.timeStamp) > dev.last_proc_ts]
+        mine = [s for s in fresh if int(s.pid) == self.pid]
         if samples:
             dev.last_proc_ts = max(dev.last_proc_ts, *(int(s.timeStamp) for s in samples))
+        dev.proc_active_n = max(1, len({int(s.pid) for s in fresh if float(s.smUtil) > 0}))
         if not mine:
             return 0.0
-        dev.pid_seen = True
+        dev.util_pid_seen = True
         return float(sum(float(s.smUtil) for s in mine) / len(mine))
 
     def _process_memory(self, dev: _DeviceStats) -> float | None:
@@ -534,7 +555,7 @@ class GpuSampler:
         used = [p.usedGpuMemory for p in procs if int(p.pid) == self.pid]
         if not used:
             return 0.0
-        dev.pid_seen = True
+        dev.mem_pid_seen = True
         if any(u is None for u in used):  # NVML hides it (e.g. containers without PID ns)
             dev.proc_mem_supported = False
             return None

@@ -3,6 +3,7 @@ admission control. The probe itself needs a CUDA GPU; here it must fail with one
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -178,8 +179,13 @@ def test_the_probe_and_the_workers_get_the_same_gpu_environment(
     with pytest.raises(DeviceError, match="the GPU probe took over"):
         launcher.auto_workers(tmp_path / "s.yaml", ["1", "0"], tmp_path, timeout_s=1.0)
     worker = launcher.worker_env(os.environ, "postgresql://u:secret@h/db", "1", None)
-    for env in (seen[0], worker):
-        assert (env["CUDA_DEVICE_ORDER"], env["CUDA_VISIBLE_DEVICES"]) == ("FASTEST_FIRST", "1")
+    assert (worker["CUDA_DEVICE_ORDER"], worker["CUDA_VISIBLE_DEVICES"]) == ("FASTEST_FIRST", "1")
+    # The probe trains on its device 0, the first workers' GPU; it sees the launch's other
+    # GPUs after it, to read their free memory.
+    assert (seen[0]["CUDA_DEVICE_ORDER"], seen[0]["CUDA_VISIBLE_DEVICES"]) == (
+        "FASTEST_FIRST",
+        "1,0",
+    )
     assert worker["HPSEARCH_STORAGE"] == "postgresql://u:secret@h/db"
     monkeypatch.delenv("CUDA_DEVICE_ORDER")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
@@ -248,6 +254,36 @@ def test_plan_round_trip_and_reason() -> None:
     assert again == plan
     assert again.trial_bytes("resnet18", 64, 112) == GiB + 64 * 20 * MiB + 512 * MiB
     assert again.trial_bytes("resnet50", 64, 112) is None
+
+
+def test_unlike_or_busy_gpus_get_workers_and_reservations_by_their_free_memory(
+    tmp_path: Path,
+) -> None:
+    # An 80 GiB card and a 40 GiB one (or one holding another job's 40 GiB): a trial needs
+    # 17.5 GiB with its context. Packing both like the first ran the second out of memory.
+    models = [MemoryModel("resnet50", 224, 16 * GiB, 0, 1536 * MiB)]
+    plan = plan_from_probe(
+        ["0", "1"], 80 * GiB, models, 16 * GiB, busy=0.1, max_per_gpu=8,
+        free_bytes=[80 * GiB, 40 * GiB],
+    )  # fmt: skip
+    assert plan.workers_on("0") == 4 and plan.workers_on("1") == 2
+    assert place_workers({g: plan.workers_on(g) for g in plan.gpus}) == ["0", "1"] * 2 + ["0"] * 2
+    assert "4 on 0" in plan.reason and "2 on 1" in plan.reason
+    again = PackingPlan.from_json(plan.to_json())
+    assert again == plan and again.bytes_on("1") == 40 * GiB
+    # The second GPU's ledger admits by its own memory: a third 17.5 GiB trial never fits.
+    need = 16 * GiB + 1536 * MiB
+    ledger = GpuLedger(tmp_path, "1", again.bytes_on("1"))
+    assert ledger.try_reserve(need, pid=os.getpid())
+    assert ledger.try_reserve(need, pid=os.getppid())
+    assert not GpuLedger(tmp_path, "1", again.bytes_on("1")).try_reserve(need, pid=1)
+    # A plan without per-GPU figures (an older version's, or free memory unknown) packs
+    # every GPU like the first.
+    old = plan_from_probe(["0", "1"], 80 * GiB, models, 16 * GiB, busy=0.1, max_per_gpu=8)
+    assert old.gpu_bytes == {} and old.workers_on("1") == 4 and old.bytes_on("1") == 80 * GiB
+    raw = json.loads(old.to_json())
+    del raw["gpu_bytes"], raw["gpu_workers"]
+    assert PackingPlan.from_json(json.dumps(raw)).workers_on("1") == 4
 
 
 def test_probe_shapes_of_the_headline_study() -> None:

@@ -17,6 +17,7 @@ from hpsearch.tracking.gpu import (
     refs_by_uuid,
     resolve_visible_devices,
     sampler_for_tracker,
+    share_scaled_utilization,
 )
 from tracking_helpers import MIG, PID, UUIDS, FakeGpu, FakeNVML
 
@@ -414,3 +415,56 @@ def test_sampler_for_tracker_tags_input_bound() -> None:
         "hpsearch.input_bound_utilization": "10.0",
     }
     assert seen == [10.0] and len(tracker.system) == 6
+
+
+def test_pid_seen_by_the_memory_query_only_keeps_device_utilization() -> None:
+    # Some drivers answer in a container with the container's PID for running processes and
+    # the host's for utilization samples: the memory query's sighting must not make the
+    # utilization query's silence a 0 % that flags every trial input-bound.
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].util = 97.0
+    nvml.gpus[0].proc_util = {99999: 97.0}  # the host PID of this worker
+    nvml.gpus[0].proc_mem = {PID: 2 * 1024**3}
+    clock = Clock()
+    sent: list[Mapping[str, float]] = []
+    s = GpuSampler(
+        sent.append,
+        visible_devices="0",
+        nvml=nvml,
+        pid=PID,
+        clock=clock,
+        warmup_s=0,
+        stop_when_input_bound=True,
+    )
+    assert s.open()
+    for _ in range(20):
+        s.sample_once()
+        clock.t += 5
+    assert not s.input_bound and not s.should_stop()
+    assert not any("gpu_process_utilization" in k for m in sent for k in m)
+    assert sent[-1]["system/gpu_process_memory_mib"] == 2048.0  # its own query saw the PID
+    assert s.stop()["system/gpu_utilization_mean"] == 97.0
+
+
+@pytest.mark.parametrize(("mine", "others", "flagged"), [(24.0, 3, False), (5.0, 3, True)])
+def test_packed_workers_are_judged_by_their_share(mine: float, others: int, flagged: bool) -> None:
+    # Four packed processes on a saturated GPU read about 25 % each: that is a full share,
+    # not input-bound; one at 5 % beside three busy ones is starved.
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].util = 99.0
+    nvml.gpus[0].proc_util = {PID: mine, **{70000 + k: 30.0 for k in range(others)}}
+    clock = Clock()
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock, warmup_s=0)
+    assert s.open()
+    for _ in range(20):
+        s.sample_once()
+        clock.t += 5
+    assert s.input_bound is flagged
+    if flagged:
+        assert s.input_bound_mean == pytest.approx(mine * (others + 1))
+
+
+def test_share_scaled_utilization() -> None:
+    assert share_scaled_utilization(24.0, 4) == 96.0
+    assert share_scaled_utilization(40.0, 4) == 100.0  # capped
+    assert share_scaled_utilization(30.0, 0) == 30.0  # at least this process
