@@ -194,12 +194,15 @@ def gpus_through_mask(requested: Sequence[str], env: Mapping[str, str] | None = 
 
 def gpu_env(env: Mapping[str, str], gpu: str | None) -> dict[str, str]:
     """The environment of a process the launcher places on `gpu` (a worker, the probe).
-    `gpu` is one of `visible_gpus`, which count in this process's CUDA_DEVICE_ORDER: NVML's
-    PCI bus order when unset (CUDA's own default, FASTEST_FIRST, may differ on a machine with
-    unlike GPUs), else the user's, kept so that their CUDA_VISIBLE_DEVICES keeps its meaning.
-    Telemetry finds the GPU by its UUID under another order (`tracking.gpu`)."""
+    `gpu` is one of `visible_gpus`. Without a CUDA_VISIBLE_DEVICES of the user's, those are
+    NVML's indices, in PCI bus order, which CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA's too
+    (CUDA's own default, FASTEST_FIRST, may differ on a machine with unlike GPUs). The
+    user's mask and order are kept as they are: their mask means what it means to any CUDA
+    program they run (fastest first unless they set an order). Telemetry finds the GPU by its
+    UUID under another order (`tracking.gpu`)."""
     out = dict(env)
-    out.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    if "CUDA_VISIBLE_DEVICES" not in env:
+        out.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     if gpu is not None:
         out["CUDA_VISIBLE_DEVICES"] = gpu
     return out

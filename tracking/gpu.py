@@ -36,9 +36,9 @@ per process, and nothing raises.
 
 CUDA numbers devices fastest-first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; NVML numbers them
 by PCI bus. The launcher sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` for its workers unless the user
-set an order. Under another order, with several GPUs and an index in ``CUDA_VISIBLE_DEVICES``,
-the sampler asks CUDA (through torch) for the UUIDs of the GPUs it sees, so that it samples
-the GPU the trial runs on.
+set a mask or an order (theirs keep the meaning CUDA gives them). Under another order, with
+several GPUs and an index in ``CUDA_VISIBLE_DEVICES``, the sampler asks CUDA (through torch)
+for the UUIDs of the GPUs it sees, so that it samples the GPU the trial runs on.
 """
 
 from __future__ import annotations
@@ -296,7 +296,8 @@ class GpuSampler:
     ) -> None:
         """``visible_devices`` overrides ``$CUDA_VISIBLE_DEVICES``; with ``use_env=False`` and
         no value every GPU is sampled. ``device_order`` is the order its indices count in:
-        ``$CUDA_DEVICE_ORDER`` for the environment's value, else NVML's (PCI_BUS_ID).
+        ``$CUDA_DEVICE_ORDER`` for the environment's value (unset: CUDA's FASTEST_FIRST),
+        else NVML's (PCI_BUS_ID).
         ``cuda_uuids`` lists the GPUs CUDA sees, for an order other than NVML's."""
         self.sink = sink
         self.interval_s = interval_s
@@ -308,8 +309,8 @@ class GpuSampler:
         self.pid = os.getpid() if pid is None else pid
         if visible_devices is None and use_env:
             visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if device_order is None:
-                device_order = os.environ.get("CUDA_DEVICE_ORDER")
+            if device_order is None:  # unset: CUDA's own default
+                device_order = os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
         self.visible_devices = visible_devices
         self.device_order = "PCI_BUS_ID" if device_order is None else device_order
         self._cuda_uuids = cuda_uuids

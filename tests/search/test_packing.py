@@ -150,9 +150,17 @@ def test_gpus_count_among_the_visible_ones() -> None:
 
 
 def test_gpu_env_keeps_the_users_device_order_and_defaults_to_nvmls() -> None:
+    # NVML's indices (no mask of the user's) are in PCI bus order: CUDA is told so.
+    assert gpu_env({"PATH": "/bin"}, "3") == {
+        "PATH": "/bin",
+        "CUDA_VISIBLE_DEVICES": "3",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
+    # The user's mask means what it means to CUDA under their order (unset: fastest first);
+    # an order set here would move "3" to another GPU on a machine with unlike GPUs.
     base = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3"}
     env = gpu_env(base, "3")
-    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "3"}
     assert base == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3"}  # not changed
     # The user's order is what their mask and `--gpus` count in: kept, for the probe too.
     assert gpu_env({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, "1") == {
@@ -190,7 +198,8 @@ def test_the_probe_and_the_workers_get_the_same_gpu_environment(
     monkeypatch.delenv("CUDA_DEVICE_ORDER")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     cpu = launcher.worker_env(os.environ, "postgresql:///db", None, 1)
-    assert cpu["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and cpu["OMP_NUM_THREADS"] == "3"
+    # The user's mask keeps CUDA's meaning (no order set for it); their thread count too.
+    assert "CUDA_DEVICE_ORDER" not in cpu and cpu["OMP_NUM_THREADS"] == "3"
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert launcher.worker_env(os.environ, "postgresql:///db", None, 2)["OMP_NUM_THREADS"] == "2"
 

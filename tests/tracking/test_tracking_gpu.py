@@ -164,6 +164,11 @@ def test_the_environments_order_applies_to_the_environments_mask(
     s = GpuSampler(None, nvml=FakeNVML(fleet()), cuda_uuids=lambda: cuda)
     assert s.open() and s.device_refs == [3]
     s.stop()
+    # No order in the environment is CUDA's default, FASTEST_FIRST: found by UUID too.
+    monkeypatch.delenv("CUDA_DEVICE_ORDER")
+    s = GpuSampler(None, nvml=FakeNVML(fleet()), cuda_uuids=lambda: cuda)
+    assert s.open() and s.device_refs == [3]
+    s.stop()
     # An explicit value is NVML's numbering unless told otherwise (bench/: `nvidia-smi` ids).
     s = GpuSampler(None, visible_devices="1", nvml=FakeNVML(fleet()), cuda_uuids=lambda: cuda)
     assert s.open() and s.device_refs == [1]
