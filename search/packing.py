@@ -269,10 +269,37 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> int | None:
+    """When a process of this machine started, in clock ticks since boot (`/proc/<pid>/stat`
+    field 22): with its PID it names the process, where a PID alone may be reused after a
+    crash or a reboot. None where /proc cannot tell (the process is gone, or not Linux)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()  # after "pid (comm) ": comm may hold spaces
+    try:
+        return int(fields[19])  # field 22 of the whole line, 20th after comm
+    except (IndexError, ValueError):
+        return None
+
+
+def holder_alive(pid: int, start: int | None) -> bool:
+    """Whether the process that made a reservation (`pid`, started at `start` ticks, None
+    when unknown) still runs: a live process under the same PID started later is another."""
+    if not pid_alive(pid):
+        return False
+    if start is None:
+        return True
+    now = process_start(pid)
+    return now is None or now == start
+
+
 class GpuLedger:
     """Memory reservations of the trials running on one GPU of this machine: a JSON file
-    {pid: bytes} under the work folder, changed under flock. Entries of dead processes are
-    dropped, so a killed worker frees its reservation."""
+    {pid: [bytes, start ticks]} under the work folder, changed under flock. Entries of dead
+    processes are dropped, so a killed worker frees its reservation; the start time keeps a
+    PID reused after a crash or a reboot from holding a dead worker's reservation."""
 
     def __init__(self, workdir: Path, gpu: str, total_bytes: int, headroom: float = HEADROOM):
         self.path = Path(workdir) / "gpu" / f"ledger-{gpu}.json"
@@ -289,10 +316,20 @@ class GpuLedger:
                     raw = json.loads(self.path.read_text() or "{}")
                 except (OSError, ValueError):
                     raw = {}
-                book = {int(k): int(v) for k, v in raw.items() if pid_alive(int(k))}
+                starts: dict[int, int | None] = {}
+                book: dict[int, int] = {}
+                for key, value in raw.items():
+                    # [bytes, start]; a bare number from an older version: start unknown
+                    need, start = (value[0], value[1]) if isinstance(value, list) else (value, None)
+                    if holder_alive(int(key), start):
+                        book[int(key)], starts[int(key)] = int(need), start
                 yield book
+                out = {
+                    str(p): [b, starts[p] if p in starts else process_start(p)]
+                    for p, b in book.items()
+                }
                 tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(json.dumps({str(k): v for k, v in book.items()}))
+                tmp.write_text(json.dumps(out))
                 os.replace(tmp, self.path)
             finally:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)

@@ -31,6 +31,7 @@ from hpsearch.packing import (
     gpus_through_mask,
     place_workers,
     plan_from_probe,
+    process_start,
     reference_batch,
     visible_gpus,
     workers_per_gpu,
@@ -467,6 +468,23 @@ def test_ledger_reserves_releases_and_forgets_dead_workers(tmp_path: Path) -> No
     assert ledger.try_reserve(8 * GiB)
     ledger.release()
     assert ledger.reserved() == {}
+
+
+def test_a_reused_pid_does_not_hold_a_dead_workers_reservation(tmp_path: Path) -> None:
+    """The ledger outlives a crash or a reboot, after which a reservation's PID may be a new,
+    unrelated process: the process's start time tells them apart."""
+    ledger = GpuLedger(tmp_path, "0", total_bytes=10 * GiB)
+    me, start = os.getpid(), process_start(os.getpid())
+    assert start is not None
+    assert ledger.try_reserve(6 * GiB, pid=me)
+    assert json.loads(ledger.path.read_text()) == {str(me): [6 * GiB, start]}
+    # The same PID, started at another time: a dead worker's entry, dropped.
+    ledger.path.write_text(json.dumps({str(me): [6 * GiB, start - 1]}))
+    assert ledger.reserved() == {}
+    # An older version's bare entry: kept while the PID lives, as before.
+    ledger.path.write_text(json.dumps({str(me): 6 * GiB}))
+    assert ledger.reserved() == {me: 6 * GiB}
+    assert not ledger.try_reserve(4 * GiB, pid=os.getppid())
 
 
 def test_reservation_waits_for_room_then_gives_up(tmp_path: Path) -> None:
