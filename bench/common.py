@@ -157,8 +157,13 @@ def launch_args(
     trials: int | None = None,
     timeout_s: float | None = None,
     max_restarts: int = 3,
+    max_retries: int | None = None,
 ) -> list[str]:
-    """The `hpsearch launch` argument list: a journal in `workdir`, no MLflow."""
+    """The `hpsearch launch` argument list: a journal in `workdir`, no MLflow.
+
+    `max_restarts` bounds the restarts of a worker process that died; `max_retries` (None:
+    the launch's default, 2) the re-queued retries of a trial whose worker died or was
+    interrupted. A bench that wants every trial run once, by one worker, needs both at 0."""
     args = [
         "--study", study,
         "--workers", str(workers),
@@ -169,6 +174,8 @@ def launch_args(
         "--no-tracking",
         "--max-restarts", str(max_restarts),
     ]  # fmt: skip
+    if max_retries is not None:
+        args += ["--max-retries", str(max_retries)]
     if device == "cuda":
         args += ["--gpus", gpu or "0"]
     if trials is not None:
@@ -260,6 +267,16 @@ def launched_workers(run: LaunchRun) -> tuple[int | None, str]:
     found = re.search(r"^study \S+: \d+ trials, (\d+) workers", log, re.MULTILINE)
     reason = re.search(r"^--workers auto: (.*)$", log, re.MULTILINE)
     return (int(found.group(1)) if found else None), (reason.group(1) if reason else "")
+
+
+# The launcher's lines for a worker that died (launcher._on_exit, the stale-trial check).
+WORKER_DIED = re.compile(r"\bworker \d+ died \(.*$|\btrial \d+: its worker was gone.*$", re.M)
+
+
+def worker_deaths(run: LaunchRun) -> list[str]:
+    """The launch log's lines saying a worker died (its trial failed, perhaps re-queued)."""
+    log = run.log.read_text(errors="replace") if run.log is not None and run.log.is_file() else ""
+    return [m.group(0).strip() for m in WORKER_DIED.finditer(log)]
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -380,6 +397,27 @@ def trial_timings(workdir: Path) -> dict[str, float]:
         if values:
             out[f"{key}_mean"] = statistics.fmean(values)
     return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) of `values`; NaN when there are none.
+
+    p50 is `statistics.median` (the mean of the middle two for an even count; a rounded
+    rank would pick one of them, and Python's round() picks the even one). Other q are
+    linear between the closest ranks (numpy's default, PERCENTILE.INC): with n values the
+    p99 sits at rank 0.99 (n - 1), so under 100 values it lies between the two largest and
+    says little about the tail; the benches record n beside it for that reason."""
+    if not values:
+        return float("nan")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile: q={q}: must be within 0..100")
+    s = sorted(values)
+    if q == 50:
+        return float(statistics.median(s))
+    pos = q / 100.0 * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
 
 
 def fmt(value: float | None, spec: str = ".1f", missing: str = "n/a") -> str:

@@ -56,7 +56,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from common import BenchError, CpuSampler, create_database, drop_database, pg_version
+from common import (
+    BenchError,
+    CpuSampler,
+    create_database,
+    drop_database,
+    percentile,
+    pg_version,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
@@ -140,10 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q / 100.0 * (len(s) - 1)))]
+    """p50 the median, others linear between ranks (common.percentile); NaN when empty."""
+    return percentile(values, q)
 
 
 def summary(values: list[float]) -> dict[str, Any]:
@@ -323,6 +328,18 @@ class Proc:
             self._reader.join(timeout=10)
         return code
 
+    def stop_now(self) -> None:
+        """Ctrl-C or SIGTERM to the bench, as common.run_launch stops a launch: SIGTERM to the
+        child's group (graceful), a second one 1 s later (the launcher kills its workers at
+        once), SIGKILL to the group 10 s after that. A plain loop dies at the first."""
+        for sig, grace_s in ((signal.SIGTERM, 1.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            if self.popen.poll() is not None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=grace_s)
+
     def kill(self) -> None:
         if self.popen.poll() is not None:
             return
@@ -353,7 +370,11 @@ def run_child(spec: dict[str, Any], root: Path, tag: str, env: dict[str, str]) -
     proc = Proc.start(
         [sys.executable, str(SCRIPT), "--child", str(spec_path)], env, root, root / f"{tag}.log"
     )
-    code = proc.wait(time.perf_counter() + 1800.0)
+    try:
+        code = proc.wait(time.perf_counter() + 1800.0)
+    except KeyboardInterrupt:
+        proc.stop_now()
+        raise
     if code != 0:
         raise BenchError(f"{tag} failed (exit {code}): {proc.tail(1)}")
     return dict(json.loads(out_path.read_text()))
@@ -457,8 +478,11 @@ def run_hpsearch(
     proc = Proc.start(cmd, child_env(), root, root / f"hpsearch-{rep}.log")
     try:
         code = proc.wait(time.perf_counter() + args.side_timeout)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`timeout`): stop the launch and its workers
+        proc.stop_now()
+        raise
     finally:
-        proc.kill()  # a no-op once it exited; on Ctrl-C it stops the launch and its workers
+        proc.kill()  # a no-op once it exited
         cpu_s = cpu.stop()
     wall = time.perf_counter() - proc.t0
     exited_at = time.time()
@@ -514,6 +538,10 @@ def run_plain(
             procs.append(Proc.start(cmd, env, root, root / f"plain-{rep}-w{i}.log"))
         deadline = t0 + args.side_timeout
         codes = [p.wait(deadline) for p in procs]
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`timeout`): no plain loop outlives the bench
+        for p in procs:
+            p.stop_now()
+        raise
     finally:
         for p in procs:
             p.kill()
@@ -787,7 +815,7 @@ def print_table(stats: dict[str, dict[str, Any]], ratio: float | None) -> None:
     def counts(c: dict[str, int]) -> str:
         return f"{c.get('complete', 0)}/{c.get('pruned', 0)}/{c.get('fail', 0)}"
 
-    head = f"{'':<28} {'plain':>17} {'hpsearch':>17}  hpsearch/plain"
+    head = f"{'':<28} {'plain':>17} {'hpsearch':>17}  hpsearch/plain (latencies: n)"
     print(head)
     print("-" * len(head))
     timed("wall s (spawn -> exit)", "wall_s")
@@ -799,7 +827,10 @@ def print_table(stats: dict[str, dict[str, Any]], ratio: float | None) -> None:
     row("between trials s p50/p99", pair(p["gap_s"], 2), pair(h["gap_s"], 2))
     for key, label in LATENCIES:
         digits = 2 if key.endswith("_s") else 1
-        row(f"{label} p50/p99", pair(p["latency"][key], digits), pair(h["latency"][key], digits))
+        pl, hl = p["latency"][key], h["latency"][key]
+        # n values each: under 100, the p99 lies between the two largest (common.percentile)
+        n = f"n {pl['n'] if pl else 0} / {hl['n'] if hl else 0}"
+        row(f"{label} p50/p99", pair(pl, digits), pair(hl, digits), n)
     roles = sorted(set(p["cpu_s"]) | set(h["cpu_s"]))
     for role in roles:
         row(f"CPU s: {role}", fmt(p["cpu_s"].get(role)), fmt(h["cpu_s"].get(role)))
@@ -998,10 +1029,25 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+_interrupted = False  # a SIGTERM was turned into KeyboardInterrupt
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM (`timeout ... overhead.py`) as Ctrl-C: KeyboardInterrupt unwinds `bench`, whose
+    handlers stop the launch or plain loops and whose `finally` stops the MLflow server, drops
+    the databases and removes the temp folder. Once only: a second SIGTERM (timeout's) must
+    not cut that clean-up short; SIGKILL still ends the bench."""
+    global _interrupted
+    if not _interrupted:
+        _interrupted = True
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        return child_main(args.child)
+        return child_main(args.child)  # the parent stops its children (their own sessions)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return bench(args)
     except BenchError as exc:

@@ -64,6 +64,7 @@ from common import (
     share_cache,
     trial_timings,
     warm_cache,
+    worker_deaths,
 )
 from hpsearch.config import CategoricalParam, StudyConfig
 from hpsearch.errors import HpsearchError
@@ -191,9 +192,12 @@ def measure(
     share_cache(root / "shared", workdir)
     largest = max((int(w) for w in args.workers if w != "auto"), default=4)
     n_trials = (largest if label == "auto" else int(label)) * args.trials_per_worker
+    # Every trial runs once, in one call, on the worker that asked it: no worker restarts
+    # (--max-restarts 0) and no retries of a trial whose worker died (--max-retries 0, else
+    # another worker would finish it, resumed, and the run would look whole).
     cli = launch_args(
         args.study, sets, data_dir=args.data_dir, workdir=workdir, device=device, gpu=args.gpu,
-        workers=label, trials=n_trials, max_restarts=0,
+        workers=label, trials=n_trials, max_restarts=0, max_retries=0,
     )  # fmt: skip
     print(f"W={label}: {n_trials} trials x {args.epochs} epochs ...", flush=True)
     with GpuWatch(device, args.gpu, args.gpu_interval) as gpu:
@@ -263,10 +267,22 @@ def measure(
         "timings": timings,
         "trials": rows,
     }
+    failed = [t.number for t in trials if t.state == TrialState.FAIL]
+    deaths = worker_deaths(run)
+    result["failed_trials"] = failed
+    result["worker_deaths"] = deaths
+    problems = []
     if run.returncode != 0 or len(done) < n_trials:
+        problems.append(
+            f"launch exit code {run.returncode}, {len(done)}/{n_trials} trials complete"
+        )
+    if failed:
+        problems.append(f"trial {', '.join(map(str, failed))} failed")
+    problems += deaths
+    if problems:
         result["error"] = (
-            f"launch exit code {run.returncode}, {len(done)}/{n_trials} trials complete; "
-            f"last lines of its log (all of it: --keep, {run.log}):\n{run.tail()}"
+            f"{'; '.join(problems)}; last lines of its log (all of it: --keep, {run.log}):\n"
+            f"{run.tail()}"
         )
     return result
 
@@ -302,8 +318,9 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
     # Where a trial's time went (means over trials, s): the trainer's set-up; training; the
     # rest of its epochs (validation, report, checkpoint hand-off, logging: the worker's
     # epochs_s minus training); the finish (test pass, best model's write); and the rest of
-    # the trial (ask, tell, start-up outside the trainer). The bench runs no retries
-    # (--max-restarts 0), so every epoch in a trial's history ran in its timed call.
+    # the trial (ask, tell, start-up outside the trainer). The bench restarts no worker
+    # (--max-restarts 0) and retries no trial (--max-retries 0), and a run with a failed trial
+    # or a dead worker is an error: every epoch in a trial's history ran in its timed call.
     head = (
         f"{'workers':>7} {'warm s/trial':>12} {'warm trials/h':>13} {'setup':>6} {'train':>6} "
         f"{'epoch rest':>10} {'finish':>6} {'other':>6}"

@@ -9,6 +9,15 @@ per epoch, tell):
   hpsearch  hpsearch's worker loop (`run_worker`): exact trial budget, heartbeats, stale-trial
             recovery, per-trial attributes; MLflow off, since this measures the storage
 
+Worker i of either mode draws from seed stream i of the study's sampler seed, as `hpsearch
+launch` numbers its workers (hpsearch.study.sampler_seed): workers sharing one seed would
+propose the same parameters, and the median pruner would then prune fewer trials, so that a
+mode's trials made more report round trips. The table gives the reports per second and the
+pruned share beside trials/s, so that two modes' trials/s compare the same work. Failed
+trials (errors) are not counted in trials/s; trials/s with them is in the JSON
+(`trials_per_s_all`). A worker process that crashes ends the bench's run at once with exit
+code 1.
+
 Example:
     python bench/storage.py --workers 1 8 32 --seconds 15 --json /tmp/bench-storage.json
 """
@@ -20,7 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import statistics
+import queue
 import sys
 import tempfile
 import time
@@ -34,7 +43,7 @@ import sqlalchemy as sa
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import create_database, drop_database, pg_version  # noqa: E402
+from common import create_database, drop_database, percentile, pg_version  # noqa: E402
 from hpsearch.config import load_config  # noqa: E402
 from hpsearch.storage import StorageSpec, normalize_url  # noqa: E402
 from hpsearch.study import create_or_load, make_pruner, make_sampler, suggest  # noqa: E402
@@ -62,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 EPOCH_S_ENV = "HPSEARCH_BENCH_EPOCH_S"  # --epoch-s, read by the forked workers
+# report() calls of this (forked) worker process's dummy trials: its report round trips
+_REPORTS = [0]
 
 
 # --- the dummy trainer (the hpsearch worker loads it as "__main__:dummy_train") ---------
@@ -77,6 +88,7 @@ def dummy_train(
     for epoch in range(1, config.budget.max_epochs + 1):
         time.sleep(epoch_s)
         acc = min(1.0, float(params.get("lr", 0.1)) * epoch)
+        _REPORTS[0] += 1
         if report(epoch, acc):
             reason, pruned_at = "pruned", epoch
             break
@@ -93,18 +105,41 @@ def dummy_train(
 # --- one worker process of each mode ------------------------------------------------------
 
 
-def _plain_worker(url: str, cfg: Any, start_at: float, seconds: float, out: Any) -> None:
+def _plain_worker(
+    url: str, cfg: Any, stream: int, start_at: float, seconds: float, out: Any
+) -> None:
+    lat: dict[str, list[float]] = {"ask": [], "report": [], "tell": []}
+    began = time.monotonic()
+    n = 0
+    try:
+        n = _plain_loop(url, cfg, stream, start_at, seconds, lat)
+        crash = None
+    except Exception as exc:  # reported at once to the bench, not left to its queue timeout
+        crash = f"{type(exc).__name__}: {exc}"
+        print(f"plain worker {os.getpid()}: {crash}", file=sys.stderr, flush=True)
+    out.put({"trials": n, "ok": n, "elapsed": time.monotonic() - began, "lat": lat,
+             "reports": len(lat["report"]), "errors": int(crash is not None),
+             "crash": crash})  # fmt: skip
+
+
+def _plain_loop(
+    url: str, cfg: Any, stream: int, start_at: float, seconds: float, lat: dict[str, list[float]]
+) -> int:
+    """Trials until `seconds` after `start_at`; latencies (s) appended to `lat`."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = optuna.storages.RDBStorage(url)
     study = optuna.load_study(
-        study_name=cfg.name, storage=storage, sampler=make_sampler(cfg), pruner=make_pruner(cfg)
+        study_name=cfg.name,
+        storage=storage,
+        # Worker `stream`'s seed, as hpsearch's launcher gives its worker i (a shared seed
+        # would have every worker propose the same parameters).
+        sampler=make_sampler(cfg, stream),
+        pruner=make_pruner(cfg),
     )
-    lat: dict[str, list[float]] = {"ask": [], "report": [], "tell": []}
     epoch_s = float(os.environ.get(EPOCH_S_ENV, "0"))
     time.sleep(max(0.0, start_at - time.time()))
     t_end = time.monotonic() + seconds
     n = 0
-    began = time.monotonic()
     while time.monotonic() < t_end:
         t0 = time.perf_counter()
         trial = study.ask()
@@ -128,11 +163,11 @@ def _plain_worker(url: str, cfg: Any, start_at: float, seconds: float, out: Any)
             study.tell(trial, value)
         lat["tell"].append(time.perf_counter() - t0)
         n += 1
-    out.put({"trials": n, "elapsed": time.monotonic() - began, "lat": lat, "errors": 0})
+    return n
 
 
 def _hpsearch_worker(
-    url: str, cfg: Any, start_at: float, seconds: float, workdir: str, out: Any
+    url: str, cfg: Any, stream: int, start_at: float, seconds: float, workdir: str, out: Any
 ) -> None:
     from hpsearch.worker import WorkerOptions, run_worker
 
@@ -144,29 +179,55 @@ def _hpsearch_worker(
         timeout_s=seconds,
         train_fn="__main__:dummy_train",
         max_errors=1000,
+        sampler_stream=stream,  # as `hpsearch launch` numbers its workers
     )
     spec = StorageSpec(kind="rdb", url=url, display=url)
     time.sleep(max(0.0, start_at - time.time()))
     began = time.monotonic()
-    errors = 0
+    errors, crash = 0, None
     try:
         summary = run_worker(cfg, spec, opts)
         n = len(summary.trials)
+        # failed trials ("error") and any handed back unfinished ("interrupted")
         errors = summary.outcomes.get("error", 0)
-    except Exception as exc:  # a crashed worker is a result here, not a bench failure
-        print(f"worker {os.getpid()}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        n, errors = 0, 1
-    out.put({"trials": n, "elapsed": time.monotonic() - began, "lat": None, "errors": errors})
+        ok = n - errors - summary.outcomes.get("interrupted", 0)
+    except Exception as exc:  # reported at once to the bench, which ends the run
+        crash = f"{type(exc).__name__}: {exc}"
+        print(f"hpsearch worker {os.getpid()}: {crash}", file=sys.stderr, flush=True)
+        n, ok, errors = 0, 0, 1
+    out.put({"trials": n, "ok": ok, "elapsed": time.monotonic() - began, "lat": None,
+             "reports": _REPORTS[0], "errors": errors, "crash": crash})  # fmt: skip
 
 
 # --- one run ------------------------------------------------------------------------------
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+class WorkerCrash(Exception):
+    """A worker process died or raised: the run's figures would be wrong."""
+
+
+def collect(procs: list[Any], out: Any, limit_s: float) -> list[dict[str, Any]]:
+    """Every worker's result from `out`, or WorkerCrash as soon as one worker reports a crash
+    or exits without a result (killed, or an error outside its try)."""
+    results: list[dict[str, Any]] = []
+    deadline = time.monotonic() + limit_s
+    while len(results) < len(procs):
+        try:
+            r = out.get(timeout=1.0)  # s: how soon a dead worker is noticed
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise WorkerCrash(
+                    f"worker pid {dead[0].pid} exited with code {dead[0].exitcode} without a result"
+                ) from None
+            if time.monotonic() > deadline:
+                raise WorkerCrash(f"no result from {len(procs) - len(results)} "
+                                  f"worker(s) after {limit_s:g} s") from None  # fmt: skip
+            continue
+        if r.get("crash"):
+            raise WorkerCrash(f"a worker crashed: {r['crash']}")
+        results.append(r)
+    return results
 
 
 def run_one(args: argparse.Namespace, mode: str, workers: int) -> dict[str, Any]:
@@ -185,18 +246,28 @@ def run_one(args: argparse.Namespace, mode: str, workers: int) -> dict[str, Any]
         start_at = time.time() + 2.0 + 0.05 * workers  # all processes begin together
         with tempfile.TemporaryDirectory() as workdir:
             procs = []
-            for _ in range(workers):
+            for i in range(workers):  # worker i: seed stream i, in both modes
                 if mode == "plain":
-                    a: tuple[Any, ...] = (url, cfg, start_at, args.seconds, out)
+                    a: tuple[Any, ...] = (url, cfg, i, start_at, args.seconds, out)
                     procs.append(ctx.Process(target=_plain_worker, args=a))
                 else:
-                    a = (url, cfg, start_at, args.seconds, workdir, out)
+                    a = (url, cfg, i, start_at, args.seconds, workdir, out)
                     procs.append(ctx.Process(target=_hpsearch_worker, args=a))
             for p in procs:
                 p.start()
-            results = [out.get(timeout=args.seconds + 300) for _ in procs]
-            for p in procs:
-                p.join(timeout=60)
+            collected = False
+            try:
+                # s: the start barrier, the run, then the last trials and the shut-down
+                results = collect(procs, out, start_at - time.time() + args.seconds + 300)
+                collected = True
+            finally:
+                for p in procs:
+                    if not collected:  # a crash or Ctrl-C: the others' figures are moot
+                        p.kill()
+                    p.join(timeout=60)
+                    if p.is_alive():
+                        p.kill()
+                        p.join(timeout=10)
             lat: dict[str, list[float]] = {"ask": [], "report": [], "tell": []}
             if mode == "plain":
                 for r in results:
@@ -218,24 +289,48 @@ def run_one(args: argparse.Namespace, mode: str, workers: int) -> dict[str, Any]
     finally:
         engine.dispose()
         drop_database(args.pg, db)
-    trials = sum(r["trials"] for r in results)
-    rate = sum(r["trials"] / r["elapsed"] for r in results if r["elapsed"] > 0)
+    return make_row(mode, workers, results, lat, {str(k): int(v) for k, v in states.items()})
+
+
+def make_row(
+    mode: str,
+    workers: int,
+    results: list[dict[str, Any]],
+    lat: dict[str, list[float]],
+    states: dict[str, int],
+) -> dict[str, Any]:
+    """One mode's figures from its workers' results, latencies (ms) and the trials' states."""
+
+    def rate(key: str) -> float:  # per s: each worker's count over its own run time, summed
+        return sum(r[key] / r["elapsed"] for r in results if r["elapsed"] > 0)
+
+    ok = sum(r["ok"] for r in results)
+    reports = sum(r["reports"] for r in results)
+    finished = states.get("COMPLETE", 0) + states.get("PRUNED", 0)
     row: dict[str, Any] = {
         "mode": mode,
         "workers": workers,
-        "trials": trials,
-        "trials_per_s": rate,
+        "trials": ok,  # finished (complete or pruned) trials; failed ones are errors
+        "trials_per_s": rate("ok"),
+        "trials_all": sum(r["trials"] for r in results),  # errors included
+        "trials_per_s_all": rate("trials"),
         "errors": sum(r["errors"] for r in results),
-        "states": {str(k): int(v) for k, v in states.items()},
+        "states": states,
+        # the work per trial: report + should_prune round trips, fewer as more are pruned
+        "reports": reports,
+        "reports_per_s": rate("reports"),
+        "reports_per_trial": reports / ok if ok else None,
+        "pruned_share": states.get("PRUNED", 0) / finished if finished else None,
     }
     for k, v in lat.items():
-        row[f"{k}_p50_ms"] = statistics.median(v) if v else None
-        row[f"{k}_p99_ms"] = _pct(v, 0.99)
+        row[f"{k}_n"] = len(v)  # under 100 values, the p99 lies between the two largest
+        row[f"{k}_p50_ms"] = percentile(v, 50) if v else None
+        row[f"{k}_p99_ms"] = percentile(v, 99) if v else None
     return row
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,23 +345,34 @@ def main(argv: list[str] | None = None) -> int:
             if mode not in ("plain", "hpsearch"):
                 print(f"--modes: {mode!r}: must be plain or hpsearch", file=sys.stderr)
                 return 2
-            row = run_one(args, mode, workers)
+            try:
+                row = run_one(args, mode, workers)
+            except WorkerCrash as exc:
+                print(f"{mode} with {workers} workers: {exc}", file=sys.stderr)
+                return 1
             rows.append(row)
             print(
                 f"{mode:9} {workers:3} workers: {row['trials_per_s']:6.1f} trials/s "
-                f"({row['trials']} trials, {row['errors']} errors)",
+                f"({row['trials']} trials, {row['errors']} errors, "
+                f"{row['reports_per_s']:.1f} reports/s, pruned {_fmt(row['pruned_share'], '.2f')})",
                 flush=True,
             )
     print()
-    print("| mode | workers | trials/s | ask p50/p99 ms | report p50/p99 ms | tell p50/p99 ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| mode | workers | trials/s | errors | reports/s | reports/trial | pruned share "
+          "| ask p50/p99 ms | report p50/p99 ms | tell p50/p99 ms |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
-            f"| {r['mode']} | {r['workers']} | {r['trials_per_s']:.1f} | "
+            f"| {r['mode']} | {r['workers']} | {r['trials_per_s']:.1f} | {r['errors']} | "
+            f"{r['reports_per_s']:.1f} | {_fmt(r['reports_per_trial'], '.2f')} | "
+            f"{_fmt(r['pruned_share'], '.2f')} | "
             f"{_fmt(r['ask_p50_ms'])} / {_fmt(r['ask_p99_ms'])} | "
             f"{_fmt(r['report_p50_ms'])} / {_fmt(r['report_p99_ms'])} | "
             f"{_fmt(r['tell_p50_ms'])} / {_fmt(r['tell_p99_ms'])} |"
         )
+    if any(r["errors"] for r in rows):
+        print("errors: failed trials, not counted in trials/s (with them: trials_per_s_all "
+              "in the JSON)")  # fmt: skip
     if args.json:
         info = {
             "bench": "storage",

@@ -5,14 +5,19 @@ report what it found in that time.
 fresh work folder and journal (the decoded data cache is built beforehand unless --cold, so the
 budget goes to training). Workers stop taking new trials at SEC; trials still running get
 --grace more seconds to finish, then the bench stops the launch as Ctrl-C does (those trials
-checkpoint at their next epoch and are re-queued: counted as interrupted). Reported:
+checkpoint at their next epoch and are re-queued: counted as interrupted). The budget is
+--timeout: best value, times and finished trials count the trials completed by then (launch
+start + SEC); those completed in the grace period are reported beside them. Reported:
 
-  best value        the study's best completed trial (val_acc for flowers102)
+  best value        the best trial completed within the budget (val_acc for flowers102); the
+                    best with the grace period's completions too, where that differs
   test acc          that trial's `test_acc` attribute (trainer.evaluate_test), else its best
                     model evaluated on the test split by the bench
   time to best      launch start to the completion of the best trial
   time to X         launch start to the first completed trial reaching value X (--target)
-  trials            complete, pruned, failed, interrupted; epochs and images trained
+  trials            complete, pruned, failed, interrupted (all, grace period included);
+                    finished within the budget and in the grace period; epochs and images
+                    trained (each epoch once: a retry counts the epochs it trained itself)
   GPU util %        mean NVML device utilization during the launch (hpsearch.tracking.gpu),
                     and from the first trial's start to the time-out (without start-up and
                     the stop); n/a on a CPU
@@ -109,14 +114,20 @@ def train_images(cfg: StudyConfig, params: dict[str, Any], epochs: int, n_train:
     return epochs * min(bs, n_train) * max(1, n_train // bs)
 
 
-def progress_curve(trials: list[Any], started: Any, maximize: bool) -> list[dict[str, float | int]]:
-    """Best value so far at each completed trial that improved it, in completion order."""
+def progress_curve(
+    trials: list[Any], started: Any, maximize: bool, until: dt.datetime | None = None
+) -> list[dict[str, float | int]]:
+    """Best value so far at each completed trial that improved it, in completion order; with
+    `until`, only trials completed by then (local naive time, like Optuna's)."""
     from optuna.trial import TrialState
 
     done = [
         t
         for t in trials
-        if t.state == TrialState.COMPLETE and t.value is not None and t.datetime_complete
+        if t.state == TrialState.COMPLETE
+        and t.value is not None
+        and t.datetime_complete
+        and (until is None or t.datetime_complete <= until)
     ]
     done.sort(key=lambda t: t.datetime_complete)
     curve: list[dict[str, float | int]] = []
@@ -127,6 +138,51 @@ def progress_curve(trials: list[Any], started: Any, maximize: bool) -> list[dict
             at = seconds_since(started, t.datetime_complete) or 0.0
             curve.append({"t_s": at, "value": best, "trial": t.number})
     return curve
+
+
+def split_at(trials: list[Any], deadline: dt.datetime) -> tuple[list[Any], list[Any]]:
+    """Finished (complete or pruned) trials completed by `deadline`, and those after it."""
+    from optuna.trial import TrialState
+
+    finished = [
+        t
+        for t in trials
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and t.datetime_complete
+    ]
+    return (
+        [t for t in finished if t.datetime_complete <= deadline],
+        [t for t in finished if t.datetime_complete > deadline],
+    )
+
+
+def own_epochs(trials: list[Any]) -> dict[int, int]:
+    """Epochs each trial trained itself (trial number -> epochs), so that no epoch counts twice.
+
+    A retry (Optuna's retry callback, for a trial whose worker died or was interrupted) is
+    created WAITING with a copy of its failed trial's attributes, `history` included, and
+    resumes from that trial's checkpoint: the history it writes holds the restored epochs
+    too, and the worker records the first epoch it trained as `resumed_from_epoch`
+    (hpsearch.worker). So: a WAITING trial counts nothing; a retry whose history is still
+    the copy of its predecessor's (it crashed, failed with an error, or ran when the launch
+    stopped, without writing its own) counts nothing; any other retry counts its epochs from
+    `resumed_from_epoch` on; a trial that is not a retry counts its whole history."""
+    from optuna.trial import TrialState
+
+    by_number = {t.number: t for t in trials}
+    out: dict[int, int] = {}
+    for t in trials:
+        history = t.user_attrs.get("history") or []
+        chain = t.system_attrs.get("retry_history") or []  # earlier trials of its chain
+        if t.state == TrialState.WAITING:
+            out[t.number] = 0
+        elif not chain:
+            out[t.number] = len(history)
+        else:
+            before = by_number.get(int(chain[-1]))
+            copied = before is not None and history == (before.user_attrs.get("history") or [])
+            start = int(t.user_attrs.get("resumed_from_epoch", 1))
+            out[t.number] = 0 if copied else sum(1 for r in history if int(r["epoch"]) >= start)
+    return out
 
 
 def time_to(curve: list[dict[str, float | int]], target: float, maximize: bool) -> float | None:
@@ -232,13 +288,18 @@ def run(
     src = data.get_source(cfg, "train")
     n_train = len(src) if src is not None else 0
     epochs = images = 0
-    for t in trials:
-        e = len(t.user_attrs.get("history", []))
+    numbered = {t.number: t for t in trials}
+    for number, e in own_epochs(trials).items():
         epochs += e
-        images += train_images(cfg, t.params, e, n_train)
-    curve = progress_curve(trials, launch.started, maximize)
-    done = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
-    best = (max if maximize else min)(done, key=lambda t: t.value) if done else None
+        images += train_images(cfg, numbered[number].params, e, n_train)
+    # The budget: trials completed by the time-out count; the grace period's are extra.
+    deadline = launch.started + dt.timedelta(seconds=args.timeout)
+    in_budget, in_grace = split_at(trials, deadline)
+    finished = in_budget + in_grace
+    curve = progress_curve(trials, launch.started, maximize, until=deadline)
+    curve_all = progress_curve(trials, launch.started, maximize)
+    best = best_trial([t for t in in_budget if t.state == TrialState.COMPLETE], maximize)
+    best_all = best_trial([t for t in finished if t.state == TrialState.COMPLETE], maximize)
     test_acc, test_from = (None, "no completed trial")
     if best is not None and launch.interrupted:  # before the time limit's SIGKILL
         test_from = "not evaluated: the bench was interrupted"
@@ -250,8 +311,14 @@ def run(
         "launch_returncode": launch.returncode,
         "bench_stops": launch.stops,
         "wall_s": launch.wall_s,
-        "states": states,
-        "finished": states["complete"] + states["pruned"],
+        "states": states,  # all trials, the grace period's included
+        "finished": len(in_budget),  # complete or pruned by the time-out
+        "finished_in_grace": len(in_grace),
+        "grace_states": {
+            "complete": sum(1 for t in in_grace if t.state == TrialState.COMPLETE),
+            "pruned": sum(1 for t in in_grace if t.state == TrialState.PRUNED),
+        },
+        "finished_with_grace": states["complete"] + states["pruned"],
         "interrupted": interrupted,
         "epochs": epochs,
         "train_images": images,
@@ -267,6 +334,15 @@ def run(
         "time_to_best_s": curve[-1]["t_s"] if curve else None,
         "time_to_target_s": {str(x): time_to(curve, x, maximize) for x in args.target},
         "curve": curve,
+        # the same with the trials completed in the grace period (the figures before budget
+        # and grace were told apart)
+        "best_value_with_grace": best_all.value if best_all is not None else None,
+        "best_trial_with_grace": best_all.number if best_all is not None else None,
+        "time_to_best_with_grace_s": curve_all[-1]["t_s"] if curve_all else None,
+        "time_to_target_with_grace_s": {
+            str(x): time_to(curve_all, x, maximize) for x in args.target
+        },
+        "curve_with_grace": curve_all,
         "gpu_utilization_mean": gpu.utilization,
         # from the first trial's start to the time-out: without start-up and the stop
         "gpu_utilization_working": gpu.mean_between(
@@ -299,6 +375,12 @@ def run(
     return 0
 
 
+def best_trial(done: list[Any], maximize: bool) -> Any:
+    """The completed trial with the best value; None when there is none."""
+    done = [t for t in done if t.value is not None]
+    return (max if maximize else min)(done, key=lambda t: t.value) if done else None
+
+
 def print_table(
     cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any], r: dict[str, Any]
 ) -> None:
@@ -313,10 +395,17 @@ def print_table(
     rows = [
         ("wall s", f"{r['wall_s']:.1f}{stopped}"),
         ("trials complete / pruned", f"{s['complete']} / {s['pruned']}"),
+        ("finished by time-out / in grace", f"{r['finished']} / {r['finished_in_grace']}"),
         ("failed / interrupted / waiting", f"{s['fail']} / {r['interrupted']} / {s['waiting']}"),
         ("epochs / train images", f"{r['epochs']} / {r['train_images']}"),
         ("train img/s (e2e)", f"{r['images_per_second_e2e']:.1f}"),
-        (f"best {r['metric']}", best),
+        (f"best {r['metric']} by time-out", best),
+        *(
+            [(f"best {r['metric']} with grace", f"{r['best_value_with_grace']:.4f} (trial "
+              f"{r['best_trial_with_grace']})")]
+            if r["best_trial_with_grace"] != r["best_trial"]
+            else []
+        ),
         ("test acc of best", f"{fmt(r['test_acc'], '.4f')} ({r['test_acc_from']})"),
         ("time to best s", fmt(r["time_to_best_s"])),
         *((f"time to {k} s", fmt(v)) for k, v in r["time_to_target_s"].items()),

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import percentile
 from hpsearch.tracking.mlflow_logger import (
     TrialTracker,
     apply_http_policy,
@@ -65,10 +66,8 @@ def epoch_metrics(e: int) -> dict[str, float]:
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q / 100.0 * (len(s) - 1)))]
+    """p50 the median, others linear between ranks (common.percentile); NaN when empty."""
+    return percentile(values, q)
 
 
 def summary_ms(values: list[float]) -> dict[str, float]:
