@@ -258,6 +258,20 @@ def fail_trial(
     return True
 
 
+def retried_trials(study: optuna.Study, numbers: Sequence[int]) -> set[int]:
+    """Those of trial `numbers` a retry was queued for (Optuna's RetryFailedTrialCallback
+    gives a retry the `retry_history` of its chain; retries come after their trials)."""
+    wanted = set(numbers)
+    found: set[int] = set()
+    for t in study.get_trials(deepcopy=False):
+        # A retry's history names every earlier trial of its chain. The callback appends to
+        # the failed trial's own list, which a cached storage hands out uncopied: a trial's
+        # history may hold its own number, and a retry's the numbers after it.
+        history = t.system_attrs.get("retry_history") or []
+        found |= {n for n in history if n in wanted and n < t.number}
+    return found
+
+
 OWNERLESS_AFTER_S = 60.0  # a worker names itself on its trial within a second of claiming it
 
 
@@ -448,8 +462,8 @@ class Launcher:
             self._study_settled.set()  # (the finally below sets it when this raised)
             # Orphans are RUNNING trials of dead processes on this host: the workers just
             # started have none yet (they are still importing).
-            for n in fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):
-                self._messages.append(f"trial {n}: its worker was gone; re-queued to resume")
+            if orphans := fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):
+                self._messages.append(f"its worker was gone: {self._requeued_text(orphans)}")
             stopped_by = self._supervise(resolved, tracking_uri)
         finally:
             self._study_settled.set()
@@ -623,7 +637,7 @@ class Launcher:
         last = 0.0
         while True:
             if self._tracking_ready() and self._held and (requeued := self._fail_held()):
-                self._event(f"trial {', '.join(map(str, requeued))} re-queued to resume")
+                self._event(self._requeued_text(requeued))
             self._beat_held()
             alive = 0
             for slot in self._slots:
@@ -719,7 +733,7 @@ class Launcher:
         failed, held = self._fail_trials_of(slot.worker_id, f"worker died ({how})")
         msg = f"worker {slot.index} died ({how})"
         if failed:
-            msg += f"; trial {', '.join(map(str, failed))} re-queued to resume"
+            msg += f"; {self._requeued_text(failed)}"
         if held:
             msg += f"; trial {', '.join(map(str, held))} re-queued once MLflow is up"
         if self._stop_requests:
@@ -786,6 +800,20 @@ class Launcher:
         for t, _ in self._held:
             with contextlib.suppress(SQLAlchemyError, optuna.exceptions.StorageInternalError):
                 storage.record_heartbeat(t._trial_id)
+
+    def _requeued_text(self, failed: list[int]) -> str:
+        """What became of failed trials: re-queued, or failed for good when their chain had
+        no retries left (`--max-retries`)."""
+        retried = with_db_retry(lambda: retried_trials(self.study, failed))
+        again = [n for n in failed if n in retried]
+        final = [n for n in failed if n not in retried]
+        parts = [f"trial {', '.join(map(str, again))} re-queued to resume"] if again else []
+        if final:
+            parts.append(
+                f"trial {', '.join(map(str, final))} failed, no retries left "
+                f"(--max-retries {self.opts.max_retries})"
+            )
+        return "; ".join(parts)
 
     def _fail_held(self) -> list[int]:
         """Fail the trials `_fail_trials_of` held, once the tracking set-up is over. Each

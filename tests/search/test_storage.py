@@ -507,3 +507,30 @@ def test_a_train_function_that_cannot_be_used_is_one_error(spec: str, message: s
 
     with pytest.raises(HpsearchError, match=message):
         load_train_fn(spec)
+
+
+def test_a_failed_trial_is_said_re_queued_only_when_its_retry_was_queued(tmp_path: Path) -> None:
+    """`--max-retries 0`, or a chain that used its retries up: the launcher said "re-queued to
+    resume" of a trial failed for good."""
+    import types
+
+    from hpsearch.launcher import Launcher, fail_trial, retried_trials
+
+    spec = resolve_storage(None, tmp_path)
+    cfg = load_config("tiny", overrides=["budget.n_trials=4"])
+    study = create_or_load(cfg, open_storage(spec))
+    first, second = study.ask(), study.ask()
+    frozen = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert fail_trial(study, spec, frozen[first.number], "worker died (test)", 1)
+    assert fail_trial(study, spec, frozen[second.number], "worker died (test)", 0)
+    assert retried_trials(study, [first.number, second.number]) == {first.number}
+    retry = study._storage.get_trial(study.ask()._trial_id)  # the first trial's retry
+    assert retry.system_attrs["retry_history"] == [first.number]
+    assert fail_trial(study, spec, retry, "died again", 1)
+    assert retried_trials(study, [retry.number]) == set()  # its chain used its one retry
+    launcher = types.SimpleNamespace(study=study, opts=types.SimpleNamespace(max_retries=1))
+    text = Launcher._requeued_text(launcher, [first.number, second.number])  # type: ignore[arg-type]
+    assert text == (
+        f"trial {first.number} re-queued to resume; "
+        f"trial {second.number} failed, no retries left (--max-retries 1)"
+    )
