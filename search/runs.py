@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import queue
 import shutil
@@ -27,6 +28,7 @@ from hpsearch.errors import HpsearchError, TrackingError
 from hpsearch.packing import pid_alive
 from hpsearch.storage import StorageSpec
 from hpsearch.study import dominates, objective_values
+from hpsearch.tracking.server import redact_uri, scrub
 from hpsearch.worker import (
     ATTR_BEST_MODEL,
     ATTR_HOST,
@@ -96,16 +98,38 @@ def open_study_run(cfg: StudyConfig, spec: StorageSpec, uri: str) -> str:
 INPUT_BOUND_ATTR = "input_bound_gpu_util"  # Optuna user attr: mean GPU % when flagged
 ONNX_ARTIFACT = "model/best_model.onnx"  # the best trial's model, on its run and the study's
 RESUME_ARTIFACT = "resume/checkpoint.pt"  # latest resume checkpoint (upload_checkpoints)
+# The best model beside it (`best_model_path_for`): a resume checkpoint leaves the best
+# weights out when the trainer keeps them in that file, so a retry on another host needs both.
+RESUME_BEST_ARTIFACT = "resume/checkpoint.best.pt"
+
+
+def _best_beside(checkpoint: Path) -> Path:
+    """`hpsearch.trainer.trial.best_model_path_for` (trial.pt -> trial.best.pt), without
+    importing torch there: a worker with its own `train_fn` may never load it."""
+    return checkpoint.with_name(checkpoint.stem + ".best.pt")
+
+
+def _file_key(path: Path) -> tuple[int, int, int] | None:
+    """(inode, mtime ns, size) of a file, None when it is not there: tells a file that the
+    trainer replaced (atomic_save: a new inode) from the one uploaded before."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 class _CheckpointUploader:
-    """Uploads the latest resume checkpoint off the training thread; a newer one replaces a
-    pending one, so a slow server costs freshness, never training time."""
+    """Uploads the latest resume checkpoint off the training thread, with the best-model file
+    beside it when that is new since the last upload (about 45 MB for a ResNet-18: not sent
+    again with every checkpoint); a newer checkpoint replaces a pending one, so a slow server
+    costs freshness, never training time."""
 
     def __init__(self, client: Any, run_id: str) -> None:
         self.client = client
         self.run_id = run_id
         self._pending: Path | None = None
+        self._best_sent: tuple[int, int, int] | None = None
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-upload")
@@ -125,16 +149,29 @@ class _CheckpointUploader:
                 if self._pending is None:
                     return
                 path, self._pending = self._pending, None
-            tmp = Path(tempfile.mkdtemp(prefix="hpsearch-ckpt-"))
-            try:
-                # Copy first: the trainer replaces the file at the next epoch.
-                snap = tmp / "checkpoint.pt"
-                shutil.copyfile(path, snap)
-                self.client.log_artifact(self.run_id, str(snap), "resume")
-            except Exception as exc:  # best effort: the local checkpoint still exists
-                logger.warning("checkpoint upload failed: %s", exc)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            self._upload(path)
+
+    def _upload(self, path: Path) -> None:
+        folder = RESUME_ARTIFACT.split("/")[0]
+        tmp = Path(tempfile.mkdtemp(prefix="hpsearch-ckpt-"))
+        try:
+            # Copies first: the trainer replaces the files at a later epoch. The best model
+            # goes first: it is written before the checkpoint that refers to it, and a fetch
+            # between the two uploads then finds it no older than the checkpoint.
+            best = _best_beside(path)
+            key = _file_key(best)
+            if key is not None and key != self._best_sent:
+                snap = tmp / Path(RESUME_BEST_ARTIFACT).name
+                shutil.copyfile(best, snap)
+                self.client.log_artifact(self.run_id, str(snap), folder)
+                self._best_sent = key
+            snap = tmp / Path(RESUME_ARTIFACT).name
+            shutil.copyfile(path, snap)
+            self.client.log_artifact(self.run_id, str(snap), folder)
+        except Exception as exc:  # best effort: the local checkpoint still exists
+            logger.warning("checkpoint upload failed: %s", scrub(str(exc)))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def close(self, timeout_s: float = 60.0) -> None:
         with self._cond:
@@ -175,7 +212,7 @@ class _Finisher:
             try:
                 job()
             except Exception as exc:  # best effort: the trial's metrics are already logged
-                logger.warning("finishing a trial's MLflow run failed: %s", exc)
+                logger.warning("finishing a trial's MLflow run failed: %s", scrub(str(exc)))
 
     def close(self, timeout_s: float = 600.0) -> None:
         self._go.set()
@@ -203,6 +240,11 @@ class TrialRun:
         self._study_best = False  # the study's best trial so far when it was told
         if checkpoint is not None and session.cfg.tracking.upload_checkpoints and self.run_id:
             self.uploader = _CheckpointUploader(session.client, self.run_id)
+            if checkpoint.is_file():
+                # A retry's checkpoint (its failed try's, maybe fetched from that try's run):
+                # on this run at once, so that a try dying before its first save of its own
+                # leaves the next one something to resume from.
+                self.uploader.submit(checkpoint)
 
     def log_epoch(self, record: Any, timestamp_ms: int | None = None) -> None:
         self.tracker.log_epoch(int(record.epoch), epoch_metrics(record), timestamp_ms)
@@ -318,11 +360,16 @@ class TrialRun:
                 trial_plots, history, confusion, names, self.trial.number, tmp
             )
         except Exception as exc:  # a plotting problem must not lose the run's metrics
-            logger.warning("trial %s: artifacts failed: %s", self.trial.number, exc)
+            logger.warning("trial %s: artifacts failed: %s", self.trial.number, scrub(str(exc)))
             return []
 
     def finish_failed(self, outcome: str, message: str, tb: str | None) -> None:
         summary = self._gpu_summary()
+        # A snapshot `checkpoint_uri` made for a trial that then failed (its tell raised, or
+        # its value was not finite) is not uploaded: its hard link goes now.
+        best, self._best_to_upload = self._best_to_upload, None
+        if best is not None:
+            _rmtree(best.parent)
 
         def finish() -> None:
             self._close_uploader()
@@ -332,6 +379,7 @@ class TrialRun:
 
 
 SNAPSHOT_PREFIX = ".upload-"
+FETCH_PREFIX = ".fetch-"  # a resume checkpoint being downloaded (fetch_checkpoint)
 OWNER_FILE = ".owner"  # flock-ed by the process that made the snapshot, while it lives
 _owner_fds: dict[Path, int] = {}  # snapshot folder -> its owner file's descriptor
 _owner_fds_lock = threading.Lock()
@@ -420,9 +468,10 @@ def remove_stale_snapshots(checkpoints: Path) -> list[Path]:
     went."""
     gone: list[Path] = []
     host = socket.gethostname()
+    prefixes = (SNAPSHOT_PREFIX, FETCH_PREFIX)  # a killed fetch's download folder too
     for study_dir in _subdirs(checkpoints):
         for folder in _subdirs(study_dir):
-            if folder.name.startswith(SNAPSHOT_PREFIX) and snapshot_abandoned(folder, host):
+            if folder.name.startswith(prefixes) and snapshot_abandoned(folder, host):
                 _rmtree(folder)
                 gone.append(folder)
     return gone
@@ -495,7 +544,7 @@ class TrackingSession:
                     try:
                         job()
                     except Exception as exc:  # one trial's run must not stop the others'
-                        logger.warning("MLflow: a trial's run failed to start: %s", exc)
+                        logger.warning("MLflow: a trial's run failed to start: %s", scrub(str(exc)))
 
     def ready(self) -> bool:
         """Whether the set-up is over (its jobs may still be running)."""
@@ -535,7 +584,7 @@ class TrackingSession:
                     if exp is not None and find_study_runs(self.client, exp.experiment_id):
                         return
                 except MlflowException as exc:  # the server is starting; ask again
-                    logger.debug("study run not there yet: %s", exc)
+                    logger.debug("study run not there yet: %s", scrub(str(exc)))
             time.sleep(0.2)
 
     def finish_later(self, job: Callable[[], None]) -> None:
@@ -555,7 +604,11 @@ class TrackingSession:
             runs = find_study_runs(self.client, self.experiment_id)
             self.parent_run_id = runs[0] if runs else open_study_run(self.cfg, self.spec, self.uri)
         except (TrackingError, HpsearchError) as exc:
-            logger.warning("MLflow at %s unreachable, trials go on without it: %s", self.uri, exc)
+            logger.warning(
+                "MLflow at %s unreachable, trials go on without it: %s",
+                redact_uri(self.uri),
+                scrub(str(exc)),
+            )
             return False
         return True
 
@@ -660,13 +713,15 @@ class TrackingSession:
         values = objective_values(
             self.cfg, result.best_val_acc, result.best_val_loss, result.train_seconds
         )
-        if values is None:
-            return None, False
+        if values is None or not all(math.isfinite(v) for v in values):
+            return None, False  # the worker fails such a trial (see worker._tell)
         study = trial.study
         try:
             done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         except Exception as exc:  # storage hiccup: skip the upload rather than fail the trial
-            logger.warning("could not rank trial %s for checkpoint upload: %s", trial.number, exc)
+            logger.warning(
+                "could not rank trial %s for checkpoint upload: %s", trial.number, scrub(str(exc))
+            )
             return None, False
         directions = self.cfg.objective.directions
         if self.cfg.objective.multi:
@@ -682,19 +737,38 @@ class TrackingSession:
         return (Path(path) if top_k else None), not better
 
     def fetch_checkpoint(self, previous_run_id: str, dest: Path) -> bool:
-        """Download a failed trial's last resume checkpoint (uploaded by another host)."""
-        tmp = Path(tempfile.mkdtemp(prefix="hpsearch-fetch-"))
+        """Download a failed trial's last resume checkpoint (uploaded by another host) to
+        `dest`, and its best-model file, when the run holds one, to `best_model_path_for(dest)`
+        (a stale one there is deleted when it holds none). Both are downloaded into a folder
+        beside `dest` and renamed into place, the checkpoint last: a download cut short
+        leaves no half file that the next retry would trust, nor a checkpoint without its
+        best model."""
+        tmp: Path | None = None
         try:
             self.wait_ready()
-            local = self.client.download_artifacts(previous_run_id, RESUME_ARTIFACT, str(tmp))
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(local, dest)
+            # Owned like a snapshot folder: `remove_stale_snapshots` deletes it once this
+            # process is gone, killed mid-download.
+            tmp = Path(tempfile.mkdtemp(prefix=FETCH_PREFIX, dir=dest.parent))
+            _own(tmp)
+            folder = RESUME_ARTIFACT.split("/")[0]
+            local = Path(self.client.download_artifacts(previous_run_id, folder, str(tmp)))
+            checkpoint = local / Path(RESUME_ARTIFACT).name
+            if not checkpoint.is_file():
+                raise FileNotFoundError(f"{RESUME_ARTIFACT} is not in run {previous_run_id}")
+            best = local / Path(RESUME_BEST_ARTIFACT).name
+            if best.is_file():
+                os.replace(best, _best_beside(dest))
+            else:
+                _best_beside(dest).unlink(missing_ok=True)
+            os.replace(checkpoint, dest)
             return True
         except Exception as exc:  # nothing to resume from: the retry starts over
-            logger.warning("no resume checkpoint in run %s: %s", previous_run_id, exc)
+            logger.warning("no resume checkpoint in run %s: %s", previous_run_id, scrub(str(exc)))
             return False
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                _rmtree(tmp)
 
     def hold_for_onnx(self, trial: Any, run_id: str, weights: Path, value: float) -> None:
         """Keep the model of the trial this worker just told as the study's best so far
@@ -742,7 +816,7 @@ class TrackingSession:
             onnx = export_model_onnx(self.cfg, held.params, held.weights, tmp / "best_model.onnx")
             self.client.log_artifact(held.run_id, str(onnx), ONNX_ARTIFACT.split("/")[0])
         except Exception as exc:  # best effort, like the plots: the trials are all recorded
-            logger.warning("trial %s: ONNX export failed: %s", held.number, exc)
+            logger.warning("trial %s: ONNX export failed: %s", held.number, scrub(str(exc)))
         finally:
             _rmtree(tmp)
             _rmtree(held.weights.parent)
@@ -839,7 +913,9 @@ def record_dead_trial_run(
             tracker.finish(outcome, None, {}, [], None, reason=reason)
         return tracker.run_id
     except Exception as exc:  # best effort: the Optuna state is what counts
-        logger.warning("could not record the MLflow run of trial %s: %s", trial.number, exc)
+        logger.warning(
+            "could not record the MLflow run of trial %s: %s", trial.number, scrub(str(exc))
+        )
         return None
 
 
@@ -851,7 +927,7 @@ def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
     try:
         _end_run(_client(uri), str(run_id), _dead_outcome(reason), reason)
     except Exception as exc:  # best effort: the Optuna state is what counts
-        logger.warning("could not mark MLflow run %s: %s", run_id, exc)
+        logger.warning("could not mark MLflow run %s: %s", run_id, scrub(str(exc)))
 
 
 def _dead_outcome(reason: str) -> str:
@@ -888,31 +964,49 @@ def finalize_study(
     try:
         client = _client(uri)
         runs = find_study_runs(client, ensure_experiment(client, cfg.name))
-        if not runs:
-            return logged
-        parent = runs[0]
         out = Path(tempfile.mkdtemp(prefix="hpsearch-study-"))
-        try:
-            art.trials_csv(study, out / "trials.csv")
-            client.log_artifact(parent, str(out / "trials.csv"))
-            logged.append("trials.csv")
-            plots = out / "plots"
-            art.study_plots(study, plots)
-            if plots.exists() and any(plots.iterdir()):
-                client.log_artifacts(parent, str(plots), "plots")
-                logged.append("plots")
-            if cfg.tracking.onnx and not cfg.objective.multi:
-                found = _best_trial_onnx(client, study, out)
-                found = found or _export_best_onnx(cfg, study, out, client)
-                if found is not None:
-                    onnx, number = found
-                    client.log_artifact(parent, str(onnx), "model")
-                    client.set_tag(parent, "hpsearch.best_trial", str(number))
-                    logged.append(ONNX_ARTIFACT)
-        finally:
-            _rmtree(out)
     except Exception as exc:  # best effort at the end of a launch
-        logger.warning("study artifacts failed: %s", exc)
+        logger.warning("study artifacts failed: %s", scrub(str(exc)))
+        return logged
+    if not runs:
+        _rmtree(out)
+        return logged
+    parent = runs[0]
+
+    def trials() -> None:
+        art.trials_csv(study, out / "trials.csv")
+        client.log_artifact(parent, str(out / "trials.csv"))
+        logged.append("trials.csv")
+
+    def plots() -> None:
+        folder = out / "plots"
+        art.study_plots(study, folder)
+        if folder.exists() and any(folder.iterdir()):
+            client.log_artifacts(parent, str(folder), "plots")
+            logged.append("plots")
+
+    def onnx() -> None:
+        found = _best_trial_onnx(client, study, out)
+        found = found or _export_best_onnx(cfg, study, out, client)
+        if found is not None:
+            path, number = found
+            client.log_artifact(parent, str(path), "model")
+            client.set_tag(parent, "hpsearch.best_trial", str(number))
+            logged.append(ONNX_ARTIFACT)
+
+    steps: list[tuple[str, Callable[[], None]]] = [("trials CSV", trials), ("plots", plots)]
+    if cfg.tracking.onnx and not cfg.objective.multi:
+        steps.append(("best model ONNX", onnx))
+    try:
+        for what, step in steps:
+            # Each on its own: a failed upload, a plot file that cannot be written or a
+            # storage error costs that artifact only.
+            try:
+                step()
+            except Exception as exc:  # best effort at the end of a launch
+                logger.warning("study artifacts: %s failed: %s", what, scrub(str(exc)))
+    finally:
+        _rmtree(out)
     return logged
 
 
@@ -967,7 +1061,7 @@ def _best_trial_onnx(
         best = study.best_trial
         complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     except Exception as exc:  # no complete trial (ValueError), or the storage failing
-        logger.warning("no best trial to take the ONNX of: %s", exc)
+        logger.warning("no best trial to take the ONNX of: %s", scrub(str(exc)))
         return None
     tied = [best] + [t for t in complete if t.value == best.value and t.number != best.number]
     tied = [t for t in tied if t.user_attrs.get(ATTR_RUN_ID)]
@@ -983,7 +1077,7 @@ def _best_trial_onnx(
                     return Path(path), t.number
             except Exception as exc:  # MlflowException, requests' HTTPError (an OSError), ...
                 logger.warning("could not look for trial %s's ONNX in run %s: %s",
-                               t.number, run_id, exc)  # fmt: skip
+                               t.number, run_id, scrub(str(exc)))  # fmt: skip
         if not waiting or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
@@ -1010,7 +1104,9 @@ def _export_best_onnx(
             artifact = f"{CHECKPOINT_ARTIFACT}/best.pt"
             weights = Path(client.download_artifacts(str(run_id), artifact, str(out)))
         except Exception as exc:  # MlflowException, or HTTPError: no such artifact
-            logger.info("no checkpoint of trial %s in run %s: %s", best.number, run_id, exc)
+            logger.info(
+                "no checkpoint of trial %s in run %s: %s", best.number, run_id, scrub(str(exc))
+            )
             return None
     if weights is None or not weights.exists():
         return None
@@ -1019,7 +1115,7 @@ def _export_best_onnx(
 
 def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: Path) -> Path:
     """The best-model checkpoint of a trial, fetched from its MLflow run."""
-    from hpsearch.tracking.server import redact_uri, resolve_tracking_uri
+    from hpsearch.tracking.server import resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
     run_id = trial.user_attrs.get(ATTR_RUN_ID)
@@ -1037,7 +1133,7 @@ def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: P
         # No cause attached: MLflow's own error, printed in a traceback, holds the URI.
         raise TrackingError(
             f"trial {trial.number}: cannot download its checkpoint from {shown}: "
-            f"{type(exc).__name__}: {str(exc).replace(uri, shown)}"
+            f"{type(exc).__name__}: {scrub(str(exc).replace(uri, shown))}"
         ) from None
     return Path(local)
 

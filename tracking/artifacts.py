@@ -221,7 +221,12 @@ def confusion_matrix_png(
 
 STUDY_PLOTS = ("optimization_history", "param_importances", "parallel_coordinate")
 _MIN_COMPLETE = {"optimization_history": 1, "param_importances": 2, "parallel_coordinate": 2}
-_PLOT_ERRORS = (ValueError, RuntimeError, ImportError, TypeError, ZeroDivisionError, KeyError)
+# What one study plot may raise, caught per plot so the others are still written: Optuna's
+# and the plotting libraries' errors, and OSError from write_html/savefig (a full disk, a
+# file that cannot be written).
+_PLOT_ERRORS = (
+    ValueError, RuntimeError, ImportError, TypeError, ZeroDivisionError, KeyError, OSError,
+)  # fmt: skip
 
 
 def _completed(study: optuna.Study) -> int:
@@ -286,6 +291,7 @@ def study_plots(
                 written.append(p)
             except _PLOT_ERRORS as exc:
                 logger.warning("study plots: %s.html failed: %s", name, exc)
+                _discard(out_dir / f"{name}.html")  # a half-written file is not logged
         if png:
             p = out_dir / f"{name}.png"
             if _matplotlib_plot(study, name, p, kwargs):
@@ -310,7 +316,15 @@ def _matplotlib_plot(study: optuna.Study, name: str, path: Path, kwargs: dict[st
     except _PLOT_ERRORS as exc:
         logger.warning("study plots: %s.png failed: %s", name, exc)
         plt.close("all")
+        _discard(path)  # a half-written file is not logged
         return False
+
+
+def _discard(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:  # a folder in its place, say: nothing was written there
+        logger.debug("study plots: %s left: %s", path, exc)
 
 
 def trials_csv(study: optuna.Study, path: Path) -> Path:

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from hpsearch.errors import TrackingError
 from hpsearch.tracking import logger
-from hpsearch.tracking.server import redact_uri
+from hpsearch.tracking.server import redact_uri, scrub
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
@@ -325,9 +325,11 @@ def _call(what: str, fn: Callable[[], T]) -> T:
         return fn()
     except MlflowException as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TrackingError(f"MLflow: cannot {what}: {msg}") from exc
+        # No cause attached: MLflow's error, printed in a traceback, holds the tracking URI
+        # with its password.
+        raise TrackingError(f"MLflow: cannot {what}: {scrub(msg)}") from None
     except OSError as exc:
-        raise TrackingError(f"MLflow: cannot {what}: {exc}") from exc
+        raise TrackingError(f"MLflow: cannot {what}: {scrub(str(exc))}") from None
 
 
 # --------------------------------------------------------------------------- study level
@@ -463,7 +465,9 @@ def close_study_run(client: MlflowClient, run_id: str, status: str = "FINISHED")
 
 
 def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
+    """The first line of an error, its URL credentials masked (MLflow's messages hold the
+    tracking URI)."""
+    text = scrub(str(exc)).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
 
 
@@ -655,7 +659,7 @@ class TrialTracker:
             try:
                 status = terminal_status(outcome)
             except ValueError as exc:
-                logger.warning("MLflow: %s; marking the run FAILED", exc)
+                logger.warning("MLflow: %s; marking the run FAILED", scrub(str(exc)))
                 status = "FAILED"
             tags = terminal_tags(outcome, pruned_at_epoch, reason)
             now_ms = int(time.time() * 1000)

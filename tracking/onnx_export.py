@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,12 +42,35 @@ def export_onnx(
     torch.export-based one takes seconds at the end of every launch) and falls back to the
     torch.export-based exporter (needs onnxscript, works offline) where it fails or is gone.
     Raises TrackingError when both exporters fail or the outputs do not match."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Exported and verified beside `path`, then renamed over it: a failure leaves a good
+    # file already there as it was, and never an unverified one at `path`.
+    fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}",
+                                dir=path.parent)  # fmt: skip
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        _export_and_verify(model, example_input, tmp, atol, rtol, dynamic_batch, verify_batch)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _export_and_verify(
+    model: torch.nn.Module,
+    example_input: torch.Tensor,
+    path: Path,
+    atol: float,
+    rtol: float,
+    dynamic_batch: bool,
+    verify_batch: int | None,
+) -> None:
     import numpy as np
     import onnxruntime as ort
     import torch
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     net = copy.deepcopy(model).to("cpu").eval()
     x = example_input.detach().to("cpu")
     errors: list[str] = []
@@ -82,7 +107,6 @@ def export_onnx(
             f"ONNX output differs from PyTorch: max abs diff {float(diff.max()):.3g} "
             f"(atol {atol:g}, rtol {rtol:g}) for {path}"
         )
-    return path
 
 
 def _export(

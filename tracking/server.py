@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -90,6 +91,59 @@ def redact_uri(uri: str) -> str:
     except ValueError:
         # Not parseable (e.g. a bad port): still never leak a password.
         return re.sub(r"(://[^:/@\s]*):[^@\s]*@", r"\1:***@", uri)
+
+
+# In free text: a URL's `user:password@` (the password ends at the last "@" before the
+# host: it may hold a raw "@", never "/", "?", "#" or white space), and a secret query value.
+_USERINFO_IN_TEXT = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*):[^\s/?#]*@")
+_SECRET_QUERY_IN_TEXT = re.compile(
+    r"([?&](?:" + "|".join(sorted(_SECRET_QUERY_KEYS)) + r")=)[^&#\s'\"]*", re.IGNORECASE
+)
+
+
+def scrub(text: str) -> str:
+    """``text`` with the credentials of every URL in it masked, wherever the URL sits:
+    ``... request to http://bob:S3CRET@host/api failed`` -> ``... http://bob:***@host/api
+    failed`` (MLflow's error messages hold the tracking URI, password included), and
+    ``?password=x`` -> ``?password=***``."""
+    text = _USERINFO_IN_TEXT.sub(r"\1:***@", text)
+    return _SECRET_QUERY_IN_TEXT.sub(r"\1***", text)
+
+
+class ScrubFilter(logging.Filter):
+    """Masks URL credentials in a log record's message and traceback (`scrub`): the safety
+    net under the callers that scrub what they log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = scrub(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        # A traceback is formatted here only when it holds a password: the handler's own
+        # formatter formats the others.
+        text = record.exc_text
+        if record.exc_info and not text:
+            text = logging.Formatter().formatException(record.exc_info)
+        if text and scrub(text) != text:
+            record.exc_text = scrub(text)
+        return True
+
+
+# A logger's filter sees only the records made on that very logger, not its children's:
+# each logger that may carry an MLflow error (hpsearch.tracking: search.runs, search.worker
+# and this package) gets one.
+SCRUBBED_LOGGERS = ("hpsearch", "hpsearch.tracking")
+
+
+def install_log_scrubber() -> None:
+    """Add a `ScrubFilter` to the `SCRUBBED_LOGGERS` (once each)."""
+    for name in SCRUBBED_LOGGERS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, ScrubFilter) for f in target.filters):
+            target.addFilter(ScrubFilter())
+
+
+install_log_scrubber()
 
 
 def store_paths(workdir: Path) -> tuple[Path, Path, Path]:
@@ -519,6 +573,7 @@ __all__ = [
     "redact_uri",
     "resolve_tracking_uri",
     "running_server_url",
+    "scrub",
     "serve_ui",
     "server_command",
     "start_local_server",

@@ -64,3 +64,56 @@ def test_password_never_leaks(pg_url: str, tmp_path: Path, subprocess_env: dict[
         assert "***" in parent.data.tags["hpsearch.storage"]
         study_yaml = client.download_artifacts(parent.info.run_id, "study.yaml", str(tmp_path))
         assert SECRET not in Path(study_yaml).read_text()
+
+
+def test_tracking_password_never_in_errors_or_warnings(
+    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MLflow 3's errors hold the whole tracking URI, password included ("API request to
+    http://bob:<password>@host/... failed"): real requests to a port where nothing listens,
+    made by each path that reports them, show it masked."""
+    import logging
+    import traceback
+
+    import hpsearch as hps
+    from hpsearch.errors import TrackingError
+    from hpsearch.runs import TrackingSession, mark_run_failed
+    from hpsearch.storage import resolve_storage
+    from hpsearch.tracking.mlflow_logger import TrialTracker, apply_http_policy, ensure_experiment
+    from hpsearch.tracking.server import free_port, scrub
+    from mlflow import MlflowClient
+    from optuna.trial import create_trial
+
+    apply_http_policy()  # MLflow's short HTTP retries
+    caplog.set_level(logging.INFO, logger="hpsearch")
+    url = f"http://bob:{SECRET}@127.0.0.1:{free_port()}"
+    dead = MlflowClient(tracking_uri=url)
+
+    # The launcher's study-level calls: a TrackingError, its traceback included.
+    with pytest.raises(TrackingError) as info:
+        ensure_experiment(dead, "x")
+    shown = "".join(traceback.format_exception(info.value))
+    assert "http://bob:***@127.0.0.1" in shown and SECRET not in shown
+
+    # The warnings of a worker's session, a trial's run and the launcher's clean-up.
+    cfg = hps.load_config("tiny", ["name=secrets"])
+    TrackingSession(cfg, resolve_storage(pg_url, tmp_path), url, "w0").close()
+    tracker = TrialTracker(dead, "0", "parent", trial_number=3, study_name="s", params={},
+                           worker="w0", start_timeout_s=1.0)  # fmt: skip
+    assert not tracker.enabled
+    mark_run_failed(url, create_trial(value=0.5, user_attrs={"mlflow_run_id": "abc"}), "failed")
+    # A raw exception logged by code that does not scrub it (search.worker's warnings).
+    try:
+        dead.get_run("abc")
+    except Exception as exc:
+        assert SECRET in str(exc)  # MLflow's own text: what the scrubbing is for
+        logging.getLogger("hpsearch.tracking").warning("trial 3: no MLflow run: %s", exc)
+        logging.getLogger("hpsearch.tracking").exception("with its traceback")
+    assert scrub(f"to {url}/api failed") == f"to {url.replace(SECRET, '***')}/api failed"
+
+    text = caplog.text + "".join(r.getMessage() for r in caplog.records)
+    for needle in ("MLflow at http://bob:***@", "could not mark MLflow run abc", "no MLflow run",
+                   "could not create the run of trial 3"):  # fmt: skip
+        assert needle in text
+    assert "http://bob:***@127.0.0.1" in text
+    assert SECRET not in text

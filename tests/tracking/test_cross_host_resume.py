@@ -9,12 +9,16 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import hpsearch as hps
 import pytest
+import torch
 from cli_util import DUMMY, hpsearch
+from hpsearch.config import StudyConfig, validate_config
 from hpsearch.tracking.server import LocalServer
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
@@ -105,3 +109,97 @@ def test_best_trial_onnx_does_not_wait_for_a_run_whose_worker_is_gone(
     t0 = time.monotonic()
     got = _best_trial_onnx(client, study, tmp_path, wait_s=30.0, may_export=lambda w: next(alive))
     assert got is None and 0.9 < time.monotonic() - t0 < 10.0
+
+
+TINY = {"batch_size": 16, "lr": 0.05, "arch": "resnet18"}
+
+
+def _synthetic(name: str, max_epochs: int) -> StudyConfig:
+    """16 px synthetic images (48 train, 32 val and test), evaluated every 2nd epoch (and at
+    the last), resume checkpoints uploaded to MLflow."""
+    dataset = {"name": "synthetic", "image_size": 16, "train_limit": 48, "eval_limit": 32}
+    return validate_config({
+        "name": name, "dataset": dataset, "budget": {"max_epochs": max_epochs},
+        "trainer": {"eval_every": 2, "evaluate_test": True},
+        "tracking": {"upload_checkpoints": True},
+    })  # fmt: skip
+
+
+def test_a_retry_elsewhere_gets_the_best_model_and_its_own_run_holds_both_at_once(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host A trains epochs 1-3 with the real trainer and is stopped: its best model is epoch
+    2's (epoch 3 is not evaluated), kept in `trial-00000.best.pt`, which the resume checkpoint
+    leaves out. Host B's retry fetches both from A's run, and its own run holds them before
+    it trains an epoch; B dies in set-up, and host C's retry fetches both from B's run. Its
+    budget (3 epochs) is spent, so its test accuracy is the best model's."""
+    import optuna
+    from hpsearch.runs import TrackingSession
+    from hpsearch.storage import normalize_url, resolve_storage
+    from hpsearch.trainer import TrainOptions, evaluate_model, load_trained_model, train
+    from hpsearch.trainer.trial import best_model_path_for
+
+    name = f"xhost-best-{uuid.uuid4().hex[:8]}"
+    cfg = _synthetic(name, max_epochs=4)
+    spec = resolve_storage(pg_url, tmp_path)
+    study = optuna.create_study(storage=normalize_url(pg_url), study_name=name,
+                                direction="maximize")  # fmt: skip
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+
+    # Host A: stopped after epoch 3, as a worker whose machine goes away.
+    host_a = TrackingSession(cfg, spec, mlflow_server.url, "w-a")
+    ckpt_a = tmp_path / "host-a" / "trial-00000.pt"
+    trial = study.ask()
+    run_a = host_a.start_trial(trial, TINY, trial.number, ckpt_a)
+    assert run_a is not None and run_a.run_id
+    epochs: list[int] = []
+    stopped = train(cfg, TINY, lambda e, v: False, TrainOptions(
+        device="cpu", workdir=tmp_path / "host-a", checkpoint_path=ckpt_a,
+        on_epoch=lambda r: epochs.append(r.epoch), on_checkpoint=run_a.checkpoint_written,
+        should_interrupt=lambda: len(epochs) >= 3,
+    ))  # fmt: skip
+    assert stopped.stop_reason == "interrupted" and stopped.best_val_acc is not None
+    best_a = best_model_path_for(ckpt_a)
+    assert torch.load(ckpt_a, weights_only=False)["epoch"] == 3
+    assert "best_state" not in torch.load(ckpt_a, weights_only=False)["run"]
+    assert torch.load(best_a, weights_only=False)["epoch"] == 2
+    run_a.finish_result(stopped)
+    host_a.close()  # its uploads are done
+    resume = {a.path for a in client.list_artifacts(run_a.run_id, "resume")}
+    assert resume == {"resume/checkpoint.pt", "resume/checkpoint.best.pt"}
+
+    # Host B: the retry fetches both, downloading beside the checkpoint (not in /tmp, which
+    # may not hold 100 MB), and leaving nothing else there.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-tmp-here"))
+    host_b = TrackingSession(cfg, spec, mlflow_server.url, "w-b")
+    ckpt_b = tmp_path / "host-b" / "trial-00000.pt"
+    assert host_b.fetch_checkpoint(run_a.run_id, ckpt_b)
+    monkeypatch.undo()
+    assert ckpt_b.read_bytes() == ckpt_a.read_bytes()
+    assert best_model_path_for(ckpt_b).read_bytes() == best_a.read_bytes()
+    assert sorted(p.name for p in ckpt_b.parent.iterdir()) == [
+        "trial-00000.best.pt", "trial-00000.pt"
+    ]  # fmt: skip
+    retry = study.ask()
+    run_b = host_b.start_trial(retry, TINY, trial.number, ckpt_b)
+    assert run_b is not None and run_b.run_id
+    run_b.finish_failed("error", "died in set-up", None)  # before any epoch of its own
+    host_b.close()
+    resume = {a.path for a in client.list_artifacts(run_b.run_id, "resume")}
+    assert resume == {"resume/checkpoint.pt", "resume/checkpoint.best.pt"}
+
+    # Host C: from B's run; nothing left to train in a 3-epoch budget: the test pass must
+    # take the best model (epoch 2), not the last weights (epoch 3).
+    host_c = TrackingSession(cfg, spec, mlflow_server.url, "w-c")
+    ckpt_c = tmp_path / "host-c" / "trial-00000.pt"
+    assert host_c.fetch_checkpoint(run_b.run_id, ckpt_c)
+    host_c.close()
+    assert best_model_path_for(ckpt_c).read_bytes() == best_a.read_bytes()
+    spent = _synthetic(name, max_epochs=3)
+    resumed = train(spent, TINY, lambda e, v: False, TrainOptions(
+        device="cpu", workdir=tmp_path / "host-c", checkpoint_path=ckpt_c))  # fmt: skip
+    assert resumed.stop_reason == "finished" and resumed.best_val_acc == stopped.best_val_acc
+    assert resumed.best_model_path == best_model_path_for(ckpt_c)
+    model = load_trained_model(spent, TINY, best_a)
+    expected, _ = evaluate_model(spent, TINY, model, "test", tmp_path / "eval")
+    assert resumed.test_acc == expected

@@ -192,3 +192,35 @@ def test_trials_csv(tmp_path: Path) -> None:
     assert len(rows) == 3
     assert {"number", "value", "params_lr", "params_batch_size", "state"} <= set(rows[0])
     assert [r["user_attrs_mlflow_run_id"] for r in rows] == ["run0", "run1", "run2"]
+
+
+class Broken(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no forward")
+
+
+class Noisy(Tiny):
+    """Random output: ONNX Runtime draws other numbers than PyTorch, so it never verifies."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.rand(x.shape[0], 3)
+
+
+@pytest.mark.parametrize(
+    ("model", "error"),
+    [(Broken(), "ONNX export of Broken failed"), (Noisy(), "differs from PyTorch")],
+)
+def test_a_failed_export_leaves_the_file_there_as_it_was(
+    tmp_path: Path, model: torch.nn.Module, error: str
+) -> None:
+    """Neither a failed export nor a failed verification touches a good file at the path,
+    nor leaves an unverified one anywhere."""
+    path = tmp_path / "best_model.onnx"
+    path.write_bytes(b"the good one")
+    with pytest.raises(TrackingError, match=error):
+        export_onnx(model, torch.randn(2, 4), path)
+    assert path.read_bytes() == b"the good one"
+    assert [p.name for p in tmp_path.iterdir()] == ["best_model.onnx"]
+    export_onnx(Tiny(), torch.randn(2, 4), path)  # a verified export replaces it
+    assert path.read_bytes() != b"the good one"
+    assert [p.name for p in tmp_path.iterdir()] == ["best_model.onnx"]

@@ -20,6 +20,7 @@ from hpsearch.tracking.server import (
     redact_uri,
     resolve_tracking_uri,
     running_server_url,
+    scrub,
     serve_ui,
     server_command,
     start_local_server,
@@ -78,6 +79,32 @@ def test_resolve_tracking_uri_reads_process_env(monkeypatch: pytest.MonkeyPatch)
 )
 def test_redact_uri(uri: str, expected: str) -> None:
     assert redact_uri(uri) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "API request to http://bob:S3CRET@127.0.0.1:9/api/2.0/mlflow/runs/get failed",
+            "API request to http://bob:***@127.0.0.1:9/api/2.0/mlflow/runs/get failed",
+        ),
+        # A raw "@" in the password: masked up to the host's "@"; a later "@" is the path's.
+        ("'https://u:p@ss@h:1/x?e=a@b'", "'https://u:***@h:1/x?e=a@b'"),
+        (
+            "a http://a:b@c and postgresql://d:e@f/db",
+            "a http://a:***@c and postgresql://d:***@f/db",
+        ),
+        (
+            "see postgresql://h/db?user=u&password=pw now",
+            "see postgresql://h/db?user=u&password=*** now",
+        ),
+        ("http://127.0.0.1:5000/a@b", "http://127.0.0.1:5000/a@b"),  # no user: nothing to hide
+        ("https://token@host/api", "https://token@host/api"),
+        ("no url at all", "no url at all"),
+    ],
+)
+def test_scrub_masks_credentials_of_urls_inside_text(text: str, expected: str) -> None:
+    assert scrub(text) == expected
 
 
 def test_server_command_uses_sqlite_store_and_proxied_artifacts(tmp_path: Path) -> None:

@@ -1,0 +1,75 @@
+"""A trial's MLflow run (hpsearch.runs.TrialRun) around its tell: the best-model snapshot
+taken for the top-k upload, and what becomes of it when the trial fails instead. Real
+PostgreSQL, a real MLflow server."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from pathlib import Path
+
+import hpsearch as hps
+import optuna
+import pytest
+from hpsearch.runs import SNAPSHOT_PREFIX, TrackingSession, TrialRun
+from hpsearch.storage import normalize_url, resolve_storage
+from hpsearch.study import suggest
+from hpsearch.tracking.server import LocalServer
+from hpsearch.trainer import TrialResult
+from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.slow
+
+
+def _result(value: float, best: Path) -> TrialResult:
+    return TrialResult(
+        history=[], best_val_acc=value, best_val_loss=1.0, final_val_acc=value, test_acc=None,
+        stop_reason="finished", epochs_run=2, pruned_at_epoch=None, checkpoint_path=None,
+        best_model_path=best, effective_lr=0.1, effective_batch_size=32, micro_batch_size=32,
+        train_seconds=1.0, setup_seconds=0.1, confusion=None, message="", num_classes=0,
+        class_names=[],
+    )  # fmt: skip
+
+
+def test_a_failed_trial_keeps_no_snapshot_and_claims_no_checkpoint(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """A trial whose value is not finite is failed by its worker (worker._tell): it gets no
+    checkpoint_uri, and no snapshot is taken. One whose tell fails after its snapshot was
+    taken (finish_failed) gets its snapshot deleted, and nothing uploaded."""
+    cfg = hps.load_config("tiny", [f"name=runs-{uuid.uuid4().hex[:8]}"])
+    session = TrackingSession(cfg, resolve_storage(pg_url, tmp_path), mlflow_server.url, "w0")
+    study = optuna.create_study(storage=normalize_url(pg_url), study_name=cfg.name,
+                                direction="maximize")  # fmt: skip
+    folder = tmp_path / "checkpoints" / cfg.name
+
+    def started() -> tuple[TrialRun, Path]:
+        trial = study.ask()
+        params = suggest(trial, cfg)
+        ckpt = folder / f"trial-{trial.number:05d}.pt"
+        best = ckpt.with_name(f"{ckpt.stem}.best.pt")
+        best.parent.mkdir(parents=True, exist_ok=True)
+        best.write_bytes(b"weights")
+        run = session.start_trial(trial, params, trial.number, ckpt)
+        assert run is not None and run.run_id
+        return run, best
+
+    def snapshots() -> list[Path]:
+        return sorted(folder.glob(f"{SNAPSHOT_PREFIX}*"))
+
+    nan_run, best = started()
+    assert nan_run.checkpoint_uri(_result(math.nan, best)) is None
+    assert snapshots() == []
+    nan_run.finish_failed("error", "objective [nan] is not finite", None)
+
+    run, best = started()
+    uri = run.checkpoint_uri(_result(0.8, best))
+    assert uri == f"runs:/{run.run_id}/checkpoint/best.pt"
+    assert len(snapshots()) == 1
+    run.finish_failed("error", "the tell failed", None)
+    assert snapshots() == []
+    session.close()
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    for r in (nan_run, run):
+        assert client.list_artifacts(r.run_id, "checkpoint") == []
+        assert client.get_run(r.run_id).info.status == "FAILED"
