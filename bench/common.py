@@ -270,7 +270,7 @@ def launched_workers(run: LaunchRun) -> tuple[int | None, str]:
 
 
 # The launcher's lines for a worker that died (launcher._on_exit, the stale-trial check).
-WORKER_DIED = re.compile(r"\bworker \d+ died \(.*$|\btrial \d+: its worker was gone.*$", re.M)
+WORKER_DIED = re.compile(r"\bworker \d+ died \(.*$|\bits worker was gone: .*$", re.M)
 
 
 def worker_deaths(run: LaunchRun) -> list[str]:

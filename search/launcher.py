@@ -29,7 +29,14 @@ import optuna
 from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import ConfigError, DeviceError, HpsearchError, TrackingError
-from hpsearch.packing import MemoryModel, PackingPlan, gpu_env, pid_alive, plan_from_probe
+from hpsearch.packing import (
+    GpuLedger,
+    MemoryModel,
+    PackingPlan,
+    gpu_env,
+    pid_alive,
+    plan_from_probe,
+)
 from hpsearch.storage import (
     StorageSpec,
     heartbeat_storage,
@@ -139,10 +146,14 @@ def auto_workers(
         raise DeviceError(f"--workers auto: the GPU probe failed: {last}")
     raw = json.loads(out.read_text())
     models = [MemoryModel(**m) for m in raw["models"]]
+    free = [None if b is None else int(b) for b in raw.get("free_bytes", [])]
+    # Another study's workers in this work folder reserve in the same ledgers: the memory they
+    # use is out of the free figure and in their reservations, which the ledgers must not
+    # count twice.
+    held = {g: sum(GpuLedger(workdir, g, 0).reserved().values()) for g in gpus}
     plan = plan_from_probe(
         gpus, int(raw["total_bytes"]), models, int(raw["worst_trial_bytes"]),
-        float(raw["busy"]), max_per_gpu, int(raw.get("data_bytes", 0)),
-        [int(b) for b in raw.get("free_bytes", [])],
+        float(raw["busy"]), max_per_gpu, int(raw.get("data_bytes", 0)), free, held,
     )  # fmt: skip
     (workdir / "run" / "packing.json").write_text(plan.to_json())
     return plan

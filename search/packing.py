@@ -389,34 +389,39 @@ def plan_from_probe(
     max_per_gpu: int,
     data_bytes: int = 0,
     free_bytes: Sequence[int | None] = (),
+    reserved_bytes: Mapping[str, int] | None = None,
 ) -> PackingPlan:
     """Workers per GPU from the probe's measurements. `free_bytes[i]` is GPU `gpus[i]`'s
     free memory when the probe started (None or missing: unknown, `total_bytes` is used):
-    GPUs of unlike sizes, or holding other jobs' memory, get fewer workers, and each one's
-    reservations count against its own free memory."""
+    GPUs of unlike sizes, or holding other jobs' memory, get fewer workers. Each GPU's ledger
+    admits against that free memory plus `reserved_bytes[gpu]`, what other workers of the
+    work folder hold in the same ledger (their memory is out of the free figure already)."""
     context = max((m.context_bytes for m in models), default=0) + data_bytes
     per_worker = max(1, worst_trial_bytes + context)
+    free: dict[str, int] = {}
     room: dict[str, int] = {}
     for i, gpu in enumerate(gpus):
         known = free_bytes[i] if i < len(free_bytes) else None
-        room[gpu] = total_bytes if known is None else min(int(known), total_bytes)
+        free[gpu] = total_bytes if known is None else min(int(known), total_bytes)
+        held = (reserved_bytes or {}).get(gpu, 0) if known is not None else 0
+        room[gpu] = min(free[gpu] + held, total_bytes)
     counts = {
-        g: workers_per_gpu(room[g], worst_trial_bytes, context, busy, max_per_gpu) for g in gpus
+        g: workers_per_gpu(free[g], worst_trial_bytes, context, busy, max_per_gpu) for g in gpus
     }
     first = gpus[0] if gpus else ""
     k = counts.get(first, workers_per_gpu(total_bytes, worst_trial_bytes, context, busy,
                                           max_per_gpu))  # fmt: skip
-    by_memory = int(HEADROOM * room.get(first, total_bytes) // per_worker)
+    by_memory = int(HEADROOM * free.get(first, total_bytes) // per_worker)
     why = "memory" if k == by_memory else ("compute" if k < max_per_gpu else "the cap")
     reason = (
         f"{k} workers per GPU on {len(gpus)} GPU(s): one worker keeps a GPU {busy:.0%} busy; "
         f"the largest trial needs {per_worker // MiB} MiB of "
-        f"{room.get(first, total_bytes) // MiB} MiB free (limited by {why})"
+        f"{free.get(first, total_bytes) // MiB} MiB free (limited by {why})"
     )
     if len(set(counts.values())) > 1:
         reason = (
             f"{sum(counts.values())} workers on {len(gpus)} GPU(s), "
-            + ", ".join(f"{n} on {g} ({room[g] // MiB} MiB free)" for g, n in counts.items())
+            + ", ".join(f"{n} on {g} ({free[g] // MiB} MiB free)" for g, n in counts.items())
             + f": one worker keeps a GPU {busy:.0%} busy; the largest trial needs "
             f"{per_worker // MiB} MiB"
         )

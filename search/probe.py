@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -175,6 +176,43 @@ def _context_bytes() -> int:
     return CONTEXT_FALLBACK
 
 
+def free_bytes_of_visible_gpus() -> list[int | None]:
+    """Free memory (bytes) of each GPU CUDA shows this process, in CUDA's order, read through
+    NVML by the UUID CUDA gives it: NVML needs no CUDA context on a GPU (making one fails on a
+    full GPU, or one another process holds in exclusive mode, and takes its own few hundred
+    MiB off the figure). None for a GPU NVML cannot tell (under a MIG mask CUDA shows only the
+    first instance), and for all without NVML: those are planned like the first GPU."""
+    import torch
+
+    n = torch.cuda.device_count()
+    out: list[int | None] = [None] * n
+    try:
+        import pynvml
+        from hpsearch.tracking.gpu import nvml_uuids, refs_by_uuid
+
+        pynvml.nvmlInit()
+    except Exception:  # no NVML: the plan takes every GPU for the first
+        return out
+    try:
+        cuda = [str(torch.cuda.get_device_properties(i).uuid) for i in range(n)]
+        for i, ref in enumerate(refs_by_uuid(cuda, nvml_uuids(pynvml))):
+            try:
+                handle = (
+                    pynvml.nvmlDeviceGetHandleByIndex(ref)
+                    if isinstance(ref, int)
+                    else pynvml.nvmlDeviceGetHandleByUUID(ref)
+                )
+                out[i] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+            except Exception:  # this GPU's figure unknown: planned like the first
+                continue
+    except Exception:  # NVML answered nothing usable
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    return out
+
+
 def warm_data_bytes(
     items: Mapping[str, int],
     cache_size: int | None,
@@ -247,10 +285,8 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
     archs, size, small, mid, large = probe_shapes(cfg)
     total = int(torch.cuda.get_device_properties(0).total_memory)
     # Before any training step: every GPU of the launch's mask, in its order (other jobs'
-    # memory and unlike sizes shrink what may be packed there). Under a MIG mask CUDA shows
-    # one device: the others stay unknown (None) and are planned like the first.
-    free = [int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())]
-    torch.cuda.set_device(0)  # the probe trains on the first GPU
+    # memory and unlike sizes shrink what may be packed there).
+    free = free_bytes_of_visible_gpus()
     models: list[MemoryModel] = []
     step_s: dict[int, float] = {}  # batch -> median step seconds, the first arch's
     for i, arch in enumerate(archs):

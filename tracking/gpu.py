@@ -25,8 +25,9 @@ energy counter delta where supported, else power integrated over time).
 
 Input-bound rule: once ``window_s`` seconds of samples (after ``warmup_s``) exist, if the mean
 utilization over the last ``window_s`` seconds (this process's utilization when available, since
-trials may share a GPU, times the number of processes busy on it in that sample, since packed
-processes take turns: K busy ones read about 100/K % each; else the device's) is below
+trials may share a GPU; on a saturated GPU, at least ``SATURATED_PCT`` busy, times the number of
+processes busy on it in that sample, since they take turns: K busy packed workers read about
+100/K % each; else the device's) is below
 ``threshold_pct``, the sampler flags the trial once (warning + ``on_input_bound(mean)``); with
 ``stop_when_input_bound`` its :meth:`GpuSampler.should_stop` turns True so the trainer can stop
 the trial.
@@ -61,6 +62,7 @@ NVML_ERROR_NO_PERMISSION = 4
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_SM = 1
 MIB = 1024 * 1024
+SATURATED_PCT = 90.0  # device utilization, %, from which processes sharing it wait on each other
 
 Sink = Callable[[Mapping[str, float]], None]
 
@@ -524,9 +526,12 @@ class GpuSampler:
                 dev.energy_last_mj = float(energy)
         if proc_util is None:
             return util
-        # Processes sharing a GPU take turns on it: K busy packed workers read about 100/K %
-        # each. The rule judges this worker's share scaled by the processes it shares with.
-        return share_scaled_utilization(proc_util, dev.proc_active_n)
+        # Processes sharing a saturated GPU take turns on it: K busy packed workers read about
+        # 100/K % each, a full share. On a GPU with time to spare they do not wait for each
+        # other, and each one's own figure is what it would read alone.
+        if util is not None and util >= SATURATED_PCT:
+            return share_scaled_utilization(proc_util, dev.proc_active_n)
+        return proc_util
 
     def _process_utilization(self, dev: _DeviceStats) -> float | None:
         nvml = self._nvml

@@ -115,17 +115,22 @@ class ScrubFilter(logging.Filter):
     net under the callers that scrub what they log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        clean = scrub(message)
-        if clean != message:
-            record.msg, record.args = clean, None
-        # A traceback is formatted here only when it holds a password: the handler's own
-        # formatter formats the others.
-        text = record.exc_text
-        if record.exc_info and not text:
-            text = logging.Formatter().formatException(record.exc_info)
-        if text and scrub(text) != text:
-            record.exc_text = scrub(text)
+        # A logger's filter runs outside its handlers' error handling: a record this cannot
+        # format (a bad format string) goes on as it is rather than raise into the caller.
+        try:
+            message = record.getMessage()
+            clean = scrub(message)
+            if clean != message:
+                record.msg, record.args = clean, None
+            # A traceback is formatted here only when it holds a password: the handler's own
+            # formatter formats the others.
+            text = record.exc_text
+            if record.exc_info and not text:
+                text = logging.Formatter().formatException(record.exc_info)
+            if text and scrub(text) != text:
+                record.exc_text = scrub(text)
+        except Exception:  # best effort, like any logging
+            pass
         return True
 
 

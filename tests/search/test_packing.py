@@ -233,6 +233,74 @@ class _ProbeNVML:
         return [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.used)]
 
 
+class _FreeNVML(_ProbeNVML):
+    """NVML's memory figures too: GPU `full` answers nothing."""
+
+    def __init__(self, uuids: list[str], free: list[int], full: int) -> None:
+        super().__init__(uuids, ours=0, used=0)
+        self.free, self.full = free, full
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> object:
+        if handle == self.full:
+            raise RuntimeError("NVML_ERROR_UNKNOWN")
+        return types.SimpleNamespace(free=self.free[handle], total=80 * GiB)
+
+
+def test_the_probe_reads_each_gpus_free_memory_through_nvml_without_a_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA's devices, in CUDA's order, found in NVML by UUID: a context made on every GPU to
+    ask it (torch.cuda.mem_get_info) failed on a full one and failed the whole probe."""
+    import torch
+    from hpsearch import probe
+
+    uuids = [f"GPU-{k}aaaaaaa-0000-0000-0000-00000000000{k}" for k in range(3)]
+    nvml = _FreeNVML(uuids, free=[10 * GiB, 20 * GiB, 30 * GiB], full=1)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    order = [2, 1, 0]  # CUDA's devices 0, 1, 2 are NVML's 2, 1, 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda i: types.SimpleNamespace(uuid=uuids[order[i]].removeprefix("GPU-")),
+    )
+
+    def no_context(*args: object) -> object:
+        raise AssertionError("a CUDA context was made to read free memory")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_context)
+    assert probe.free_bytes_of_visible_gpus() == [30 * GiB, None, 10 * GiB]
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML: all unknown, nothing raised
+    assert probe.free_bytes_of_visible_gpus() == [None, None, None]
+
+
+def test_a_plan_adds_back_what_other_workers_of_the_work_folder_reserved(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Another study's workers in the same work folder use memory the probe sees as taken,
+    and hold it in the same ledger: counted once, not twice (a second study's trials then
+    waited an hour for room and failed)."""
+    models = [MemoryModel("resnet50", 224, 16 * GiB, 0, 1536 * MiB)]
+    probe_out = {
+        "total_bytes": 80 * GiB, "worst_trial_bytes": 16 * GiB, "busy": 0.1, "data_bytes": 0,
+        "models": [m.__dict__ for m in models], "free_bytes": [45 * GiB, None],
+    }  # fmt: skip
+
+    def fake_run(cmd: list[str], **kwargs: object) -> object:
+        (tmp_path / "run" / "probe.json").write_text(json.dumps(probe_out))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(launcher.subprocess, "run", fake_run)
+    need = 16 * GiB + 1536 * MiB
+    assert GpuLedger(tmp_path, "0", 80 * GiB).try_reserve(2 * need, pid=os.getppid())
+    plan = launcher.auto_workers(tmp_path / "s.yaml", ["0", "1"], tmp_path)
+    assert plan.bytes_on("0") == 45 * GiB + 2 * need
+    assert plan.workers_on("0") == 2  # 0.9 x 45 GiB free: 2 of 17.5 GiB
+    assert plan.bytes_on("1") == 80 * GiB  # unknown: planned like the first GPU's total
+    ledger = GpuLedger(tmp_path, "0", plan.bytes_on("0"))
+    assert ledger.try_reserve(need, pid=os.getpid())  # waited for good before
+
+
 def test_the_probe_measures_its_context_on_the_gpu_cuda_gave_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -451,13 +451,19 @@ def test_pid_seen_by_the_memory_query_only_keeps_device_utilization() -> None:
     assert s.stop()["system/gpu_utilization_mean"] == 97.0
 
 
-@pytest.mark.parametrize(("mine", "others", "flagged"), [(24.0, 3, False), (5.0, 3, True)])
-def test_packed_workers_are_judged_by_their_share(mine: float, others: int, flagged: bool) -> None:
+@pytest.mark.parametrize(
+    ("device", "mine", "theirs", "flagged"),
+    [(99.0, 24.0, 25.0, False), (99.0, 5.0, 30.0, True), (60.0, 15.0, 15.0, True)],
+)
+def test_packed_workers_are_judged_by_their_share(
+    device: float, mine: float, theirs: float, flagged: bool
+) -> None:
     # Four packed processes on a saturated GPU read about 25 % each: that is a full share,
-    # not input-bound; one at 5 % beside three busy ones is starved.
+    # not input-bound; one at 5 % beside three busy ones is starved. Four at 15 % on a GPU
+    # 60 % busy do not wait for each other: all four are short of input.
     nvml = FakeNVML(fleet(1))
-    nvml.gpus[0].util = 99.0
-    nvml.gpus[0].proc_util = {PID: mine, **{70000 + k: 30.0 for k in range(others)}}
+    nvml.gpus[0].util = device
+    nvml.gpus[0].proc_util = {PID: mine, **{70000 + k: theirs for k in range(3)}}
     clock = Clock()
     s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock, warmup_s=0)
     assert s.open()
@@ -466,7 +472,8 @@ def test_packed_workers_are_judged_by_their_share(mine: float, others: int, flag
         clock.t += 5
     assert s.input_bound is flagged
     if flagged:
-        assert s.input_bound_mean == pytest.approx(mine * (others + 1))
+        scaled = device >= gpu.SATURATED_PCT
+        assert s.input_bound_mean == pytest.approx(mine * 4 if scaled else mine)
 
 
 def test_share_scaled_utilization() -> None:

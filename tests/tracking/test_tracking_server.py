@@ -107,6 +107,20 @@ def test_scrub_masks_credentials_of_urls_inside_text(text: str, expected: str) -
     assert scrub(text) == expected
 
 
+def test_the_log_scrubber_never_raises_into_the_code_that_logs() -> None:
+    """A logger's filter runs outside its handlers' error handling: a record it cannot
+    format must go on to them (which report it) rather than raise in a best-effort path."""
+    import logging
+
+    def record(msg: str, *args: object) -> logging.LogRecord:
+        return logging.LogRecord("hpsearch.tracking", logging.WARNING, __file__, 1, msg, args, None)
+
+    bad = record("%s and %s", "only one argument")
+    assert srv.ScrubFilter().filter(bad) and bad.msg == "%s and %s"  # passed on as it is
+    clean = record("at %s", "x://u:p@h")
+    assert srv.ScrubFilter().filter(clean) and clean.getMessage() == "at x://u:***@h"
+
+
 def test_server_command_uses_sqlite_store_and_proxied_artifacts(tmp_path: Path) -> None:
     cmd = server_command(tmp_path, "127.0.0.1", 5123)
     db, artifacts, _ = store_paths(tmp_path)
