@@ -255,6 +255,10 @@ def test_worker_deaths_are_read_from_the_launch_log(common: ModuleType, tmp_path
         "worker 1 died (signal 9); trial 3 re-queued to resume; not restarted (no restarts "
         "left). Last log line: -"
     ]
+    # A launch's start fails the trials of a previous launch's dead workers (the launcher's
+    # own words for it, as search/launcher.py says them).
+    log.write_text("its worker was gone: trial 2 re-queued to resume\n4/4 done\n")
+    assert common.worker_deaths(run) == ["its worker was gone: trial 2 re-queued to resume"]
     log.write_text("study tiny: 4 trials, 2 workers\n4/4 done\n")
     assert common.worker_deaths(run) == []
 
