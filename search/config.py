@@ -327,6 +327,11 @@ def _check_space(cfg: StudyConfig) -> None:
                     f"{src}: search_space.{name}.type: 'float': the grid sampler needs "
                     "categorical, int or stepped float parameters"
                 )
+    if cfg.objective.metrics == ("train_seconds",) and cfg.pruner.name != "none":
+        raise ConfigError(
+            f"{src}: pruner.name: {cfg.pruner.name!r}: trials report val_acc or val_loss per "
+            "epoch, not objective.metric 'train_seconds'; use 'none'"
+        )
     if cfg.objective.multi and cfg.pruner.name != "none":
         raise ConfigError(
             f"{src}: pruner.name: {cfg.pruner.name!r}: Optuna cannot prune multi-objective "

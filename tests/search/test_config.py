@@ -110,6 +110,10 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         (["dataset.name=mnist"], "dataset.name: 'mnist': must be one of 'flowers102'"),
         (["sampler.name=bayes"], "sampler.name: 'bayes': must be one of 'tpe'"),
         (["pruner.name=magic"], "pruner.name: 'magic': must be one of 'median'"),
+        (  # no per-epoch value of train_seconds to prune on
+            ["objective.metric=train_seconds", "objective.direction=minimize"],
+            "pruner.name: 'median': trials report val_acc or val_loss per epoch",
+        ),
         (
             ["sampler.options={n_startup: 3}"],
             "sampler.options: {'n_startup': 3}: unknown option(s) n_startup for TPESampler",

@@ -556,3 +556,101 @@ def test_cuda_without_cuda_is_device_error(tmp_path: Path) -> None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(DeviceError, match="CUDA is not available"):
         train(synthetic(), TINY, options=TrainOptions(device="cuda", workdir=tmp_path))
+
+
+# --- from a review of the trainer ------------------------------------------------------------
+
+
+def test_a_warm_model_reused_after_a_failed_step_starts_with_no_gradients(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trial out of memory between two micro-batches left its gradients on the cached
+    compiled model; the next trial of the same shapes added its first step's to them."""
+    monkeypatch.setattr(torch, "compile", lambda m, **k: m)  # the warm path, without inductor
+    calls = {"n": 0, "oom_at": 2}
+    real_make_loss = train_module.make_loss
+
+    def make_loss(hp: Any) -> Any:
+        loss = real_make_loss(hp)
+
+        def counted(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            calls["n"] += 1
+            if calls["n"] == calls["oom_at"]:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return loss(logits, target)
+
+        return counted
+
+    monkeypatch.setattr(train_module, "make_loss", make_loss)
+    cfg = synthetic(trainer={"compile": True, "max_micro_batch": 8})
+    params = {**TINY, "augment": "flip"}
+    warm = WarmCache()
+
+    def run(cache: WarmCache) -> TrialResult:
+        return train(cfg, params, options=TrainOptions(device="cpu", workdir=tmp_path, warm=cache))
+
+    assert run(warm).stop_reason == "out_of_memory"  # the second micro-batch of step 1
+    calls["oom_at"] = -1
+    reused, fresh = run(warm), run(WarmCache())
+    assert numbers(reused.history) == numbers(fresh.history)
+
+
+def test_a_study_minimizing_val_loss_reports_val_loss(tmp_path: Path) -> None:
+    """The pruner compares reports in the study's direction: val_acc reported to a study
+    minimizing val_loss pruned the most accurate trials."""
+    cfg = synthetic(objective={"metric": "val_loss", "direction": "minimize"})
+    reported: list[tuple[int, float]] = []
+    result = train(
+        cfg,
+        TINY,
+        report=lambda epoch, value: reported.append((epoch, value)) is not None,
+        options=TrainOptions(device="cpu", workdir=tmp_path),
+    )
+    assert reported == [(r.epoch, r.val_loss) for r in result.history]
+    accuracy = synthetic()
+    reported.clear()
+    result = train(
+        accuracy,
+        TINY,
+        report=lambda epoch, value: reported.append((epoch, value)) is not None,
+        options=TrainOptions(device="cpu", workdir=tmp_path),
+    )
+    assert reported == [(r.epoch, r.val_acc) for r in result.history]
+
+
+def test_out_of_memory_in_the_test_pass_keeps_the_trained_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test split goes onto the device after training: running out of memory there
+    threw a finished trial away as out_of_memory (told pruned, marked infeasible)."""
+    cfg = synthetic(budget={"max_epochs": 1}, trainer={"evaluate_test": True})
+    real_evaluate = train_module.evaluate
+    calls: list[int] = []
+
+    def evaluate(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:  # after the one validation: the test pass
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", evaluate)
+    result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    assert len(calls) == 2
+    assert result.stop_reason == "finished" and result.best_val_acc is not None
+    assert result.test_acc is None and "test accuracy not measured" in result.message
+
+
+def test_a_resumed_run_follows_a_larger_epoch_budget(tmp_path: Path) -> None:
+    """A relaunch with a larger budget.max_epochs resumed the old schedule's total steps:
+    the epochs past it trained at lr 0."""
+    params = {**TINY, "schedule": "onecycle"}
+    ckpt = tmp_path / "part.pt"
+    interrupted_after(1, synthetic(budget={"max_epochs": 2}), params, ckpt, [])
+    longer = synthetic(budget={"max_epochs": 4})
+    resumed = train(
+        longer, params, options=TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt)
+    )
+    fresh = train(longer, params, options=TrainOptions(device="cpu", workdir=tmp_path / "f"))
+    assert [r.epoch for r in resumed.history] == [1, 2, 3, 4]
+    assert [r.lr for r in resumed.history[1:]] == [r.lr for r in fresh.history[1:]]
+    assert resumed.history[2].lr > 0
