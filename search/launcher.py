@@ -59,6 +59,7 @@ from hpsearch.worker import (
     ATTR_PID,
     ATTR_RUN_ID,
     ATTR_WORKER,
+    retried_trials,
     retry_callback,
 )
 from optuna.trial import FrozenTrial, TrialState
@@ -267,20 +268,6 @@ def fail_trial(
             return False
         retry_callback(max_retries)(study, storage.get_trial(trial._trial_id))
     return True
-
-
-def retried_trials(study: optuna.Study, numbers: Sequence[int]) -> set[int]:
-    """Those of trial `numbers` a retry was queued for (Optuna's RetryFailedTrialCallback
-    gives a retry the `retry_history` of its chain; retries come after their trials)."""
-    wanted = set(numbers)
-    found: set[int] = set()
-    for t in study.get_trials(deepcopy=False):
-        # A retry's history names every earlier trial of its chain. The callback appends to
-        # the failed trial's own list, which a cached storage hands out uncopied: a trial's
-        # history may hold its own number, and a retry's the numbers after it.
-        history = t.system_attrs.get("retry_history") or []
-        found |= {n for n in history if n in wanted and n < t.number}
-    return found
 
 
 OWNERLESS_AFTER_S = 60.0  # a worker names itself on its trial within a second of claiming it

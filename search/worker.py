@@ -20,7 +20,7 @@ import traceback
 import uuid
 import warnings
 import zlib
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -221,6 +221,39 @@ def retry_callback(max_retries: int) -> RetryHeartbeatStaleTrialCallback:
         )
 
 
+def retried_trials(study: optuna.Study, numbers: Sequence[int]) -> set[int]:
+    """Those of trial `numbers` a retry was queued for (Optuna's RetryFailedTrialCallback
+    gives a retry the `retry_history` of its chain; retries come after their trials)."""
+    wanted = set(numbers)
+    found: set[int] = set()
+    for t in study.get_trials(deepcopy=False):
+        # A retry's history names every earlier trial of its chain. The callback appends to
+        # the failed trial's own list, which a cached storage hands out uncopied: a trial's
+        # history may hold its own number, and a retry's the numbers after it.
+        history = t.system_attrs.get("retry_history") or []
+        found |= {n for n in history if n in wanted and n < t.number}
+    return found
+
+
+def _fail_and_requeue(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    db: Db,
+    max_retries: int,
+    lock: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> None:
+    """Fail a trial handed back unfinished (interrupted, or stopped waiting for GPU memory)
+    and queue its params to resume, under the study lock: the two are separate commits, and
+    a worker asking between them saw a free place in the budget and started a trial beyond
+    it (as launcher.fail_trial, and the stale check). A retry already queued (a commit whose
+    reply was lost, run again) is not queued twice."""
+    with lock():
+        _safe_tell(db, lambda: tell(study, trial, state=TrialState.FAIL))
+        frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
+        if not db(lambda: retried_trials(study, [frozen.number]), "find retry"):
+            db(lambda: retry_callback(max_retries)(study, frozen), "enqueue retry")
+
+
 def heartbeat_timing(interval_s: float) -> tuple[float, float, float]:
     """(beat period, grace period, stale-check period) in seconds for a heartbeat interval H.
 
@@ -264,13 +297,19 @@ class _Heartbeat:
 
 
 class _StaleWatcher:
-    """Fails and re-queues trials whose heartbeat stopped, even while this worker trains."""
+    """Fails and re-queues trials whose heartbeat stopped, even while this worker trains.
+
+    After a database outage it fails nothing until the database has answered for `grace_s`
+    (the heartbeat grace): during the outage no live worker could beat, and the checks come
+    more often than the beats, so the first check after it would take every running trial
+    for a dead one."""
 
     def __init__(
         self,
         study: optuna.Study,
         period_s: float,
         lock: Callable[[], contextlib.AbstractContextManager[Any]],
+        grace_s: float = 0.0,
     ) -> None:
         # Once for the process, not per call: `catch_warnings` is not thread-safe, and every
         # filter change elsewhere re-arms a "default" warning, which then repeated in the
@@ -280,6 +319,8 @@ class _StaleWatcher:
         )
         self._stop = threading.Event()
         self._lock = lock
+        self._grace_s = grace_s
+        self.answering_since = -math.inf  # monotonic s; reset by a check the database failed
         self._thread = threading.Thread(target=self._run, args=(study, period_s), daemon=True)
         self._thread.start()
 
@@ -289,13 +330,26 @@ class _StaleWatcher:
         while not self._stop.wait(period_s):
             try:
                 if callable(stale_ids) and not stale_ids(study._study_id):
+                    self._answered()
                     continue  # nothing stale: the lock, which every ask queues on, is not taken
+                if not self._answered():
+                    continue  # just back from an outage: live workers beat again first
                 # Under the study lock: a trial's failure and its retry's queueing are two
                 # commits, and an ask between them would see a free place in the budget.
                 with self._lock():
                     optuna.storages.fail_stale_trials(study)
+            except (SQLAlchemyError, optuna.exceptions.StorageInternalError, StorageError) as exc:
+                self.answering_since = math.nan  # an outage: none failed until it is over
+                warnings.warn(f"stale-trial check failed: {exc}", stacklevel=1)
             except Exception as exc:  # best effort: the next check or worker will retry
                 warnings.warn(f"stale-trial check failed: {exc}", stacklevel=1)
+
+    def _answered(self) -> bool:
+        """The database answered a check: whether it has for the grace period."""
+        now = time.monotonic()
+        if math.isnan(self.answering_since):
+            self.answering_since = now
+        return now - self.answering_since >= self._grace_s
 
     def stop(self) -> None:
         self._stop.set()
@@ -341,10 +395,9 @@ def run_worker(
     tracking = _open_tracking(cfg, spec, opts)
     watcher = None
     if spec.kind == "rdb":
+        _, grace_s, check_s = heartbeat_timing(opts.heartbeat_interval_s)
         watcher = _StaleWatcher(
-            study,
-            heartbeat_timing(opts.heartbeat_interval_s)[2],
-            lambda: study_lock(spec, cfg.name, lock_engine),
+            study, check_s, lambda: study_lock(spec, cfg.name, lock_engine), grace_s
         )
     warm = _new_warm_cache()
     deadlines = [time.time() + opts.timeout_s] if opts.timeout_s else []
@@ -360,8 +413,11 @@ def run_worker(
                 summary.stopped_by = "timeout"
                 break
             asked_at = time.perf_counter()
+            claimed: list[int] = []
             trial = with_db_retry(
-                lambda: _next_trial(study, cfg, spec, lock_engine, budget, owner),
+                functools.partial(
+                    _next_trial, study, cfg, spec, lock_engine, budget, owner, claimed
+                ),
                 give_up_after_s=opts.db_outage_limit_s,
                 what="ask",
             )
@@ -374,7 +430,10 @@ def run_worker(
                 continue
             assert isinstance(trial, optuna.Trial)
             timing = TrialTiming(trial.number, wid, (time.perf_counter() - asked_at) * 1e3)
-            outcome = run_trial(study, trial, cfg, opts, train_fn, tracking, warm, stop, timing)
+            outcome = run_trial(
+                study, trial, cfg, opts, train_fn, tracking, warm, stop, timing,
+                lambda: study_lock(spec, cfg.name, lock_engine),
+            )  # fmt: skip
             timing.trial_s = time.perf_counter() - asked_at
             append_timing(opts.workdir, timing)
             summary.trials.append(trial.number)
@@ -418,28 +477,37 @@ def _next_trial(
     engine: Any,
     budget: _Budget,
     owner: Mapping[str, Any] | None = None,
+    claimed: list[int] | None = None,
 ) -> optuna.Trial | str | None:
     """Ask under the study lock, so concurrent workers never overshoot `n_trials`.
 
     The locked section is one aggregate count and the ask itself: every asking worker of
     every host queues here, so it must stay short. Stale trials are failed by each
-    worker's watcher thread, not here.
+    worker's watcher thread, not here. `claimed` (empty at the first try) keeps the trial
+    this ask claimed: a try that the database interrupts after the claim's commit is run
+    again (`with_db_retry`) on that trial rather than claiming a second one and leaving
+    the first RUNNING, maybe without the heartbeat that would ever find it stale.
     """
-    n_trials = budget()
-    with study_lock(spec, cfg.name, engine) as conn:
-        if conn is not None:
-            counts = count_trials_sql(conn, study)
-        else:
-            counts = budget_counts(study.get_trials(deepcopy=False))
-        if not may_start_trial(counts, n_trials):
-            return "wait" if counts.get("running", 0) > 0 else None
-        trial_id = _claim_trial(study, counts, n_trials)
-        if trial_id is None:  # an Optuna without the pieces: ask whole, under the lock
-            asked = study.ask()
-            _first_heartbeat(study, asked._trial_id)
-            return asked
-        if isinstance(trial_id, str):  # the queued retry went to another worker; budget spent
-            return trial_id
+    if claimed:
+        trial_id: int | str | None = claimed[0]
+        _first_heartbeat(study, claimed[0])  # an upsert: again is harmless
+    else:
+        n_trials = budget()
+        with study_lock(spec, cfg.name, engine) as conn:
+            if conn is not None:
+                counts = count_trials_sql(conn, study)
+            else:
+                counts = budget_counts(study.get_trials(deepcopy=False))
+            if not may_start_trial(counts, n_trials):
+                return "wait" if counts.get("running", 0) > 0 else None
+            trial_id = _claim_trial(study, counts, n_trials, claimed)
+            if trial_id is None:  # an Optuna without the pieces: ask whole, under the lock
+                asked = study.ask()
+                _first_heartbeat(study, asked._trial_id)
+                return asked
+            if isinstance(trial_id, str):  # the queued retry went elsewhere; budget spent
+                return trial_id
+    assert isinstance(trial_id, int)
     # On the journal storage (no heartbeats) the claim names its worker at once: a relaunch
     # then tells a live worker's trial, its sampler still at work, from a dead one's by
     # its pid (launcher.fail_orphans_on_this_host). PostgreSQL has the claim's heartbeat.
@@ -477,12 +545,14 @@ def _sampler_failed(
     return ConfigError(f"{cfg.source or cfg.name}: {message}")
 
 
-def _claim_trial(study: optuna.Study, counts: dict[str, int], n_trials: int) -> int | str | None:
+def _claim_trial(
+    study: optuna.Study, counts: dict[str, int], n_trials: int, claimed: list[int] | None = None
+) -> int | str | None:
     """The part of `Study.ask` that the budget lock must cover: take a queued retry, or
-    create a new RUNNING trial, and record its first heartbeat (a trial without one is never
-    found stale, so a claim whose worker then fails must have it). Returns the trial id,
-    "wait" when the retry `counts` showed was taken by another worker and the budget is
-    spent, or None when Optuna lacks the helpers."""
+    create a new RUNNING trial (its id appended to `claimed` once committed), and record its
+    first heartbeat (a trial without one is never found stale, so a claim whose worker then
+    fails must have it). Returns the trial id, "wait" when the retry `counts` showed was
+    taken by another worker and the budget is spent, or None when Optuna lacks the helpers."""
     pop = getattr(study, "_pop_waiting_trial_id", None)
     if pop is None or not hasattr(study, "_thread_local"):
         return None
@@ -496,6 +566,8 @@ def _claim_trial(study: optuna.Study, counts: dict[str, int], n_trials: int) -> 
         if used >= n_trials:
             return "wait"
         trial_id = study._storage.create_new_trial(study._study_id)
+    if claimed is not None:
+        claimed.append(int(trial_id))
     _first_heartbeat(study, trial_id)
     return int(trial_id)
 
@@ -645,8 +717,10 @@ def run_trial(
     warm: Any,
     stop: threading.Event,
     timing: TrialTiming | None = None,
+    lock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> str:
-    """Train one trial and tell Optuna. Returns the outcome; never raises for a trial's fault."""
+    """Train one trial and tell Optuna. Returns the outcome; never raises for a trial's fault.
+    `lock` is the study lock, held while an interrupted trial is failed and re-queued."""
     timing = timing or TrialTiming(trial.number, opts.resolved_id(), 0.0)
     began = time.perf_counter() - timing.ask_ms / 1e3
     from hpsearch.trainer import TrainOptions
@@ -745,9 +819,7 @@ def run_trial(
             raise  # the database stayed down past the limit: stop the worker, not the trial
         except AdmissionStopped as exc:  # never started: queue it again as it is
             run = late.wait() if late is not None else None
-            _safe_tell(db, lambda: tell(study, trial, state=TrialState.FAIL))
-            frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
-            db(lambda: retry_callback(opts.max_retries)(study, frozen), "enqueue retry")
+            _fail_and_requeue(study, trial, db, opts.max_retries, lock)
             if run is not None:
                 run.finish_failed("interrupted", f"waiting for GPU memory: {exc}", None)
             return "interrupted"
@@ -778,7 +850,7 @@ def run_trial(
         timing.finish_s = max(0.0, returned - last)
         t0 = time.perf_counter()
         try:
-            outcome = _tell(study, trial, cfg, opts, result, run, db, timing.startup_s)
+            outcome = _tell(study, trial, cfg, opts, result, run, db, timing.startup_s, lock)
         except StorageError:
             raise
         except Exception as exc:  # a result the study cannot take: recorded, not a crash
@@ -839,6 +911,7 @@ def _tell(
     run: Any,
     db: Db,
     startup_s: float | None = None,
+    lock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> str:
     reason = str(result.stop_reason)
     attrs: dict[str, Any] = {
@@ -862,9 +935,7 @@ def _tell(
     if reason == "interrupted":
         _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
         # Checkpointed at an epoch boundary: fail now, and queue the same params to resume.
-        _safe_tell(db, lambda: tell(study, trial, state=TrialState.FAIL))
-        frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
-        db(lambda: retry_callback(opts.max_retries)(study, frozen), "enqueue retry")
+        _fail_and_requeue(study, trial, db, opts.max_retries, lock)
         if run is not None:
             run.finish_result(result)
         return reason

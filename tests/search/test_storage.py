@@ -514,7 +514,8 @@ def test_a_failed_trial_is_said_re_queued_only_when_its_retry_was_queued(tmp_pat
     resume" of a trial failed for good."""
     import types
 
-    from hpsearch.launcher import Launcher, fail_trial, retried_trials
+    from hpsearch.launcher import Launcher, fail_trial
+    from hpsearch.worker import retried_trials
 
     spec = resolve_storage(None, tmp_path)
     cfg = load_config("tiny", overrides=["budget.n_trials=4"])

@@ -1,0 +1,179 @@
+"""The worker's asks, re-queues and stale checks across database outages and concurrent
+workers, on the real PostgreSQL (connections terminated or refused for real)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import sqlalchemy as sa
+from hpsearch import worker as W
+from hpsearch.config import load_config
+from hpsearch.rdb import FastRDBStorage
+from hpsearch.storage import resolve_storage, study_lock, with_db_retry
+from optuna.trial import TrialState
+
+
+@pytest.fixture
+def admin(pg_url: str) -> Iterator[sa.Engine]:
+    """A connection to the server's `postgres` database, to end or refuse the test's ones."""
+    engine = sa.create_engine(
+        pg_url.rsplit("/", 1)[0] + "/postgres",
+        isolation_level="AUTOCOMMIT",
+        poolclass=sa.pool.NullPool,
+    )
+    yield engine
+    engine.dispose()
+
+
+def terminate(admin: sa.Engine, url: str) -> None:
+    with admin.connect() as c:
+        c.execute(
+            sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
+            {"d": url.rsplit("/", 1)[1]},
+        )
+
+
+def engine_of(study: optuna.Study) -> Any:
+    return study._storage._backend.engine  # type: ignore[attr-defined]
+
+
+def test_an_ask_the_database_interrupts_after_its_claim_goes_on_with_that_trial(
+    pg_url: str, admin: sa.Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim and its first heartbeat are two commits: a restart between them re-ran the
+    whole ask, which claimed a second trial and left the first RUNNING with no heartbeat,
+    never found stale: it held a place in the budget for good, and the study hung."""
+    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
+    spec = resolve_storage(pg_url, tmp_path)
+    opts = W.WorkerOptions(workdir=tmp_path, device="cpu", heartbeat_interval_s=1)
+    study = W.connect(cfg, spec, opts)
+    beaten: list[int] = []
+    real = FastRDBStorage.record_heartbeat
+
+    def restart_first(self: FastRDBStorage, trial_id: int) -> None:
+        if not beaten:  # the database restarts right after the claim's commit
+            beaten.append(trial_id)
+            terminate(admin, pg_url)
+        real(self, trial_id)
+
+    monkeypatch.setattr(FastRDBStorage, "record_heartbeat", restart_first)
+    claimed: list[int] = []
+    trial = with_db_retry(
+        lambda: W._next_trial(
+            study, cfg, spec, engine_of(study), W._Budget(study, cfg), None, claimed
+        ),
+        what="ask",
+    )
+    assert isinstance(trial, optuna.Trial)
+    assert claimed == beaten == [trial._trial_id]
+    with engine_of(study).connect() as c:
+        rows = c.execute(
+            sa.text(
+                "SELECT t.number, t.state, h.heartbeat IS NOT NULL FROM trials t "
+                "LEFT JOIN trial_heartbeats h USING (trial_id) ORDER BY t.number"
+            )
+        ).all()
+    assert [tuple(r) for r in rows] == [(0, "RUNNING", True)]  # one claim, found if it dies
+
+
+def test_an_interrupted_trials_retry_is_queued_under_the_study_lock(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failing an interrupted trial and queueing its retry are two commits: another
+    worker's ask between them saw a free place and started a trial beyond the budget."""
+    cfg = load_config("tiny", overrides=["budget.n_trials=2", "budget.max_epochs=3"])
+    spec = resolve_storage(pg_url, tmp_path)
+    opts = W.WorkerOptions(
+        workdir=tmp_path, device="cpu", train_fn="dummy_trainer:train", heartbeat_interval_s=10
+    )
+    train_fn = W.load_train_fn(opts.train_fn)
+    a, b = W.connect(cfg, spec, opts), W.connect(cfg, spec, opts)
+    budget_b = W._Budget(b, cfg)
+    ta = W._next_trial(a, cfg, spec, engine_of(a), W._Budget(a, cfg))
+    tb = W._next_trial(b, cfg, spec, engine_of(b), budget_b)
+    assert isinstance(ta, optuna.Trial) and isinstance(tb, optuna.Trial)
+    asked: list[Any] = []
+    blocked: list[bool] = []
+    real = W.retry_callback
+
+    def b_asks_meanwhile(n: int) -> Any:
+        callback = real(n)
+
+        def call(study: optuna.Study, frozen: Any) -> None:
+            # B asks between A's FAIL and A's enqueue: it must wait for both.
+            asking = threading.Thread(
+                target=lambda: asked.append(W._next_trial(b, cfg, spec, engine_of(b), budget_b)),
+                daemon=True,
+            )
+            asking.start()
+            asking.join(1.0)
+            blocked.append(asking.is_alive())
+            callback(study, frozen)
+            threads.append(asking)
+
+        return call
+
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(W, "retry_callback", b_asks_meanwhile)
+    stop = threading.Event()
+    stop.set()  # Ctrl-C: A's trial stops at its next epoch boundary
+    outcome = W.run_trial(
+        a, ta, cfg, opts, train_fn, None, None, stop, None,
+        lambda: study_lock(spec, cfg.name, engine_of(a)),
+    )  # fmt: skip
+    assert outcome == "interrupted"
+    threads[0].join(30)
+    assert blocked == [True]
+    (retry,) = asked
+    assert isinstance(retry, optuna.Trial)  # B took A's retry, not a third place
+    assert b._storage.get_trial(retry._trial_id).system_attrs["retry_history"] == [ta.number]
+    monkeypatch.setattr(W, "retry_callback", real)
+    for t in (tb, retry):
+        W.run_trial(b, t, cfg, opts, train_fn, None, None, threading.Event())
+    assert W._next_trial(b, cfg, spec, engine_of(b), budget_b) is None  # the budget is spent
+    states = [t.state for t in b.get_trials(deepcopy=False)]
+    assert sum(s in (TrialState.COMPLETE, TrialState.PRUNED) for s in states) == 2
+
+
+def test_a_live_trial_outlives_an_outage_longer_than_the_heartbeat_grace(
+    pg_url: str, admin: sa.Engine, tmp_path: Path
+) -> None:
+    """No worker can beat while the database is away, and stale checks come more often than
+    beats: the first check after an outage longer than the grace failed every live trial."""
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    cfg = load_config("tiny", overrides=["budget.n_trials=3"])
+    spec = resolve_storage(pg_url, tmp_path)
+    interval = 2
+    beat_s, grace_s, check_s = W.heartbeat_timing(interval)
+    opts = W.WorkerOptions(workdir=tmp_path, device="cpu", heartbeat_interval_s=interval)
+    a, b = W.connect(cfg, spec, opts), W.connect(cfg, spec, opts)
+    trial = W._next_trial(a, cfg, spec, engine_of(a), W._Budget(a, cfg))
+    assert isinstance(trial, optuna.Trial)
+    beating = W._Heartbeat(a._storage, trial._trial_id)  # A is alive and training
+    watcher = W._StaleWatcher(b, check_s, lambda: study_lock(spec, cfg.name, engine_of(b)), grace_s)
+    name = pg_url.rsplit("/", 1)[1]
+    try:
+        time.sleep(1.0)
+        with admin.connect() as c:
+            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+        terminate(admin, pg_url)
+        time.sleep(grace_s + 2 * beat_s)  # longer than the grace: every heartbeat is old
+        with admin.connect() as c:
+            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        time.sleep(grace_s)  # the watcher's checks resume; A's beats too
+    finally:
+        with admin.connect() as c:
+            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        watcher.stop()
+        beating.stop()
+    assert math.isfinite(watcher.answering_since)  # the outage was seen, and is over
+    states = {t.number: t.state for t in b.get_trials(deepcopy=False)}
+    assert states == {trial.number: TrialState.RUNNING}
