@@ -598,24 +598,18 @@ def test_a_warm_model_reused_after_a_failed_step_starts_with_no_gradients(
 def test_a_study_minimizing_val_loss_reports_val_loss(tmp_path: Path) -> None:
     """The pruner compares reports in the study's direction: val_acc reported to a study
     minimizing val_loss pruned the most accurate trials."""
-    cfg = synthetic(objective={"metric": "val_loss", "direction": "minimize"})
-    reported: list[tuple[int, float]] = []
-    result = train(
-        cfg,
-        TINY,
-        report=lambda epoch, value: reported.append((epoch, value)) is not None,
-        options=TrainOptions(device="cpu", workdir=tmp_path),
-    )
-    assert reported == [(r.epoch, r.val_loss) for r in result.history]
-    accuracy = synthetic()
-    reported.clear()
-    result = train(
-        accuracy,
-        TINY,
-        report=lambda epoch, value: reported.append((epoch, value)) is not None,
-        options=TrainOptions(device="cpu", workdir=tmp_path),
-    )
-    assert reported == [(r.epoch, r.val_acc) for r in result.history]
+    for objective, metric in (
+        ({"metric": "val_loss", "direction": "minimize"}, "val_loss"),
+        ({"metric": "val_acc", "direction": "maximize"}, "val_acc"),
+    ):
+        reported: list[tuple[int, float]] = []
+        result = train(
+            synthetic(objective=objective),
+            TINY,
+            report=lambda epoch, value, seen=reported: seen.append((epoch, value)) is not None,
+            options=TrainOptions(device="cpu", workdir=tmp_path),
+        )
+        assert reported == [(r.epoch, getattr(r, metric)) for r in result.history]
 
 
 def test_out_of_memory_in_the_test_pass_keeps_the_trained_trial(
