@@ -15,7 +15,9 @@ rows Optuna would write or read, and leaves everything else to Optuna:
   which the driver decodes in C; Optuna's ORM makes one query per child table and builds
   an object per row. Distributions are parsed once per distinct JSON text.
 - **Creating a trial** (no template; a retry's template trial is Optuna's): the study row
-  locked as Optuna locks it, then one insert that numbers the trial as Optuna does.
+  locked as Optuna locks it, then one insert that numbers the trial as Optuna does. Under
+  the study (budget) lock, on the lock's own connection, in the transaction of the budget
+  count (`budget_lock_held`).
 - **Heartbeats**: one upsert.
 - **Finishing a trial** (`set_trial_state_values` to COMPLETE, PRUNED or FAIL: the tell):
   one statement that locks the trial, checks it is not finished, writes its values and
@@ -32,12 +34,12 @@ Optuna's own methods throughout.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
-import random
-import time
-from collections.abc import Container, Iterable, Sequence
+import threading
+from collections.abc import Container, Iterable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -47,6 +49,7 @@ from optuna import distributions
 from optuna.distributions import BaseDistribution
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.orm import Session
 
 try:  # Optuna's internals: where a release moves them, every method is Optuna's own
     from optuna.storages._rdb import models
@@ -197,8 +200,6 @@ WHERE t.study_id = :study_id AND p.param_name = :name LIMIT 1
 # column; its enums are stored by name).
 _SPECIAL = {"INF_POS": float("inf"), "INF_NEG": float("-inf"), "NAN": float("nan")}
 
-CREATE_RETRIES = 5  # as Optuna's `_create_new_trial`: deadlocks under load are retried
-
 
 def trials_where(
     states: Container[TrialState] | None,
@@ -277,6 +278,71 @@ def frozen_trial_from_row(row: Sequence[Any]) -> FrozenTrial:
     )
 
 
+# Per thread, the connection holding the study (budget) lock, by the engine it came from:
+# the trial that the locked section creates is inserted there (`budget_lock_held`).
+_budget_locks = threading.local()
+
+
+@contextlib.contextmanager
+def budget_lock_held(conn: sa.Connection) -> Iterator[None]:
+    """While this thread holds the study lock on `conn` (a session-level advisory lock),
+    `FastRDBStorage` on `conn`'s engine creates trials on `conn`, in the transaction that
+    counted the budget there, and commits it.
+
+    The lock lives only as long as its database session. Were the trial inserted on
+    another connection, a restart between the count and the insert would end the lock
+    unnoticed: another worker would take it, count and create, and this insert, on a new
+    connection, would still go through, past the budget. On the lock's own session the
+    insert fails with the lock, and the count it relied on goes with it."""
+    held: dict[sa.Engine, sa.Connection] = _budget_locks.__dict__.setdefault("held", {})
+    engine = conn.engine
+    outer = held.get(engine)  # a section nested on the same engine (not done today)
+    held[engine] = conn
+    try:
+        yield
+    finally:
+        if outer is None:
+            held.pop(engine, None)
+        else:
+            held[engine] = outer
+
+
+def _budget_lock_connection(engine: sa.Engine) -> sa.Connection | None:
+    held: dict[sa.Engine, sa.Connection] = getattr(_budget_locks, "held", {})
+    return held.get(engine)
+
+
+def _insert_trial(
+    db: sa.Connection | Session, study_id: int, start: datetime.datetime
+) -> tuple[int, int]:
+    """A new RUNNING trial of the study, numbered as Optuna does: (trial id, number)."""
+    if db.execute(sa.text(_LOCK_STUDY_SQL), {"study_id": study_id}).first() is None:
+        raise KeyError(NOT_FOUND_MSG)
+    trial_id, number = db.execute(
+        sa.text(_CREATE_TRIAL_SQL), {"study_id": study_id, "start": start}
+    ).one()
+    return int(trial_id), int(number)
+
+
+def _insert_trial_under_lock(
+    conn: sa.Connection, study_id: int, start: datetime.datetime
+) -> tuple[int, int]:
+    """`_insert_trial` on the study lock's connection, committed with the budget count
+    before it. Errors as Optuna's session gives them: an integrity error as it is, other
+    database errors as StorageInternalError. The transaction is left to the lock's
+    release, which rolls it back."""
+    try:
+        created = _insert_trial(conn, study_id, start)
+        conn.commit()
+    except sa.exc.IntegrityError:
+        raise
+    except sa.exc.SQLAlchemyError as exc:
+        raise optuna.exceptions.StorageInternalError(
+            f"creating a trial under the study lock failed: {exc!r}"
+        ) from exc
+    return created
+
+
 class FastRDBStorage(RDBStorage):
     """`RDBStorage` whose per-trial hot path is plain SQL on PostgreSQL (module
     docstring). Construct it as `RDBStorage`."""
@@ -332,22 +398,19 @@ class FastRDBStorage(RDBStorage):
     ) -> FrozenTrial:
         if template_trial is not None or not self.fast_sql():
             return super()._create_new_trial(study_id, template_trial)
-        for attempt in range(1, CREATE_RETRIES + 1):
-            # Optuna's `datetime.now()`, stored as naive UTC; handed back as read back.
-            start = datetime.datetime.now().astimezone(datetime.UTC).replace(tzinfo=None)
-            try:
-                with _create_scoped_session(self.scoped_session) as session:
-                    locked = session.execute(sa.text(_LOCK_STUDY_SQL), {"study_id": study_id})
-                    if locked.first() is None:
-                        raise KeyError(NOT_FOUND_MSG)
-                    trial_id, number = session.execute(
-                        sa.text(_CREATE_TRIAL_SQL), {"study_id": study_id, "start": start}
-                    ).one()
-                break
-            except optuna.exceptions.StorageInternalError:
-                if attempt == CREATE_RETRIES:
-                    raise
-                time.sleep(random.random() * 2.0)  # seconds, as Optuna
+        # Optuna's `datetime.now()`, stored as naive UTC; handed back as read back.
+        start = datetime.datetime.now().astimezone(datetime.UTC).replace(tzinfo=None)
+        # No retry here, unlike Optuna's: a lost connection may have taken the study lock
+        # with it (a session lock), and another worker may since have taken it, counted
+        # and created; only a re-run of the whole locked section, count included, may
+        # create (the caller's `with_db_retry`). PostgreSQL reports a deadlock as an
+        # OperationalError too, which that retry also runs again whole.
+        lock_conn = _budget_lock_connection(self.engine)
+        if lock_conn is None:
+            with _create_scoped_session(self.scoped_session) as session:
+                trial_id, number = _insert_trial(session, study_id, start)
+        else:
+            trial_id, number = _insert_trial_under_lock(lock_conn, study_id, start)
         return FrozenTrial(
             number=number,
             state=TrialState.RUNNING,

@@ -29,25 +29,33 @@ of the stored values.
 `close()` waits for every write. The worker tells Optuna only after it, so the database
 holds every reported value before the trial is finished. A write that fails for good (the
 database gone past the outage limit, or the trial finished elsewhere) is raised by the
-next report, or by `close()` when no report came after it.
+next report, or by `close()` when no report came after it. A refresh that fails is only
+logged (once per outage) and skipped: it is a read, and a decision on a view too old reads
+the trials itself. An outage during a long epoch, over before the next report, costs
+nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import optuna
+from hpsearch.errors import StorageError
 from hpsearch.storage import TRIALS_REFRESH_S, refresh_trials_now, relaxed_trial_reads
+from sqlalchemy.exc import SQLAlchemyError
 
 VIEW_MAX_AGE_S = 5.0  # seconds the other trials' view may lag a pruning decision
 
 Db = Callable[[Callable[[], Any], str], Any]  # runs a storage call with the retry policy
 Job = tuple[Callable[[], Any], str]  # (storage call, what it is, for the error message)
+
+logger = logging.getLogger(__name__)
 
 
 class _PruneStorage:
@@ -120,8 +128,9 @@ class TrialReports:
         self._max_age_s = max_age_s
         self._multi = len(study.directions) > 1
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._error: Exception | None = None
+        self._error: Exception | None = None  # the first write that failed for good
         self._raised = False
+        self._refresh_failing = False  # the latest refresh failed: warned once already
         storage = study._storage
         tid = trial._trial_id
         # Read once, before training: the sampler and the worker wrote this trial's system
@@ -193,14 +202,11 @@ class TrialReports:
         self._jobs.put(job)
 
     def _write(self) -> None:
-        # At most as often as any read of this process's (TRIALS_REFRESH_S): a trial that
-        # reports several times a second adds no database load.
-        refresh = (lambda: refresh_trials_now(self._study, TRIALS_REFRESH_S), "refresh trials")
         while True:
             try:
                 job = self._jobs.get(timeout=self._max_age_s / 2)
             except queue.Empty:  # a long epoch: keep the view within max_age_s
-                self._run(refresh)
+                self._refresh()
                 continue
             try:
                 if job is None:
@@ -209,7 +215,7 @@ class TrialReports:
             finally:
                 self._jobs.task_done()  # a waiting report waits for the write, not the refresh
             if self._jobs.empty():  # one refresh after a burst of writes
-                self._run(refresh)
+                self._refresh()
 
     def _run(self, job: Job) -> None:
         if self._error is not None:
@@ -219,3 +225,34 @@ class TrialReports:
             self._db(fn, what)
         except Exception as exc:  # re-raised on the training thread
             self._error = exc
+
+    def _refresh(self) -> None:
+        """Bring the view of the other trials up to date, at most as often as any read of
+        this process's (TRIALS_REFRESH_S): a trial that reports several times a second adds
+        no database load.
+
+        A refresh is a read that nothing waits on: one the database fails (past the outage
+        limit too) is skipped, not kept for the next report to raise, which would end a
+        trial for an outage that was over before it reported. A decision on a view older
+        than max_age_s reads the trials itself, with the retry, and raises there if the
+        database is still away."""
+        if self._error is not None:
+            return  # the trial is failing anyway: close() raises the write's error
+        try:
+            self._db(lambda: refresh_trials_now(self._study, TRIALS_REFRESH_S), "refresh trials")
+        except (StorageError, SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+            if not self._refresh_failing:  # once per outage, not every max_age_s / 2
+                logger.warning(
+                    "trial %d: cannot refresh the other trials' view, training goes on "
+                    "(a pruning decision reads them itself): %s",
+                    self._trial.number,
+                    exc,
+                )
+            self._refresh_failing = True
+            return
+        except Exception as exc:  # not the database's: a fault, raised on the training thread
+            self._error = exc
+            return
+        if self._refresh_failing:
+            logger.info("trial %d: the other trials' view is refreshed again", self._trial.number)
+        self._refresh_failing = False

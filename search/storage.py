@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar, cast
 import optuna
 import sqlalchemy as sa
 from hpsearch.errors import StorageError
-from hpsearch.rdb import FastRDBStorage
+from hpsearch.rdb import FastRDBStorage, budget_lock_held
 from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
@@ -378,14 +378,18 @@ def study_lock(
 ) -> Iterator[sa.Connection | None]:
     """Serializes "count trials, then ask" across processes so the budget is never overshot.
 
-    PostgreSQL: a session-level advisory lock; yields the connection holding it. Journal
-    file: flock on a sibling lock file; yields None.
+    PostgreSQL: a session-level advisory lock; yields the connection holding it, on which
+    the section counts the trials (`count_trials_sql`). A trial the section creates through
+    a `FastRDBStorage` on `engine` is inserted on that connection too, in the count's
+    transaction: a restart that ends the lock fails the insert rather than letting it
+    through on a new connection after another worker has counted (`budget_lock_held`).
+    Journal file: flock on a sibling lock file; yields None.
     """
     if spec.is_postgres:
         eng = (
             engine if engine is not None else sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
         )
-        with _advisory_lock(eng, study_name) as conn:
+        with _advisory_lock(eng, study_name) as conn, budget_lock_held(conn):
             yield conn
         return
     # Not "<journal>.lock": that is Optuna's own open-lock file for journal writes, and
@@ -590,10 +594,22 @@ def throttle_trial_reads(study: optuna.Study, min_interval_s: float = TRIALS_REF
     def read_now(study_id: int, older_than_s: float = 0.0) -> None:
         with lock:
             now = time.monotonic()
-            if now - last.get(study_id, -float("inf")) < older_than_s:
+            before = last.get(study_id)
+            if before is not None and now - before < older_than_s:
                 return
             last[study_id] = now
-        read(study_id)
+        try:
+            read(study_id)
+        except BaseException:
+            # The view is as old as before this read: a failed read (an outage) must not
+            # make it look fresh, or a pruning decision would skip its own read on it.
+            with lock:
+                if last.get(study_id) == now:
+                    if before is None:
+                        del last[study_id]
+                    else:
+                        last[study_id] = before
+            raise
 
     def throttled(study_id: int) -> None:
         read_now(study_id, interval[0])

@@ -18,7 +18,15 @@ import optuna
 import pytest
 import sqlalchemy as sa
 from hpsearch.rdb import FastRDBStorage, trials_where
-from hpsearch.storage import normalize_url, open_storage, resolve_storage
+from hpsearch.storage import (
+    StorageSpec,
+    count_trials_sql,
+    normalize_url,
+    open_storage,
+    resolve_storage,
+    study_lock,
+    with_db_retry,
+)
 from optuna.distributions import (
     CategoricalDistribution,
     FloatDistribution,
@@ -382,6 +390,73 @@ def test_two_workers_finishing_one_trial_at_once_finish_it_once(
             th.join()
     assert outcomes.count("failed it") == 20
     assert outcomes.count("already finished") == 20
+
+
+def _terminate_backends(url: str) -> None:
+    """End every session of the database, as a restart does (their advisory locks too)."""
+    name = url.rsplit("/", 1)[1]
+    admin = sa.create_engine(
+        normalize_url(url.rsplit("/", 1)[0] + "/postgres"),
+        isolation_level="AUTOCOMMIT",
+        poolclass=sa.pool.NullPool,
+    )
+    with admin.connect() as c:
+        c.execute(
+            sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"),
+            {"n": name},
+        )
+    admin.dispose()
+
+
+def _ask_within_budget(
+    study: optuna.Study, spec: StorageSpec, n_trials: int, after_count: Any
+) -> int | None:
+    """The worker's locked section (`worker._next_trial`): count the study's trials on the
+    lock's connection and create one only while the budget has room; its trial id."""
+    engine = study._storage._backend.engine  # type: ignore[attr-defined]
+    with study_lock(spec, study.study_name, engine) as conn:
+        assert conn is not None
+        counts = count_trials_sql(conn, study)
+        after_count()
+        if counts["complete"] + counts["pruned"] + counts["running"] >= n_trials:
+            return None
+        return study._storage.create_new_trial(study._study_id)
+
+
+@pytest.mark.parametrize("pooled", ["broken", "fresh"])
+def test_a_restart_inside_the_budget_lock_never_overshoots_the_budget(
+    pg_url: str, tmp_path: Path, pooled: str
+) -> None:
+    """The study lock is a session lock: a database restart right after worker A counted
+    ends it, and worker B takes it, counts and creates the budget's one trial. A must not
+    create a second on the count it took before the restart, whether its pool still holds
+    the broken connections (an error, which must not be retried on that count) or new ones
+    (the pool recycled them: an insert there would simply succeed)."""
+    spec = resolve_storage(pg_url, tmp_path)
+    a, b = (
+        optuna.create_study(study_name="budget", storage=open_storage(spec), load_if_exists=True)
+        for _ in range(2)
+    )
+    got_b: list[int | None] = []
+
+    def restart_then_b_asks() -> None:
+        if got_b:
+            return  # A's second try, after the restart: nothing happens in between
+        _terminate_backends(pg_url)
+        if pooled == "fresh":  # connections the pool has not handed out are new ones
+            a._storage._backend.engine.pool.dispose()  # type: ignore[attr-defined]
+        got_b.append(
+            with_db_retry(lambda: _ask_within_budget(b, spec, 1, lambda: None), what="ask B")
+        )
+
+    with warnings.catch_warnings():  # with_db_retry's "connection lost, retrying"
+        warnings.simplefilter("ignore")
+        got_a = with_db_retry(
+            lambda: _ask_within_budget(a, spec, 1, restart_then_b_asks), what="ask A"
+        )
+    trials = optuna.load_study(study_name="budget", storage=normalize_url(pg_url)).trials
+    assert [(t.number, t.state) for t in trials] == [(0, TrialState.RUNNING)]
+    assert (got_b, got_a) == ([trials[0]._trial_id], None)
 
 
 def test_an_unknown_schema_revision_takes_optunas_own_methods(

@@ -244,6 +244,36 @@ def test_a_short_outage_neither_fails_the_trial_nor_loses_a_value(
     assert _stored(study, trial._trial_id)[0] == {1: 0.3, 2: 0.35, 3: 0.4}
 
 
+def test_an_outage_over_before_the_next_report_does_not_stop_the_trial(
+    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database is away for longer than the outage limit during one long epoch, with no
+    write pending, and back before the next report: only the writer thread's background
+    refreshes of the view failed. They are reads: the report goes on and its value is
+    stored, and the failure is logged once, not once per refresh."""
+    study = _study_with_history(pg_url, tmp_path, "median")
+    throttle_trial_reads(study)
+    trial = study.ask()
+
+    def db(fn: Any, what: str) -> Any:  # the outage limit: 1 s
+        return with_db_retry(fn, give_up_after_s=1.0, what=what)
+
+    with warnings.catch_warnings():  # with_db_retry's "connection lost, retrying"
+        warnings.simplefilter("ignore")
+        with (
+            caplog.at_level("WARNING", logger="hpsearch.reporting"),
+            TrialReports(study, trial, db, max_age_s=0.4) as reports,
+        ):
+            reports.report(1, 0.3)
+            time.sleep(0.3)  # epoch 1's write done: nothing pending from here on
+            _cut_off(pg_url, 4.0).join()  # the long epoch, the database away meanwhile
+            time.sleep(0.3)
+            assert reports.report(2, 0.35) is False
+    assert _stored(study, trial._trial_id)[0] == {1: 0.3, 2: 0.35}
+    failed = [r for r in caplog.records if "cannot refresh" in r.getMessage()]
+    assert len(failed) == 1
+
+
 def test_a_trial_finished_elsewhere_counts_at_the_next_report(pg_url: str, tmp_path: Path) -> None:
     """Another worker completes a trial while this one trains: the writer thread's timed
     refresh brings it into the view, and the median pruner, which needed one more complete
