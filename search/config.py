@@ -219,6 +219,14 @@ class StudyConfig(_Frozen):
     search_space: dict[str, Param] = Field(default_factory=dict)
     source: str = ""  # the file it came from; set by load_config
 
+    @property
+    def reported_metric(self) -> str:
+        """What an evaluated epoch reports to the pruner: the objective's metric when it is
+        measured per epoch (val_loss), else val_acc (a multi-objective study prunes nothing;
+        a pruner with train_seconds is refused)."""
+        metrics = self.objective.metrics
+        return "val_loss" if metrics == ("val_loss",) else "val_acc"
+
     def fixed_params(self) -> dict[str, Any]:
         """Hyperparameter values used for everything the search space leaves out."""
         return self.trainer.defaults.model_dump()

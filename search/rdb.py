@@ -325,14 +325,18 @@ def _insert_trial(
 
 
 def _insert_trial_under_lock(
-    conn: sa.Connection, study_id: int, start: datetime.datetime
+    conn: sa.Connection, study_id: int, start: datetime.datetime, beat: bool = False
 ) -> tuple[int, int]:
     """`_insert_trial` on the study lock's connection, committed with the budget count
-    before it. Errors as Optuna's session gives them: an integrity error as it is, other
+    before it, and with the trial's first heartbeat when `beat` (heartbeats on): a commit
+    whose reply is lost leaves no RUNNING trial without one, which no stale check would
+    ever find. Errors as Optuna's session gives them: an integrity error as it is, other
     database errors as StorageInternalError. The transaction is left to the lock's
     release, which rolls it back."""
     try:
         created = _insert_trial(conn, study_id, start)
+        if beat:
+            conn.execute(sa.text(_HEARTBEAT_SQL), {"trial_id": created[0]})
         conn.commit()
     except sa.exc.IntegrityError:
         raise
@@ -410,7 +414,8 @@ class FastRDBStorage(RDBStorage):
             with _create_scoped_session(self.scoped_session) as session:
                 trial_id, number = _insert_trial(session, study_id, start)
         else:
-            trial_id, number = _insert_trial_under_lock(lock_conn, study_id, start)
+            beat = getattr(self, "heartbeat_interval", None) is not None
+            trial_id, number = _insert_trial_under_lock(lock_conn, study_id, start, beat)
         return FrozenTrial(
             number=number,
             state=TrialState.RUNNING,

@@ -908,7 +908,7 @@ def record_dead_trial_run(
             return None
         try:
             for step, value in sorted(trial.intermediate_values.items()):
-                tracker.log_epoch(step, {"val_acc": value})  # what the trainer reports
+                tracker.log_epoch(step, {cfg.reported_metric: value})  # what was reported
         finally:
             tracker.finish(outcome, None, {}, [], None, reason=reason)
         return tracker.run_id

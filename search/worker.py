@@ -7,6 +7,7 @@ machines) run this same loop against the same storage.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import json
@@ -247,11 +248,22 @@ def _fail_and_requeue(
     a worker asking between them saw a free place in the budget and started a trial beyond
     it (as launcher.fail_trial, and the stale check). A retry already queued (a commit whose
     reply was lost, run again) is not queued twice."""
-    with lock():
-        _safe_tell(db, lambda: tell(study, trial, state=TrialState.FAIL))
-        frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
-        if not db(lambda: retried_trials(study, [frozen.number]), "find retry"):
-            db(lambda: retry_callback(max_retries)(study, frozen), "enqueue retry")
+
+    def locked() -> None:  # run again whole, lock and reads included, after a db error
+        with lock():
+            try:
+                tell(study, trial, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # failed by a try of this before (its reply lost), or elsewhere
+            except ValueError as exc:  # Optuna's tell: "Cannot tell a FAIL trial." (the same)
+                if "Cannot tell a" not in str(exc):
+                    raise
+            # A fresh copy each try: the callback appends to the trial's own retry history.
+            frozen = study._storage.get_trial(trial._trial_id)
+            if not retried_trials(study, [frozen.number]):
+                retry_callback(max_retries)(study, copy.deepcopy(frozen))
+
+    db(locked, "fail and re-queue")
 
 
 def heartbeat_timing(interval_s: float) -> tuple[float, float, float]:
@@ -839,7 +851,10 @@ def run_trial(
             db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, resumed), "set_user_attr")
             if len(study.directions) == 1:
                 stored = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
-                for step, value in unreported_epochs(result.history, stored.intermediate_values):
+                unreported = unreported_epochs(
+                    result.history, stored.intermediate_values, cfg.reported_metric
+                )
+                for step, value in unreported:
                     db(functools.partial(trial.report, value, step), "report")
         setup_s = float(getattr(result, "setup_seconds", 0.0) or 0.0)
         timing.startup_s = handed_over - began + setup_s
@@ -960,17 +975,19 @@ def _tell(
     return reason
 
 
-def unreported_epochs(history: list[Any], reported: Collection[int]) -> list[tuple[int, float]]:
-    """(epoch, val_acc) of a retry's evaluated epochs that the study holds no value for: its
+def unreported_epochs(
+    history: list[Any], reported: Collection[int], metric: str = "val_acc"
+) -> list[tuple[int, float]]:
+    """(epoch, `metric`) of a retry's evaluated epochs that the study holds no value for: its
     failed try checkpointed them, but died before their reports reached the database (each
     is written off the training thread, one in flight), so the retry resumed after them.
     The built-in trainer reports its last restored epoch again as it resumes
     (`trainer.trial._report_restored`); for a `train_fn` that does not, they are reported
     at the retry's end, so nothing trained is missing from its curve."""
     return [
-        (int(r.epoch), float(r.val_acc))
+        (int(r.epoch), float(getattr(r, metric)))
         for r in history
-        if r.val_acc is not None and int(r.epoch) not in reported
+        if r.val_acc is not None and getattr(r, metric) is not None and int(r.epoch) not in reported
     ]
 
 

@@ -621,7 +621,8 @@ def _train(
         _restore_rng(ckpt["rng"])
         run.history = [EpochRecord(**r) for r in ckpt["history"]]
         for k, v in ckpt["run"].items():
-            setattr(run, k, v)
+            if k != "effective_lr":  # the current run's (its schedule is: _restore_schedule)
+                setattr(run, k, v)
         first_epoch = ckpt["epoch"] + 1
         run.train_seconds = ckpt["train_seconds"]
         if best_path is not None and best_path.is_file():
@@ -764,9 +765,10 @@ def _train(
                 best_unsaved = best_path is not None
             else:
                 run.evals_since_best += 1
-            if report(epoch, reported_value(config, record)):
+            value = reported_value(config, record)
+            if report(epoch, value):
                 run.stop_reason, run.pruned_at = "pruned", epoch
-                run.message = f"pruned at epoch {epoch} (val_acc {val_acc:.4f})"
+                run.message = f"pruned at epoch {epoch} ({config.reported_metric} {value:.4f})"
             elif tc.patience is not None and run.evals_since_best >= tc.patience:
                 run.stop_reason = "early_stopped"
                 run.message = (
@@ -841,10 +843,8 @@ def _train(
 
 
 def reported_value(config: StudyConfig, record: EpochRecord) -> float:
-    """What an evaluated epoch reports to the pruner: the study's objective metric when it
-    is measured per epoch (val_loss), else val_acc (a multi-objective study prunes nothing,
-    and config validation refuses a pruner for train_seconds)."""
-    if config.objective.metrics[0] == "val_loss" and not config.objective.multi:
+    """What an evaluated epoch reports to the pruner (`StudyConfig.reported_metric`)."""
+    if config.reported_metric == "val_loss":
         return float(record.val_loss if record.val_loss is not None else math.inf)
     return float(record.val_acc or 0.0)
 

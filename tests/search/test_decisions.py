@@ -239,6 +239,8 @@ def test_a_retrys_restored_epochs_without_a_stored_value_are_reported() -> None:
     history = [rec(1, 0.2), rec(2, None), rec(3, 0.4), rec(4, 0.5)]  # eval every other epoch
     assert unreported_epochs(history, {1: 0.2, 4: 0.5}) == [(3, 0.4)]
     assert unreported_epochs(history, {1: 0.2, 3: 0.4, 4: 0.5}) == []
+    # A study minimizing val_loss is reported its losses (`StudyConfig.reported_metric`).
+    assert unreported_epochs(history, {1: 0.8, 4: 0.5}, "val_loss") == [(3, 0.6)]
 
 
 def test_each_worker_restart_and_resumed_study_draws_from_a_seed_of_its_own() -> None:

@@ -177,3 +177,62 @@ def test_a_live_trial_outlives_an_outage_longer_than_the_heartbeat_grace(
     assert math.isfinite(watcher.answering_since)  # the outage was seen, and is over
     states = {t.number: t.state for t in b.get_trials(deepcopy=False)}
     assert states == {trial.number: TrialState.RUNNING}
+
+
+def test_a_database_error_while_re_queueing_runs_the_locked_section_again(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The study lock and the retry's enqueue failing once: the whole section runs again,
+    lock included, on a fresh copy of the trial. Before, a lock that failed crashed the
+    worker (the trial left RUNNING), and an enqueue run again queued a second retry or
+    one whose history had the trial twice (Optuna's callback appends to the trial's list)."""
+    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
+    spec = resolve_storage(pg_url, tmp_path)
+    opts = W.WorkerOptions(workdir=tmp_path, device="cpu", heartbeat_interval_s=10)
+    study = W.connect(cfg, spec, opts)
+    trial = W._next_trial(study, cfg, spec, engine_of(study), W._Budget(study, cfg))
+    assert isinstance(trial, optuna.Trial)
+    calls = {"lock": 0, "add": 0}
+    real_add = study.add_trial
+
+    def lost(what: str) -> sa.exc.OperationalError:
+        return sa.exc.OperationalError(what, {}, Exception("server closed the connection"))
+
+    def add_once_lost(frozen: Any) -> None:
+        calls["add"] += 1
+        if calls["add"] == 1:
+            raise lost("INSERT INTO trials")
+        real_add(frozen)
+
+    def lock_once_lost() -> Any:
+        calls["lock"] += 1
+        if calls["lock"] == 1:
+            raise lost("SELECT pg_advisory_lock")
+        return study_lock(spec, cfg.name, engine_of(study))
+
+    monkeypatch.setattr(study, "add_trial", add_once_lost)
+    W._fail_and_requeue(
+        study, trial, lambda fn, what: with_db_retry(fn, what=what), 2, lock_once_lost
+    )
+    trials = study.get_trials(deepcopy=True)
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
+    assert trials[1].system_attrs["retry_history"] == [trial.number]
+    assert calls == {"lock": 3, "add": 2}
+
+
+def test_a_trial_made_under_the_study_lock_has_its_heartbeat_in_the_same_commit(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A commit whose reply is lost leaves the trial RUNNING: it must carry the heartbeat
+    by which a stale check finds it, whoever records the next one."""
+    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
+    spec = resolve_storage(pg_url, tmp_path)
+    opts = W.WorkerOptions(workdir=tmp_path, device="cpu", heartbeat_interval_s=10)
+    study = W.connect(cfg, spec, opts)
+    with study_lock(spec, cfg.name, engine_of(study)):
+        trial_id = study._storage.create_new_trial(study._study_id)
+    with engine_of(study).connect() as c:
+        beats = c.execute(
+            sa.text("SELECT count(*) FROM trial_heartbeats WHERE trial_id = :t"), {"t": trial_id}
+        ).scalar_one()
+    assert beats == 1
