@@ -145,7 +145,7 @@ def _context_bytes() -> int:
 
     try:
         import pynvml
-        from hpsearch.tracking.gpu import nvml_uuids, refs_by_uuid
+        from hpsearch.tracking.gpu import nvml_handle, nvml_uuids, refs_by_uuid
 
         pynvml.nvmlInit()
         try:
@@ -158,12 +158,7 @@ def _context_bytes() -> int:
                 found = refs_by_uuid([str(torch.cuda.get_device_properties(0).uuid)], uuids)
                 if not found:
                     return CONTEXT_FALLBACK
-                ref = found[0]
-                handle = (
-                    pynvml.nvmlDeviceGetHandleByIndex(ref)
-                    if isinstance(ref, int)
-                    else pynvml.nvmlDeviceGetHandleByUUID(ref)
-                )
+                handle = nvml_handle(pynvml, found[0])
             else:
                 handle = pynvml.nvmlDeviceGetHandleByUUID(visible)
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
@@ -188,7 +183,7 @@ def free_bytes_of_visible_gpus() -> list[int | None]:
     out: list[int | None] = [None] * n
     try:
         import pynvml
-        from hpsearch.tracking.gpu import nvml_uuids, refs_by_uuid
+        from hpsearch.tracking.gpu import nvml_handle, nvml_uuids, refs_by_uuid
 
         pynvml.nvmlInit()
     except Exception:  # no NVML: the plan takes every GPU for the first
@@ -197,12 +192,7 @@ def free_bytes_of_visible_gpus() -> list[int | None]:
         cuda = [str(torch.cuda.get_device_properties(i).uuid) for i in range(n)]
         for i, ref in enumerate(refs_by_uuid(cuda, nvml_uuids(pynvml))):
             try:
-                handle = (
-                    pynvml.nvmlDeviceGetHandleByIndex(ref)
-                    if isinstance(ref, int)
-                    else pynvml.nvmlDeviceGetHandleByUUID(ref)
-                )
-                out[i] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+                out[i] = int(pynvml.nvmlDeviceGetMemoryInfo(nvml_handle(pynvml, ref)).free)
             except Exception:  # this GPU's figure unknown: planned like the first
                 continue
     except Exception:  # NVML answered nothing usable

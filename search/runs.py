@@ -29,6 +29,7 @@ from hpsearch.packing import pid_alive
 from hpsearch.storage import StorageSpec
 from hpsearch.study import dominates, objective_values
 from hpsearch.tracking.server import redact_uri, scrub
+from hpsearch.trainer.types import best_model_path_for
 from hpsearch.worker import (
     ATTR_BEST_MODEL,
     ATTR_HOST,
@@ -103,12 +104,6 @@ RESUME_ARTIFACT = "resume/checkpoint.pt"  # latest resume checkpoint (upload_che
 RESUME_BEST_ARTIFACT = "resume/checkpoint.best.pt"
 
 
-def _best_beside(checkpoint: Path) -> Path:
-    """`hpsearch.trainer.trial.best_model_path_for` (trial.pt -> trial.best.pt), without
-    importing torch there: a worker with its own `train_fn` may never load it."""
-    return checkpoint.with_name(checkpoint.stem + ".best.pt")
-
-
 def _file_key(path: Path) -> tuple[int, int, int] | None:
     """(inode, mtime ns, size) of a file, None when it is not there: tells a file that the
     trainer replaced (atomic_save: a new inode) from the one uploaded before."""
@@ -158,7 +153,7 @@ class _CheckpointUploader:
             # Copies first: the trainer replaces the files at a later epoch. The best model
             # goes first: it is written before the checkpoint that refers to it, and a fetch
             # between the two uploads then finds it no older than the checkpoint.
-            best = _best_beside(path)
+            best = best_model_path_for(path)
             key = _file_key(best)
             if key is not None and key != self._best_sent:
                 snap = tmp / Path(RESUME_BEST_ARTIFACT).name
@@ -758,9 +753,9 @@ class TrackingSession:
                 raise FileNotFoundError(f"{RESUME_ARTIFACT} is not in run {previous_run_id}")
             best = local / Path(RESUME_BEST_ARTIFACT).name
             if best.is_file():
-                os.replace(best, _best_beside(dest))
+                os.replace(best, best_model_path_for(dest))
             else:
-                _best_beside(dest).unlink(missing_ok=True)
+                best_model_path_for(dest).unlink(missing_ok=True)
             os.replace(checkpoint, dest)
             return True
         except Exception as exc:  # nothing to resume from: the retry starts over

@@ -253,10 +253,8 @@ def _fail_and_requeue(
         with lock():
             try:
                 tell(study, trial, state=TrialState.FAIL)
-            except optuna.exceptions.UpdateFinishedTrialError:
-                pass  # failed by a try of this before (its reply lost), or elsewhere
-            except ValueError as exc:  # Optuna's tell: "Cannot tell a FAIL trial." (the same)
-                if "Cannot tell a" not in str(exc):
+            except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
+                if not _finished_elsewhere(exc):  # else: by a try of this (its reply lost)
                     raise
             # A fresh copy each try: the callback appends to the trial's own retry history.
             frozen = study._storage.get_trial(trial._trial_id)
@@ -890,15 +888,21 @@ def _safe_tell(db: Db, fn: Callable[[], Any]) -> bool:
     elsewhere (stale-failed while this worker was cut off): False then."""
     try:
         db(fn, "tell")
-    except optuna.exceptions.UpdateFinishedTrialError as exc:
-        warnings.warn(f"trial was already finished elsewhere: {exc}", stacklevel=2)
-        return False
-    except ValueError as exc:  # Optuna's tell: "Cannot tell a FAIL trial." (same cause)
-        if "Cannot tell a" not in str(exc):
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
+        if not _finished_elsewhere(exc):
             raise
         warnings.warn(f"trial was already finished elsewhere: {exc}", stacklevel=2)
         return False
     return True
+
+
+def _finished_elsewhere(exc: Exception) -> bool:
+    """Whether a write to a trial failed because the trial was already finished: Optuna's
+    storages raise UpdateFinishedTrialError, its tell a ValueError "Cannot tell a FAIL
+    trial." """
+    if isinstance(exc, optuna.exceptions.UpdateFinishedTrialError):
+        return True
+    return isinstance(exc, ValueError) and "Cannot tell a" in str(exc)
 
 
 def _fail(

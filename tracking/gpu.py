@@ -91,6 +91,13 @@ def reset_warnings() -> None:
 DeviceRef = int | str  # NVML index of a whole GPU, or a MIG UUID
 
 
+def nvml_handle(nvml: Any, ref: DeviceRef) -> Any:
+    """NVML's handle of a `DeviceRef`: by index for a whole GPU, by UUID for a MIG one."""
+    if isinstance(ref, int):
+        return nvml.nvmlDeviceGetHandleByIndex(ref)
+    return nvml.nvmlDeviceGetHandleByUUID(ref)
+
+
 def resolve_visible_devices(value: str | None, gpu_uuids: Sequence[str]) -> list[DeviceRef]:
     """Map ``CUDA_VISIBLE_DEVICES`` to the GPUs NVML knows (``gpu_uuids[i]`` is the UUID of NVML
     index ``i``), in CUDA's order.
@@ -378,11 +385,7 @@ class GpuSampler:
                     )
             labels = device_labels(refs)
             for ref, label in zip(refs, labels, strict=True):
-                handle = (
-                    nvml.nvmlDeviceGetHandleByIndex(ref)
-                    if isinstance(ref, int)
-                    else nvml.nvmlDeviceGetHandleByUUID(ref)
-                )
+                handle = nvml_handle(nvml, ref)
                 dev = _DeviceStats(ref=ref, label=label, handle=handle)
                 try:
                     dev.energy_start_mj = float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))

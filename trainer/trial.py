@@ -41,6 +41,7 @@ from hpsearch.trainer.types import (
     TrainOptions,
     TrialResult,
     WarmCache,
+    best_model_path_for,
     is_resource_error,
     resource_error_cause,
 )
@@ -378,11 +379,6 @@ class _CheckpointWriter:
             raise error
 
 
-def best_model_path_for(checkpoint_path: Path) -> Path:
-    """The best model's weights live next to the checkpoint: trial.pt -> trial.best.pt."""
-    return checkpoint_path.with_name(checkpoint_path.stem + ".best.pt")
-
-
 def _rng_states(gen: torch.Generator | None, np_rng: np.random.Generator | None) -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
@@ -451,14 +447,12 @@ def train(
     writer = _CheckpointWriter()
     try:
         _train(config, hp, dict(params), report, options, device, run, start, writer)
-    except torch.OutOfMemoryError:
-        oom = ""  # handled below, outside the except block, so the traceback is gone
-    except RuntimeError as exc:  # cuDNN's and cuBLAS's allocation failures: RuntimeError
-        # A sticky CUDA error (a device-side assert, an illegal access) can surface as a
-        # library's failure: the device then fails its next sync, and it is raised as it is.
-        if not is_resource_error(exc) or not _device_usable(device):
+    except RuntimeError as exc:  # torch's out-of-memory error is one too
+        if not _out_of_memory(exc, device):
             raise
-        oom = f": {cause}" if (cause := resource_error_cause(exc)) else ""
+        # Handled below, outside the except block, so the traceback is gone.
+        cause = None if isinstance(exc, torch.OutOfMemoryError) else resource_error_cause(exc)
+        oom = f": {cause}" if cause else ""
     finally:
         writer.wait()  # the last checkpoint is on disk before the result is
     if run.checkpoint_path is not None and not run.checkpoint_path.is_file():
@@ -496,6 +490,15 @@ def train(
         num_classes=run.num_classes,
         class_names=list(run.class_names),
     )
+
+
+def _out_of_memory(exc: RuntimeError, device: torch.device) -> bool:
+    """torch's out-of-memory error, or cuDNN's and cuBLAS's allocation failures (plain
+    RuntimeErrors). A sticky CUDA error (a device-side assert, an illegal access) can surface
+    as a library's failure: the device then fails its next sync, and it is no lack of memory."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return is_resource_error(exc) and _device_usable(device)
 
 
 def _device_usable(device: torch.device) -> bool:
@@ -828,12 +831,10 @@ def _train(
             run.test_acc, _, _ = evaluate(
                 fwd, test_split, res, num_classes, device, amp, tc.channels_last
             )
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
+        except RuntimeError as exc:
             # The trained trial stands: only its test figure is missing (the test split is
             # loaded onto the device after training, 6149 images for Flowers-102).
-            if not isinstance(exc, torch.OutOfMemoryError) and not (
-                is_resource_error(exc) and _device_usable(device)
-            ):
+            if not _out_of_memory(exc, device):
                 raise
             run.test_acc = None
             run.message += "; test accuracy not measured: out of memory"

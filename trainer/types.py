@@ -146,3 +146,9 @@ class TrainOptions:
     # Called with checkpoint_path on the writer thread once a resume checkpoint is on disk
     # (the file then holds that save, not the previous one); exceptions are only warned of.
     on_checkpoint: Callable[[Path], None] | None = None
+
+
+def best_model_path_for(checkpoint_path: Path) -> Path:
+    """The best model's weights live next to the checkpoint: trial.pt -> trial.best.pt.
+    Here, without torch: the search layer uploads and fetches the file too."""
+    return checkpoint_path.with_name(checkpoint_path.stem + ".best.pt")
