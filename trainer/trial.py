@@ -731,7 +731,7 @@ def _train(
                 f"{len(run.history)} complete epochs kept"
             )
             save_best()
-            return
+            break  # to the test pass
         train_time = time.perf_counter() - t_epoch
 
         # --- eval ---------------------------------------------------------------------------
@@ -812,8 +812,10 @@ def _train(
         if run.stop_reason != "finished":
             break
 
-    # --- test: the best model of a complete trial (finished or early-stopped) -----------------
-    if run.stop_reason not in ("finished", "early_stopped"):
+    # --- test: the best model of a complete trial (finished, early-stopped or timed out) -----
+    # A trial stopped by its time limit is told COMPLETE with its best val_acc, and may be the
+    # study's best: the limit bounds training, and its best weights get their test figure too.
+    if run.stop_reason not in ("finished", "early_stopped", "time_limit"):
         return
     if not run.message:
         run.message = f"finished {len(run.history)} epochs"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -491,6 +493,27 @@ def test_time_limit(tmp_path: Path) -> None:
     result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
     assert result.stop_reason == "time_limit" and "time limit" in result.message
     assert result.epochs_run < 50
+
+
+def test_a_trial_stopped_by_its_time_limit_gets_the_test_accuracy_of_its_best_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It is told COMPLETE with its best val_acc and may be the study's best trial."""
+    # The trainer's clock runs 100 s ahead per epoch: the limit falls in epoch 3 whatever
+    # this machine's speed.
+    skew = {"s": 0.0}
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew["s"])
+    monkeypatch.setattr(train_module, "time", clock)
+    cfg = synthetic(budget={"max_epochs": 50, "trial_timeout_s": 150.0},
+                    trainer={"evaluate_test": True})  # fmt: skip
+    opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=tmp_path / "t.pt",
+                        on_epoch=lambda r: skew.update(s=skew["s"] + 100.0))  # fmt: skip
+    result = train(cfg, TINY, options=opts)
+    assert result.stop_reason == "time_limit" and result.epochs_run == 2
+    assert result.test_acc is not None and result.best_model_path is not None
+    model = load_trained_model(cfg, TINY, result.best_model_path)
+    assert evaluate_model(cfg, TINY, model, "val", tmp_path)[0] == result.best_val_acc
+    assert evaluate_model(cfg, TINY, model, "test", tmp_path)[0] == result.test_acc
 
 
 def test_streaming_path_equals_fast_path(tmp_path: Path) -> None:
