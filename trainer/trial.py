@@ -689,7 +689,10 @@ def _train(
             schedule.apply(optimizer, step)
             x, target = augment.train_batch(x_u8, y, spec, gen, np_rng)
             n = x.shape[0]
-            for xc, tc_ in zip(x.tensor_split(accum), target.tensor_split(accum), strict=True):
+            # At least 2 images a chunk: BatchNorm refuses 1 (a split smaller than one batch
+            # is a single short batch, which `accum` chunks would cut to 1 or 0 images).
+            chunks = min(accum, max(1, n // 2))
+            for xc, tc_ in zip(x.tensor_split(chunks), target.tensor_split(chunks), strict=True):
                 xc = xc.contiguous(memory_format=memory_format)
                 with _autocast(device, amp):
                     logits = fwd(xc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import time
 import types
 from pathlib import Path
@@ -557,6 +558,17 @@ def test_gradient_accumulation_matches_full_batch(
     for a, b in zip(numbers(full.history), numbers(acc.history), strict=True):
         assert a == pytest.approx(b, rel=1e-4)
     assert full.history[1].train_loss != full.history[0].train_loss  # it did train
+
+
+def test_a_train_split_smaller_than_one_batch_trains_in_chunks_batchnorm_takes(
+    tmp_path: Path,
+) -> None:
+    """6 images for a batch of 16 in chunks of at most 2: 3 chunks of 2 (8 chunks of 1 or 0
+    images would make BatchNorm raise)."""
+    cfg = synthetic(dataset={"train_limit": 6}, trainer={"max_micro_batch": 2})
+    result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    assert result.stop_reason == "finished" and result.micro_batch_size == 2
+    assert all(math.isfinite(r.train_loss) for r in result.history)
 
 
 def test_lr_scaling_and_result_fields(tmp_path: Path) -> None:
