@@ -613,6 +613,8 @@ class _LateRun:
         self._gpu: tuple[Any, Any] | None = None
         if not tracking.ready():
             self._gpu = tracking.early_gpu_sampler()
+        # Kept for `training_began`: the run takes the sampler from `_gpu` as it starts.
+        self._early_sampler: Any = self._gpu[0] if self._gpu is not None else None
         tracking.when_ready(self._start)
         if self._error is not None:  # started here, and the database is down: stop now
             error, self._error = self._error, None
@@ -675,6 +677,18 @@ class _LateRun:
                     run.checkpoint_written(checkpoint)
                 except Exception as exc:  # telemetry, as above
                     logger.warning("trial %s: checkpoint not uploaded: %s", trial.number, exc)
+
+    def training_began(self) -> None:
+        """The trial's GPU work begins now, after a wait for GPU memory beside packed
+        trials: the GPU sampler's input-bound rule starts its warm-up again (a wait longer
+        than the warm-up and the window flagged a trial that had not yet begun)."""
+        with self._lock:
+            sampler = self._early_sampler or getattr(self.run, "sampler", None)
+        if sampler is not None:
+            try:
+                sampler.restart_warmup()
+            except Exception as exc:  # telemetry never stops a trial
+                logger.warning("trial GPU sampler: %s", exc)
 
     def log_epoch(self, record: Any) -> None:
         with self._lock:
@@ -822,6 +836,8 @@ def run_trial(
             # the outcome: the reports' close() waits for their writes.
             with reports, _gpu_reservation(cfg, params, opts, stop) as waited:
                 timing.admission_wait_s = waited
+                if waited > 0 and late is not None:
+                    late.training_began()
                 result = train_fn(cfg, params, report, options)
                 returned = time.perf_counter()
                 check_result(result)

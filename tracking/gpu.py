@@ -438,6 +438,15 @@ class GpuSampler:
     ) -> None:
         self.stop()
 
+    def restart_warmup(self) -> None:
+        """Judge the input-bound rule from now on, after a new warm-up: the time before (a
+        packed trial waiting for GPU memory) ran no work of the trial's, so its idle GPU
+        says nothing about the trial's input pipeline. A flag already raised stands."""
+        with self._lock:
+            self._started_at = self.clock()
+            self._history.clear()
+            self._history_start = None
+
     def should_stop(self) -> bool:
         """True when the policy asks to stop input-bound trials and this one is flagged."""
         return self.stop_when_input_bound and self.input_bound

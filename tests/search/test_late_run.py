@@ -114,3 +114,36 @@ def test_an_epoch_the_run_refuses_loses_neither_the_others_nor_the_run(tmp_path:
     assert run.epochs == [1, 3] and run.checkpoints == [tmp_path / "ckpt"]
     late.log_epoch(Record(4))
     assert run.epochs == [1, 3, 4]
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self.restarts = 0
+
+    def restart_warmup(self) -> None:
+        self.restarts += 1
+
+    def stop(self) -> None:
+        pass
+
+
+def test_a_trial_that_waited_for_gpu_memory_restarts_its_samplers_warm_up(
+    tmp_path: Path,
+) -> None:
+    """Its sampler runs from the trial's start: held early (the run not started yet) or the
+    run's own, training_began reaches it either way."""
+    early = Sampler()
+    session = Session(SlowRun())
+    session.early_gpu_sampler = lambda: (early, None)  # type: ignore[method-assign,assignment,return-value]
+    late = _LateRun(session, Trial(), {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
+    late.training_began()
+    assert early.restarts == 1
+
+    run = SlowRun()
+    run.release.set()
+    run.sampler = Sampler()  # type: ignore[attr-defined]
+    session = Session(run)
+    late = _LateRun(session, Trial(), {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
+    session.jobs[0]()  # started: the sampler is the run's
+    late.training_began()
+    assert run.sampler.restarts == 1  # type: ignore[attr-defined]
