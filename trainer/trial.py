@@ -760,7 +760,7 @@ def _train(
 
         if val_acc is not None:
             assert confusion is not None and val_loss is not None
-            if run.best_acc is None or val_acc > run.best_acc:
+            if _improves(config.reported_metric, run, val_acc, val_loss):
                 run.best_acc, run.best_loss, run.best_epoch = val_acc, val_loss, epoch
                 run.best_confusion = confusion.cpu().tolist()
                 run.evals_since_best = 0
@@ -778,9 +778,9 @@ def _train(
             elif tc.patience is not None and run.evals_since_best >= tc.patience:
                 run.stop_reason = "early_stopped"
                 run.message = (
-                    f"early stopped at epoch {epoch}: no better val_acc in "
-                    f"{tc.patience} evals (best {run.best_acc:.4f} at epoch "
-                    f"{run.best_epoch})"
+                    f"early stopped at epoch {epoch}: no better {config.reported_metric} in "
+                    f"{tc.patience} evals (best {_best_of(config.reported_metric, run):.4f} "
+                    f"at epoch {run.best_epoch})"
                 )
         # Checkpoint at most every trainer.checkpoint_every_s (0: every epoch), and always
         # at the trial's end or when a stop was asked for: writing ~100 MB per epoch would
@@ -846,6 +846,23 @@ def _train(
             log.warning("test accuracy not measured: out of memory")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _improves(metric: str, run: _Run, val_acc: float, val_loss: float) -> bool:
+    """Whether an evaluated epoch beats the run's best by the metric the study optimizes
+    (`StudyConfig.reported_metric`): the objective, the best model and its test accuracy
+    all come from the best epoch, so a study minimizing val_loss takes the lowest loss."""
+    if run.best_acc is None:
+        return True
+    if metric == "val_loss":
+        best = run.best_loss
+        return best is None or math.isnan(best) or val_loss < best
+    return val_acc > run.best_acc
+
+
+def _best_of(metric: str, run: _Run) -> float:
+    value = run.best_loss if metric == "val_loss" else run.best_acc
+    return float("nan") if value is None else float(value)
 
 
 def reported_value(config: StudyConfig, record: EpochRecord) -> float:

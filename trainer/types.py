@@ -80,7 +80,9 @@ class EpochRecord:
 class TrialResult:
     history: list[EpochRecord]
     best_val_acc: float | None
-    best_val_loss: float | None  # val loss at the best-accuracy epoch
+    # Val loss at the best epoch: the best val_acc's, or the lowest where val_loss is the
+    # objective (StudyConfig.reported_metric); best_val_acc is that epoch's accuracy.
+    best_val_loss: float | None
     final_val_acc: float | None
     test_acc: float | None
     stop_reason: StopReason

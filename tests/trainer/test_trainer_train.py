@@ -647,6 +647,32 @@ def test_a_study_minimizing_val_loss_reports_val_loss(tmp_path: Path) -> None:
         assert reported == [(r.epoch, getattr(r, metric)) for r in result.history]
 
 
+def test_the_best_epoch_is_the_objectives_best(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A study minimizing val_loss scored each trial by the val loss of its most accurate
+    epoch, and kept (and tested) that epoch's weights, not the lowest loss's."""
+    scripted = iter([(0.5, 2.0), (0.4, 1.0), (0.6, 3.0)] * 2)  # (val_acc, val_loss) by epoch
+
+    def evaluate(*args: Any, **kwargs: Any) -> Any:
+        acc, loss = next(scripted)
+        return acc, loss, torch.zeros(10, 10, dtype=torch.long)
+
+    monkeypatch.setattr(train_module, "evaluate", evaluate)
+    for objective, best_epoch in (
+        ({"metric": "val_loss", "direction": "minimize"}, 2),
+        ({"metric": "val_acc", "direction": "maximize"}, 3),
+    ):
+        ckpt = tmp_path / f"{objective['metric']}.pt"
+        cfg = synthetic(objective=objective, budget={"max_epochs": 3})
+        result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path,
+                                                       checkpoint_path=ckpt))  # fmt: skip
+        acc, loss = {2: (0.4, 1.0), 3: (0.6, 3.0)}[best_epoch]
+        assert (result.best_val_acc, result.best_val_loss) == (acc, loss)
+        assert result.best_model_path is not None
+        assert torch.load(result.best_model_path, weights_only=False)["epoch"] == best_epoch
+
+
 def test_out_of_memory_in_the_test_pass_keeps_the_trained_trial(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
