@@ -117,7 +117,9 @@ def crop_matrices(
     """
     area = _uniform(n, min_area, 1.0, gen, device)
     log_ratio = _uniform(n, math.log(3 / 4), math.log(4 / 3), gen, device)
-    ratio = torch.exp(log_ratio)
+    # An aspect within [area, 1/area] keeps both sides inside the image: clamping a side
+    # instead shrank the crop below its drawn area, and area 1 (strength 0) still cropped.
+    ratio = torch.minimum(torch.maximum(torch.exp(log_ratio), area), 1.0 / area)
     w = torch.sqrt(area * ratio).clamp(max=1.0)  # crop width as a fraction of the side
     h = torch.sqrt(area / ratio).clamp(max=1.0)
     cx = _uniform(n, -1.0, 1.0, gen, device) * (1 - w)  # keep the crop inside the image

@@ -115,3 +115,23 @@ def test_mixup_cutmix_soft_targets() -> None:
         assert (target >= 0).all()
         lam = target[torch.arange(16), y]
         assert lam.min() < 0.999  # some samples really mixed (partner has another label)
+
+
+@pytest.mark.parametrize("strength", [0.0, 0.3, 1.0])
+def test_crops_keep_their_drawn_area_and_strength_0_keeps_the_whole_image(
+    strength: float,
+) -> None:
+    """A side that did not fit was clamped, which shrank the crop below its drawn area:
+    at strength 0 (area 1) 93% of crops still cut the image."""
+    spec = A.AugmentSpec("crop_flip", strength, 16, 10)
+    gen = torch.Generator().manual_seed(0)
+    m = A.crop_matrices(4000, spec.min_crop_area, gen, torch.device("cpu"), flip=False)
+    w, h = m[:, 0, 0], m[:, 1, 1]
+    assert bool((w <= 1).all() and (h <= 1).all())
+    area = w * h
+    assert float(area.min()) >= spec.min_crop_area - 1e-5
+    # Uniform in [min_area, 1]: the mean is the midpoint (it was 0.839 for 0.860 at 0.3).
+    assert float(area.mean()) == pytest.approx((1 + spec.min_crop_area) / 2, abs=0.01)
+    if strength == 0.0:
+        assert bool(torch.allclose(area, torch.ones_like(area)))
+        assert bool(torch.allclose(m[:, 0, 2], torch.zeros(4000)))  # centred, no shift
