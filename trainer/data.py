@@ -73,16 +73,27 @@ def _root(config: StudyConfig) -> Path:
     return Path(config.dataset.root or "data").expanduser()
 
 
-def _limit(n: int, limit: int | None) -> np.ndarray:
-    """Indices of a fixed subset of `limit` items, spread over the split.
+def _limit(labels: np.ndarray, limit: int | None) -> np.ndarray:
+    """Indices of a fixed subset of `limit` items, stratified: every class gets `limit / C`
+    items, give or take one (all classes when `limit >= C`), kept in file order.
 
     Official splits are often ordered by class (Flowers-102 train is 10 images of class 0,
-    then class 1, ...), so the first N would be a class subset. A fixed (seed 0, not the trial
-    seed) random subset, kept in file order, keeps every class and the same images per trial.
+    then class 1, ...), so the first N would be a class subset, and a random N leaves out
+    classes (102 of Flowers-102's train split kept 72 classes) and weighs the rest unevenly.
+    The items come by rounds, the r-th of each class in round r, from a fixed shuffle (seed 0,
+    not the trial seed): the same images for every trial.
     """
+    n = len(labels)
     if limit is None or limit >= n:
         return np.arange(n)
-    return np.sort(np.random.default_rng(0).permutation(n)[:limit])
+    order = np.random.default_rng(0).permutation(n)
+    shuffled = labels[order]
+    rank = np.empty(n, dtype=np.int64)  # of each shuffled item within its class
+    for c in np.unique(shuffled):
+        where = np.flatnonzero(shuffled == c)
+        rank[where] = np.arange(len(where))
+    by_round = np.lexsort((np.arange(n), rank))  # round first, then the shuffle's order
+    return np.sort(order[by_round[:limit]])
 
 
 def get_source(config: StudyConfig, split: str) -> Source | None:
@@ -103,7 +114,7 @@ def get_source(config: StudyConfig, split: str) -> Source | None:
     if src is None:
         return None
     limit = config.dataset.train_limit if split == "train" else config.dataset.eval_limit
-    keep = _limit(len(src), limit)
+    keep = _limit(src.labels, limit)
     if len(keep) == len(src):
         return src
     return Source(

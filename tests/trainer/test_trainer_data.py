@@ -61,15 +61,21 @@ def test_failed_download_is_one_line_data_error(
 
 
 def test_limit_keeps_every_class(flowers_root: Path) -> None:
-    """Flowers-102 splits are sorted by class: a limit must not become a class subset."""
+    """Flowers-102 splits are sorted by class: a limit must not become a class subset, nor a
+    random one (102 random images of the train split held 72 classes)."""
     cfg = make_config(
-        {"name": "flowers102", "root": str(flowers_root), "train_limit": 306, "eval_limit": 204}
+        {"name": "flowers102", "root": str(flowers_root), "train_limit": 306, "eval_limit": 150}
     )
     train = data.get_source(cfg, "train")
     val = data.get_source(cfg, "val")
     assert train is not None and val is not None
-    assert len(train) == 306 and len(val) == 204
-    assert len(set(train.labels.tolist())) > 90
+    assert len(train) == 306 and len(val) == 150
+    assert sorted(np.bincount(train.labels, minlength=102).tolist()) == [3] * 102
+    assert sorted(np.bincount(val.labels, minlength=102).tolist()) == [1] * 54 + [2] * 48
+    full = data.get_source(make_config({"name": "flowers102", "root": str(flowers_root)}), "train")
+    assert full is not None
+    where = [list(full.items).index(item) for item in train.items]
+    assert where == sorted(where)  # in the split's own order
     assert len(train.class_names) == 102
     again = data.get_source(cfg, "train")
     assert again is not None and list(again.items) == list(train.items)
