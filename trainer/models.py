@@ -79,6 +79,12 @@ def _torchvision_pretrained(arch: str) -> nn.Module:
     try:
         return torchvision.models.get_model(arch, weights=weights)
     except (OSError, RuntimeError) as exc:  # URLError is an OSError
+        if cached.is_file():  # torch.hub never downloads over a file already there
+            raise DataError(
+                f"model {arch}: pretrained weights {cached} do not load "
+                f"({' '.join(str(exc).split())[:120]}); delete the file to download it again, "
+                "or set model.weights to a local file"
+            ) from exc
         raise DataError(
             f"model {arch}: pretrained weights {weights} not in {cached} and the download "
             f"failed ({' '.join(str(exc).split())[:120]}); go online once, set TORCH_HOME, or "

@@ -89,3 +89,19 @@ def test_pretrained_from_torch_home_cache(tmp_path: Path, monkeypatch: pytest.Mo
     model = build_model(synthetic(model={"pretrained": True}), Hyperparams(), 4)
     assert model.fc.out_features == 4
     assert torch.equal(model.conv1.weight, imagenet.conv1.weight)
+
+
+def test_a_damaged_weights_file_in_torch_home_says_to_delete_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.hub does not download over a file already there: "go online" would not help."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    name = Path(torchvision.models.ResNet18_Weights.DEFAULT.url).name
+    ckpt = tmp_path / "hub" / "checkpoints" / name
+    ckpt.parent.mkdir(parents=True)
+    torch.save(torchvision.models.resnet18().state_dict(), ckpt)
+    ckpt.write_bytes(ckpt.read_bytes()[:4096])  # an interrupted download
+    with pytest.raises(DataError) as info:
+        build_model(synthetic(model={"pretrained": True}), Hyperparams(), 10)
+    msg = str(info.value)
+    assert "\n" not in msg and str(ckpt) in msg and "delete the file" in msg
