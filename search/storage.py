@@ -52,15 +52,11 @@ class StorageSpec:
 
 
 def redact(url: str) -> str:
-    """The URL with its password replaced by ***; anything unparsable is returned bare."""
-    if "://" not in url:
-        return url
-    try:
-        u = make_url(url)
-    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://{rest.rpartition('@')[2]}" if "@" in rest else url
-    return u.render_as_string(hide_password=True)
+    """The URL with its password replaced by ***, in the user info or the query string
+    (libpq's `?password=`); a password holding a raw "@" ends at the host's last "@"."""
+    from hpsearch.tracking.server import redact_uri
+
+    return redact_uri(url) if "://" in url else url
 
 
 def postgres_driver() -> str:

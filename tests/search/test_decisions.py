@@ -100,6 +100,13 @@ def test_storage_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert normalize_url("postgresql+psycopg2://h/db") == "postgresql+psycopg2://h/db"
     assert redact("postgresql://u:s3cret@h:5432/db") == "postgresql://u:***@h:5432/db"
     assert "s3cret" not in resolve_storage("postgresql://u:s3cret@h/db", tmp_path).display
+    # libpq's password parameter, and a raw "@" in the password (the host's is the last)
+    for url in (
+        "postgresql://u@h/db?sslmode=require&password=s3cret",
+        "postgresql://u:s3@cret@h/db",
+    ):
+        assert "cret" not in resolve_storage(url, tmp_path).display
+    assert redact("postgresql://u@h/db?password=s3cret") == "postgresql://u@h/db?password=***"
     spec = resolve_storage(None, tmp_path)
     assert spec.kind == "journal" and spec.url == str(tmp_path.resolve() / "optuna.journal")
     monkeypatch.setenv("HPSEARCH_STORAGE", "postgresql://env@h/db")

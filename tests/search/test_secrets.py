@@ -35,6 +35,11 @@ def test_password_never_leaks(pg_url: str, tmp_path: Path, subprocess_env: dict[
                  ["studies"], ["status", "--study", "ghost"]):  # fmt: skip
         res = hpsearch([*args, "--storage", url], subprocess_env)
         outputs += [res.stdout, res.stderr]
+    in_query = f"{scheme}://postgres@{rest.split('@', 1)[1]}?password={SECRET}"  # libpq's
+    for args in (["status", "--study", "tiny"], ["status", "--study", "tiny", "--json"]):
+        res = hpsearch([*args, "--storage", in_query], subprocess_env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        outputs += [res.stdout, res.stderr]
     bad = hpsearch(["launch", "--study", "tiny", "--no-tracking", "--storage",
                     url.rsplit("/", 1)[0] + "/no_such_db", "--workdir", str(work)], subprocess_env)  # fmt: skip
     assert bad.returncode != 0
