@@ -9,6 +9,7 @@ Nothing here touches storage; loading is pure, so a bad file writes nothing.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -281,6 +282,23 @@ _CHOICE_SETS: dict[str, tuple[str, ...]] = {
 }
 
 
+def grid_space(cfg: StudyConfig) -> dict[str, list[Any]]:
+    """The grid sampler's values per parameter: the choices, every int step, and every float
+    step (to 12 significant digits: `low + i * step` drifts past `high`, e.g. 0.30000000000000004
+    for a range ending at 0.3, which Optuna warns is out of range)."""
+    space: dict[str, list[Any]] = {}
+    for name, spec in cfg.search_space.items():
+        if isinstance(spec, CategoricalParam):
+            space[name] = list(spec.choices)
+        elif isinstance(spec, IntParam):
+            space[name] = list(range(spec.low, spec.high + 1, spec.step))
+        elif spec.step is not None:
+            n = round((spec.high - spec.low) / spec.step)
+            values = (float(f"{spec.low + i * spec.step:.12g}") for i in range(n + 1))
+            space[name] = [min(v, spec.high) for v in values]
+    return space
+
+
 def _check_space(cfg: StudyConfig) -> None:
     src = cfg.source or cfg.name
     seen: dict[str, Any] = {}
@@ -336,6 +354,13 @@ def _check_space(cfg: StudyConfig) -> None:
                     f"{src}: search_space.{name}.type: 'float': the grid sampler needs "
                     "categorical, int or stepped float parameters"
                 )
+        points = math.prod(len(v) for v in grid_space(cfg).values())
+        if cfg.budget.n_trials > points:
+            raise ConfigError(
+                f"{src}: budget.n_trials: {cfg.budget.n_trials}: the grid sampler's grid has "
+                f"{points} points (search_space's values multiplied); a larger budget would "
+                "train points again"
+            )
     if cfg.objective.metrics == ("train_seconds",) and cfg.pruner.name != "none":
         raise ConfigError(
             f"{src}: pruner.name: {cfg.pruner.name!r}: trials report val_acc or val_loss per "

@@ -10,11 +10,11 @@ from typing import Any
 
 import optuna
 from hpsearch.config import (
-    CategoricalParam,
     FloatParam,
     IntParam,
     StudyConfig,
     config_to_yaml,
+    grid_space,
 )
 from hpsearch.errors import ConfigError, StudyNotFoundError
 from optuna.storages import BaseStorage
@@ -73,17 +73,20 @@ def _kwargs_for(cls: type, options: dict[str, Any], extra: dict[str, Any]) -> di
     return kwargs
 
 
-def grid_space(cfg: StudyConfig) -> dict[str, list[Any]]:
-    space: dict[str, list[Any]] = {}
-    for name, spec in cfg.search_space.items():
-        if isinstance(spec, CategoricalParam):
-            space[name] = list(spec.choices)
-        elif isinstance(spec, IntParam):
-            space[name] = list(range(spec.low, spec.high + 1, spec.step))
-        elif spec.step is not None:
-            n = round((spec.high - spec.low) / spec.step)
-            space[name] = [spec.low + i * spec.step for i in range(n + 1)]
-    return space
+class BudgetedGridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler without its `study.stop()` once the grid is covered: that works
+    inside `study.optimize` only, and raised from a worker's tell after the trial was stored
+    (the trial then read as failed, and the worker died). The study's budget, at most the
+    grid's size (`config.grid_space`), ends a grid study."""
+
+    def after_trial(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        state: TrialState,
+        values: Sequence[float] | None,
+    ) -> None:
+        return None
 
 
 def sampler_seed(seed: int | None, stream: int, trials_before: int) -> int | None:
@@ -109,7 +112,7 @@ def make_sampler(
         "gp": optuna.samplers.GPSampler,
         "cmaes": optuna.samplers.CmaEsSampler,
         "random": optuna.samplers.RandomSampler,
-        "grid": optuna.samplers.GridSampler,
+        "grid": BudgetedGridSampler,
         "nsga2": optuna.samplers.NSGAIISampler,
     }
     cls = classes[s.name]

@@ -147,8 +147,14 @@ def test_grid_space() -> None:
         "batch_size: {type: categorical, choices: [32, 64]}}",
     ])  # fmt: skip
     space = grid_space(cfg)
-    assert space["lr"] == pytest.approx([0.1, 0.2, 0.3])
+    assert space["lr"] == [0.1, 0.2, 0.3]  # not 0.30000000000000004, past `high`
     assert space["batch_size"] == [32, 64]
+    with pytest.raises(ConfigError, match=r"budget.n_trials: 7: .*grid has 6 points"):
+        load_config("tiny", [
+            "sampler.name=grid", "sampler.options={}", "budget.n_trials=7",
+            "search_space={lr: {type: float, low: 0.1, high: 0.3, step: 0.1}, "
+            "batch_size: {type: categorical, choices: [32, 64]}}",
+        ])  # fmt: skip
 
 
 def test_suggest_conditional_params() -> None:
