@@ -97,9 +97,31 @@ def best_trials(
     per parameter, start and duration, and user attributes including `mlflow_run_id`. Its
     columns are there when no trial has completed yet (an empty frame). A multi-objective
     study gives its Pareto front, ordered by the first objective."""
-    rows = top_trials(name, storage, k, workdir)
-    params = sorted({c for r in rows for c in r if c.startswith("params_")})
+    if k < 1:
+        raise HpsearchError(f"k: {k}: must be at least 1")
+    study = load_study(name, storage, workdir)
+    rows = [trial_row(t) for t in _ranked(study)[:k]]
+    params = sorted(f"params_{p}" for p in _param_names(study))
     return pd.DataFrame(rows, columns=[*FIXED_COLUMNS[:3], *params, *FIXED_COLUMNS[3:]])
+
+
+def _param_names(study: optuna.Study) -> set[str]:
+    """Every parameter of the study: its stored config's search space, and what any trial
+    drew (a trial of an older search space), so that a column is there before any trial
+    completes, and for a conditional parameter none of the top trials used."""
+    import yaml
+
+    names: set[str] = set()
+    raw = study.user_attrs.get(CONFIG_ATTR)
+    if raw:
+        try:
+            space = (yaml.safe_load(raw) or {}).get("search_space") or {}
+        except (yaml.YAMLError, AttributeError):  # not hpsearch's config: the trials tell
+            space = {}
+        names.update(str(p) for p in space)
+    for t in study.get_trials(deepcopy=False):
+        names.update(t.params)
+    return names
 
 
 @dataclass(frozen=True)
@@ -179,9 +201,10 @@ def load_best_model(
     name: str,
     storage: str | None = None,
     tracking_uri: str | None = None,
+    *,
+    trial: int | None = None,
     workdir: Path | None = None,
     device: str = "cpu",
-    trial: int | None = None,
 ) -> Any:
     """The torch model of the best trial (or of completed trial number `trial`), in eval
     mode. A multi-objective study has no single best: name the trial.

@@ -92,7 +92,17 @@ def test_best_trials_of_a_study_with_none_complete_has_its_columns(tmp_path: Pat
     top = best_trials("empty", workdir=tmp_path)
     assert top.empty
     assert {"number", "value", "state", "mlflow_run_id", "checkpoint_uri"} <= set(top.columns)
-    assert top[["number", "value", "mlflow_run_id"]].empty  # the README's own selection
+    assert "params_lr" in top.columns  # a pruned trial drew it
+    # A study launched by hpsearch: its search space's columns, before any trial has one,
+    # and the README's own selection.
+    from hpsearch.config import config_to_yaml, load_config
+    from hpsearch.study import CONFIG_ATTR
+
+    fresh = _journal_study(tmp_path, "fresh", direction="maximize")
+    fresh.set_user_attr(CONFIG_ATTR, config_to_yaml(load_config("tiny")))
+    top = best_trials("fresh", workdir=tmp_path)
+    assert top[["number", "value", "params_lr", "mlflow_run_id"]].empty
+    assert {"params_batch_size", "params_loss", "params_focal_gamma"} <= set(top.columns)
 
 
 def test_best_json_is_strict_with_exact_params(
