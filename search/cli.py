@@ -318,6 +318,9 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
                                    f"{workdir}/logs/")  # fmt: skip
     if summary.stopped_by == "interrupted":
         sys.exit(130)
+    if summary.stopped_by == "stopped":
+        raise click.ClickException("the workers stopped with trials of the budget left; "
+                                   "launch again to resume")  # fmt: skip
 
 
 def _on_signals(stop: Callable[[], None], what: str) -> None:

@@ -28,7 +28,13 @@ from typing import IO, Any
 import optuna
 from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
-from hpsearch.errors import ConfigError, DeviceError, HpsearchError, TrackingError
+from hpsearch.errors import (
+    ConfigError,
+    DeviceError,
+    HpsearchError,
+    StorageError,
+    TrackingError,
+)
 from hpsearch.packing import (
     GpuLedger,
     MemoryModel,
@@ -163,6 +169,19 @@ def auto_workers(
 def should_restart(exit_code: int, restarts: int, max_restarts: int, budget_left: bool) -> bool:
     """A worker that exited with an error is restarted while it has restarts left."""
     return exit_code != 0 and budget_left and restarts < max_restarts
+
+
+def launch_outcome(supervised: str, budget_spent: bool, deadline_passed: bool) -> str:
+    """How a launch ended, from what supervising saw and the study's counts once every
+    worker is gone: "budget" whenever the budget is spent (a Ctrl-C after the last trial
+    was told still ends the study), else the stop asked for ("interrupted"), every worker
+    crashed ("workers_failed"), `--timeout` ("timeout"), or "stopped": the workers exited
+    with trials of the budget left (each stopped from outside, e.g. a SIGTERM)."""
+    if budget_spent:
+        return "budget"
+    if supervised in ("interrupted", "workers_failed"):
+        return supervised
+    return "timeout" if deadline_passed else "stopped"
 
 
 def eta_seconds(finished: int, total: int, elapsed_s: float) -> float | None:
@@ -462,7 +481,7 @@ class Launcher:
             # started have none yet (they are still importing).
             if orphans := fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):
                 self._messages.append(f"its worker was gone: {self._requeued_text(orphans)}")
-            stopped_by = self._supervise(resolved, tracking_uri)
+            stopped_by = self._outcome(self._supervise(resolved, tracking_uri))
         finally:
             self._study_settled.set()
             self._kill_all()
@@ -489,6 +508,17 @@ class Launcher:
             sum(s.restarts for s in self._slots),
             self._messages,
         )
+
+    def _outcome(self, supervised: str) -> str:
+        """`launch_outcome` from the study as it is now (every worker is gone)."""
+        try:
+            counts = with_db_retry(lambda: budget_counts(self.study.get_trials(deepcopy=False)))
+            spent = budget_done(counts, with_db_retry(lambda: study_budget(self.study, self.cfg)))
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError, StorageError):
+            spent = supervised == "budget"  # the database is gone: what supervising saw
+        timeout = self.opts.timeout_s
+        passed = timeout is not None and time.monotonic() - self._t0 >= timeout
+        return launch_outcome(supervised, spent, passed)
 
     def _finish_tracking(self, uri: str, stopped_by: str) -> None:
         from hpsearch.runs import _client, finalize_study

@@ -4,6 +4,9 @@ on the real PostgreSQL (and the embedded journal default)."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -218,6 +221,7 @@ def test_launch_timeout_counts_worker_start_up(
         lines.append(line)
     assert proc.wait(60) == 0, "".join(lines)
     assert first_line_at is not None
+    assert "done (timeout)" in "".join(lines)  # was "done (budget)", 48 trials short of it
     study = hps.load_study("tiny", workdir=work)
     trials = study.get_trials(deepcopy=False)
     assert 1 <= len(trials) < 50
@@ -226,6 +230,50 @@ def test_launch_timeout_counts_worker_start_up(
     # Workers take seconds to start: a deadline counted from their start would let trials
     # begin seconds after this.
     assert max(starts) <= first_line_at + 15 + 0.5, [s - first_line_at for s in starts]
+
+
+def test_launch_outcome() -> None:
+    from hpsearch.launcher import launch_outcome
+
+    assert launch_outcome("interrupted", True, False) == "budget"  # Ctrl-C after the last tell
+    assert launch_outcome("budget", True, True) == "budget"
+    assert launch_outcome("interrupted", False, False) == "interrupted"
+    assert launch_outcome("workers_failed", False, True) == "workers_failed"
+    assert launch_outcome("budget", False, True) == "timeout"
+    assert launch_outcome("budget", False, False) == "stopped"  # workers stopped from outside
+
+
+def test_workers_stopped_from_outside_are_no_spent_budget(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Workers that each exit 0 on a SIGTERM of their own (a user, a container runtime)
+    ended the launch as "done (budget)" with exit 0, and its study run as FINISHED."""
+    work = tmp_path / "w"
+    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", "launch", "--study", "tiny", "--workers", "1",
+         "--trials", "20", "--workdir", str(work), "--train-fn", DUMMY, "--no-tracking",
+         "--set", "budget.max_epochs=2", "--set", "pruner={name: none}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(r"complete [1-9]", line) and "done" not in line:  # the worker runs
+            for pid in _child_pids(proc.pid):
+                os.kill(pid, signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    code = proc.wait(60)
+    out = "".join(lines)
+    assert code == 1 and "done (stopped)" in out, out
+    assert "launch again to resume" in out
+
+
+def _child_pids(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
 def test_bad_inputs_one_line_nonzero_nothing_written(
