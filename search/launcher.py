@@ -171,6 +171,11 @@ def should_restart(exit_code: int, restarts: int, max_restarts: int, budget_left
     return exit_code != 0 and budget_left and restarts < max_restarts
 
 
+# Launch outcomes that end as the user asked: the study run is closed FINISHED with the
+# study's artifacts (CSV, plots, the best model's ONNX) of the trials so far.
+ENDED_AS_ASKED = ("budget", "timeout")
+
+
 def launch_outcome(supervised: str, budget_spent: bool, deadline_passed: bool) -> str:
     """How a launch ended, from what supervising saw and the study's counts once every
     worker is gone: "budget" whenever the budget is spent (a Ctrl-C after the last trial
@@ -527,7 +532,7 @@ class Launcher:
         if self._finalizer is not None:  # started when the last trial was told
             self._finalizer.join()
             logged = self._finalized
-        elif stopped_by == "budget":
+        elif stopped_by in ENDED_AS_ASKED:  # the study's artifacts of what it has now
             logged = finalize_study(self.cfg, self.spec, uri, self.study, self.opts.workdir)
         else:
             logged = []
@@ -539,7 +544,9 @@ class Launcher:
         except Exception:  # best effort: the study's results are in Optuna already
             runs = []
         for run_id in runs[:1]:
-            close_study_run(client, run_id, "FINISHED" if stopped_by == "budget" else "KILLED")
+            close_study_run(
+                client, run_id, "FINISHED" if stopped_by in ENDED_AS_ASKED else "KILLED"
+            )
 
     def _start_tracking(self) -> str | None:
         """The tracking URI, known at once. The slow part (starting the embedded server,
