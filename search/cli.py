@@ -101,7 +101,8 @@ def _trial_options(fn: F) -> F:
         click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="Stop handing out trials after SEC seconds."),
         click.option("--max-retries", type=click.IntRange(min=0), default=2, show_default=True,
-                     help="Retries (resumed from checkpoint) of a trial whose worker died."),
+                     help="Retries (resumed from checkpoint) of a trial whose worker died; "
+                     "a trial stopped by Ctrl-C or SIGTERM is resumed and uses none."),
         click.option("--heartbeat", type=click.IntRange(min=1, max=3600), default=10,
                      show_default=True,
                      help="Trial heartbeat in seconds (PostgreSQL); a dead worker's trial is "

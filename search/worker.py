@@ -7,7 +7,6 @@ machines) run this same loop against the same storage.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import importlib
 import json
@@ -56,7 +55,7 @@ from hpsearch.study import (
     suggest,
 )
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 logger = logging.getLogger("hpsearch.tracking")
@@ -212,14 +211,51 @@ def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
     return int(root) if root is not None else trial.number
 
 
-def retry_callback(max_retries: int) -> RetryHeartbeatStaleTrialCallback:
-    """Re-queues a failed trial's params (at most `max_retries` times per chain) with its
-    intermediate values, so the resumed retry prunes exactly as the original would have."""
+# System attr of a retry: how many tries of its chain were handed back unfinished by a stop
+# asked for (Ctrl-C, SIGTERM, a stop while waiting for GPU memory), not lost to a crash.
+ATTR_INTERRUPTED_TRIES = "hpsearch:interrupted_tries"
+
+
+class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
+    """Optuna's retry of a failed trial, whose `max_retry` counts crashes only: a try handed
+    back by a stop asked for is no failure of the trial's (three Ctrl-C's used up the default
+    retries, and the fourth try's trained epochs were lost). The chain's interrupted tries
+    are carried in `ATTR_INTERRUPTED_TRIES` and added to the limit."""
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self.requeue(study, trial, interrupted=False)
+
+    def requeue(self, study: optuna.Study, trial: FrozenTrial, interrupted: bool) -> None:
+        attrs: dict[str, Any] = {"failed_trial": trial.number, **trial.system_attrs}
+        # A new list: Optuna's appends to the failed trial's own, which a cached storage
+        # hands out uncopied.
+        attrs["retry_history"] = [*attrs.get("retry_history", []), trial.number]
+        tries = int(attrs.get(ATTR_INTERRUPTED_TRIES, 0)) + int(interrupted)
+        attrs[ATTR_INTERRUPTED_TRIES] = tries
+        limit = self._max_retry
+        if limit is not None and limit + tries < len(attrs["retry_history"]):
+            return
+        study.add_trial(
+            optuna.create_trial(
+                state=TrialState.WAITING,
+                params=trial.params,
+                distributions=trial.distributions,
+                user_attrs=trial.user_attrs,
+                system_attrs=attrs,
+                intermediate_values=(
+                    trial.intermediate_values if self._inherit_intermediate_values else None
+                ),
+            )
+        )
+
+
+def retry_callback(max_retries: int) -> ChainRetryCallback:
+    """Re-queues a failed trial's params (after at most `max_retries` crashes per chain)
+    with its intermediate values, so the resumed retry prunes exactly as the original would
+    have."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RetryHeartbeatStaleTrialCallback(
-            max_retry=max_retries, inherit_intermediate_values=True
-        )
+        return ChainRetryCallback(max_retry=max_retries, inherit_intermediate_values=True)
 
 
 def retried_trials(study: optuna.Study, numbers: Sequence[int]) -> set[int]:
@@ -256,10 +292,9 @@ def _fail_and_requeue(
             except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
                 if not _finished_elsewhere(exc):  # else: by a try of this (its reply lost)
                     raise
-            # A fresh copy each try: the callback appends to the trial's own retry history.
             frozen = study._storage.get_trial(trial._trial_id)
             if not retried_trials(study, [frozen.number]):
-                retry_callback(max_retries)(study, copy.deepcopy(frozen))
+                retry_callback(max_retries).requeue(study, frozen, interrupted=True)
 
     db(locked, "fail and re-queue")
 

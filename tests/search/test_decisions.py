@@ -263,3 +263,35 @@ def test_each_worker_restart_and_resumed_study_draws_from_a_seed_of_its_own() ->
     assert len(seeds) == 24 and all(s is not None and 0 <= s < 2**32 for s in seeds)
     assert sampler_seed(7, 2, 4) == sampler_seed(7, 2, 4)  # reproducible
     assert sampler_seed(7, 1, 0) != sampler_seed(8, 1, 0)  # and follows the study's seed
+
+
+def test_tries_handed_back_by_a_stop_do_not_use_up_the_crash_retries() -> None:
+    """Three Ctrl-C's used up the default retries: the fourth try's epochs were lost."""
+    from hpsearch.worker import ATTR_INTERRUPTED_TRIES, retry_callback
+    from optuna.trial import TrialState
+
+    # The callback is storage-agnostic: an in-memory study holds the chain.
+    study = optuna.create_study()
+    callback = retry_callback(1)
+
+    def fail_next(interrupted: bool | None) -> int:
+        """Fail the chain's latest try (a stop's, or a crash's); the trials then queued."""
+        trial = study.ask()
+        trial.report(0.5, 1)
+        study.tell(trial, state=TrialState.FAIL)
+        frozen = study._storage.get_trial(trial._trial_id)
+        if interrupted is None:
+            callback(study, frozen)  # a crash: Optuna's own call
+        else:
+            callback.requeue(study, frozen, interrupted=interrupted)
+        return len(study.get_trials(states=(TrialState.WAITING,)))
+
+    study.enqueue_trial({"lr": 0.1})  # the chain's first try
+    assert [fail_next(True) for _ in range(4)] == [1, 1, 1, 1]  # every stop: re-queued
+    assert fail_next(None) == 1  # the one crash retry --max-retries allows
+    assert fail_next(None) == 0  # a second crash ends the chain
+    last = study.trials[-1]
+    assert last.system_attrs[ATTR_INTERRUPTED_TRIES] == 4
+    assert last.system_attrs["retry_history"] == [0, 1, 2, 3, 4]
+    assert last.system_attrs["failed_trial"] == 0  # the chain's root: its checkpoint
+    assert last.intermediate_values == {1: 0.5}

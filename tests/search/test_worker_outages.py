@@ -104,10 +104,11 @@ def test_an_interrupted_trials_retry_is_queued_under_the_study_lock(
     blocked: list[bool] = []
     real = W.retry_callback
 
-    def b_asks_meanwhile(n: int) -> Any:
-        callback = real(n)
+    class BAsksMeanwhile:
+        def __init__(self, n: int) -> None:
+            self.callback = real(n)
 
-        def call(study: optuna.Study, frozen: Any) -> None:
+        def requeue(self, study: optuna.Study, frozen: Any, interrupted: bool) -> None:
             # B asks between A's FAIL and A's enqueue: it must wait for both.
             asking = threading.Thread(
                 target=lambda: asked.append(W._next_trial(b, cfg, spec, engine_of(b), budget_b)),
@@ -116,13 +117,11 @@ def test_an_interrupted_trials_retry_is_queued_under_the_study_lock(
             asking.start()
             asking.join(1.0)
             blocked.append(asking.is_alive())
-            callback(study, frozen)
+            self.callback.requeue(study, frozen, interrupted)
             threads.append(asking)
 
-        return call
-
     threads: list[threading.Thread] = []
-    monkeypatch.setattr(W, "retry_callback", b_asks_meanwhile)
+    monkeypatch.setattr(W, "retry_callback", BAsksMeanwhile)
     stop = threading.Event()
     stop.set()  # Ctrl-C: A's trial stops at its next epoch boundary
     outcome = W.run_trial(
