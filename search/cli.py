@@ -324,14 +324,20 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
                                    "launch again to resume")  # fmt: skip
 
 
-def _on_signals(stop: Callable[[], None], what: str) -> None:
-    """First Ctrl-C/SIGTERM: graceful stop; second: immediate."""
+def _on_signals(stop: Callable[[], None], what: str, die_on_second: bool = False) -> None:
+    """First Ctrl-C/SIGTERM: graceful stop; second: immediate. The launcher's `stop` kills
+    its workers when called again; a worker (`die_on_second`) dies by the second signal
+    itself (its trial, left RUNNING, is failed and resumed once its heartbeat is stale)."""
     count = {"n": 0}
 
     def handler(signum: int, frame: Any) -> None:
         count["n"] += 1
         first = "stopping after the current epoch (Ctrl-C again to kill)"
         click.echo(f"\n{what}: {first if count['n'] == 1 else 'killing now'}", err=True)
+        if count["n"] > 1 and die_on_second:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         stop()
 
     signal.signal(signal.SIGINT, handler)
@@ -432,7 +438,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         sampler_stream=sampler_stream,
     )
     stop = threading.Event()
-    _on_signals(stop.set, "worker")
+    _on_signals(stop.set, "worker", die_on_second=True)
 
     def show(number: int, outcome: str) -> None:
         click.echo(f"trial {number}: {outcome}")

@@ -230,6 +230,28 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def test_a_second_ctrl_c_kills_a_standalone_worker_at_once(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """It said "killing now" and trained on to the end of its epoch, then exited 0."""
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "60"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", "worker", "--study", "tiny", "--storage", pg_url,
+         "--workdir", str(tmp_path), "--no-tracking", "--train-fn", DUMMY, "--trials", "2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: running_with_epochs(pg_url, "tiny", 0), 120, "a trial running")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)  # the epoch takes 60 s
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, out
+    assert "killing now" in out
+
+
 def test_sigint_launch_stops_cleanly_and_relaunch_resumes(
     pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
