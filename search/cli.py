@@ -324,14 +324,17 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
                                    "launch again to resume")  # fmt: skip
 
 
-def _on_signals(stop: Callable[[], None], what: str, die_on_second: bool = False) -> None:
+def _on_signals(stop: Callable[[], None], what: str, die_on_second: bool = False) -> list[int]:
     """First Ctrl-C/SIGTERM: graceful stop; second: immediate. The launcher's `stop` kills
     its workers when called again; a worker (`die_on_second`) dies by the second signal
-    itself (its trial, left RUNNING, is failed and resumed once its heartbeat is stale)."""
+    itself (its trial, left RUNNING, is failed and resumed once its heartbeat is stale).
+    Returns the signals received, as they come."""
     count = {"n": 0}
+    received: list[int] = []
 
     def handler(signum: int, frame: Any) -> None:
         count["n"] += 1
+        received.append(signum)
         first = "stopping after the current epoch (Ctrl-C again to kill)"
         click.echo(f"\n{what}: {first if count['n'] == 1 else 'killing now'}", err=True)
         if count["n"] > 1 and die_on_second:
@@ -342,6 +345,7 @@ def _on_signals(stop: Callable[[], None], what: str, die_on_second: bool = False
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    return received
 
 
 @cli.command()
@@ -438,7 +442,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         sampler_stream=sampler_stream,
     )
     stop = threading.Event()
-    _on_signals(stop.set, "worker", die_on_second=True)
+    signals = _on_signals(stop.set, "worker", die_on_second=True)
 
     def show(number: int, outcome: str) -> None:
         click.echo(f"trial {number}: {outcome}")
@@ -449,6 +453,10 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         raise click.ClickException(
             f"worker {summary.worker_id}: stopped after repeated trial errors"
         )
+    if summary.stopped_by == "interrupted" and signals:
+        # Not 0: a restart policy (Docker's on-failure, a Kubernetes Job) then starts it
+        # again after a node's drain or a daemon's restart; its trial waits to resume.
+        sys.exit(128 + signals[0])
 
 
 @cli.command()
@@ -549,6 +557,26 @@ def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) 
         run = r.get("mlflow_run_id") or "-"
         value = format_value(r["value"])
         click.echo(f"trial {r['number']}: value {value} run {run} params {_params_of(r)}")
+
+
+@cli.command("init-storage")
+@_storage_option
+@_workdir_option
+@_edge
+def init_storage_cmd(storage: str | None, workdir: Path) -> None:
+    """Create Optuna's tables in the storage (nothing when they are there).
+
+    Run once on a team's database before workers start at once; hpsearch's own processes
+    also create them, under a lock, as they first connect.
+
+    \b
+    Example:
+      hpsearch init-storage --storage postgresql://postgres@127.0.0.1/test
+    """
+    from hpsearch.storage import init_storage
+
+    spec = init_storage(storage, workdir)
+    click.echo(f"Optuna tables ready in {spec.display}")
 
 
 @cli.command()

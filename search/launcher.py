@@ -166,6 +166,11 @@ def auto_workers(
     return plan
 
 
+# A worker's exit code after a graceful stop by SIGINT or SIGTERM (128 + the signal's
+# number, the shell's convention): its trial was handed back to resume, none was lost.
+STOPPED_EXIT_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
 def should_restart(exit_code: int, restarts: int, max_restarts: int, budget_left: bool) -> bool:
     """A worker that exited with an error is restarted while it has restarts left."""
     return exit_code != 0 and budget_left and restarts < max_restarts
@@ -764,9 +769,10 @@ class Launcher:
         if code == 0:
             slot.state = "done"
             return
+        stopped = code in STOPPED_EXIT_CODES  # by a signal from outside: it handed back
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
         failed, held = self._fail_trials_of(slot.worker_id, f"worker died ({how})")
-        msg = f"worker {slot.index} died ({how})"
+        msg = f"worker {slot.index} {'was stopped' if stopped else 'died'} ({how})"
         if failed:
             msg += f"; {self._requeued_text(failed)}"
         if held:

@@ -212,6 +212,18 @@ def _one_shot_engine_kwargs(spec: StorageSpec) -> dict[str, Any]:
     return kwargs
 
 
+def init_storage(storage: str | None, workdir: Path) -> StorageSpec:
+    """Create Optuna's tables in the storage, under hpsearch's schema lock; nothing when they
+    are there. For a team's database before many workers start at once: a plain Optuna
+    client (the gRPC proxy, optuna-dashboard) does not take the lock and would race them."""
+    spec = resolve_storage(storage, workdir)
+    storage_ = open_storage(spec, pool_size=1)
+    engine = getattr(storage_, "engine", None)
+    if engine is not None:
+        engine.dispose()  # its connections, now: the caller only wanted the tables
+    return spec
+
+
 def has_optuna_tables(spec: StorageSpec) -> bool:
     """Whether the database holds Optuna's tables; reads only (a SQLite file that does not
     exist is not created). For readers, which must not create a schema in a database a

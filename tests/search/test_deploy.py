@@ -227,7 +227,7 @@ def test_every_hpsearch_command_line_exists_on_the_cli(services: dict[str, Any])
         for argv in _dockerfile_lines(path):
             calls += [(path.relative_to(ROOT).as_posix(), a) for a in _hpsearch_calls(argv)]
     used = {args[0] for _, args in calls if args}
-    assert {"worker", "dashboard", "studies"} <= used, used
+    assert {"worker", "dashboard", "init-storage"} <= used, used
     for where, args in calls:
         _check_hpsearch_call(args, where)
 

@@ -243,17 +243,18 @@ def test_launch_outcome() -> None:
     assert launch_outcome("budget", False, False) == "stopped"  # workers stopped from outside
 
 
-def test_workers_stopped_from_outside_are_no_spent_budget(
+def test_a_worker_stopped_from_outside_is_restarted_and_its_trial_resumed(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
-    """Workers that each exit 0 on a SIGTERM of their own (a user, a container runtime)
-    ended the launch as "done (budget)" with exit 0, and its study run as FINISHED."""
+    """A worker stopped by a SIGTERM of its own (a user, a container runtime) hands its
+    trial back and exits 143: the launch restarts it, and the trial resumes. It exited 0, and
+    the launch ended "done (budget)" with exit 0 and trials of the budget never trained."""
     work = tmp_path / "w"
     env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpsearch.cli", "launch", "--study", "tiny", "--workers", "1",
-         "--trials", "20", "--workdir", str(work), "--train-fn", DUMMY, "--no-tracking",
-         "--set", "budget.max_epochs=2", "--set", "pruner={name: none}"],
+         "--trials", "3", "--workdir", str(work), "--train-fn", DUMMY, "--no-tracking",
+         "--set", "budget.max_epochs=3", "--set", "pruner={name: none}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -265,10 +266,14 @@ def test_workers_stopped_from_outside_are_no_spent_budget(
                 os.kill(pid, signal.SIGTERM)
             break
     lines += proc.stdout.readlines()
-    code = proc.wait(60)
     out = "".join(lines)
-    assert code == 1 and "done (stopped)" in out, out
-    assert "launch again to resume" in out
+    assert proc.wait(60) == 0 and "done (budget): complete 3" in out, out
+    assert "worker 0 was stopped (exit code 143)" in out and "restarting it (1/3)" in out, out
+    trials = hps.load_study("tiny", workdir=work).get_trials(deepcopy=False)
+    stopped = [t for t in trials if t.state == TrialState.FAIL]
+    assert [t.user_attrs.get("outcome") for t in stopped] == ["interrupted"], out
+    (resumed,) = [t for t in trials if t.system_attrs.get("failed_trial") == stopped[0].number]
+    assert resumed.state == TrialState.COMPLETE
 
 
 def _child_pids(pid: int) -> list[int]:

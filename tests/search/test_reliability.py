@@ -252,6 +252,28 @@ def test_a_second_ctrl_c_kills_a_standalone_worker_at_once(
     assert "killing now" in out
 
 
+def test_a_worker_stopped_by_sigterm_exits_143_with_its_trial_queued(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Not 0: a restart policy (Docker's on-failure, a Kubernetes Job) takes 0 for done and
+    starts no worker again after a node's drain or a daemon's restart."""
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", "worker", "--study", "tiny", "--storage", pg_url,
+         "--workdir", str(tmp_path), "--no-tracking", "--train-fn", DUMMY, "--trials", "2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: running_with_epochs(pg_url, "tiny", 1), 120, "a trial 1 epoch in")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    states = [t.state for t in hps.load_study("tiny", storage=pg_url).get_trials()]
+    assert states == [TrialState.FAIL, TrialState.WAITING], out
+
+
 def test_sigint_launch_stops_cleanly_and_relaunch_resumes(
     pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:

@@ -535,3 +535,20 @@ def test_a_failed_trial_is_said_re_queued_only_when_its_retry_was_queued(tmp_pat
         f"trial {first.number} re-queued to resume; "
         f"trial {second.number} failed, no retries left (--max-retries 1)"
     )
+
+
+def test_init_storage_creates_optunas_tables_once_and_leaves_no_connection(
+    pg_url: str, subprocess_env: dict[str, str]
+) -> None:
+    """The compose stack's one-shot schema service ran `hpsearch studies`, which as a reader
+    creates nothing: the gRPC proxy and the dashboard then raced the workers."""
+    from hpsearch.storage import has_optuna_tables, resolve_storage
+
+    spec = resolve_storage(pg_url, Path("."))
+    assert not has_optuna_tables(spec)
+    for _ in range(2):  # again: nothing to do
+        r = hpsearch(["init-storage", "--storage", pg_url], subprocess_env)
+        assert r.returncode == 0 and "Optuna tables ready in" in r.stdout, r.stdout + r.stderr
+    assert has_optuna_tables(spec)
+    r = hpsearch(["init-storage", "--storage", pg_url + "_missing"], subprocess_env)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "does not exist" in r.stderr
