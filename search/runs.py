@@ -490,9 +490,13 @@ class TrackingSession:
         worker_id: str,
         await_study_run_s: float = 0.0,
         background: bool = False,
+        stop: threading.Event | None = None,
     ) -> None:
         """background: set up (import MLflow, wait for the study run, connect) on a thread,
-        so that a worker's first trial trains meanwhile; `when_ready` runs what needs it."""
+        so that a worker's first trial trains meanwhile; `when_ready` runs what needs it.
+        `stop` (the worker's) ends the wait for the study run: a worker told to stop (its
+        launcher killed) waited up to `await_study_run_s` to tell its finished trials."""
+        self._stop = stop if stop is not None else threading.Event()
         self.cfg = cfg
         self.spec = spec
         self.uri = uri
@@ -572,7 +576,7 @@ class TrackingSession:
         from mlflow.exceptions import MlflowException
 
         deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._stop.is_set():
             if health_ok(self.uri, timeout_s=1.0):
                 try:
                     exp = self.client.get_experiment_by_name(self.cfg.name)
@@ -580,7 +584,7 @@ class TrackingSession:
                         return
                 except MlflowException as exc:  # the server is starting; ask again
                     logger.debug("study run not there yet: %s", scrub(str(exc)))
-            time.sleep(0.2)
+            self._stop.wait(0.2)
 
     def finish_later(self, job: Callable[[], None]) -> None:
         self._finisher.submit(job)

@@ -437,7 +437,7 @@ def run_worker(
     # Optuna's cache wrapper); a NullPool engine would connect afresh on every ask.
     lock_engine = getattr(getattr(study._storage, "_backend", study._storage), "engine", None)
     budget = _Budget(study, cfg)
-    tracking = _open_tracking(cfg, spec, opts)
+    tracking = _open_tracking(cfg, spec, opts, stop)
     watcher = None
     if spec.kind == "rdb":
         _, grace_s, check_s = heartbeat_timing(opts.heartbeat_interval_s)
@@ -1142,7 +1142,9 @@ def _new_warm_cache() -> Any:
     return WarmCache()
 
 
-def _open_tracking(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> Any:
+def _open_tracking(
+    cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions, stop: threading.Event
+) -> Any:
     if not opts.tracking_uri:
         return None
     from hpsearch.runs import TrackingSession, remove_stale_snapshots
@@ -1156,5 +1158,5 @@ def _open_tracking(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> 
     # before it trains, so that another host can resume it from the run's uploads.
     return TrackingSession(
         cfg, spec, opts.tracking_uri, opts.resolved_id(), await_study_run_s=opts.await_study_run_s,
-        background=not cfg.tracking.upload_checkpoints,
+        background=not cfg.tracking.upload_checkpoints, stop=stop,
     )  # fmt: skip

@@ -73,3 +73,24 @@ def test_a_failed_trial_keeps_no_snapshot_and_claims_no_checkpoint(
     for r in (nan_run, run):
         assert client.list_artifacts(r.run_id, "checkpoint") == []
         assert client.get_run(r.run_id).info.status == "FAILED"
+
+
+def test_a_worker_told_to_stop_waits_no_longer_for_the_study_run(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """A launcher killed before it opened the study run: its workers, told to stop, waited
+    out the whole wait (240 s) before their finished trials were told."""
+    import threading
+    import time
+
+    cfg = hps.load_config("tiny", [f"name=await-{uuid.uuid4().hex[:8]}"])
+    stop = threading.Event()
+    t0 = time.monotonic()
+    session = TrackingSession(cfg, resolve_storage(pg_url, tmp_path), mlflow_server.url, "w0",
+                              await_study_run_s=120, background=True, stop=stop)  # fmt: skip
+    time.sleep(1.0)
+    assert not session.ready()  # waiting for the launcher's study run
+    stop.set()
+    session.wait_ready()
+    assert time.monotonic() - t0 < 30 and session.parent_run_id  # opened its own
+    session.close()
