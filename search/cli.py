@@ -672,13 +672,17 @@ def ui(workdir: Path, host: str, port: int) -> None:
     Example:
       hpsearch ui --workdir .hpsearch --port 5000
     """
-    from hpsearch.tracking.server import running_server_url, serve_ui
+    from hpsearch.tracking.server import adopt_orphaned_server, running_server_url, serve_ui
 
     running = running_server_url(workdir)
+    server: Any
     if running is not None:
-        click.echo(f"MLflow UI: {running} (already served by a running search)")
-        return
-    server = serve_ui(workdir, host, port)
+        server = adopt_orphaned_server(workdir)  # left running by a launch that was killed
+        if server is None:
+            click.echo(f"MLflow UI: {running} (already served by a running search)")
+            return
+    else:
+        server = serve_ui(workdir, host, port)
     click.echo(f"MLflow UI: {server.url} (Ctrl-C to stop)")
     stop = threading.Event()
     _on_signals(stop.set, "ui")

@@ -560,7 +560,13 @@ class Launcher:
         server that does not answer is refused here, before any worker starts."""
         if not self.opts.tracking:
             return None
-        from hpsearch.tracking.server import free_port, health_ok, redact_uri, running_server_url
+        from hpsearch.tracking.server import (
+            adopt_orphaned_server,
+            free_port,
+            health_ok,
+            redact_uri,
+            running_server_url,
+        )
 
         port = None
         if self.opts.tracking_uri:
@@ -572,6 +578,8 @@ class Launcher:
                 raise TrackingError(f"MLflow: no server answers at {redact_uri(uri)}")
         elif (serving := running_server_url(self.opts.workdir)) is not None:
             uri = serving  # one writer per SQLite store: `hpsearch ui` already serves it
+            # Or a launch killed with SIGKILL left it running: this one stops it at the end.
+            self._server = adopt_orphaned_server(self.opts.workdir)
         else:
             port = free_port()
             uri = f"http://127.0.0.1:{port}"

@@ -25,9 +25,11 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
 
 from hpsearch.errors import TrackingError
@@ -338,13 +340,7 @@ class LocalServer:
 
     def group_alive(self) -> bool:
         """Whether any process of the server's process group is still there."""
-        try:
-            os.killpg(self.pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # pragma: no cover - someone else's group reused the id
-            return False
-        return True
+        return _group_alive(self.pgid)
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -364,41 +360,101 @@ class LocalServer:
         """SIGTERM the process group, SIGKILL what is left after ``timeout_s``; returns when
         no process of the group remains (no orphans). Idempotent."""
         _LIVE.discard(self)
-        self.remove_state()
-        self._signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.proc.poll()  # reap our direct child
-            if not self.group_alive():
-                break
-            time.sleep(0.05)
-        else:
-            self._signal_group(signal.SIGKILL)
-            kill_deadline = time.monotonic() + 5.0
-            while time.monotonic() < kill_deadline:
-                self.proc.poll()
-                if not self.group_alive():
-                    break
-                time.sleep(0.05)
+        _remove_state(self.workdir, self.pid)
+        _stop_group(self.pgid, timeout_s, self.proc.poll)  # poll: reap our direct child
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=1.0)
 
     def write_state(self) -> None:
-        with contextlib.suppress(OSError):
-            state_path(self.workdir).write_text(
-                json.dumps({"url": self.url, "pid": self.pid, "pgid": self.pgid})
-            )
+        _write_state(self.workdir, {"url": self.url, "pid": self.pid, "pgid": self.pgid})
 
     def remove_state(self) -> None:
         """Remove ``server.json`` if it still describes this server."""
-        path = state_path(self.workdir)
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            if int(json.loads(path.read_text())["pid"]) == self.pid:
-                path.unlink()
+        _remove_state(self.workdir, self.pid)
 
-    def _signal_group(self, sig: signal.Signals) -> None:
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - someone else's group reused the id
+        return False
+    return True
+
+
+def _stop_group(pgid: int, timeout_s: float, reap: Callable[[], object] = lambda: None) -> None:
+    """SIGTERM a server's process group, SIGKILL what is left after ``timeout_s``; returns
+    once no process of it remains."""
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pgid, sig)
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            reap()
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.05)
+
+
+def _write_state(workdir: Path, state: dict[str, Any]) -> None:
+    """``server.json``, naming this process the server's owner: the one that stops it. A
+    launch killed with SIGKILL leaves its server running; the next one takes it over
+    (:func:`adopt_orphaned_server`)."""
+    from hpsearch.packing import process_start
+
+    owner = os.getpid()
+    with contextlib.suppress(OSError):
+        state_path(workdir).write_text(
+            json.dumps({**state, "owner": owner, "owner_start": process_start(owner)})
+        )
+
+
+def _remove_state(workdir: Path, pid: int) -> None:
+    path = state_path(workdir)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        if int(json.loads(path.read_text())["pid"]) == pid:
+            path.unlink()
+
+
+@dataclass
+class AdoptedServer:
+    """A server of the work folder's store that a killed process left running, now this
+    process's to stop (see :func:`adopt_orphaned_server`)."""
+
+    url: str
+    pid: int
+    pgid: int
+    workdir: Path
+
+    def is_running(self) -> bool:
+        return _group_alive(self.pgid)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        _remove_state(self.workdir, self.pid)
+        _stop_group(self.pgid, timeout_s)
+
+
+def adopt_orphaned_server(workdir: Path) -> AdoptedServer | None:
+    """The live server of ``workdir``'s store when the process that started it, and would
+    have stopped it, is gone: a launch killed with SIGKILL left it running, and the next
+    launch used it and left it running too. It is the caller's now (``server.json`` names
+    the caller its owner), to stop when done. None while its owner runs, and for a state
+    file of an older version, which names no owner."""
+    from hpsearch.packing import holder_alive
+
+    try:
+        state = json.loads(state_path(workdir).read_text())
+        url, pid, pgid = str(state["url"]), int(state["pid"]), int(state["pgid"])
+        owner, owner_start = int(state["owner"]), state.get("owner_start")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if holder_alive(owner, owner_start if isinstance(owner_start, int) else None):
+        return None
+    if not _group_alive(pgid) or not health_ok(url):
+        return None
+    _write_state(workdir, {"url": url, "pid": pid, "pgid": pgid})
+    return AdoptedServer(url, pid, pgid, Path(workdir))
 
     def __enter__(self) -> LocalServer:
         return self
@@ -569,7 +625,9 @@ def serve_ui(
 __all__ = [
     "DEFAULT_UI_PORT",
     "SERVER_ENV",
+    "AdoptedServer",
     "LocalServer",
+    "adopt_orphaned_server",
     "allowed_hosts_for",
     "attach_or_start",
     "free_port",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 import subprocess
@@ -338,3 +339,41 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+@pytest.mark.slow
+def test_a_server_left_by_a_killed_owner_is_adopted_and_stopped(tmp_path: Path) -> None:
+    """A launch killed with SIGKILL left its server running, and the next launch used it and
+    left it running too. While its owner runs, nobody else may stop it."""
+    import json
+    import os
+    import signal
+
+    from hpsearch.tracking.server import adopt_orphaned_server
+
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from hpsearch.tracking.server import start_local_server; "
+         "s = start_local_server(Path(sys.argv[1])); print(s.url, flush=True); time.sleep(600)",
+         str(tmp_path)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert owner.stdout is not None
+        url = owner.stdout.readline().strip()
+        assert url.startswith("http://") and running_server_url(tmp_path) == url
+        assert adopt_orphaned_server(tmp_path) is None  # its owner runs
+        pgid = json.loads(state_path(tmp_path).read_text())["pgid"]
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        assert group_alive(pgid)  # left running
+        adopted = adopt_orphaned_server(tmp_path)
+        assert adopted is not None and adopted.url == url and adopted.is_running()
+        assert json.loads(state_path(tmp_path).read_text())["owner"] == os.getpid()
+        assert adopt_orphaned_server(tmp_path) is None  # it has an owner again: this test
+        adopted.stop()
+        assert not group_alive(pgid) and not state_path(tmp_path).exists()
+    finally:
+        owner.kill()
+        with contextlib.suppress(Exception):
+            os.killpg(json.loads(state_path(tmp_path).read_text())["pgid"], signal.SIGKILL)
