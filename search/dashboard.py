@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from hpsearch.errors import HpsearchError
-from hpsearch.storage import open_storage, resolve_storage
+from hpsearch.errors import HpsearchError, StorageError
+from hpsearch.storage import has_optuna_tables, open_storage, resolve_storage
 
 
 def run_dashboard(
@@ -27,7 +27,12 @@ def run_dashboard(
     from hpsearch.tracking.server import listen_problem
 
     spec = resolve_storage(storage, workdir)
-    opened = open_storage(spec, pool_size=1)
+    if not has_optuna_tables(spec):  # a reader: it creates no schema, nor a journal file
+        raise StorageError(
+            f"storage {spec.display}: holds no Optuna study yet; launch one first, or create "
+            "the tables with hpsearch init-storage"
+        )
+    opened = open_storage(spec, pool_size=1, create=False)
     if (problem := listen_problem(host, port)) is not None:
         raise HpsearchError(f"--host/--port: {host}:{port}: cannot listen there: {problem}")
     if on_listening is not None:

@@ -470,11 +470,15 @@ def test_a_work_folder_that_cannot_be_made_is_one_line(
         ), r.stderr
 
 
-def test_a_dashboard_that_cannot_listen_is_one_line(
+def test_a_dashboard_on_no_study_or_that_cannot_listen_is_one_line(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
     import socket
 
+    empty = hpsearch(["dashboard", "--workdir", str(tmp_path)], subprocess_env)
+    assert empty.returncode == 1 and "holds no Optuna study yet" in empty.stderr, empty.stderr
+    assert not list(tmp_path.iterdir())  # a reader: no journal file made
+    assert hpsearch(["init-storage", "--workdir", str(tmp_path)], subprocess_env).returncode == 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
