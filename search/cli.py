@@ -639,12 +639,14 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
       hpsearch train --study tiny --params '{"lr": 0.05, "batch_size": 32}'
       hpsearch train --study flowers102 --trial 7 --storage postgresql://postgres@127.0.0.1/test
     """
-    from hpsearch.runner import ensure_workdir, run_fixed
+    from hpsearch.runner import ensure_workdir, run_fixed, trial_config
 
     ensure_workdir(workdir)
+    cfg = _load(study, overrides, data_dir, download)
+    if trial_number is not None:  # what that trial ran with, today's --set on top
+        cfg = trial_config(cfg, storage, workdir, overrides, download)
     result = run_fixed(
-        _load(study, overrides, data_dir, download), params_json, trial_number, storage,
-        workdir, device, seed,
+        cfg, params_json, trial_number, storage, workdir, device, seed,
         on_epoch=lambda r: click.echo(
             f"epoch {r.epoch}: train_loss {r.train_loss:.4f} train_acc {r.train_acc:.4f} "
             + (f"val_acc {r.val_acc:.4f} " if r.val_acc is not None else "")

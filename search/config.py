@@ -532,10 +532,39 @@ def load_config(
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{src}: <root>: {type(raw).__name__}: must be a mapping")
+    raw.setdefault("name", path.stem)
+    return _build_config(raw, src, overrides, data_dir, download)
+
+
+def config_from_yaml(
+    text: str,
+    src: str,
+    overrides: Sequence[str] = (),
+    data_dir: str | None = None,
+    download: bool | None = None,
+) -> StudyConfig:
+    """A study's config from YAML text (the resolved config a launch stores on its study),
+    overridden and validated as `load_config` does a file. Raises ConfigError."""
+    try:
+        raw = load_yaml(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{src}: not valid YAML: {' '.join(str(exc).split())}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{src}: <root>: {type(raw).__name__}: must be a mapping")
+    raw.pop("source", None)  # where it was read from then
+    return _build_config(raw, src, overrides, data_dir, download)
+
+
+def _build_config(
+    raw: dict[str, Any],
+    src: str,
+    overrides: Sequence[str],
+    data_dir: str | None,
+    download: bool | None,
+) -> StudyConfig:
     for key in raw:
         if not isinstance(key, str):
             raise ConfigError(f"{src}: {key!r}: unknown key")
-    raw.setdefault("name", path.stem)
     apply_overrides(raw, parse_overrides(overrides), src)
     env_dir = os.environ.get("HPSEARCH_DATA_DIR")
     if isinstance(raw.get("dataset"), dict):

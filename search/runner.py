@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,29 @@ def check_dataset(cfg: StudyConfig, light: bool = False) -> None:
 
     for split in ("train", "val"):
         get_source(cfg, split)
+
+
+def trial_config(
+    cfg: StudyConfig,
+    storage: str | None,
+    workdir: Path,
+    overrides: Sequence[str] = (),
+    download: bool | None = None,
+) -> StudyConfig:
+    """The config a trial of `cfg`'s study ran with: the resolved config its launch stored
+    on the study, with today's `--set` on top (a study launched with `--set
+    dataset.image_size=64` was reproduced at the study file's size), its data found where
+    `cfg` finds it (the file, --data-dir, HPSEARCH_DATA_DIR). A study with no stored
+    config (made by plain Optuna) keeps `cfg`."""
+    from hpsearch.config import config_from_yaml
+    from hpsearch.query import load_study
+    from hpsearch.study import CONFIG_ATTR
+
+    stored = load_study(cfg.name, storage, workdir).user_attrs.get(CONFIG_ATTR)
+    if not stored:
+        return cfg
+    src = f"study {cfg.name} (the config it was launched with)"
+    return config_from_yaml(str(stored), src, overrides, cfg.dataset.root, download)
 
 
 def fixed_params(

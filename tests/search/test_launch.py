@@ -491,6 +491,35 @@ def test_a_dashboard_on_no_study_or_that_cannot_listen_is_one_line(
     assert "optuna-dashboard: http" not in r.stdout  # it never listened
 
 
+def test_train_trial_n_takes_the_config_the_trial_ran_with(
+    tmp_path: Path, subprocess_env: dict[str, str], flowers_root: Path
+) -> None:
+    """It took the study file's: a study launched with --set dataset.image_size=24 was
+    "reproduced" at the file's 32 px."""
+    from hpsearch.config import load_config
+    from hpsearch.errors import ConfigError
+    from hpsearch.runner import trial_config
+
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "1",
+                  "--workdir", str(tmp_path), "--train-fn", DUMMY, "--no-tracking",
+                  "--set", "dataset.image_size=24", "--set", "dataset.cache_size=28",
+                  "--set", "budget.max_epochs=1"], subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    file_cfg = load_config("tiny", data_dir=str(flowers_root))
+    assert file_cfg.dataset.image_size == 32
+    cfg = trial_config(file_cfg, None, tmp_path, ["dataset.eval_limit=102"])
+    assert (cfg.dataset.image_size, cfg.dataset.cache_size) == (24, 28)
+    assert cfg.budget.max_epochs == 1 and cfg.dataset.root == str(flowers_root)
+    assert cfg.dataset.eval_limit == 102  # today's --set on top
+    with pytest.raises(ConfigError, match=r"launched with\): budget.max_epochs: 0"):
+        trial_config(file_cfg, None, tmp_path, ["budget.max_epochs=0"])
+    run = hpsearch(["train", "--study", "tiny", "--trial", "0", "--workdir", str(tmp_path),
+                    "--data-dir", str(flowers_root), "--set", "dataset.eval_limit=102"],
+                   subprocess_env)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "finished: best_val_acc" in run.stdout and " epochs 1 " in run.stdout, run.stdout
+
+
 def test_a_fixed_run_that_fails_late_puts_the_earlier_pair_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
