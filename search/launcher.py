@@ -78,7 +78,7 @@ AWAIT_STUDY_RUN_S = 240.0  # s: the embedded server's start-up limit (180 s) plu
 
 def parse_gpus(value: str | None) -> list[str] | None:
     """`--gpus 0,1` -> ["0", "1"]; None keeps CUDA_VISIBLE_DEVICES as it is."""
-    if value is None or value.strip() == "":
+    if value is None:
         return None
     items = [v.strip() for v in value.split(",")]
     if any(not v for v in items):
@@ -490,7 +490,7 @@ class Launcher:
             # Orphans are RUNNING trials of dead processes on this host: the workers just
             # started have none yet (they are still importing).
             if orphans := fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):
-                self._messages.append(f"its worker was gone: {self._requeued_text(orphans)}")
+                self._event(f"its worker was gone: {self._requeued_text(orphans)}")
             stopped_by = self._outcome(self._supervise(resolved, tracking_uri))
         finally:
             self._study_settled.set()

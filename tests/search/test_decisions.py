@@ -63,8 +63,9 @@ def test_assign_gpus_round_robin() -> None:
 def test_gpu_and_device_checks() -> None:
     assert parse_gpus("0, 1") == ["0", "1"]
     assert parse_gpus(None) is None
-    with pytest.raises(ConfigError, match="comma-separated"):
-        parse_gpus("0,,1")
+    for bad in ("0,,1", "", " ", ","):  # an empty one was taken for no --gpus at all
+        with pytest.raises(ConfigError, match="comma-separated"):
+            parse_gpus(bad)
     with pytest.raises(DeviceError, match=r"--gpus: '7': no such GPU; this machine has 1"):
         check_gpus(["7"], 1, "auto")
     with pytest.raises(DeviceError, match="CUDA is not available"):

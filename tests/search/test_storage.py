@@ -552,3 +552,28 @@ def test_init_storage_creates_optunas_tables_once_and_leaves_no_connection(
     assert has_optuna_tables(spec)
     r = hpsearch(["init-storage", "--storage", pg_url + "_missing"], subprocess_env)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "does not exist" in r.stderr
+
+
+def test_a_relaunch_says_which_trials_of_dead_workers_it_resumed(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """It failed and re-queued them without a line: the note went to a list nobody printed."""
+    import socket
+    import subprocess
+    import sys
+
+    from hpsearch.worker import ATTR_HOST, ATTR_PID, ATTR_WORKER
+
+    spec = resolve_storage(None, tmp_path)
+    study = create_or_load(load_config("tiny"), open_storage(spec))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    trial = study.ask()
+    for key, value in ((ATTR_WORKER, "w0"), (ATTR_HOST, socket.gethostname()),
+                       (ATTR_PID, int(dead))):  # fmt: skip
+        trial.set_user_attr(key, value)
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "2",
+                  "--workdir", str(tmp_path), "--train-fn", DUMMY, "--no-tracking"],
+                 subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "its worker was gone: trial 0" in r.stdout, r.stdout
