@@ -166,14 +166,19 @@ def open_storage(
         with _schema_lock(spec):
             if create:
                 _create_schema(spec)
-            return FastRDBStorage(
-                spec.url,
-                skip_table_creation=True,
-                engine_kwargs=engine_kwargs,
-                heartbeat_interval=heartbeat_interval,
-                grace_period=grace_period,
-                heartbeat_stale_trial_callback=failed_trial_callback,
-            )
+            with warnings.catch_warnings():
+                # Optuna's "heartbeat_interval is experimental" notice, two lines in every
+                # worker's log: hpsearch chose it (its heartbeats are how a dead worker's
+                # trial is found), the user did not.
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return FastRDBStorage(
+                    spec.url,
+                    skip_table_creation=True,
+                    engine_kwargs=engine_kwargs,
+                    heartbeat_interval=heartbeat_interval,
+                    grace_period=grace_period,
+                    heartbeat_stale_trial_callback=failed_trial_callback,
+                )
     except (SQLAlchemyError, NoSuchModuleError) as exc:
         raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
     except ImportError as exc:

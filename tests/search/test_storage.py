@@ -577,3 +577,13 @@ def test_a_relaunch_says_which_trials_of_dead_workers_it_resumed(
                  subprocess_env)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "its worker was gone: trial 0" in r.stdout, r.stdout
+
+
+def test_heartbeats_on_postgres_print_no_experimental_notice(pg_url: str, tmp_path: Path) -> None:
+    """Optuna's two-line notice was in every worker's log: hpsearch turns heartbeats on."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        open_storage(resolve_storage(pg_url, tmp_path), heartbeat_interval=10, grace_period=15)
+    assert not [w for w in seen if issubclass(w.category, optuna.exceptions.ExperimentalWarning)]
