@@ -9,6 +9,10 @@
 # NVIDIA driver supports (CUDA 12.8 needs driver >= 570 on Linux).
 ARG BASE_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
+# The MLflow server's and the gRPC proxy's versions (docker-compose.yml passes them): the
+# client and the server, and the proxy's and the workers' Optuna schema, must match.
+ARG MLFLOW_VERSION=3.17.2
+ARG OPTUNA_VERSION=5.1.0
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -32,6 +36,7 @@ COPY studies/ studies/
 RUN python -c "import torch, torchvision as tv; \
 print('torch==' + torch.__version__.split('+')[0]); \
 print('torchvision==' + tv.__version__.split('+')[0])" > /tmp/keep-torch.txt \
+ && printf 'mlflow==%s\noptuna==%s\n' "${MLFLOW_VERSION}" "${OPTUNA_VERSION}" >> /tmp/keep-torch.txt \
  && python -m pip install --constraint /tmp/keep-torch.txt . \
  && python -c "import hpsearch.cli, optuna_dashboard, psycopg2" \
  && rm -rf /tmp/keep-torch.txt

@@ -642,3 +642,25 @@ def test_docker_compose_config_validates(
         assert ips["postgres"] == {"0.0.0.0"} and ips["mlflow"] == {"0.0.0.0"}
         assert ips["dashboard"] == {"127.0.0.1"}
     assert ("optuna-grpc" in cfg["services"]) == (profile == "grpc")
+
+
+def test_the_worker_image_runs_the_servers_mlflow_and_optuna(services: dict[str, Any]) -> None:
+    """Unpinned, a fresh worker build took PyPI's latest while the MLflow server and the gRPC
+    proxy stayed pinned to others: the client and server, and the proxy's and the workers'
+    Optuna, must match."""
+
+    def arg_default(path: Path, name: str) -> str:
+        match = re.search(rf"^ARG {name}=(\S+)$", path.read_text(), re.MULTILINE)
+        assert match, f"{path}: no ARG {name}"
+        return match.group(1)
+
+    worker = services["worker"]["build"]["args"]
+    assert worker["MLFLOW_VERSION"] == services["mlflow"]["build"]["args"]["MLFLOW_VERSION"]
+    assert worker["OPTUNA_VERSION"] == services["optuna-grpc"]["build"]["args"]["OPTUNA_VERSION"]
+    assert arg_default(ROOT / "Dockerfile", "MLFLOW_VERSION") == arg_default(
+        ROOT / "deploy" / "mlflow" / "Dockerfile", "MLFLOW_VERSION"
+    )
+    assert arg_default(ROOT / "Dockerfile", "OPTUNA_VERSION") == arg_default(
+        ROOT / "deploy" / "grpc" / "Dockerfile", "OPTUNA_VERSION"
+    )
+    assert "mlflow==%s" in (ROOT / "Dockerfile").read_text()  # a constraint, not a hint
