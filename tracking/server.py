@@ -372,6 +372,20 @@ class LocalServer:
         """Remove ``server.json`` if it still describes this server."""
         _remove_state(self.workdir, self.pid)
 
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"LocalServer(url={self.url!r}, pid={self.pid}, workdir={str(self.workdir)!r})"
+
 
 def _group_alive(pgid: int) -> bool:
     try:
@@ -455,20 +469,6 @@ def adopt_orphaned_server(workdir: Path) -> AdoptedServer | None:
         return None
     _write_state(workdir, {"url": url, "pid": pid, "pgid": pgid})
     return AdoptedServer(url, pid, pgid, Path(workdir))
-
-    def __enter__(self) -> LocalServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"LocalServer(url={self.url!r}, pid={self.pid}, workdir={str(self.workdir)!r})"
 
 
 def start_local_server(
