@@ -126,7 +126,8 @@ class BudgetConfig(_Frozen):
     n_trials: int = Field(default=20, ge=1)  # counts all trials of the study, across relaunches
     timeout_s: float | None = Field(default=None, gt=0)  # per launch, seconds
     max_epochs: int = Field(default=10, ge=1)
-    # Wall-clock s per trial, set-up and training; the best weights' test pass comes after.
+    # Wall-clock s per trial, set-up and training, a resumed trial's earlier tries included;
+    # the best weights' test pass comes after.
     trial_timeout_s: float | None = Field(default=None, gt=0)
 
 

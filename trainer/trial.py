@@ -422,6 +422,7 @@ class _Run:
     micro_batch: int = 0
     setup_seconds: float = 0.0
     train_seconds: float = 0.0
+    elapsed_before: float = 0.0  # wall s of the trial's earlier tries (its resume checkpoint)
     num_classes: int = 0
     class_names: list[str] = field(default_factory=list)
     checkpoint_path: Path | None = None
@@ -628,6 +629,7 @@ def _train(
                 setattr(run, k, v)
         first_epoch = ckpt["epoch"] + 1
         run.train_seconds = ckpt["train_seconds"]
+        run.elapsed_before = float(ckpt.get("elapsed_s", run.train_seconds))
         if best_path is not None and best_path.is_file():
             run.best_model_path = best_path
         run.checkpoint_path = ckpt_path
@@ -640,6 +642,10 @@ def _train(
 
     # --- the loop -------------------------------------------------------------------------
     timeout = config.budget.trial_timeout_s
+
+    def elapsed() -> float:  # wall s of the trial: a retry's limit counts its earlier tries
+        return run.elapsed_before + time.perf_counter() - start
+
     check_every = NAN_CHECK_EVERY_CUDA if device.type == "cuda" else 1
     step = (first_epoch - 1) * steps_per_epoch
     gen: torch.Generator | None = None
@@ -669,7 +675,8 @@ def _train(
         if options.should_interrupt is not None and options.should_interrupt():
             if ckpt_path is not None and epoch - 1 > saved_through:  # keep what was trained
                 state = _checkpoint(model, optimizer, schedule, scaler, epoch - 1, gen, np_rng,
-                                    hp, run, None, with_best_state=best_path is None)  # fmt: skip
+                                    hp, run, None, elapsed(),
+                                    with_best_state=best_path is None)  # fmt: skip
                 writer.submit([*best_files(), (state, ckpt_path)], checkpoint_written)
                 run.checkpoint_path = ckpt_path
             run.stop_reason, run.message = "interrupted", f"interrupted before epoch {epoch}"
@@ -717,7 +724,7 @@ def _train(
             seen += n
             if (i + 1) % check_every == 0 and first_bad.item() >= 0:
                 break
-            if timeout is not None and time.perf_counter() - start > timeout:
+            if timeout is not None and elapsed() > timeout:
                 break
         bad_step = int(first_bad.item())
         if bad_step >= 0:
@@ -727,7 +734,7 @@ def _train(
             run.message = f"loss is {kind} at epoch {epoch} step {bad_step}"
             # No best model written: told PRUNED, it is never ranked (see `discard` below).
             return
-        if timeout is not None and time.perf_counter() - start > timeout:
+        if timeout is not None and elapsed() > timeout:
             run.stop_reason = "time_limit"
             run.message = (
                 f"trial time limit {timeout:g}s reached during epoch {epoch}; "
@@ -803,7 +810,8 @@ def _train(
             done = None
             if not ending:
                 state = _checkpoint(model, optimizer, schedule, scaler, epoch, gen, np_rng, hp,
-                                    run, None, with_best_state=best_path is None)  # fmt: skip
+                                    run, None, elapsed(),
+                                    with_best_state=best_path is None)  # fmt: skip
                 files.append((state, ckpt_path))
                 done = checkpoint_written
                 run.checkpoint_path = ckpt_path
@@ -937,6 +945,7 @@ def _checkpoint(
     hp: Hyperparams,
     run: _Run,
     stop_reason: str | None,
+    elapsed_s: float,
     with_best_state: bool = True,
 ) -> dict[str, Any]:
     keep = (
@@ -962,6 +971,7 @@ def _checkpoint(
         "history": [dataclasses.asdict(r) for r in run.history],
         "run": {k: getattr(run, k) for k in keep},
         "train_seconds": run.train_seconds,
+        "elapsed_s": elapsed_s,  # wall s of the trial's tries up to this one's checkpoint
         "stop_reason": stop_reason,
     }
 

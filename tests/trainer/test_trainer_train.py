@@ -517,6 +517,35 @@ def test_a_trial_stopped_by_its_time_limit_gets_the_test_accuracy_of_its_best_we
     assert evaluate_model(cfg, TINY, model, "test", tmp_path)[0] == result.test_acc
 
 
+def test_a_resumed_trial_counts_its_earlier_tries_against_its_time_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each try had the whole trial_timeout_s again: a trial interrupted and resumed trained
+    past its limit."""
+    skew = {"s": 0.0}  # the trainer's clock runs 100 s ahead per epoch
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew["s"])
+    monkeypatch.setattr(train_module, "time", clock)
+    cfg = synthetic(budget={"max_epochs": 50, "trial_timeout_s": 150.0})
+    epochs: list[int] = []
+
+    def report(epoch: int, value: float) -> bool:  # before the epoch's checkpoint
+        if epoch not in reported:  # not the resumed try's report of its restored epoch
+            reported.add(epoch)
+            skew["s"] += 100.0
+        return False
+
+    reported: set[int] = set()
+
+    opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=tmp_path / "t.pt",
+                        on_epoch=lambda r: epochs.append(r.epoch),
+                        should_interrupt=lambda: len(epochs) == 1)  # fmt: skip
+    first = train(cfg, TINY, report, opts)
+    assert first.stop_reason == "interrupted" and first.epochs_run == 1  # 100 s used
+    resumed = train(cfg, TINY, report, dataclasses.replace(opts, should_interrupt=None))
+    # 100 s + epoch 2's 100 s: the limit falls in epoch 3 (a fresh 150 s: in epoch 4).
+    assert resumed.stop_reason == "time_limit" and resumed.epochs_run == 2, resumed.message
+
+
 def test_streaming_path_equals_fast_path(tmp_path: Path) -> None:
     """Same shuffle, same crops, same augmentation: the two data paths train identically."""
     params = {**TINY, "augment": "crop_flip"}
