@@ -56,7 +56,13 @@ def redact(url: str) -> str:
     (libpq's `?password=`); a password holding a raw "@" ends at the host's last "@"."""
     from hpsearch.tracking.server import redact_uri
 
-    return redact_uri(url) if "://" in url else url
+    if "://" not in url:
+        return url
+    try:  # SQLAlchemy's parse takes a password holding "/", "?" or "#", which urlsplit cuts
+        url = make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+        pass
+    return redact_uri(url)
 
 
 def postgres_driver() -> str:
