@@ -58,10 +58,10 @@ def redact(url: str) -> str:
 
     if "://" not in url:
         return url
-    try:  # SQLAlchemy's parse takes a password holding "/", "?" or "#", which urlsplit cuts
+    # SQLAlchemy's parse takes a password holding "/", "?" or "#", which urlsplit cuts at.
+    # ValueError: a port that is not a number.
+    with contextlib.suppress(ArgumentError, ValueError):
         url = make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
-        pass
     return redact_uri(url)
 
 
