@@ -713,15 +713,22 @@ class _LateRun:
                 except Exception as exc:  # telemetry, as above
                     logger.warning("trial %s: checkpoint not uploaded: %s", trial.number, exc)
 
+    def waiting_for_gpu(self) -> None:
+        """The trial waits for GPU memory beside packed trials: its GPU sampler judges no
+        input-bound rule meanwhile (a wait longer than the rule's warm-up and window flagged
+        a trial that had not begun, and stopped it at its first report)."""
+        self._gpu_rule("pause_rule")
+
     def training_began(self) -> None:
-        """The trial's GPU work begins now, after a wait for GPU memory beside packed
-        trials: the GPU sampler's input-bound rule starts its warm-up again (a wait longer
-        than the warm-up and the window flagged a trial that had not yet begun)."""
+        """The trial's GPU work begins now: the rule starts its warm-up again."""
+        self._gpu_rule("restart_warmup")
+
+    def _gpu_rule(self, method: str) -> None:
         with self._lock:
             sampler = self._early_sampler or getattr(self.run, "sampler", None)
         if sampler is not None:
             try:
-                sampler.restart_warmup()
+                getattr(sampler, method)()
             except Exception as exc:  # telemetry never stops a trial
                 logger.warning("trial GPU sampler: %s", exc)
 
@@ -866,13 +873,16 @@ def run_trial(
             tracking.trial_training()
         handed_over = time.perf_counter()
         reports = TrialReports(study, trial, db)
+        packed = late if opts.packing is not None else None  # may wait for GPU memory
+        if packed is not None:
+            packed.waiting_for_gpu()
         try:
             # Every reported value is in the database before the trial is told, whatever
             # the outcome: the reports' close() waits for their writes.
             with reports, _gpu_reservation(cfg, params, opts, stop) as waited:
                 timing.admission_wait_s = waited
-                if waited > 0 and late is not None:
-                    late.training_began()
+                if packed is not None:
+                    packed.training_began()
                 result = train_fn(cfg, params, report, options)
                 returned = time.perf_counter()
                 check_result(result)

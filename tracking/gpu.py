@@ -331,6 +331,7 @@ class GpuSampler:
         self._devices: list[_DeviceStats] = []
         self._initialized = False
         self._started_at: float | None = None
+        self._paused = False  # pause_rule: waiting for GPU memory, no rule judged
         self._history: deque[tuple[float, float]] = deque()
         self._history_start: float | None = None
         self._thread: threading.Thread | None = None
@@ -438,11 +439,19 @@ class GpuSampler:
     ) -> None:
         self.stop()
 
-    def restart_warmup(self) -> None:
-        """Judge the input-bound rule from now on, after a new warm-up: the time before (a
-        packed trial waiting for GPU memory) ran no work of the trial's, so its idle GPU
-        says nothing about the trial's input pipeline. A flag already raised stands."""
+    def pause_rule(self) -> None:
+        """Judge no input-bound rule until :meth:`restart_warmup`: a packed trial waiting for
+        GPU memory runs no work of its own, so its idle GPU says nothing about its input
+        pipeline (a wait longer than the warm-up and the window flagged it, and stopped it
+        at its first report). Samples are still taken and logged."""
         with self._lock:
+            self._paused = True
+
+    def restart_warmup(self) -> None:
+        """Judge the input-bound rule from now on, after a new warm-up (the trial's work
+        starts now), forgetting the samples before."""
+        with self._lock:
+            self._paused = False
             self._started_at = self.clock()
             self._history.clear()
             self._history_start = None
@@ -580,6 +589,8 @@ class GpuSampler:
         return float(sum(used)) / MIB
 
     def _update_input_bound(self, t: float, util: float) -> None:
+        if self._paused:
+            return
         start = self._started_at if self._started_at is not None else t
         if t - start < self.warmup_s:
             return

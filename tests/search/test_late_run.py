@@ -119,6 +119,10 @@ def test_an_epoch_the_run_refuses_loses_neither_the_others_nor_the_run(tmp_path:
 class Sampler:
     def __init__(self) -> None:
         self.restarts = 0
+        self.pauses = 0
+
+    def pause_rule(self) -> None:
+        self.pauses += 1
 
     def restart_warmup(self) -> None:
         self.restarts += 1
@@ -127,7 +131,7 @@ class Sampler:
         pass
 
 
-def test_a_trial_that_waited_for_gpu_memory_restarts_its_samplers_warm_up(
+def test_a_trial_waiting_for_gpu_memory_pauses_its_samplers_rule(
     tmp_path: Path,
 ) -> None:
     """Its sampler runs from the trial's start: held early (the run not started yet) or the
@@ -136,8 +140,9 @@ def test_a_trial_that_waited_for_gpu_memory_restarts_its_samplers_warm_up(
     session = Session(SlowRun())
     session.early_gpu_sampler = lambda: (early, None)  # type: ignore[method-assign,assignment,return-value]
     late = _LateRun(session, Trial(), {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
+    late.waiting_for_gpu()
     late.training_began()
-    assert early.restarts == 1
+    assert (early.pauses, early.restarts) == (1, 1)
 
     run = SlowRun()
     run.release.set()
@@ -145,5 +150,6 @@ def test_a_trial_that_waited_for_gpu_memory_restarts_its_samplers_warm_up(
     session = Session(run)
     late = _LateRun(session, Trial(), {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
     session.jobs[0]()  # started: the sampler is the run's
+    late.waiting_for_gpu()
     late.training_began()
-    assert run.sampler.restarts == 1  # type: ignore[attr-defined]
+    assert (run.sampler.pauses, run.sampler.restarts) == (1, 1)  # type: ignore[attr-defined]

@@ -291,21 +291,24 @@ def test_input_bound_fires_once_and_can_request_stop(caplog: pytest.LogCaptureFi
     assert s.summary()["system/gpu_input_bound_utilization"] == 20.0
 
 
-def test_a_restarted_warm_up_ignores_the_idle_time_before_it() -> None:
-    """A packed trial waits for GPU memory with its sampler running: 100 s of 0% before its
-    first step flagged it, unless the rule starts again when it trains."""
+def test_the_rule_waits_out_a_wait_for_gpu_memory() -> None:
+    """A packed trial waits for GPU memory with its sampler running: 120 s of 0% before its
+    first step flagged it (and stopped it at its first report), unless the rule is paused
+    for the wait and starts again, warm-up included, when it trains."""
     flagged = []
-    for restart in (False, True):
+    for paused in (False, True):
         nvml = FakeNVML(fleet(1))
         nvml.gpus[0].util, nvml.gpus[0].proc_util = 0.0, {PID: 0.0}
         clock = Clock()
         s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock,
                        window_s=60.0, warmup_s=30.0, threshold_pct=50.0)  # fmt: skip
         assert s.open()
-        for _ in range(18):  # 0..85 s waiting: warm-up, then 55 s of history
-            s.sample_once()
+        if paused:
+            s.pause_rule()
+        for _ in range(24):  # 0..115 s waiting: past the warm-up and a whole window
+            assert s.sample_once()  # still sampled and logged
             clock.t += 5
-        if restart:
+        if paused:
             s.restart_warmup()
         nvml.gpus[0].util, nvml.gpus[0].proc_util = 95.0, {PID: 10.0}  # its first steps
         s.sample_once()
