@@ -102,7 +102,8 @@ def _trial_options(fn: F) -> F:
                      help="Stop handing out trials after SEC seconds."),
         click.option("--max-retries", type=click.IntRange(min=0), default=2, show_default=True,
                      help="Retries (resumed from checkpoint) of a trial whose worker died; "
-                     "a trial stopped by Ctrl-C or SIGTERM is resumed and uses none."),
+                     "a trial a launch stops (Ctrl-C, SIGTERM, once or twice), or a worker "
+                     "hands back on its first one, is resumed and uses none."),
         click.option("--heartbeat", type=click.IntRange(min=1, max=3600), default=10,
                      show_default=True,
                      help="Trial heartbeat in seconds (PostgreSQL); a dead worker's trial is "

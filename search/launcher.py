@@ -278,10 +278,16 @@ def _set_pdeathsig() -> None:
 
 
 def fail_trial(
-    study: optuna.Study, spec: StorageSpec, trial: FrozenTrial, reason: str, max_retries: int
+    study: optuna.Study,
+    spec: StorageSpec,
+    trial: FrozenTrial,
+    reason: str,
+    max_retries: int,
+    interrupted: bool = False,
 ) -> bool:
     """Mark a RUNNING trial FAIL with a reason and queue its params to resume. False if it
-    had already finished (another process got there first).
+    had already finished (another process got there first). `interrupted`: its worker was
+    killed by a stop asked for, which uses none of the chain's retries.
 
     Under the study lock: the failure and the retry's queueing are two commits, and a
     worker asking between them would see a free place in the budget (a study of one trial
@@ -295,7 +301,8 @@ def fail_trial(
                 return False
         except optuna.exceptions.UpdateFinishedTrialError:
             return False
-        retry_callback(max_retries)(study, storage.get_trial(trial._trial_id))
+        frozen = storage.get_trial(trial._trial_id)
+        retry_callback(max_retries).requeue(study, frozen, interrupted=interrupted)
     return True
 
 
@@ -898,9 +905,11 @@ class Launcher:
                             t._trial_id, ATTR_RUN_ID, r
                         )
                     )
+            # Killed by a stop asked for (a second Ctrl-C, or past the grace): no crash.
+            stopping = self._stop_requests > 0
             if with_db_retry(
-                lambda t=t, why=reason: fail_trial(
-                    self.study, self.spec, t, why, self.opts.max_retries
+                lambda t=t, why=reason, stop=stopping: fail_trial(
+                    self.study, self.spec, t, why, self.opts.max_retries, stop
                 )
             ):
                 failed.append(t.number)

@@ -514,19 +514,25 @@ def test_a_trials_failure_and_its_retrys_queueing_happen_under_the_study_lock(
     probe = sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
     lock_free_at_queueing: list[bool] = []
 
-    def spying(max_retries: int) -> Callable[[optuna.Study, Any], None]:
-        real = retry_callback(max_retries)
+    class Spying:
+        """retry_callback's callback, noting whether the study lock is free as it queues."""
 
-        def call(study: optuna.Study, trial: Any) -> None:
+        def __init__(self, max_retries: int) -> None:
+            self.real = retry_callback(max_retries)
+
+        def __call__(self, study: optuna.Study, trial: Any) -> None:
+            self.requeue(study, trial, interrupted=False)
+
+        def requeue(self, study: optuna.Study, trial: Any, interrupted: bool) -> None:
             with probe.connect() as conn:
                 key = {"k": _lock_key(name)}
                 free = bool(conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), key).scalar())
                 if free:
                     conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), key)
             lock_free_at_queueing.append(free)
-            real(study, trial)
+            self.real.requeue(study, trial, interrupted)
 
-        return call
+    spying = Spying
 
     # The launcher's path.
     monkeypatch.setattr(launcher_mod, "retry_callback", spying)

@@ -587,3 +587,21 @@ def test_heartbeats_on_postgres_print_no_experimental_notice(pg_url: str, tmp_pa
         warnings.simplefilter("always")
         open_storage(resolve_storage(pg_url, tmp_path), heartbeat_interval=10, grace_period=15)
     assert not [w for w in seen if issubclass(w.category, optuna.exceptions.ExperimentalWarning)]
+
+
+def test_a_trial_a_launch_kills_on_a_stop_uses_no_crash_retry(tmp_path: Path) -> None:
+    """A second Ctrl-C kills the workers; their trials are failed and queued by the launcher.
+    Counted as crashes, repeated stops failed a chain for good (--max-retries 0: at once)."""
+    from hpsearch.launcher import fail_trial
+    from hpsearch.worker import ATTR_INTERRUPTED_TRIES
+
+    spec = resolve_storage(None, tmp_path)
+    study = create_or_load(load_config("tiny", overrides=["budget.n_trials=1"]), open_storage(spec))
+    for stopped in (True, True, False):
+        trial = study.ask()  # the chain's queued retry, after the first
+        frozen = study._storage.get_trial(trial._trial_id)
+        assert fail_trial(study, spec, frozen, "interrupted", 0, interrupted=stopped)
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    # Two stops re-queued; the crash, with no retries allowed, ended the chain.
+    assert states == [optuna.trial.TrialState.FAIL] * 3
+    assert study.trials[-1].system_attrs[ATTR_INTERRUPTED_TRIES] == 2
