@@ -339,8 +339,19 @@ def _on_signals(stop: Callable[[], None], what: str, die_on_second: bool = False
         first = "stopping after the current epoch (Ctrl-C again to kill)"
         click.echo(f"\n{what}: {first if count['n'] == 1 else 'killing now'}", err=True)
         if count["n"] > 1 and die_on_second:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            from hpsearch.worker import HANDBACK
+
+            signal.signal(signum, signal.SIG_DFL)  # (main thread only) a third: at once
+
+            def die_once_handed_back() -> None:
+                with HANDBACK:
+                    os.kill(os.getpid(), signum)
+
+            # Held from here on: nothing is handed back half-way after.
+            if HANDBACK.acquire(blocking=False):
+                os.kill(os.getpid(), signum)
+            else:  # a trial is being handed back (on this thread, maybe): once it is
+                threading.Thread(target=die_once_handed_back, daemon=True).start()
             return
         stop()
 

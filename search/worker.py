@@ -272,6 +272,12 @@ def retried_trials(study: optuna.Study, numbers: Sequence[int]) -> set[int]:
     return found
 
 
+# Held while a trial handed back is failed and its retry queued (two commits): a second
+# Ctrl-C, which kills a worker at once (cli._on_signals), waits for it, or the trial would
+# be left failed with no retry. One attempt at a time: not across a database outage.
+HANDBACK = threading.Lock()
+
+
 def _fail_and_requeue(
     study: optuna.Study,
     trial: optuna.Trial,
@@ -286,7 +292,7 @@ def _fail_and_requeue(
     reply was lost, run again) is not queued twice."""
 
     def locked() -> None:  # run again whole, lock and reads included, after a db error
-        with lock():
+        with HANDBACK, lock():
             try:
                 tell(study, trial, state=TrialState.FAIL)
             except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -566,3 +567,27 @@ def test_a_trials_failure_and_its_retrys_queueing_happen_under_the_study_lock(
     # The worker's ask took the first retry; that one failed stale and was queued again.
     states = [t.state for t in optuna.load_study(study_name=name, storage=beating).trials]
     assert states == [TrialState.FAIL, TrialState.FAIL, TrialState.WAITING]
+
+
+def test_a_second_ctrl_c_waits_for_a_trial_being_handed_back(tmp_path: Path) -> None:
+    """Killed between the hand-back's two commits, a worker left its trial FAIL with no
+    retry: the kill waits for the section (worker.HANDBACK), then comes at once."""
+    script = textwrap.dedent(
+        """
+        import os, signal, threading, time
+        from hpsearch.cli import _on_signals
+        from hpsearch.worker import HANDBACK
+
+        _on_signals(threading.Event().set, "worker", die_on_second=True)
+        with HANDBACK:  # a trial being handed back, on the main thread
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+            print("handed back", flush=True)
+        time.sleep(30)
+        print("not killed", flush=True)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGINT, r.stdout + r.stderr
+    assert "handed back" in r.stdout and "not killed" not in r.stdout
