@@ -185,8 +185,9 @@ def launch_outcome(supervised: str, budget_spent: bool, deadline_passed: bool) -
     """How a launch ended, from what supervising saw and the study's counts once every
     worker is gone: "budget" whenever the budget is spent (a Ctrl-C after the last trial
     was told still ends the study), else the stop asked for ("interrupted"), every worker
-    crashed ("workers_failed"), `--timeout` ("timeout"), or "stopped": the workers exited
-    with trials of the budget left (each stopped from outside, e.g. a SIGTERM)."""
+    crashed ("workers_failed"), `--timeout` ("timeout"), or "stopped": the workers ended
+    with trials of the budget left, stopped from outside (a SIGTERM of their own each time,
+    past `--max-restarts`)."""
     if budget_spent:
         return "budget"
     if supervised in ("interrupted", "workers_failed"):
@@ -806,7 +807,9 @@ class Launcher:
             self._event(f"{msg}; restarting it ({slot.restarts}/{self.opts.max_restarts})")
             self._spawn(slot, resolved, tracking_uri)
         else:
-            slot.state = "crashed"
+            # One stopped from outside each time (its trial handed back) did not crash: a
+            # launch whose workers all end so is "stopped", not "every worker crashed".
+            slot.state = "stopped" if stopped else "crashed"
             tail = self._log_tail(slot)
             why = "no restarts left" if budget_left else "no trial of the budget left to start"
             self._event(f"{msg}; not restarted ({why}). Last log line: {tail}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -243,37 +242,53 @@ def test_launch_outcome() -> None:
     assert launch_outcome("budget", False, False) == "stopped"  # workers stopped from outside
 
 
+@pytest.mark.parametrize("restarts", [3, 0])
 def test_a_worker_stopped_from_outside_is_restarted_and_its_trial_resumed(
-    tmp_path: Path, subprocess_env: dict[str, str]
+    tmp_path: Path, subprocess_env: dict[str, str], restarts: int
 ) -> None:
     """A worker stopped by a SIGTERM of its own (a user, a container runtime) hands its
     trial back and exits 143: the launch restarts it, and the trial resumes. It exited 0, and
-    the launch ended "done (budget)" with exit 0 and trials of the budget never trained."""
+    the launch ended "done (budget)" with exit 0 and trials of the budget never trained.
+    With no restarts left, the launch ends "stopped" (not "every worker crashed"), exit 1."""
     work = tmp_path / "w"
-    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1", PYTHONUNBUFFERED="1")
+    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpsearch.cli", "launch", "--study", "tiny", "--workers", "1",
          "--trials", "3", "--workdir", str(work), "--train-fn", DUMMY, "--no-tracking",
+         "--max-restarts", str(restarts),
          "--set", "budget.max_epochs=3", "--set", "pruner={name: none}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    assert proc.stdout is not None
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if re.search(r"complete [1-9]", line) and "done" not in line:  # the worker runs
-            for pid in _child_pids(proc.pid):
-                os.kill(pid, signal.SIGTERM)
-            break
-    lines += proc.stdout.readlines()
-    out = "".join(lines)
-    assert proc.wait(60) == 0 and "done (budget): complete 3" in out, out
-    assert "worker 0 was stopped (exit code 143)" in out and "restarting it (1/3)" in out, out
+    try:
+        deadline = time.monotonic() + 120
+        while not _running_with_an_epoch(work):  # mid-trial: it has a trial to hand back
+            assert time.monotonic() < deadline and proc.poll() is None, "no trial trained"
+            time.sleep(0.1)
+        for pid in _child_pids(proc.pid):
+            os.kill(pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "worker 0 was stopped (exit code 143)" in out, out
     trials = hps.load_study("tiny", workdir=work).get_trials(deepcopy=False)
     stopped = [t for t in trials if t.state == TrialState.FAIL]
     assert [t.user_attrs.get("outcome") for t in stopped] == ["interrupted"], out
     (resumed,) = [t for t in trials if t.system_attrs.get("failed_trial") == stopped[0].number]
-    assert resumed.state == TrialState.COMPLETE
+    if restarts:
+        assert proc.returncode == 0 and "done (budget): complete 3" in out, out
+        assert "restarting it (1/3)" in out and resumed.state == TrialState.COMPLETE, out
+    else:
+        assert proc.returncode == 1 and "done (stopped)" in out, out
+        assert "launch again to resume" in out and resumed.state == TrialState.WAITING, out
+
+
+def _running_with_an_epoch(work: Path) -> bool:
+    try:
+        study = hps.load_study("tiny", workdir=work)
+    except hps.HpsearchError:  # not made yet
+        return False
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    return any(t.intermediate_values for t in running)
 
 
 def _child_pids(pid: int) -> list[int]:
