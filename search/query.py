@@ -84,9 +84,12 @@ def top_trials(
     name: str, storage: str | None = None, k: int = 5, workdir: Path | None = None
 ) -> list[dict[str, Any]]:
     """`best_trials` as rows (`trial_row`), each with only its own trial's parameters."""
+    return _top_rows(load_study(name, storage, workdir), k)
+
+
+def _top_rows(study: optuna.Study, k: int) -> list[dict[str, Any]]:
     if k < 1:
         raise HpsearchError(f"k: {k}: must be at least 1")
-    study = load_study(name, storage, workdir)
     return [trial_row(t) for t in _ranked(study)[:k]]
 
 
@@ -97,10 +100,8 @@ def best_trials(
     per parameter, start and duration, and user attributes including `mlflow_run_id`. Its
     columns are there when no trial has completed yet (an empty frame). A multi-objective
     study gives its Pareto front, ordered by the first objective."""
-    if k < 1:
-        raise HpsearchError(f"k: {k}: must be at least 1")
     study = load_study(name, storage, workdir)
-    rows = [trial_row(t) for t in _ranked(study)[:k]]
+    rows = _top_rows(study, k)
     params = sorted(f"params_{p}" for p in _param_names(study))
     return pd.DataFrame(rows, columns=[*FIXED_COLUMNS[:3], *params, *FIXED_COLUMNS[3:]])
 

@@ -88,10 +88,12 @@ def _limit(labels: np.ndarray, limit: int | None) -> np.ndarray:
         return np.arange(n)
     order = np.random.default_rng(0).permutation(n)
     shuffled = labels[order]
-    rank = np.empty(n, dtype=np.int64)  # of each shuffled item within its class
-    for c in np.unique(shuffled):
-        where = np.flatnonzero(shuffled == c)
-        rank[where] = np.arange(len(where))
+    # Rank of each shuffled item within its class, in one pass: a stable sort by class keeps
+    # the shuffle's order within each class; minus the index where its class starts.
+    by_class = np.argsort(shuffled, kind="stable")
+    starts = np.searchsorted(shuffled[by_class], shuffled[by_class])
+    rank = np.empty(n, dtype=np.int64)
+    rank[by_class] = np.arange(n) - starts
     by_round = np.lexsort((np.arange(n), rank))  # round first, then the shuffle's order
     return np.sort(order[by_round[:limit]])
 
