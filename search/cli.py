@@ -196,7 +196,7 @@ def cli() -> None:
     type=click.IntRange(min=0),
     default=3,
     show_default=True,
-    help="Restarts of a worker that crashed.",
+    help="Restarts of a worker that crashed, or was stopped from outside (its trial resumes).",
 )
 @click.option(
     "--grace",
@@ -328,8 +328,9 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 def _on_signals(stop: Callable[[], None], what: str, die_on_second: bool = False) -> list[int]:
     """First Ctrl-C/SIGTERM: graceful stop; second: immediate. The launcher's `stop` kills
     its workers when called again; a worker (`die_on_second`) dies by the second signal
-    itself (its trial, left RUNNING, is failed and resumed once its heartbeat is stale).
-    Returns the signals received, as they come."""
+    itself, once a trial being handed back is (its trial, left RUNNING, is failed and
+    resumed once its heartbeat is stale); a third kills it at once. Returns the signals
+    received, as they come."""
     count = {"n": 0}
     received: list[int] = []
 
@@ -353,7 +354,9 @@ def _on_signals(stop: Callable[[], None], what: str, die_on_second: bool = False
             else:  # a trial is being handed back (on this thread, maybe): once it is
                 threading.Thread(target=die_once_handed_back, daemon=True).start()
             return
-        stop()
+        # Off the handler: it runs on the main thread between two bytecodes, maybe where
+        # that thread holds a lock `stop` takes (an Event's, the launcher's).
+        threading.Thread(target=stop, daemon=True, name="stop").start()
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

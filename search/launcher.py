@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -265,6 +265,8 @@ class _Slot:
     log: IO[bytes] | None = None
     restarts: int = 0
     state: str = "starting"
+    crashes: int = 0  # exits that were neither a stop from outside nor the launch's own kill
+    killed_on_stop: bool = False  # SIGKILLed by a second stop: its trials were interrupted
 
     @property
     def worker_id(self) -> str:
@@ -305,6 +307,38 @@ def fail_trial(
         frozen = storage.get_trial(trial._trial_id)
         retry_callback(max_retries).requeue(study, frozen, interrupted=interrupted)
     return True
+
+
+def requeue_cut_handbacks(
+    study: optuna.Study,
+    spec: StorageSpec,
+    worker_ids: Collection[str],
+    since: datetime.datetime,
+    max_retries: int,
+) -> list[int]:
+    """Queue the retries of trials these workers handed back (FAIL, outcome "interrupted",
+    ended `since` or later) that have none: a worker killed between the hand-back's two
+    commits (a second stop, or past the grace) left its trial failed, never to resume. As
+    interrupted (no crash retry), under the study lock; the trials queued."""
+    cut = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        if t.user_attrs.get(ATTR_WORKER) in worker_ids
+        and t.user_attrs.get(ATTR_OUTCOME) == "interrupted"
+        and t.datetime_complete is not None
+        and t.datetime_complete >= since
+    ]
+    if not cut:
+        return []
+    queued = []
+    with study_lock(spec, study.study_name):
+        retried = retried_trials(study, [t.number for t in cut])
+        for t in cut:
+            if t.number not in retried:
+                frozen = study._storage.get_trial(t._trial_id)
+                retry_callback(max_retries).requeue(study, frozen, interrupted=True)
+                queued.append(t.number)
+    return queued
 
 
 OWNERLESS_AFTER_S = 60.0  # a worker names itself on its trial within a second of claiming it
@@ -371,6 +405,7 @@ class Launcher:
         self._slots: list[_Slot] = []
         self._messages: list[str] = []
         self._server: Any = None
+        self._started_at = datetime.datetime.now()  # of the launch (run), local like Optuna's
         self._tracking_uri: str | None = None
         self._prepared = False  # _prepare_finish ran
         self._finalizer: threading.Thread | None = None  # study artifacts, once all finished
@@ -422,6 +457,7 @@ class Launcher:
             n = self._stop_requests
         for s in self._slots:
             if s.proc is not None and s.proc.poll() is None:
+                s.killed_on_stop = n > 1
                 with contextlib.suppress(ProcessLookupError):
                     s.proc.send_signal(signal.SIGTERM if n == 1 else signal.SIGKILL)
 
@@ -479,6 +515,7 @@ class Launcher:
         tracking_uri = self._start_tracking()
         self._tracking_uri = tracking_uri
         self._t0 = opts.started_at if opts.started_at is not None else time.monotonic()
+        self._started_at = datetime.datetime.now()
         stopped_by = "error"
         try:
             # Workers start first: their imports (torch: seconds) overlap with this
@@ -786,8 +823,12 @@ class Launcher:
             slot.state = "done"
             return
         stopped = code in STOPPED_EXIT_CODES  # by a signal from outside: it handed back
+        if not (stopped or slot.killed_on_stop):
+            slot.crashes += 1
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        failed, held = self._fail_trials_of(slot.worker_id, f"worker died ({how})")
+        failed, held = self._fail_trials_of(
+            slot.worker_id, f"worker died ({how})", slot.killed_on_stop
+        )
         msg = f"worker {slot.index} {'was stopped' if stopped else 'died'} ({how})"
         if failed:
             msg += f"; {self._requeued_text(failed)}"
@@ -809,7 +850,7 @@ class Launcher:
         else:
             # One stopped from outside each time (its trial handed back) did not crash: a
             # launch whose workers all end so is "stopped", not "every worker crashed".
-            slot.state = "stopped" if stopped else "crashed"
+            slot.state = "stopped" if stopped and not slot.crashes else "crashed"
             tail = self._log_tail(slot)
             why = "no restarts left" if budget_left else "no trial of the budget left to start"
             self._event(f"{msg}; not restarted ({why}). Last log line: {tail}")
@@ -822,7 +863,9 @@ class Launcher:
             return "(no log)"
         return lines[-1][:300] if lines else "(empty log)"
 
-    def _fail_trials_of(self, worker_id: str, reason: str) -> tuple[list[int], list[int]]:
+    def _fail_trials_of(
+        self, worker_id: str, reason: str, interrupted: bool = False
+    ) -> tuple[list[int], list[int]]:
         """Fail and re-queue the RUNNING trials of a worker that is gone: (failed, held).
         `held` died before their MLflow run was linked while the tracking set-up (the
         embedded server's start) still runs: their runs go under the study run, so they
@@ -840,7 +883,7 @@ class Launcher:
         self._held += [(t, reason) for t in mine if t._trial_id in hold]
         self._held_ids |= hold
         self._beat_held(force=bool(hold))
-        failed = self._fail([(t, reason) for t in mine if t._trial_id not in hold])
+        failed = self._fail([(t, reason) for t in mine if t._trial_id not in hold], interrupted)
         return failed, [t.number for t in mine if t._trial_id in hold]
 
     def _beat_held(self, force: bool = False) -> None:
@@ -887,7 +930,10 @@ class Launcher:
     def _tracking_setting_up(self) -> bool:
         return self._tracking_thread is not None and self._tracking_thread.is_alive()
 
-    def _fail(self, trials: list[tuple[FrozenTrial, str]]) -> list[int]:
+    def _fail(self, trials: list[tuple[FrozenTrial, str]], interrupted: bool = False) -> list[int]:
+        """Fail and re-queue trials of dead workers; `interrupted`: killed by a second stop,
+        which uses no crash retry (a kill past the grace does: a trial that hangs its
+        worker would otherwise be retried without end)."""
         from hpsearch.runs import mark_run_failed, record_dead_trial_run
 
         failed = []
@@ -908,11 +954,9 @@ class Launcher:
                             t._trial_id, ATTR_RUN_ID, r
                         )
                     )
-            # Killed by a stop asked for (a second Ctrl-C, or past the grace): no crash.
-            stopping = self._stop_requests > 0
             if with_db_retry(
-                lambda t=t, why=reason, stop=stopping: fail_trial(
-                    self.study, self.spec, t, why, self.opts.max_retries, stop
+                lambda t=t, why=reason: fail_trial(
+                    self.study, self.spec, t, why, self.opts.max_retries, interrupted
                 )
             ):
                 failed.append(t.number)
@@ -939,9 +983,18 @@ class Launcher:
                 s.log.close()
 
     def _cleanup_running(self) -> None:
-        """After all workers are gone, none of their trials may stay RUNNING."""
+        """After all workers are gone, none of their trials may stay RUNNING, and none they
+        handed back may be left without its retry."""
         for s in self._slots:
-            self._fail_trials_of(s.worker_id, "interrupted")
+            self._fail_trials_of(s.worker_id, "interrupted", s.killed_on_stop)
+        ids = [s.worker_id for s in self._slots]
+        if queued := with_db_retry(
+            lambda: requeue_cut_handbacks(
+                self.study, self.spec, ids, self._started_at, self.opts.max_retries
+            )
+        ):
+            self._event(f"trial {', '.join(map(str, queued))}: its hand-back was cut short; "
+                        "queued to resume")  # fmt: skip
         while self._tracking_thread is not None and self._tracking_thread.is_alive():
             self._tracking_thread.join(timeout=max(self.opts.heartbeat_interval_s / 2, 0.5))
             self._beat_held()

@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import importlib.util
 import os
+import re
 import threading
 import time
 import warnings
@@ -60,8 +61,10 @@ def redact(url: str) -> str:
         return url
     # SQLAlchemy's parse takes a password holding "/", "?" or "#", which urlsplit cuts at.
     # ValueError: a port that is not a number.
-    with contextlib.suppress(ArgumentError, ValueError):
+    try:
         url = make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):  # unparsable: up to the last "@" is the password's
+        url = re.sub(r"(://[^:/@\s]*):\S*@", r"\1:***@", url)
     return redact_uri(url)
 
 

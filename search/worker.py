@@ -387,7 +387,7 @@ class _StaleWatcher:
                     continue  # just back from an outage: live workers beat again first
                 # Under the study lock: a trial's failure and its retry's queueing are two
                 # commits, and an ask between them would see a free place in the budget.
-                with self._lock():
+                with HANDBACK, self._lock():  # not cut by a second Ctrl-C either
                     optuna.storages.fail_stale_trials(study)
             except (SQLAlchemyError, optuna.exceptions.StorageInternalError, StorageError) as exc:
                 self.answering_since = math.nan  # an outage: none failed until it is over

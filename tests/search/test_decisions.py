@@ -109,6 +109,7 @@ def test_storage_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "postgresql://u:s3?cret@h/db",
         "postgresql://u:s3#cret@h/db",
         "postgresql://u:s3cret@h:notaport/db",
+        "postgresql://u:s3/cret@h:notaport/db",
     ):
         assert "cret" not in redact(url), url
         if "notaport" not in url:

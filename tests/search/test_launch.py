@@ -256,7 +256,7 @@ def test_a_worker_stopped_from_outside_is_restarted_and_its_trial_resumed(
         [sys.executable, "-m", "hpsearch.cli", "launch", "--study", "tiny", "--workers", "1",
          "--trials", "3", "--workdir", str(work), "--train-fn", DUMMY, "--no-tracking",
          "--max-restarts", str(restarts),
-         "--set", "budget.max_epochs=3", "--set", "pruner={name: none}"],
+         "--set", "budget.max_epochs=6", "--set", "pruner={name: none}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

@@ -605,3 +605,28 @@ def test_a_trial_a_launch_kills_on_a_stop_uses_no_crash_retry(tmp_path: Path) ->
     # Two stops re-queued; the crash, with no retries allowed, ended the chain.
     assert states == [optuna.trial.TrialState.FAIL] * 3
     assert study.trials[-1].system_attrs[ATTR_INTERRUPTED_TRIES] == 2
+
+
+def test_a_hand_back_cut_between_its_commits_gets_its_retry(tmp_path: Path) -> None:
+    """A worker killed (a second stop, or past the grace) after its trial's FAIL and before
+    its retry's queueing left the trial to no one: the launch queues it as it ends."""
+    import datetime
+
+    from hpsearch.launcher import requeue_cut_handbacks
+    from hpsearch.worker import ATTR_OUTCOME, ATTR_WORKER
+
+    spec = resolve_storage(None, tmp_path)
+    study = create_or_load(load_config("tiny", overrides=["budget.n_trials=3"]), open_storage(spec))
+    before = datetime.datetime.now()
+    cut, other, crashed = study.ask(), study.ask(), study.ask()
+    for trial, worker, outcome in ((cut, "h:w0", "interrupted"), (other, "elsewhere:w0",
+                                   "interrupted"), (crashed, "h:w0", "failed")):  # fmt: skip
+        trial.set_user_attr(ATTR_WORKER, worker)
+        trial.set_user_attr(ATTR_OUTCOME, outcome)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)  # and then killed
+    assert requeue_cut_handbacks(study, spec, ["h:w0"], before, 0) == [cut.number]
+    assert requeue_cut_handbacks(study, spec, ["h:w0"], before, 0) == []  # queued once
+    (retry,) = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert retry.system_attrs["failed_trial"] == cut.number
+    later = datetime.datetime.now() + datetime.timedelta(seconds=1)  # an earlier launch's
+    assert requeue_cut_handbacks(study, spec, ["elsewhere:w0"], later, 0) == []
