@@ -231,16 +231,23 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _standalone_worker(
+    pg_url: str, workdir: Path, env: dict[str, str], epoch_s: float
+) -> subprocess.Popen[str]:
+    """`hpsearch worker` on the tiny study with the dummy trainer, `epoch_s` s an epoch."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", "worker", "--study", "tiny", "--storage", pg_url,
+         "--workdir", str(workdir), "--no-tracking", "--train-fn", DUMMY, "--trials", "2"],
+        env={**env, "HPSEARCH_DUMMY_EPOCH_S": str(epoch_s)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
 def test_a_second_ctrl_c_kills_a_standalone_worker_at_once(
     pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
     """It said "killing now" and trained on to the end of its epoch, then exited 0."""
-    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "60"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.cli", "worker", "--study", "tiny", "--storage", pg_url,
-         "--workdir", str(tmp_path), "--no-tracking", "--train-fn", DUMMY, "--trials", "2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = _standalone_worker(pg_url, tmp_path, subprocess_env, 60)
     try:
         wait_for(lambda: running_with_epochs(pg_url, "tiny", 0), 120, "a trial running")
         proc.send_signal(signal.SIGINT)
@@ -258,12 +265,7 @@ def test_a_worker_stopped_by_sigterm_exits_143_with_its_trial_queued(
 ) -> None:
     """Not 0: a restart policy (Docker's on-failure, a Kubernetes Job) takes 0 for done and
     starts no worker again after a node's drain or a daemon's restart."""
-    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.cli", "worker", "--study", "tiny", "--storage", pg_url,
-         "--workdir", str(tmp_path), "--no-tracking", "--train-fn", DUMMY, "--trials", "2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = _standalone_worker(pg_url, tmp_path, subprocess_env, 1)
     try:
         wait_for(lambda: running_with_epochs(pg_url, "tiny", 1), 120, "a trial 1 epoch in")
         proc.send_signal(signal.SIGTERM)
