@@ -427,7 +427,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     """
     from hpsearch.runner import ensure_workdir
     from hpsearch.storage import resolve_storage
-    from hpsearch.tracking.server import resolve_tracking_uri, running_server_url
+    from hpsearch.tracking.server import join_server, resolve_tracking_uri, store_lock
     from hpsearch.worker import WorkerOptions, run_worker
 
     ensure_workdir(workdir)
@@ -438,13 +438,19 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         from hpsearch.runner import check_dataset
 
         check_dataset(cfg)
+    uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
+    shared = None
+    if not no_tracking and uri is None:
+        # The work folder's embedded server, when a launch or `hpsearch ui` runs it: as one
+        # of its users, so that it runs until this worker is done with it too.
+        with store_lock(workdir):
+            shared = join_server(workdir)
+        uri = shared.url if shared is not None else None
     opts = WorkerOptions(
         workdir=workdir,
         worker_id=worker_id,
         device=device,
-        tracking_uri=None
-        if no_tracking
-        else (resolve_tracking_uri(tracking_uri) or running_server_url(workdir)),
+        tracking_uri=uri,
         max_trials=max_trials,
         timeout_s=timeout,
         deadline=deadline,
@@ -462,7 +468,11 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     def show(number: int, outcome: str) -> None:
         click.echo(f"trial {number}: {outcome}")
 
-    summary = run_worker(cfg, spec, opts, stop=stop, on_trial=show)
+    try:
+        summary = run_worker(cfg, spec, opts, stop=stop, on_trial=show)
+    finally:
+        if shared is not None and shared.release():
+            click.echo(f"MLflow server at {shared.url} stopped: this worker was its last user")
     click.echo(f"worker {summary.worker_id}: {len(summary.trials)} trials ({summary.stopped_by})")
     if summary.stopped_by == "errors":
         raise click.ClickException(
@@ -689,17 +699,21 @@ def ui(workdir: Path, host: str, port: int) -> None:
     Example:
       hpsearch ui --workdir .hpsearch --port 5000
     """
-    from hpsearch.tracking.server import adopt_orphaned_server, running_server_url, serve_ui
+    from hpsearch.tracking.server import (
+        LocalServer,
+        SharedServer,
+        join_server,
+        serve_ui,
+        store_lock,
+    )
 
-    running = running_server_url(workdir)
-    server: Any
-    if running is not None:
-        server = adopt_orphaned_server(workdir)  # left running by a launch that was killed
-        if server is None:
-            click.echo(f"MLflow UI: {running} (already served by a running search)")
-            return
-    else:
-        server = serve_ui(workdir, host, port)
+    server: LocalServer | SharedServer
+    with store_lock(workdir):
+        server = join_server(workdir) or serve_ui(workdir, host, port)
+    if server.shared():  # a search's: it stops the server when done
+        server.release()
+        click.echo(f"MLflow UI: {server.url} (already served by a running search)")
+        return
     click.echo(f"MLflow UI: {server.url} (Ctrl-C to stop)")
     stop = threading.Event()
     _on_signals(stop.set, "ui")
@@ -708,7 +722,8 @@ def ui(workdir: Path, host: str, port: int) -> None:
             if not server.is_running():
                 raise click.ClickException("the MLflow server exited")
     finally:
-        server.stop()
+        if not server.release():
+            click.echo(f"MLflow server at {server.url} left running: a search still uses it")
 
 
 @cli.command()

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import optuna
 from hpsearch.background import lower_priority
@@ -70,6 +70,9 @@ from hpsearch.worker import (
 )
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
+
+if TYPE_CHECKING:
+    from hpsearch.tracking.server import StoreLock
 
 AWAIT_STUDY_RUN_S = 240.0  # s: the embedded server's start-up limit (180 s) plus margin
 
@@ -550,8 +553,8 @@ class Launcher:
                 and self._study is not None
             ):
                 self._finish_tracking(tracking_uri, stopped_by)
-            if self._server is not None:
-                self._server.stop()
+            if self._server is not None and not self._server.release():
+                self._event("MLflow server left running: another search or `hpsearch ui` uses it")
         counts = with_db_retry(lambda: budget_counts(self.study.get_trials(deepcopy=False)))
         best_value, best_trial = with_db_retry(lambda: _best(self.study))
         return LaunchSummary(
@@ -606,14 +609,14 @@ class Launcher:
         if not self.opts.tracking:
             return None
         from hpsearch.tracking.server import (
-            adopt_orphaned_server,
             free_port,
             health_ok,
+            join_server,
             redact_uri,
-            running_server_url,
+            store_lock,
         )
 
-        port = None
+        port, starting = None, None
         if self.opts.tracking_uri:
             uri = self.opts.tracking_uri
             remote = uri.startswith(("http://", "https://"))
@@ -621,27 +624,43 @@ class Launcher:
                 # Before any worker starts: their first trials train before the study run
                 # exists (worker._LateRun), and a launch that cannot log would stop them.
                 raise TrackingError(f"MLflow: no server answers at {redact_uri(uri)}")
-        elif (serving := running_server_url(self.opts.workdir)) is not None:
-            uri = serving  # one writer per SQLite store: `hpsearch ui` already serves it
-            # Or a launch killed with SIGKILL left it running: this one stops it at the end.
-            self._server = adopt_orphaned_server(self.opts.workdir)
         else:
-            port = free_port()
-            uri = f"http://127.0.0.1:{port}"
+            # One writer per SQLite store: the store's server when one runs (another
+            # launch's, `hpsearch ui`'s, or one a killed launch left), else one started here.
+            # The lock is held until it is up, so a launch starting meanwhile joins it; the
+            # last of its users to leave stops it.
+            starting = store_lock(self.opts.workdir).acquire()
+            try:
+                self._server = join_server(self.opts.workdir)
+            except BaseException:
+                starting.release()
+                raise
+            if self._server is not None:
+                starting.release()
+                starting, uri = None, self._server.url
+            else:
+                port = free_port()
+                uri = f"http://127.0.0.1:{port}"
         self._tracking_thread = threading.Thread(
-            target=self._prepare_tracking, args=(uri, port), daemon=True, name="tracking-setup"
+            target=self._prepare_tracking,
+            args=(uri, port, starting),
+            daemon=True,
+            name="tracking-setup",
         )
         self._tracking_thread.start()
         return uri
 
-    def _prepare_tracking(self, uri: str, port: int | None) -> None:
+    def _prepare_tracking(self, uri: str, port: int | None, starting: StoreLock | None) -> None:
         from hpsearch.runs import open_study_run
         from hpsearch.tracking.server import redact_uri, start_local_server
 
         try:
-            if port is not None:  # only the server started here is stopped at the end
-                self._server = start_local_server(self.opts.workdir, port=port)
-            if port is not None or not self.opts.tracking_uri:
+            if starting is not None:  # under the store's lock, taken by _start_tracking
+                try:
+                    self._server = start_local_server(self.opts.workdir, port=port)
+                finally:
+                    starting.release()
+            if not self.opts.tracking_uri:
                 self._event(f"MLflow UI: {uri}")
             # After the server's start (it would inherit it; users browse it). Not idle:
             # workers wait for the study run, with a time limit, while they train.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
 
 from hpsearch.errors import TrackingError
@@ -365,6 +366,21 @@ class LocalServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=1.0)
 
+    def release(self, timeout_s: float = 10.0) -> bool:
+        """Leave the server as one of its users (see :func:`join_server`): it stops only
+        when no other live process uses it; else it runs on, and the last to leave stops
+        it. True when it stopped."""
+        _LIVE.discard(self)  # exiting must not stop a server that others still use
+        stopped = leave_server(self.workdir, self.pid, self.pgid, timeout_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if stopped or not self.group_alive():
+                self.proc.wait(timeout=1.0)
+        return stopped
+
+    def shared(self) -> bool:
+        """Whether another live process uses the server too."""
+        return _shared(self.workdir)
+
     def write_state(self) -> None:
         _write_state(self.workdir, {"url": self.url, "pid": self.pid, "pgid": self.pgid})
 
@@ -412,16 +428,23 @@ def _stop_group(pgid: int, timeout_s: float, reap: Callable[[], object] = lambda
 
 
 def _write_state(workdir: Path, state: dict[str, Any]) -> None:
-    """``server.json``, naming this process the server's owner: the one that stops it. A
-    launch killed with SIGKILL leaves its server running; the next one takes it over
-    (:func:`adopt_orphaned_server`)."""
+    """``server.json`` of a server this process started: it is the server's first user."""
+    _save_state(workdir, {**state, "users": [_me()]})
+
+
+def _me() -> list[int | None]:
     from hpsearch.packing import process_start
 
-    owner = os.getpid()
+    return [os.getpid(), process_start(os.getpid())]
+
+
+def _save_state(workdir: Path, state: dict[str, Any]) -> None:
+    """Write ``server.json`` whole (rename into place: a reader never sees half of it)."""
+    path = state_path(workdir)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with contextlib.suppress(OSError):
-        state_path(workdir).write_text(
-            json.dumps({**state, "owner": owner, "owner_start": process_start(owner)})
-        )
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
 
 
 def _remove_state(workdir: Path, pid: int) -> None:
@@ -431,10 +454,101 @@ def _remove_state(workdir: Path, pid: int) -> None:
             path.unlink()
 
 
+def _live_users(state: Mapping[str, Any]) -> list[list[int | None]]:
+    """The processes that use a server (launches, ``hpsearch ui``, standalone workers) and
+    still run. A file of the version before names only the process that started it."""
+    from hpsearch.packing import holder_alive
+
+    users = state.get("users")
+    if users is None and "owner" in state:
+        users = [[state["owner"], state.get("owner_start")]]
+    live = []
+    for user in users if isinstance(users, list) else []:
+        with contextlib.suppress(ValueError, TypeError, IndexError):
+            pid, start = int(user[0]), user[1]
+            if holder_alive(pid, start if isinstance(start, int) else None):
+                live.append([pid, start if isinstance(start, int) else None])
+    return live
+
+
+class StoreLock:
+    """``<workdir>/mlflow/server.lock``, held while a process starts, joins or leaves the
+    store's server: two launches starting at once would otherwise start two writers of one
+    SQLite file, and two leaving at once could each think the other still uses it. A
+    context manager; ``acquire`` and ``release`` let another thread release it."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.path = state_path(workdir).with_suffix(".lock")
+        self._fh: IO[str] | None = None
+
+    def acquire(self) -> StoreLock:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(self.path, "a")  # noqa: SIM115 - closed by release()
+        except OSError as exc:
+            raise TrackingError(
+                f"cannot create the MLflow store under {self.path.parent}: {exc}"
+            ) from exc
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # blocks while another start runs
+        except BaseException:
+            fh.close()
+            raise
+        self._fh = fh
+        return self
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()  # closing drops the flock
+            self._fh = None
+
+    def __enter__(self) -> StoreLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def store_lock(workdir: Path) -> StoreLock:
+    """The store's :class:`StoreLock` (not yet taken)."""
+    return StoreLock(workdir)
+
+
+def leave_server(workdir: Path, pid: int, pgid: int, timeout_s: float = 10.0) -> bool:
+    """This process stops using the store's server (``pid``, process group ``pgid``); the
+    last of its users to leave stops it. True when this call stopped it. Users that are gone
+    (killed with SIGKILL) do not count, so a server they left running stops with the next
+    one to use it."""
+    with store_lock(workdir):
+        try:
+            state = json.loads(state_path(workdir).read_text())
+            current = int(state["pid"]) == pid
+        except (OSError, ValueError, KeyError, TypeError):
+            state, current = {}, False
+        if current:
+            users = _live_users(state)
+            mine = next((u for u in users if u[0] == os.getpid()), None)
+            if mine is not None:
+                users.remove(mine)  # one entry: a process that joined twice leaves twice
+            if users:
+                _save_state(workdir, {**state, "users": users})
+                return False
+            _remove_state(workdir, pid)
+        if not _group_alive(pgid):
+            return False
+        # Only while server.json still names it, or names none (a server it no longer names
+        # was replaced by another one, whose users this process does not know).
+        if not current and state:
+            return False
+        _stop_group(pgid, timeout_s)
+        return True
+
+
 @dataclass
-class AdoptedServer:
-    """A server of the work folder's store that a killed process left running, now this
-    process's to stop (see :func:`adopt_orphaned_server`)."""
+class SharedServer:
+    """The running server of the work folder's store that this process joined (see
+    :func:`join_server`): another launch's, ``hpsearch ui``'s, or one a killed launch left
+    running. :meth:`release` leaves it; the last user to leave stops it."""
 
     url: str
     pid: int
@@ -444,31 +558,40 @@ class AdoptedServer:
     def is_running(self) -> bool:
         return _group_alive(self.pgid)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        _remove_state(self.workdir, self.pid)
-        _stop_group(self.pgid, timeout_s)
+    def release(self, timeout_s: float = 10.0) -> bool:
+        """Leave the server; True when this was its last user and it stopped."""
+        return leave_server(self.workdir, self.pid, self.pgid, timeout_s)
+
+    def shared(self) -> bool:
+        """Whether another live process uses the server too."""
+        return _shared(self.workdir)
 
 
-def adopt_orphaned_server(workdir: Path) -> AdoptedServer | None:
-    """The live server of ``workdir``'s store when the process that started it, and would
-    have stopped it, is gone: a launch killed with SIGKILL left it running, and the next
-    launch used it and left it running too. It is the caller's now (``server.json`` names
-    the caller its owner), to stop when done. None while its owner runs, and for a state
-    file of an older version, which names no owner."""
-    from hpsearch.packing import holder_alive
+def _shared(workdir: Path) -> bool:
+    try:
+        state = json.loads(state_path(workdir).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and any(u[0] != os.getpid() for u in _live_users(state))
 
+
+def join_server(workdir: Path) -> SharedServer | None:
+    """Join the live, healthy server of ``workdir``'s store as one of its users (recorded
+    in ``server.json``, so that whichever user leaves last stops it), or None when there is
+    none. Call it under :func:`store_lock`, which :func:`start_local_server` needs too, so
+    that a server starting meanwhile is joined rather than started twice."""
     try:
         state = json.loads(state_path(workdir).read_text())
         url, pid, pgid = str(state["url"]), int(state["pid"]), int(state["pgid"])
-        owner, owner_start = int(state["owner"]), state.get("owner_start")
     except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if holder_alive(owner, owner_start if isinstance(owner_start, int) else None):
         return None
     if not _group_alive(pgid) or not health_ok(url):
         return None
-    _write_state(workdir, {"url": url, "pid": pid, "pgid": pgid})
-    return AdoptedServer(url, pid, pgid, Path(workdir))
+    users = [*_live_users(state), _me()]
+    state.pop("owner", None)  # the version before named only the process that started it
+    state.pop("owner_start", None)
+    _save_state(workdir, {**state, "users": users})
+    return SharedServer(url, pid, pgid, Path(workdir))
 
 
 def start_local_server(
@@ -602,14 +725,12 @@ def _spawn_and_wait(
 
 def attach_or_start(
     workdir: Path, host: str = "127.0.0.1", port: int | None = None
-) -> tuple[str, LocalServer | None]:
-    """(url, server): the URL of the server already serving ``workdir``'s store (server None:
-    someone else owns it, do not stop it), else a newly started one (stop it when done)."""
-    url = running_server_url(workdir)
-    if url is not None:
-        return url, None
-    server = start_local_server(workdir, host=host, port=port)
-    return server.url, server
+) -> LocalServer | SharedServer:
+    """The server of ``workdir``'s store: the running one, joined, else one started here.
+    Either way this process is one of its users: ``release()`` it when done, and the last
+    user to leave stops it."""
+    with store_lock(workdir):
+        return join_server(workdir) or start_local_server(workdir, host=host, port=port)
 
 
 def serve_ui(
@@ -625,13 +746,14 @@ def serve_ui(
 __all__ = [
     "DEFAULT_UI_PORT",
     "SERVER_ENV",
-    "AdoptedServer",
     "LocalServer",
-    "adopt_orphaned_server",
+    "SharedServer",
     "allowed_hosts_for",
     "attach_or_start",
     "free_port",
     "health_ok",
+    "join_server",
+    "leave_server",
     "one_line",
     "redact_uri",
     "resolve_tracking_uri",
@@ -641,6 +763,7 @@ __all__ = [
     "server_command",
     "start_local_server",
     "state_path",
+    "store_lock",
     "store_paths",
     "ui_command",
 ]

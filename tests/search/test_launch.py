@@ -772,3 +772,60 @@ def test_a_work_folder_whose_logs_is_a_file_is_one_line(
     assert r.stderr.strip().splitlines() == [
         f"Error: --workdir: {work}: cannot write {work / 'logs'}: File exists"
     ], r.stderr
+
+
+def test_two_studies_of_one_work_folder_share_its_server_until_the_last_ends(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Two launches (two studies) in one work folder log to its one embedded server. The
+    one that started it stopped it when it ended, and the other's later epochs and runs were
+    lost. Now the server runs until its last user ends, and that one stops it."""
+    from hpsearch.tracking.server import running_server_url, state_path
+    from mlflow import MlflowClient
+
+    def group_alive(pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    work = tmp_path / "w"
+    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1")
+    common = ["--workers", "1", "--workdir", str(work), "--train-fn", DUMMY,
+              "--set", "pruner={name: none}"]  # fmt: skip
+    first = popen(["launch", "--study", "tiny", "--trials", "50", *common,
+                   "--set", "budget.max_epochs=3"], env, tmp_path / "first.log")  # fmt: skip
+    second = None
+    try:
+        deadline = time.monotonic() + 120
+        while running_server_url(work) is None:  # the first launch's server is up
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.2)
+        pgid = json.loads(state_path(work).read_text())["pgid"]
+        second = popen(["launch", "--study", "tiny", "--set", "name=tiny_b", "--trials", "2",
+                        *common, "--set", "budget.max_epochs=4"], env, tmp_path / "second.log")  # fmt: skip
+        while "MLflow UI: " not in (tmp_path / "second.log").read_text():  # it joined
+            assert time.monotonic() < deadline and second.poll() is None
+            time.sleep(0.2)
+        first.send_signal(signal.SIGINT)  # the first ends while the second trains
+        assert first.wait(60) == 130  # 128 + SIGINT
+        log = (tmp_path / "first.log").read_text()
+        assert "MLflow server left running: another search" in log, log
+        assert group_alive(pgid) and second.poll() is None
+        assert second.wait(180) == 0, (tmp_path / "second.log").read_text()
+        assert not group_alive(pgid) and not state_path(work).exists()  # the last one stopped it
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+    trials = hps.load_study("tiny_b", workdir=work).get_trials(deepcopy=False)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    from hpsearch.tracking.server import start_local_server
+
+    with start_local_server(work) as server:
+        client = MlflowClient(server.url)
+        for trial in trials:
+            run = client.get_run(trial.user_attrs["mlflow_run_id"])
+            assert run.info.status == "FINISHED"
+            assert len(client.get_metric_history(run.info.run_id, "val_acc")) == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import socket
 import subprocess
 import sys
@@ -309,7 +310,10 @@ def test_start_health_stop_restart_keeps_runs(tmp_path: Path) -> None:
         assert running_server_url(workdir) == server.url
         with pytest.raises(TrackingError, match=r"already running at http://127\.0\.0\.1"):
             start_local_server(workdir)
-        assert attach_or_start(workdir) == (server.url, None)
+        joined = attach_or_start(workdir)  # the running one, joined as a second user
+        assert joined.url == server.url
+        assert len(json.loads(state_path(workdir).read_text())["users"]) == 2
+        assert joined.release() is False  # its first user (here, this process too) stays
         assert server.is_running()
         children = group_members(pgid)
         assert len(children) >= 2 and server.pid in children  # mlflow CLI + uvicorn (at least)
@@ -341,39 +345,73 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+_USER = (
+    "import sys, time; from pathlib import Path; "
+    "from hpsearch.tracking.server import attach_or_start; "
+    "s = attach_or_start(Path(sys.argv[1])); print(s.url, flush=True); "
+    "sys.stdin.readline(); print(s.release(), flush=True); time.sleep(600)"
+)
+
+
 @pytest.mark.slow
-def test_a_server_left_by_a_killed_owner_is_adopted_and_stopped(tmp_path: Path) -> None:
-    """A launch killed with SIGKILL left its server running, and the next launch used it and
-    left it running too. While its owner runs, nobody else may stop it."""
+def test_the_stores_server_is_shared_and_the_last_user_to_leave_stops_it(tmp_path: Path) -> None:
+    """Two launches (say, two studies) of one work folder: they start at once and get one
+    server (one writer of the SQLite file); the first to end leaves it running for the
+    other; one killed with SIGKILL does not count; the last user left stops it."""
     import json
     import os
     import signal
 
-    from hpsearch.tracking.server import adopt_orphaned_server
+    from hpsearch.tracking.server import join_server, store_lock
 
-    owner = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from hpsearch.tracking.server import start_local_server; "
-         "s = start_local_server(Path(sys.argv[1])); print(s.url, flush=True); time.sleep(600)",
-         str(tmp_path)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    users = [
+        subprocess.Popen(
+            [sys.executable, "-c", _USER, str(tmp_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     try:
-        assert owner.stdout is not None
-        url = owner.stdout.readline().strip()
-        assert url.startswith("http://") and running_server_url(tmp_path) == url
-        assert adopt_orphaned_server(tmp_path) is None  # its owner runs
+        urls = [u.stdout.readline().strip() for u in users if u.stdout is not None]
+        assert urls[0].startswith("http://") and urls[0] == urls[1]
         pgid = json.loads(state_path(tmp_path).read_text())["pgid"]
-        os.kill(owner.pid, signal.SIGKILL)
-        owner.wait(10)
-        assert group_alive(pgid)  # left running
-        adopted = adopt_orphaned_server(tmp_path)
-        assert adopted is not None and adopted.url == url and adopted.is_running()
-        assert json.loads(state_path(tmp_path).read_text())["owner"] == os.getpid()
-        assert adopt_orphaned_server(tmp_path) is None  # it has an owner again: this test
-        adopted.stop()
+        assert len(json.loads(state_path(tmp_path).read_text())["users"]) == 2
+        with store_lock(tmp_path):
+            here = join_server(tmp_path)
+        assert here is not None and here.url == urls[0] and here.shared()
+        first, second = users
+        assert first.stdin is not None and first.stdout is not None
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert first.stdout.readline().strip() == "False"  # the others still use it
+        assert group_alive(pgid) and running_server_url(tmp_path) == urls[0]
+        os.kill(second.pid, signal.SIGKILL)  # a launch killed mid-study
+        second.wait(10)
+        first.kill()
+        first.wait(10)
+        assert group_alive(pgid) and not here.shared()
+        assert here.release() is True  # the last live user
         assert not group_alive(pgid) and not state_path(tmp_path).exists()
     finally:
-        owner.kill()
+        for user in users:
+            user.kill()
         with contextlib.suppress(Exception):
             os.killpg(json.loads(state_path(tmp_path).read_text())["pgid"], signal.SIGKILL)
+
+
+def test_users_are_live_processes_and_a_file_of_the_version_before_names_its_owner() -> None:
+    import os
+
+    from hpsearch.packing import process_start
+
+    me = [os.getpid(), process_start(os.getpid())]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    reused = [os.getpid(), (me[1] or 0) + 1]  # this PID, a process started at another time
+    state = {"users": [me, [dead.pid, None], reused, ["x", None], "junk"]}
+    assert srv._live_users(state) == [me]
+    assert srv._live_users({"owner": me[0], "owner_start": me[1]}) == [me]
+    assert srv._live_users({"owner": dead.pid}) == []
+    assert srv._live_users({}) == []
