@@ -19,7 +19,15 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from hpsearch.errors import ConfigError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ARCHS = (
     "resnet18",
@@ -42,7 +50,23 @@ METRICS = ("val_acc", "val_loss", "train_seconds")
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No .inf or .nan: a float field given one trains into a NaN later, far from the file.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+def _number(value: Any) -> Any:
+    """A number field refuses true/false (`max_epochs: yes`, read as 1) and strings
+    (`"30"`), which pydantic's lax mode would turn into numbers; a whole float (`1e3`,
+    YAML 1.2's way to write a large number) still fits an int field."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true/false")
+    if isinstance(value, str):
+        raise ValueError("must be a number, not a string")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_number)]
+Float = Annotated[float, BeforeValidator(_number)]
 
 
 class Hyperparams(_Frozen):
@@ -50,22 +74,22 @@ class Hyperparams(_Frozen):
     from `trainer.defaults`."""
 
     arch: Literal[ARCHS] = "resnet18"  # type: ignore[valid-type]
-    image_size: int | None = Field(default=None, ge=8, le=1024)  # px; None = dataset.image_size
+    image_size: Int | None = Field(default=None, ge=8, le=1024)  # px; None = dataset.image_size
     optimizer: Literal[OPTIMIZERS] = "sgd"  # type: ignore[valid-type]
-    lr: float = Field(default=0.1, gt=0)  # at base_batch_size, before lr_scaling
-    momentum: float = Field(default=0.9, ge=0, lt=1)
-    weight_decay: float = Field(default=5e-4, ge=0)
-    batch_size: int = Field(default=128, ge=1)
+    lr: Float = Field(default=0.1, gt=0)  # at base_batch_size, before lr_scaling
+    momentum: Float = Field(default=0.9, ge=0, lt=1)
+    weight_decay: Float = Field(default=5e-4, ge=0)
+    batch_size: Int = Field(default=128, ge=1)
     lr_scaling: Literal[LR_SCALINGS] = "none"  # type: ignore[valid-type]
     loss: Literal[LOSSES] = "ce"  # type: ignore[valid-type]
-    label_smoothing: float = Field(default=0.1, ge=0, lt=1)
-    focal_gamma: float = Field(default=2.0, ge=0)
+    label_smoothing: Float = Field(default=0.1, ge=0, lt=1)
+    focal_gamma: Float = Field(default=2.0, ge=0)
     augment: Literal[AUGMENTS] = "crop_flip"  # type: ignore[valid-type]
-    augment_strength: float = Field(default=0.5, ge=0, le=1)  # 0..1 of each op's max magnitude
-    mixup_alpha: float = Field(default=0.0, ge=0)
-    cutmix_alpha: float = Field(default=0.0, ge=0)
+    augment_strength: Float = Field(default=0.5, ge=0, le=1)  # 0..1 of each op's max magnitude
+    mixup_alpha: Float = Field(default=0.0, ge=0)
+    cutmix_alpha: Float = Field(default=0.0, ge=0)
     schedule: Literal[SCHEDULES] = "cosine"  # type: ignore[valid-type]
-    warmup_epochs: float = Field(default=1.0, ge=0)
+    warmup_epochs: Float = Field(default=1.0, ge=0)
 
 
 HPARAM_NAMES = tuple(Hyperparams.model_fields)
@@ -74,18 +98,18 @@ HPARAM_NAMES = tuple(Hyperparams.model_fields)
 class DatasetConfig(_Frozen):
     name: Literal[DATASETS]  # type: ignore[valid-type]
     root: str | None = None  # data directory; --data-dir / HPSEARCH_DATA_DIR win
-    image_size: int = Field(default=64, ge=8, le=1024)  # px, train and eval resolution
+    image_size: Int = Field(default=64, ge=8, le=1024)  # px, train and eval resolution
     # px stored; None = 8/7 x the trial's image size (one cache per size when it is searched)
-    cache_size: int | None = Field(default=None, ge=8, le=2048)
+    cache_size: Int | None = Field(default=None, ge=8, le=2048)
     download: bool = False
     fast_path: Literal["auto", "on", "off"] = "auto"  # on-device cache vs DataLoader
-    max_cache_mb: int = Field(default=8192, ge=1)  # auto picks the fast path under this
+    max_cache_mb: Int = Field(default=8192, ge=1)  # auto picks the fast path under this
     # Quick checks: a fixed (seed 0) random subset of N images per split, file order kept;
     # the official Flowers-102 splits are sorted by class, so "the first N" would drop classes.
-    train_limit: int | None = Field(default=None, ge=1)
-    eval_limit: int | None = Field(default=None, ge=1)
+    train_limit: Int | None = Field(default=None, ge=1)
+    eval_limit: Int | None = Field(default=None, ge=1)
     on_corrupt: Literal["skip", "fail"] = "skip"
-    num_classes: int | None = Field(default=None, ge=2)  # synthetic only (imagefolder: folders)
+    num_classes: Int | None = Field(default=None, ge=2)  # synthetic only (imagefolder: folders)
 
     @property
     def effective_cache_size(self) -> int:
@@ -97,9 +121,14 @@ class ModelConfig(_Frozen):
     weights: str | None = None  # explicit weights file; else torchvision's cache (TORCH_HOME)
 
 
+# A metric's direction when the study file gives none: accuracy up, loss and time down.
+DEFAULT_DIRECTIONS = {"val_acc": "maximize", "val_loss": "minimize", "train_seconds": "minimize"}
+
+
 class ObjectiveConfig(_Frozen):
     metric: Literal[METRICS] | list[Literal[METRICS]] = "val_acc"  # type: ignore[valid-type]
-    direction: Literal["maximize", "minimize"] | list[Literal["maximize", "minimize"]] = "maximize"
+    # None: each metric's DEFAULT_DIRECTIONS (a val_loss study maximized its loss before).
+    direction: Literal["maximize", "minimize"] | list[Literal["maximize", "minimize"]] | None = None
 
     @property
     def metrics(self) -> tuple[str, ...]:
@@ -107,6 +136,8 @@ class ObjectiveConfig(_Frozen):
 
     @property
     def directions(self) -> tuple[str, ...]:
+        if self.direction is None:
+            return tuple(DEFAULT_DIRECTIONS[m] for m in self.metrics)
         if isinstance(self.direction, str):
             return (self.direction,) * len(self.metrics)
         return tuple(self.direction)
@@ -115,25 +146,34 @@ class ObjectiveConfig(_Frozen):
     def multi(self) -> bool:
         return len(self.metrics) > 1
 
+    @field_validator("metric")
+    @classmethod
+    def _some_metrics_once_each(cls, metric: str | list[str]) -> str | list[str]:
+        if isinstance(metric, list) and not metric:
+            raise ValueError("needs at least one metric")
+        if isinstance(metric, list) and len(set(metric)) != len(metric):
+            raise ValueError("a metric given twice")
+        return metric
+
     @model_validator(mode="after")
     def _same_length(self) -> ObjectiveConfig:
-        if not isinstance(self.direction, str) and len(self.direction) != len(self.metrics):
+        if isinstance(self.direction, list) and len(self.direction) != len(self.metrics):
             raise ValueError("needs one direction per metric")
         return self
 
 
 class BudgetConfig(_Frozen):
-    n_trials: int = Field(default=20, ge=1)  # counts all trials of the study, across relaunches
-    timeout_s: float | None = Field(default=None, gt=0)  # per launch, seconds
-    max_epochs: int = Field(default=10, ge=1)
+    n_trials: Int = Field(default=20, ge=1)  # counts all trials of the study, across relaunches
+    timeout_s: Float | None = Field(default=None, gt=0)  # per launch, seconds
+    max_epochs: Int = Field(default=10, ge=1)
     # Wall-clock s per trial, set-up and training, a resumed trial's earlier tries included;
     # the best weights' test pass comes after.
-    trial_timeout_s: float | None = Field(default=None, gt=0)
+    trial_timeout_s: Float | None = Field(default=None, gt=0)
 
 
 class SamplerConfig(_Frozen):
     name: Literal[SAMPLERS] = "tpe"  # type: ignore[valid-type]
-    seed: int | None = None
+    seed: Int | None = None
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -143,28 +183,28 @@ class PrunerConfig(_Frozen):
 
 
 class TrainerConfig(_Frozen):
-    eval_every: int = Field(default=1, ge=1)  # epochs between validations (and reports)
-    patience: int | None = Field(default=None, ge=1)  # evals without improvement
+    eval_every: Int = Field(default=1, ge=1)  # epochs between validations (and reports)
+    patience: Int | None = Field(default=None, ge=1)  # evals without improvement
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     channels_last: bool = True
     compile: bool = False
     cudnn_benchmark: bool = True
-    max_micro_batch: int | None = Field(default=None, ge=1)  # larger batches accumulate
-    base_batch_size: int = Field(default=256, ge=1)  # reference batch for lr_scaling
-    seed: int = 0  # per-trial seed = seed + trial number
+    max_micro_batch: Int | None = Field(default=None, ge=1)  # larger batches accumulate
+    base_batch_size: Int = Field(default=256, ge=1)  # reference batch for lr_scaling
+    seed: Int = 0  # per-trial seed = seed + trial number
     evaluate_test: bool = True  # test accuracy of each finished trial
-    num_workers: int = Field(default=4, ge=0)  # DataLoader workers of the streaming path
+    num_workers: Int = Field(default=4, ge=0)  # DataLoader workers of the streaming path
     checkpoint: bool = True
     # seconds between resume checkpoints; 0 = every epoch. A crash redoes at most this much.
-    checkpoint_every_s: float = Field(default=0.0, ge=0)
+    checkpoint_every_s: Float = Field(default=0.0, ge=0)
     defaults: Hyperparams = Field(default_factory=Hyperparams)
 
 
 class TrackingConfig(_Frozen):
-    keep_top_k: int = Field(default=3, ge=0)  # best-model checkpoints kept (disk and MLflow)
-    gpu_interval_s: float = Field(default=5.0, gt=0)  # NVML sampling period, seconds
-    input_bound_threshold: float = Field(default=50.0, ge=0, le=100)  # % GPU utilization
-    input_bound_window_s: float = Field(default=60.0, gt=0)  # seconds averaged
+    keep_top_k: Int = Field(default=3, ge=0)  # best-model checkpoints kept (disk and MLflow)
+    gpu_interval_s: Float = Field(default=5.0, gt=0)  # NVML sampling period, seconds
+    input_bound_threshold: Float = Field(default=50.0, ge=0, le=100)  # % GPU utilization
+    input_bound_window_s: Float = Field(default=60.0, gt=0)  # seconds averaged
     stop_input_bound: bool = False  # stop (prune) trials that stay input-bound
     upload_checkpoints: bool = False  # resume checkpoints to MLflow each epoch (multi-host)
     onnx: bool = True  # ONNX export of the best model at the end of a launch
@@ -176,18 +216,18 @@ class _Param(_Frozen):
 
 class FloatParam(_Param):
     type: Literal["float"]
-    low: float
-    high: float
+    low: Float
+    high: Float
     log: bool = False
-    step: float | None = Field(default=None, gt=0)
+    step: Float | None = Field(default=None, gt=0)
 
 
 class IntParam(_Param):
     type: Literal["int"]
-    low: int
-    high: int
+    low: Int
+    high: Int
     log: bool = False
-    step: int = Field(default=1, ge=1)
+    step: Int = Field(default=1, ge=1)
 
 
 class CategoricalParam(_Param):
@@ -250,11 +290,15 @@ class StudyConfig(_Frozen):
             raise ConfigError(_format_validation(self.source or self.name, exc, "params")) from exc
 
 
+_UNION_MEMBER = re.compile(r"^(function-\w+|tagged-union|literal|list|dict|nullable)\[")
+
+
 def _format_validation(source: str, exc: ValidationError, prefix: str = "") -> str:
     err = exc.errors()[0]
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union["))]
-    # Pydantic inserts the union member name ("float", "int", ...) into the path; drop it.
-    field = ".".join(p for p in loc if p not in ("float", "int", "categorical"))
+    # Pydantic inserts the union member tried ("float", "literal['a','b']", "list[...]",
+    # "function-before[...]") into the path; drop those, keep field names and list indexes.
+    loc = [str(p) for p in err["loc"] if not _UNION_MEMBER.match(str(p))]
+    field = ".".join(p for p in loc if p not in ("float", "int", "str", "bool", "categorical"))
     if prefix:
         field = f"{prefix}.{field}" if field else prefix
     value = err.get("input")
@@ -294,17 +338,20 @@ def grid_space(cfg: StudyConfig) -> dict[str, list[Any]]:
         elif isinstance(spec, IntParam):
             space[name] = list(range(spec.low, spec.high + 1, spec.step))
         elif spec.step is not None:
-            n = round((spec.high - spec.low) / spec.step)
+            # Whole steps from low, as Optuna shrinks a stepped range to its last step below
+            # high (1e-9: a division such as 0.3 / 0.1 lands just below 3).
+            n = math.floor((spec.high - spec.low) / spec.step + 1e-9)
             values = (float(f"{spec.low + i * spec.step:.12g}") for i in range(n + 1))
             space[name] = [min(v, spec.high) for v in values]
     return space
 
 
-def _check_space(cfg: StudyConfig) -> None:
-    src = cfg.source or cfg.name
+def _check_space(cfg: StudyConfig, src: str) -> None:
     seen: dict[str, Any] = {}
     numeric = {n for n, f in Hyperparams.model_fields.items() if f.annotation in (int, float)}
+    integers = {n for n, f in Hyperparams.model_fields.items() if f.annotation is int}
     numeric |= {"image_size"}
+    integers |= {"image_size"}
     for name, spec in cfg.search_space.items():
         field = f"search_space.{name}"
         if name not in HPARAM_NAMES:
@@ -320,7 +367,7 @@ def _check_space(cfg: StudyConfig) -> None:
                         f"{src}: {field}.choices: {choice!r}: unknown {name}; "
                         f"must be one of {', '.join(allowed)}"
                     )
-                if allowed is None and name in numeric and not isinstance(choice, int | float):
+                if allowed is None and name in numeric and not _is_number(choice):
                     raise ConfigError(
                         f"{src}: {field}.choices: {choice!r}: {name} must be a number"
                     )
@@ -328,6 +375,11 @@ def _check_space(cfg: StudyConfig) -> None:
                     _check_value(src, f"{field}.choices", name, choice)
         elif name in _CHOICE_SETS:
             raise ConfigError(f"{src}: {field}.type: {spec.type!r}: {name} must be categorical")
+        elif isinstance(spec, FloatParam) and name in integers:
+            # Optuna would draw 37.4, and every trial would fail on it, one by one.
+            raise ConfigError(
+                f"{src}: {field}.type: 'float': {name} is a whole number; use int or categorical"
+            )
         else:
             _check_range(src, field, spec)
             _check_value(src, f"{field}.low", name, spec.low)
@@ -378,6 +430,10 @@ def _check_space(cfg: StudyConfig) -> None:
         )
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _check_value(src: str, field: str, name: str, value: Any) -> None:
     try:
         Hyperparams(**{name: value})
@@ -386,11 +442,10 @@ def _check_value(src: str, field: str, name: str, value: Any) -> None:
         raise ConfigError(f"{src}: {field}: {value!r}: {name}: {msg}") from exc
 
 
-def _check_components(cfg: StudyConfig) -> None:
+def _check_components(cfg: StudyConfig, src: str) -> None:
     """Build sampler and pruner once so that bad options fail at load time."""
     from hpsearch.study import make_pruner, make_sampler
 
-    src = cfg.source or cfg.name
     for section, make in (("sampler", make_sampler), ("pruner", make_pruner)):
         try:
             make(cfg)
@@ -471,6 +526,19 @@ class StudyDumper(yaml.SafeDumper):
 _EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
 for _cls in (StudyLoader, StudyDumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT, list("-+.0123456789"))
+
+
+# YAML 1.2's booleans only: YAML 1.1 (PyYAML's default) also reads yes/no/on/off as true and
+# false, so `fast_path: off` was False, and a choice `no` became a boolean.
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+for _cls in (StudyLoader, StudyDumper):
+    _cls.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+        for first, resolvers in _cls.yaml_implicit_resolvers.items()
+    }
+    _cls.add_implicit_resolver(
+        _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+    )
 
 
 def load_yaml(text: str) -> Any:
@@ -601,8 +669,8 @@ def validate_config(raw: dict[str, Any], src: str = "<config>") -> StudyConfig:
         cfg = StudyConfig(**raw)
     except ValidationError as exc:
         raise ConfigError(_format_validation(src, exc)) from exc
-    _check_space(cfg)
-    _check_components(cfg)
+    _check_space(cfg, src)
+    _check_components(cfg, src)
     return cfg
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from hpsearch.config import (
+    StudyDumper,
     available_studies,
     config_to_yaml,
     load_config,
@@ -78,7 +79,7 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     [
         (["budget.bogus=1"], "budget.bogus: 1: unknown key"),
         (["colour=red"], "colour: 'red': unknown key"),
-        (["budget.max_epochs=abc"], "budget.max_epochs: 'abc': Input should be a valid integer"),
+        (["budget.max_epochs=abc"], "budget.max_epochs: 'abc': must be a number, not a string"),
         (["budget.n_trials=0"], "budget.n_trials: 0: Input should be greater than or equal to 1"),
         (["search_space.lr.low=1"], "search_space.lr.low: 1.0: must be <= high (0.5)"),
         (["search_space.lr.low=-1"], "search_space.lr.low: -1.0: log=True needs low > 0"),
@@ -201,6 +202,66 @@ def test_yaml_reads_plain_exponents_as_floats_keeps_quoted_strings_and_refuses_d
     # An int option written as a whole float is that int.
     cfg = load_config(write(tmp_path, GOOD), ["sampler.options={n_startup_trials: 1e1}"])
     assert make_sampler(cfg)._n_startup_trials == 10  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        # YAML 1.1's `yes` was read as true, and pydantic made it 1.
+        (["budget.max_epochs=yes"], "budget.max_epochs: 'yes': must be a number, not a string"),
+        (["budget.max_epochs=true"], "budget.max_epochs: True: must be a number, not true/false"),
+        (['budget.n_trials="30"'], "budget.n_trials: '30': must be a number, not a string"),
+        (["trainer.defaults.batch_size=true"], "batch_size: True: must be a number"),
+        (["trainer.defaults.weight_decay=.inf"], "weight_decay: inf: Input should be a finite"),
+        (["search_space.lr.high=.nan"], "search_space.lr.high: nan: Input should be a finite"),
+        (  # Optuna would draw 37.4, and every trial would fail on it
+            ["search_space.batch_size={type: float, low: 16, high: 64}"],
+            "search_space.batch_size.type: 'float': batch_size is a whole number",
+        ),
+        (
+            ["search_space.batch_size={type: categorical, choices: [true, 64]}"],
+            "search_space.batch_size.choices: True: batch_size must be a number",
+        ),
+        (["objective.metric=[]"], "objective.metric: []: needs at least one metric"),
+        (["objective.metric=[val_acc, val_acc]"], "objective.metric: ['val_acc', 'val_acc']: a"),
+        (  # pydantic's union member ("literal['val_acc',...]") is not part of the field
+            ["objective.metric=accuracy"],
+            "objective.metric: 'accuracy': must be one of 'val_acc', 'val_loss'",
+        ),
+    ],
+)
+def test_numbers_metrics_and_integer_ranges_are_checked_at_load(
+    tmp_path: Path, sets: list[str], expected: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_with(tmp_path, *sets)
+    assert expected in str(info.value), info.value
+
+
+def test_a_metric_without_a_direction_goes_its_own_way_and_only_true_false_are_booleans(
+    tmp_path: Path,
+) -> None:
+    """A val_loss study with no direction maximized its loss: Optuna kept the worst trials
+    and the pruner stopped the best. YAML 1.1 read `off` as false, which fast_path refused."""
+    assert load_config(write(tmp_path, GOOD)).objective.directions == ("maximize",)
+    loss = load_config(write(tmp_path, GOOD), ["objective={metric: val_loss}"])
+    assert loss.objective.directions == ("minimize",)
+    both = load_config(
+        write(tmp_path, GOOD),
+        ["objective={metric: [val_acc, train_seconds]}", "sampler.name=nsga2", "pruner.name=none"],
+    )
+    assert both.objective.directions == ("maximize", "minimize")
+    given = load_config(
+        write(tmp_path, GOOD), ["objective={metric: val_loss, direction: maximize}"]
+    )
+    assert given.objective.directions == ("maximize",)  # as written
+    assert load_config(write(tmp_path, GOOD), ["budget.n_trials=1e2"]).budget.n_trials == 100
+    assert load_config(write(tmp_path, GOOD), ["dataset.fast_path=off"]).dataset.fast_path == "off"
+    assert load_yaml("a: [yes, no, on, off, true, False, TRUE]") == {
+        "a": ["yes", "no", "on", "off", True, False, True]
+    }
+    assert load_yaml(config_to_yaml(loss))["objective"]["direction"] is None  # reads back
+    assert load_yaml(yaml.dump({"x": "off"}, Dumper=StudyDumper)) == {"x": "off"}
 
 
 def test_option_types_leave_richer_annotations_and_fitting_values_alone() -> None:

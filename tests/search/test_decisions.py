@@ -157,6 +157,13 @@ def test_grid_space() -> None:
     space = grid_space(cfg)
     assert space["lr"] == [0.1, 0.2, 0.3]  # not 0.30000000000000004, past `high`
     assert space["batch_size"] == [32, 64]
+    # A step that does not divide the range: whole steps from low, as Optuna draws them
+    # (it shrinks the range to 0.06); not 0.1, which is off the step.
+    uneven = load_config("tiny", [
+        "sampler.name=grid", "sampler.options={}", "budget.n_trials=2",
+        "search_space={lr: {type: float, low: 0.01, high: 0.1, step: 0.05}}",
+    ])  # fmt: skip
+    assert grid_space(uneven)["lr"] == [0.01, 0.06]
     with pytest.raises(ConfigError, match=r"budget.n_trials: 7: .*grid has 6 points"):
         load_config("tiny", [
             "sampler.name=grid", "sampler.options={}", "budget.n_trials=7",
