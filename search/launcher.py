@@ -152,7 +152,7 @@ def auto_workers(
     except subprocess.TimeoutExpired as exc:
         raise DeviceError(f"--workers auto: the GPU probe took over {timeout_s:.0f} s") from exc
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        last = (proc.stderr.strip().splitlines() or [f"no output (exit code {proc.returncode})"])[-1]
         raise DeviceError(f"--workers auto: the GPU probe failed: {last}")
     raw = json.loads(out.read_text())
     models = [MemoryModel(**m) for m in raw["models"]]

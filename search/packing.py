@@ -149,6 +149,20 @@ def admit(
     return need_bytes + sum(reserved.values()) <= headroom * total_bytes
 
 
+def mask_entries(mask: str) -> list[str]:
+    """The GPUs a CUDA_VISIBLE_DEVICES value shows, read as CUDA reads it: up to the first
+    entry that is not an index, a GPU-/MIG- UUID (prefix) or is repeated ("-1" hides every
+    GPU; "0,-1,1" shows GPU 0 only)."""
+    out: list[str] = []
+    for raw in mask.split(","):
+        entry = raw.strip()
+        valid = entry.isdigit() or (entry.upper().startswith(("GPU-", "MIG-")) and len(entry) > 4)
+        if not valid or entry in out:
+            break
+        out.append(entry)
+    return out
+
+
 def visible_gpus(
     env: Mapping[str, str] | None = None, count: Callable[[], int] | None = None
 ) -> list[str]:
@@ -156,7 +170,7 @@ def visible_gpus(
     every GPU NVML sees, else none. Workers read them in the order `gpu_env` gives them."""
     env = os.environ if env is None else env
     if "CUDA_VISIBLE_DEVICES" in env:
-        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+        return mask_entries(env["CUDA_VISIBLE_DEVICES"])
     try:
         n = count() if count is not None else _nvml_count()
     except Exception:  # no driver, no NVML: no GPUs
@@ -173,7 +187,7 @@ def gpus_through_mask(requested: Sequence[str], env: Mapping[str, str] | None = 
     if "CUDA_VISIBLE_DEVICES" not in env:
         return list(requested)
     mask = env["CUDA_VISIBLE_DEVICES"]
-    visible = [g.strip() for g in mask.split(",") if g.strip()]
+    visible = mask_entries(mask)
     out = []
     for gpu in requested:
         if gpu.isdigit():
@@ -408,7 +422,17 @@ def plan_from_probe(
     counts = {
         g: workers_per_gpu(free[g], worst_trial_bytes, context, busy, max_per_gpu) for g in gpus
     }
-    first = gpus[0] if gpus else ""
+    # A GPU whose free memory cannot hold the largest trial gets no worker: alone on it, that
+    # trial would be admitted and run out of memory, and the sampler would learn that those
+    # values fail. Unless no GPU can hold it: then each gets one, and such trials fail.
+    measured_gpus = [
+        g for i, g in enumerate(gpus) if i < len(free_bytes) and free_bytes[i] is not None
+    ]
+    short = [g for g in measured_gpus if HEADROOM * free[g] < per_worker]
+    if short and len(short) < len(gpus):
+        for g in short:
+            counts[g] = 0
+    first = next((g for g in gpus if counts[g] > 0), gpus[0] if gpus else "")
     k = counts.get(first, workers_per_gpu(total_bytes, worst_trial_bytes, context, busy,
                                           max_per_gpu))  # fmt: skip
     by_memory = int(HEADROOM * free.get(first, total_bytes) // per_worker)
@@ -425,6 +449,10 @@ def plan_from_probe(
             + f": one worker keeps a GPU {busy:.0%} busy; the largest trial needs "
             f"{per_worker // MiB} MiB"
         )
+    if short and len(short) < len(gpus):
+        reason += "; no worker on " + ", ".join(f"{g} ({free[g] // MiB} MiB free)" for g in short)
+    elif short:
+        reason += "; no GPU has room for the largest trial: such trials run out of memory"
     measured = any(f is not None for f in free_bytes)
     return PackingPlan(
         list(gpus), k, total_bytes, worst_trial_bytes, busy, list(models), reason, data_bytes,

@@ -280,9 +280,17 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
     models: list[MemoryModel] = []
     step_s: dict[int, float] = {}  # batch -> median step seconds, the first arch's
     for i, arch in enumerate(archs):
-        peak_small, t_small = train_steps(cfg, arch, small, size, steps)
-        peak_large, t_large = train_steps(cfg, arch, large, size, steps) if large > small else (
-            peak_small, t_small)  # fmt: skip
+        try:
+            peak_small, t_small = train_steps(cfg, arch, small, size, steps)
+            peak_large, t_large = train_steps(cfg, arch, large, size, steps) if large > small else (
+                peak_small, t_small)  # fmt: skip
+        except torch.OutOfMemoryError as exc:
+            # Packing needs the largest trial's memory; with none left to pack into, a fixed
+            # --workers N still runs, and records such trials as out of memory.
+            raise DeviceError(
+                f"--workers auto: {arch} at batch {large}, {size} px, ran out of GPU memory "
+                "alone in the probe (is another job using the GPU?); give --workers N"
+            ) from exc
         context = _context_bytes()
         if large > small:
             model = fit_memory(arch, size, (small, peak_small), (large, peak_large), context)

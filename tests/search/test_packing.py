@@ -125,6 +125,14 @@ def test_admit() -> None:
 def test_visible_gpus() -> None:
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    # As CUDA reads a mask: up to the first invalid or repeated entry ("-1" hides them all;
+    # it was taken for a GPU named "-1", and --workers N put CPU workers on it).
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,-1,1"}) == ["0"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,1,2"}) == ["1"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-8f2c,MIG-ab12, 3"}) == [
+        "GPU-8f2c", "MIG-ab12", "3",
+    ]  # fmt: skip
     assert visible_gpus({}, count=lambda: 2) == ["0", "1"]
 
     def no_driver() -> int:
@@ -362,6 +370,22 @@ def test_unlike_or_busy_gpus_get_workers_and_reservations_by_their_free_memory(
     raw = json.loads(old.to_json())
     del raw["gpu_bytes"], raw["gpu_workers"]
     assert PackingPlan.from_json(json.dumps(raw)).workers_on("1") == 4
+    # Another job holds most of GPU 1: 4 GiB free cannot hold the 17.5 GiB trial. A worker
+    # there, alone, was admitted every trial and ran the large ones out of memory.
+    full = plan_from_probe(
+        ["0", "1"], 80 * GiB, models, 16 * GiB, busy=0.1, max_per_gpu=8,
+        free_bytes=[80 * GiB, 4 * GiB],
+    )  # fmt: skip
+    assert full.workers_on("0") == 4 and full.workers_on("1") == 0
+    assert place_workers({g: full.workers_on(g) for g in full.gpus}) == ["0"] * 4
+    assert "no worker on 1 (4096 MiB free)" in full.reason, full.reason
+    # When no GPU can hold it, each still gets one worker (smaller trials fit), and says so.
+    none = plan_from_probe(
+        ["0", "1"], 80 * GiB, models, 16 * GiB, busy=0.1, max_per_gpu=8,
+        free_bytes=[8 * GiB, 4 * GiB],
+    )  # fmt: skip
+    assert none.workers_on("0") == 1 and none.workers_on("1") == 1
+    assert "no GPU has room for the largest trial" in none.reason
 
 
 def test_probe_shapes_of_the_headline_study() -> None:
