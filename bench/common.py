@@ -232,7 +232,7 @@ def run_launch(
     t0 = time.monotonic()
     stops: list[str] = []
     interrupted = False
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     try:
         with open(log, "wb") as out:
             proc = subprocess.Popen(
@@ -260,6 +260,22 @@ def run_launch(
     return LaunchRun(proc.returncode, time.monotonic() - t0, started, stops, log, interrupted)
 
 
+def load_launched_study(name: str, workdir: Path, run: LaunchRun) -> Any:
+    """The study a launch made. A launch that failed before it made one (a bad option, the
+    GPU probe, no data) is a BenchError with its exit code and the last lines of its log,
+    which goes with the bench's folder otherwise."""
+    from hpsearch.errors import HpsearchError
+    from hpsearch.query import load_study
+
+    try:
+        return load_study(name, storage=str(journal_path(workdir)))
+    except HpsearchError as exc:
+        tail = run.tail(8).replace("\n", " | ")
+        raise BenchError(
+            f"the launch made no study (exit code {run.returncode}): {tail or exc}"
+        ) from exc
+
+
 def launched_workers(run: LaunchRun) -> tuple[int | None, str]:
     """How many workers the launch ran (its "study S: T trials, W workers" line) and, with
     --workers auto, the reason it gave."""
@@ -279,7 +295,7 @@ def worker_deaths(run: LaunchRun) -> list[str]:
     return [m.group(0).strip() for m in WORKER_DIED.finditer(log)]
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 

@@ -53,9 +53,9 @@ from common import (
     default_data_dir,
     environment,
     fmt,
-    journal_path,
     launch_args,
     launched_workers,
+    load_launched_study,
     load_study_config,
     parse_workers,
     resolve_device,
@@ -185,7 +185,6 @@ def measure(
     device: str,
     per_epoch: int,
 ) -> dict[str, Any]:
-    from hpsearch.query import load_study
     from optuna.trial import TrialState
 
     workdir = root / f"w{label}"
@@ -204,7 +203,11 @@ def measure(
         run = run_launch(cli, workdir / "launch.log", args.launch_timeout, echo=args.verbose)
     ran, reason = launched_workers(run)
     workers = ran or (1 if label == "auto" else int(label))
-    study = load_study(cfg.name, storage=str(journal_path(workdir)))
+    try:
+        study = load_launched_study(cfg.name, workdir, run)
+    except BenchError as exc:  # this count's row says why; the others' rows stand
+        return {"workers_arg": label, "workers": workers, "launch_returncode": run.returncode,
+                "trials_per_hour": 0.0, "error": str(exc)}  # fmt: skip
     trials = study.get_trials(deepcopy=False)
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     epochs = sum(len(t.user_attrs.get("history", [])) for t in trials)
@@ -306,8 +309,11 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
     print(head)
     print("-" * len(head))
     for r in results:
-        mem = r["gpu"].get("system/gpu_memory_peak_mib")
         label = r["workers_arg"] if r["workers_arg"] != "auto" else f"auto:{r['workers']}"
+        if "complete" not in r:  # its launch made no study
+            print(f"{label:>7} {r['error']}")
+            continue
+        mem = r["gpu"].get("system/gpu_memory_peak_mib")
         print(
             f"{label:>7} {r['complete']:>6} {r['wall_s']:>7.1f} "
             f"{r['trials_per_hour']:>9.1f} {fmt(r['speedup'], '.2f'):>7} "
@@ -328,6 +334,8 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
     print("\n" + head)
     print("-" * len(head))
     for r in results:
+        if "complete" not in r:
+            continue
         t = r["timings"]
         label = r["workers_arg"] if r["workers_arg"] != "auto" else f"auto:{r['workers']}"
         train, epochs = r.get("train_seconds_mean"), t.get("epochs_s_mean")
@@ -345,7 +353,7 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
             f"{fmt(other, '.2f'):>6}"
         )
     for r in results:
-        if r["auto_reason"]:
+        if r.get("auto_reason"):
             print(f"W=auto: {r['auto_reason']}")
         if "error" in r:
             print(f"W={r['workers_arg']}: {r['error']}", file=sys.stderr)

@@ -40,6 +40,7 @@ import argparse
 import datetime as dt
 import json
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -55,8 +56,10 @@ from common import (
     journal_path,
     launch_args,
     launched_workers,
+    load_launched_study,
     load_study_config,
     parse_workers,
+    raise_keyboard_interrupt,
     resolve_device,
     run_launch,
     seconds_since,
@@ -229,9 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     parent.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix=f"study-{time.strftime('%Y%m%d-%H%M%S')}-", dir=parent))
     workdir = root / "run"
+    # SIGTERM (a time limit's `timeout`) raises KeyboardInterrupt until the end, reading the
+    # study and its test pass included: run_launch's own handler ends with the launch.
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     try:
         return run(args, cfg, env, device, workdir)
-    except HpsearchError as exc:
+    except (BenchError, HpsearchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`timeout`): the launch is already stopped
@@ -245,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
 def run(
     args: argparse.Namespace, cfg: StudyConfig, env: dict[str, Any], device: str, workdir: Path
 ) -> int:
-    from hpsearch.query import load_study
     from hpsearch.trainer import data
     from optuna.trial import TrialState
 
@@ -273,7 +278,7 @@ def run(
             cli, workdir / "launch.log", hard_stop, echo=args.verbose, keep_on_interrupt=True
         )
     ran, reason = launched_workers(launch)
-    study = load_study(cfg.name, storage=str(journal_path(workdir)))
+    study = load_launched_study(cfg.name, workdir, launch)
     trials = study.get_trials(deepcopy=False)
     maximize = study.direction.name == "MAXIMIZE"
     states = {s.name.lower(): 0 for s in TrialState}
@@ -304,7 +309,7 @@ def run(
     if best is not None and launch.interrupted:  # before the time limit's SIGKILL
         test_from = "not evaluated: the bench was interrupted"
     elif best is not None:
-        test_acc, test_from = test_accuracy(cfg, workdir, best, device)
+        test_from = "not evaluated: the bench was stopped before its test pass"
     result: dict[str, Any] = {
         "workers": ran,
         "auto_reason": reason or None,
@@ -356,18 +361,26 @@ def run(
         result["error"] = "interrupted (Ctrl-C or the bench's time limit): the launch was stopped"
     elif launch.returncode not in (0, 130):
         result["error"] = f"launch exit code {launch.returncode}; last lines:\n{launch.tail()}"
+
+    def write() -> None:
+        if args.json_path:
+            out = {
+                "bench": "study",
+                "environment": env,
+                "args": vars(args),
+                "study": cfg.name,
+                "cache_warm_s": warm_s,
+                "workdir": str(workdir) if args.keep else None,
+                "result": result,
+            }
+            Path(args.json_path).write_text(json.dumps(out, indent=2, default=str))
+
+    write()  # the study's figures, before the test pass (minutes on a CPU): a stop keeps them
+    if best is not None and not launch.interrupted:
+        result["test_acc"], result["test_acc_from"] = test_accuracy(cfg, workdir, best, device)
+        write()
     print_table(cfg, args, env, result)
     if args.json_path:
-        out = {
-            "bench": "study",
-            "environment": env,
-            "args": vars(args),
-            "study": cfg.name,
-            "cache_warm_s": warm_s,
-            "workdir": str(workdir) if args.keep else None,
-            "result": result,
-        }
-        Path(args.json_path).write_text(json.dumps(out, indent=2, default=str))
         print(f"JSON: {args.json_path}")
     if "error" in result:
         print(result["error"], file=sys.stderr)

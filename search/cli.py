@@ -471,7 +471,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     try:
         summary = run_worker(cfg, spec, opts, stop=stop, on_trial=show)
     finally:
-        if shared is not None and shared.release():
+        if shared is not None and shared.release() == "stopped":
             click.echo(f"MLflow server at {shared.url} stopped: this worker was its last user")
     click.echo(f"worker {summary.worker_id}: {len(summary.trials)} trials ({summary.stopped_by})")
     if summary.stopped_by == "errors":
@@ -710,9 +710,9 @@ def ui(workdir: Path, host: str, port: int) -> None:
     server: LocalServer | SharedServer
     with store_lock(workdir):
         server = join_server(workdir) or serve_ui(workdir, host, port)
-    if server.shared():  # a search's: it stops the server when done
+    if server.shared():  # a search's: the last of its users stops it
         server.release()
-        click.echo(f"MLflow UI: {server.url} (already served by a running search)")
+        click.echo(f"MLflow UI: {server.url} (already served for a running search or worker)")
         return
     click.echo(f"MLflow UI: {server.url} (Ctrl-C to stop)")
     stop = threading.Event()
@@ -722,7 +722,7 @@ def ui(workdir: Path, host: str, port: int) -> None:
             if not server.is_running():
                 raise click.ClickException("the MLflow server exited")
     finally:
-        if not server.release():
+        if server.release() == "in use":
             click.echo(f"MLflow server at {server.url} left running: a search still uses it")
 
 

@@ -152,7 +152,9 @@ def auto_workers(
     except subprocess.TimeoutExpired as exc:
         raise DeviceError(f"--workers auto: the GPU probe took over {timeout_s:.0f} s") from exc
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"no output (exit code {proc.returncode})"])[-1]
+        last = (proc.stderr.strip().splitlines() or [f"no output (exit code {proc.returncode})"])[
+            -1
+        ]
         raise DeviceError(f"--workers auto: the GPU probe failed: {last}")
     raw = json.loads(out.read_text())
     models = [MemoryModel(**m) for m in raw["models"]]
@@ -541,20 +543,25 @@ class Launcher:
                 self._event(f"its worker was gone: {self._requeued_text(orphans)}")
             stopped_by = self._outcome(self._supervise(resolved, tracking_uri))
         finally:
-            self._study_settled.set()
-            self._kill_all()
-            if self._study is not None:
-                self._cleanup_running()
-            if self._tracking_thread is not None:
-                self._tracking_thread.join()
-            if (  # a refused launch (the study never opened) leaves MLflow as it was
-                tracking_uri is not None
-                and self._tracking_error is None
-                and self._study is not None
-            ):
-                self._finish_tracking(tracking_uri, stopped_by)
-            if self._server is not None and not self._server.release():
-                self._event("MLflow server left running: another search or `hpsearch ui` uses it")
+            try:
+                self._study_settled.set()
+                self._kill_all()
+                if self._study is not None:
+                    self._cleanup_running()
+                if self._tracking_thread is not None:
+                    self._tracking_thread.join()
+                if (  # a refused launch (the study never opened) leaves MLflow as it was
+                    tracking_uri is not None
+                    and self._tracking_error is None
+                    and self._study is not None
+                ):
+                    self._finish_tracking(tracking_uri, stopped_by)
+            finally:  # whatever failed above: the other users of the server keep it
+                if self._server is not None and self._server.release() == "in use":
+                    self._event(
+                        "MLflow server left running: another search, `hpsearch ui` or "
+                        "worker of this work folder uses it"
+                    )
         counts = with_db_retry(lambda: budget_counts(self.study.get_trials(deepcopy=False)))
         best_value, best_trial = with_db_retry(lambda: _best(self.study))
         return LaunchSummary(
@@ -630,24 +637,26 @@ class Launcher:
             # The lock is held until it is up, so a launch starting meanwhile joins it; the
             # last of its users to leave stops it.
             starting = store_lock(self.opts.workdir).acquire()
-            try:
+        try:
+            if starting is not None:
                 self._server = join_server(self.opts.workdir)
-            except BaseException:
+                if self._server is not None:
+                    starting.release()
+                    starting, uri = None, self._server.url
+                else:
+                    port = free_port()
+                    uri = f"http://127.0.0.1:{port}"
+            self._tracking_thread = threading.Thread(
+                target=self._prepare_tracking,
+                args=(uri, port, starting),
+                daemon=True,
+                name="tracking-setup",
+            )
+            self._tracking_thread.start()  # from here on, the thread releases the lock
+        except BaseException:
+            if starting is not None:
                 starting.release()
-                raise
-            if self._server is not None:
-                starting.release()
-                starting, uri = None, self._server.url
-            else:
-                port = free_port()
-                uri = f"http://127.0.0.1:{port}"
-        self._tracking_thread = threading.Thread(
-            target=self._prepare_tracking,
-            args=(uri, port, starting),
-            daemon=True,
-            name="tracking-setup",
-        )
-        self._tracking_thread.start()
+            raise
         return uri
 
     def _prepare_tracking(self, uri: str, port: int | None, starting: StoreLock | None) -> None:

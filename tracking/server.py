@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Literal
 from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
 
 from hpsearch.errors import TrackingError
@@ -312,9 +312,11 @@ _LIVE: weakref.WeakSet[LocalServer] = weakref.WeakSet()
 
 @atexit.register
 def _stop_all() -> None:  # pragma: no cover - interpreter shutdown
+    # Leave, not stop: a process that exits without releasing its server (an error on the
+    # way out) must not stop it under the other processes that use it.
     for server in list(_LIVE):
         with contextlib.suppress(Exception):
-            server.stop()
+            server.release()
 
 
 class LocalServer:
@@ -366,16 +368,17 @@ class LocalServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=1.0)
 
-    def release(self, timeout_s: float = 10.0) -> bool:
+    def release(self, timeout_s: float = 10.0) -> Leave:
         """Leave the server as one of its users (see :func:`join_server`): it stops only
         when no other live process uses it; else it runs on, and the last to leave stops
-        it. True when it stopped."""
+        it."""
         _LIVE.discard(self)  # exiting must not stop a server that others still use
-        stopped = leave_server(self.workdir, self.pid, self.pgid, timeout_s)
+        # poll: reap our own child, else its zombie keeps the group "alive" until SIGKILL
+        left = leave_server(self.workdir, self.pid, self.pgid, timeout_s, self.proc.poll)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            if stopped or not self.group_alive():
+            if left != "in use":
                 self.proc.wait(timeout=1.0)
-        return stopped
+        return left
 
     def shared(self) -> bool:
         """Whether another live process uses the server too."""
@@ -429,7 +432,15 @@ def _stop_group(pgid: int, timeout_s: float, reap: Callable[[], object] = lambda
 
 def _write_state(workdir: Path, state: dict[str, Any]) -> None:
     """``server.json`` of a server this process started: it is the server's first user."""
-    _save_state(workdir, {**state, "users": [_me()]})
+    from hpsearch.packing import process_start
+
+    start = process_start(int(state["pid"]))  # with the pid, names the server's process
+    _save_state(workdir, {**state, "start": start, "users": [_me()]})
+
+
+# What leaving a server did: stopped it (the last user), left it to other users, or found
+# it gone already (or replaced by another server, whose users this process does not know).
+Leave = Literal["stopped", "in use", "gone"]
 
 
 def _me() -> list[int | None]:
@@ -456,15 +467,21 @@ def _remove_state(workdir: Path, pid: int) -> None:
 
 def _live_users(state: Mapping[str, Any]) -> list[list[int | None]]:
     """The processes that use a server (launches, ``hpsearch ui``, standalone workers) and
-    still run. A file of the version before names only the process that started it."""
+    still run. A file of the version before names only the process that started it; one of
+    the version before that names none: its user is unknown ([None, None]), never gone, so
+    that the server is not stopped under it."""
     from hpsearch.packing import holder_alive
 
     users = state.get("users")
-    if users is None and "owner" in state:
-        users = [[state["owner"], state.get("owner_start")]]
-    live = []
+    if users is None:
+        owner = state.get("owner")
+        users = [[owner, state.get("owner_start")]] if owner is not None else [[None, None]]
+    live: list[list[int | None]] = []
     for user in users if isinstance(users, list) else []:
         with contextlib.suppress(ValueError, TypeError, IndexError):
+            if user[0] is None:
+                live.append([None, None])
+                continue
             pid, start = int(user[0]), user[1]
             if holder_alive(pid, start if isinstance(start, int) else None):
                 live.append([pid, start if isinstance(start, int) else None])
@@ -514,11 +531,17 @@ def store_lock(workdir: Path) -> StoreLock:
     return StoreLock(workdir)
 
 
-def leave_server(workdir: Path, pid: int, pgid: int, timeout_s: float = 10.0) -> bool:
+def leave_server(
+    workdir: Path,
+    pid: int,
+    pgid: int,
+    timeout_s: float = 10.0,
+    reap: Callable[[], object] = lambda: None,
+) -> Leave:
     """This process stops using the store's server (``pid``, process group ``pgid``); the
-    last of its users to leave stops it. True when this call stopped it. Users that are gone
-    (killed with SIGKILL) do not count, so a server they left running stops with the next
-    one to use it."""
+    last of its users to leave stops it. Users that are gone (killed with SIGKILL) do not
+    count, so a server they left running stops with the next one to use it. ``reap``: the
+    starter's ``Popen.poll``, which reaps the server's leader as it exits."""
     with store_lock(workdir):
         try:
             state = json.loads(state_path(workdir).read_text())
@@ -532,16 +555,14 @@ def leave_server(workdir: Path, pid: int, pgid: int, timeout_s: float = 10.0) ->
                 users.remove(mine)  # one entry: a process that joined twice leaves twice
             if users:
                 _save_state(workdir, {**state, "users": users})
-                return False
+                return "in use"
             _remove_state(workdir, pid)
-        if not _group_alive(pgid):
-            return False
         # Only while server.json still names it, or names none (a server it no longer names
         # was replaced by another one, whose users this process does not know).
-        if not current and state:
-            return False
-        _stop_group(pgid, timeout_s)
-        return True
+        if not _group_alive(pgid) or (not current and state):
+            return "gone"
+        _stop_group(pgid, timeout_s, reap)
+        return "stopped"
 
 
 @dataclass
@@ -558,8 +579,8 @@ class SharedServer:
     def is_running(self) -> bool:
         return _group_alive(self.pgid)
 
-    def release(self, timeout_s: float = 10.0) -> bool:
-        """Leave the server; True when this was its last user and it stopped."""
+    def release(self, timeout_s: float = 10.0) -> Leave:
+        """Leave the server; the last user to leave stops it."""
         return leave_server(self.workdir, self.pid, self.pgid, timeout_s)
 
     def shared(self) -> bool:
@@ -575,6 +596,20 @@ def _shared(workdir: Path) -> bool:
     return isinstance(state, dict) and any(u[0] != os.getpid() for u in _live_users(state))
 
 
+JOIN_HEALTH_S = 30.0  # s a live server that does not answer /health is waited for
+
+
+def _server_alive(state: Mapping[str, Any], pgid: int) -> bool:
+    """Whether the server ``server.json`` names still runs: its process group, and its
+    leader the same process (a file of the version before has no start time)."""
+    from hpsearch.packing import holder_alive
+
+    start = state.get("start")
+    if not _group_alive(pgid):
+        return False
+    return holder_alive(int(state["pid"]), start if isinstance(start, int) else None)
+
+
 def join_server(workdir: Path) -> SharedServer | None:
     """Join the live, healthy server of ``workdir``'s store as one of its users (recorded
     in ``server.json``, so that whichever user leaves last stops it), or None when there is
@@ -585,8 +620,21 @@ def join_server(workdir: Path) -> SharedServer | None:
         url, pid, pgid = str(state["url"]), int(state["pid"]), int(state["pgid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not _group_alive(pgid) or not health_ok(url):
+    if not _server_alive(state, pgid):
         return None
+    deadline = time.monotonic() + JOIN_HEALTH_S
+    while not health_ok(url):
+        # Alive but not answering (busy, or still starting): a second server would be a
+        # second writer of the same SQLite file, and would leave this one running for good.
+        if time.monotonic() >= deadline or not _server_alive(state, pgid):
+            if not _server_alive(state, pgid):
+                return None
+            raise TrackingError(
+                f"the MLflow server of {Path(workdir).resolve()} (pid {pid}) runs but does "
+                f"not answer at {url} after {JOIN_HEALTH_S:.0f} s; stop it "
+                f"(kill -- -{pgid}) or try again"
+            )
+        time.sleep(1.0)
     users = [*_live_users(state), _me()]
     state.pop("owner", None)  # the version before named only the process that started it
     state.pop("owner_start", None)
@@ -746,6 +794,7 @@ def serve_ui(
 __all__ = [
     "DEFAULT_UI_PORT",
     "SERVER_ENV",
+    "Leave",
     "LocalServer",
     "SharedServer",
     "allowed_hosts_for",

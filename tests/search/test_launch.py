@@ -803,13 +803,14 @@ def test_two_studies_of_one_work_folder_share_its_server_until_the_last_ends(
             assert time.monotonic() < deadline and first.poll() is None
             time.sleep(0.2)
         pgid = json.loads(state_path(work).read_text())["pgid"]
-        second = popen(["launch", "--study", "tiny", "--set", "name=tiny_b", "--trials", "2",
-                        *common, "--set", "budget.max_epochs=4"], env, tmp_path / "second.log")  # fmt: skip
+        second = popen(["launch", "--study", "tiny", "--set", "name=tiny_b", "--trials", "4",
+                        *common, "--set", "budget.max_epochs=5"], env, tmp_path / "second.log")  # fmt: skip
         while "MLflow UI: " not in (tmp_path / "second.log").read_text():  # it joined
             assert time.monotonic() < deadline and second.poll() is None
             time.sleep(0.2)
         first.send_signal(signal.SIGINT)  # the first ends while the second trains
         assert first.wait(60) == 130  # 128 + SIGINT
+        first_ended_ms = time.time() * 1000
         log = (tmp_path / "first.log").read_text()
         assert "MLflow server left running: another search" in log, log
         assert group_alive(pgid) and second.poll() is None
@@ -820,12 +821,16 @@ def test_two_studies_of_one_work_folder_share_its_server_until_the_last_ends(
         if second is not None:
             second.kill()
     trials = hps.load_study("tiny_b", workdir=work).get_trials(deepcopy=False)
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
     from hpsearch.tracking.server import start_local_server
 
     with start_local_server(work) as server:
         client = MlflowClient(server.url)
+        stamps = []
         for trial in trials:
             run = client.get_run(trial.user_attrs["mlflow_run_id"])
             assert run.info.status == "FINISHED"
-            assert len(client.get_metric_history(run.info.run_id, "val_acc")) == 4
+            history = client.get_metric_history(run.info.run_id, "val_acc")
+            assert len(history) == 5
+            stamps += [m.timestamp for m in history]
+        assert max(stamps) > first_ended_ms  # logged after the first launch had ended

@@ -313,7 +313,7 @@ def test_start_health_stop_restart_keeps_runs(tmp_path: Path) -> None:
         joined = attach_or_start(workdir)  # the running one, joined as a second user
         assert joined.url == server.url
         assert len(json.loads(state_path(workdir).read_text())["users"]) == 2
-        assert joined.release() is False  # its first user (here, this process too) stays
+        assert joined.release() == "in use"  # its first user (here, this process too) stays
         assert server.is_running()
         children = group_members(pgid)
         assert len(children) >= 2 and server.pid in children  # mlflow CLI + uvicorn (at least)
@@ -385,20 +385,56 @@ def test_the_stores_server_is_shared_and_the_last_user_to_leave_stops_it(tmp_pat
         assert first.stdin is not None and first.stdout is not None
         first.stdin.write("\n")
         first.stdin.flush()
-        assert first.stdout.readline().strip() == "False"  # the others still use it
+        assert first.stdout.readline().strip() == "in use"  # the others still use it
         assert group_alive(pgid) and running_server_url(tmp_path) == urls[0]
         os.kill(second.pid, signal.SIGKILL)  # a launch killed mid-study
         second.wait(10)
         first.kill()
         first.wait(10)
         assert group_alive(pgid) and not here.shared()
-        assert here.release() is True  # the last live user
+        assert here.release() == "stopped"  # the last live user
         assert not group_alive(pgid) and not state_path(tmp_path).exists()
     finally:
         for user in users:
             user.kill()
         with contextlib.suppress(Exception):
             os.killpg(json.loads(state_path(tmp_path).read_text())["pgid"], signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_the_last_user_stops_its_own_server_at_once(tmp_path: Path) -> None:
+    server = start_local_server(tmp_path)
+    t0 = time.monotonic()
+    assert server.release() == "stopped"
+    # Its leader reaped as it exits: its zombie kept the group "alive" for 10 s, then SIGKILL.
+    assert time.monotonic() - t0 < 8.0
+    assert not group_alive(server.pgid) and not state_path(tmp_path).exists()
+    assert server.release() == "gone"
+
+
+def test_a_live_server_that_does_not_answer_is_not_started_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy server that missed one /health check was taken for dead: a second server
+    started on the same SQLite file, and the first ran on with no one to stop it."""
+    from hpsearch.packing import process_start
+    from hpsearch.tracking.server import join_server
+
+    monkeypatch.setattr(srv, "JOIN_HEALTH_S", 1.0)
+    mute = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a server not answering
+    try:
+        state_path(tmp_path).parent.mkdir(parents=True)
+        url = f"http://127.0.0.1:{srv.free_port()}"
+        state = {"url": url, "pid": mute.pid, "pgid": mute.pid, "users": []}
+        state_path(tmp_path).write_text(json.dumps({**state, "start": process_start(mute.pid)}))
+        with pytest.raises(TrackingError, match=rf"\(pid {mute.pid}\) runs but does not answer"):
+            join_server(tmp_path)
+        # The same PID, started at another time: another process, the server is gone.
+        state_path(tmp_path).write_text(json.dumps({**state, "start": 1}))
+        assert join_server(tmp_path) is None
+    finally:
+        mute.kill()
+        mute.wait()
 
 
 def test_users_are_live_processes_and_a_file_of_the_version_before_names_its_owner() -> None:
@@ -414,4 +450,6 @@ def test_users_are_live_processes_and_a_file_of_the_version_before_names_its_own
     assert srv._live_users(state) == [me]
     assert srv._live_users({"owner": me[0], "owner_start": me[1]}) == [me]
     assert srv._live_users({"owner": dead.pid}) == []
-    assert srv._live_users({}) == []
+    # A file that names no user (two versions before): someone unknown, never gone.
+    assert srv._live_users({"url": "http://x", "pid": 1, "pgid": 1}) == [[None, None]]
+    assert srv._live_users({"users": [[None, None], me]}) == [[None, None], me]
