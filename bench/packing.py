@@ -310,8 +310,8 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
     print("-" * len(head))
     for r in results:
         label = r["workers_arg"] if r["workers_arg"] != "auto" else f"auto:{r['workers']}"
-        if "complete" not in r:  # its launch made no study
-            print(f"{label:>7} {r['error']}")
+        if "complete" not in r:  # its launch made no study: the error follows the tables
+            print(f"{r['workers_arg']:>7} (its launch made no study)")
             continue
         mem = r["gpu"].get("system/gpu_memory_peak_mib")
         print(
@@ -393,8 +393,10 @@ def main(argv: list[str] | None = None) -> int:
               "per epoch")  # fmt: skip
         for w in args.workers:
             r = measure(args, cfg, sets, w, root, device, per_epoch)
-            base = results[0]["trials_per_hour"] if results else r["trials_per_hour"]
-            r["speedup"] = r["trials_per_hour"] / base if base else None
+            # over the first count whose launch ran (a failed one's 0 would void the rest)
+            ran = [x for x in [*results, r] if "complete" in x]
+            base = ran[0]["trials_per_hour"] if ran else None
+            r["speedup"] = r["trials_per_hour"] / base if base and "complete" in r else None
             results.append(r)
             if args.json_path:  # after every run: a bench stopped later keeps what it has
                 Path(args.json_path).write_text(json.dumps(record, indent=2, default=str))

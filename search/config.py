@@ -346,7 +346,7 @@ def grid_space(cfg: StudyConfig) -> dict[str, list[Any]]:
     return space
 
 
-def _check_space(cfg: StudyConfig, src: str) -> None:
+def _check_space(cfg: StudyConfig, src: str, stored: bool = False) -> None:
     seen: dict[str, Any] = {}
     numeric = {n for n, f in Hyperparams.model_fields.items() if f.annotation in (int, float)}
     integers = {n for n, f in Hyperparams.model_fields.items() if f.annotation is int}
@@ -375,7 +375,7 @@ def _check_space(cfg: StudyConfig, src: str) -> None:
                     _check_value(src, f"{field}.choices", name, choice)
         elif name in _CHOICE_SETS:
             raise ConfigError(f"{src}: {field}.type: {spec.type!r}: {name} must be categorical")
-        elif isinstance(spec, FloatParam) and name in integers:
+        elif isinstance(spec, FloatParam) and name in integers and not stored:
             # Optuna would draw 37.4, and every trial would fail on it, one by one.
             raise ConfigError(
                 f"{src}: {field}.type: 'float': {name} is a whole number; use int or categorical"
@@ -529,16 +529,17 @@ for _cls in (StudyLoader, StudyDumper):
 
 
 # YAML 1.2's booleans only: YAML 1.1 (PyYAML's default) also reads yes/no/on/off as true and
-# false, so `fast_path: off` was False, and a choice `no` became a boolean.
+# false, so `fast_path: off` was False, and a choice `no` became a boolean. The dumper keeps
+# YAML 1.1's, so it quotes "off": other readers of the stored config (yaml.safe_load, the
+# study.yaml logged to MLflow) read it back as the string too.
 _BOOL_TAG = "tag:yaml.org,2002:bool"
-for _cls in (StudyLoader, StudyDumper):
-    _cls.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
-        for first, resolvers in _cls.yaml_implicit_resolvers.items()
-    }
-    _cls.add_implicit_resolver(
-        _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-    )
+StudyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in StudyLoader.yaml_implicit_resolvers.items()
+}
+StudyLoader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def load_yaml(text: str) -> Any:
@@ -613,7 +614,9 @@ def config_from_yaml(
     download: bool | None = None,
 ) -> StudyConfig:
     """A study's config from YAML text (the resolved config a launch stores on its study),
-    overridden and validated as `load_config` does a file. Raises ConfigError."""
+    overridden and validated as `load_config` does a file, except for rules newer than the
+    study may be (a float range of an integer hyperparameter, whose trials ran on whole
+    steps). Raises ConfigError."""
     try:
         raw = load_yaml(text)
     except yaml.YAMLError as exc:
@@ -621,7 +624,7 @@ def config_from_yaml(
     if not isinstance(raw, dict):
         raise ConfigError(f"{src}: <root>: {type(raw).__name__}: must be a mapping")
     raw.pop("source", None)  # where it was read from then
-    return _build_config(raw, src, overrides, data_dir, download)
+    return _build_config(raw, src, overrides, data_dir, download, stored=True)
 
 
 def _build_config(
@@ -630,6 +633,7 @@ def _build_config(
     overrides: Sequence[str],
     data_dir: str | None,
     download: bool | None,
+    stored: bool = False,
 ) -> StudyConfig:
     for key in raw:
         if not isinstance(key, str):
@@ -645,7 +649,7 @@ def _build_config(
             raw["dataset"]["download"] = download
     raw["source"] = src
     try:
-        return validate_config(raw, src)
+        return validate_config(raw, src, stored=stored)
     except ConfigError as exc:
         raise ConfigError(blame_override(str(exc), src, overrides)) from exc
 
@@ -664,12 +668,16 @@ def blame_override(message: str, src: str, overrides: Sequence[str]) -> str:
     return message
 
 
-def validate_config(raw: dict[str, Any], src: str = "<config>") -> StudyConfig:
+def validate_config(
+    raw: dict[str, Any], src: str = "<config>", stored: bool = False
+) -> StudyConfig:
+    """`raw` as a StudyConfig, or one-line ConfigError. `stored`: a config a study stored
+    (see `config_from_yaml`)."""
     try:
         cfg = StudyConfig(**raw)
     except ValidationError as exc:
         raise ConfigError(_format_validation(src, exc)) from exc
-    _check_space(cfg, src)
+    _check_space(cfg, src, stored)
     _check_components(cfg, src)
     return cfg
 

@@ -152,10 +152,15 @@ def auto_workers(
     except subprocess.TimeoutExpired as exc:
         raise DeviceError(f"--workers auto: the GPU probe took over {timeout_s:.0f} s") from exc
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"no output (exit code {proc.returncode})"])[
-            -1
-        ]
-        raise DeviceError(f"--workers auto: the GPU probe failed: {last}")
+        lines = proc.stderr.strip().splitlines()
+        last = (
+            lines[-1].removeprefix("probe: ").removeprefix("--workers auto: ")
+            if lines
+            else "no output"
+        )
+        raise DeviceError(
+            f"--workers auto: the GPU probe failed (exit code {proc.returncode}): {last}"
+        )
     raw = json.loads(out.read_text())
     models = [MemoryModel(**m) for m in raw["models"]]
     free = [None if b is None else int(b) for b in raw.get("free_bytes", [])]

@@ -428,7 +428,9 @@ def plan_from_probe(
     measured_gpus = [
         g for i, g in enumerate(gpus) if i < len(free_bytes) and free_bytes[i] is not None
     ]
-    short = [g for g in measured_gpus if HEADROOM * free[g] < per_worker]
+    # Judged as the ledger admits: with what this work folder's other workers hold added back
+    # (their trials end; a trial of this launch waits for room rather than fail).
+    short = [g for g in measured_gpus if HEADROOM * room[g] < per_worker]
     if short and len(short) < len(gpus):
         for g in short:
             counts[g] = 0

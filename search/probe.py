@@ -280,16 +280,20 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
     models: list[MemoryModel] = []
     step_s: dict[int, float] = {}  # batch -> median step seconds, the first arch's
     for i, arch in enumerate(archs):
+        batch = small
         try:
             peak_small, t_small = train_steps(cfg, arch, small, size, steps)
+            batch = large
             peak_large, t_large = train_steps(cfg, arch, large, size, steps) if large > small else (
                 peak_small, t_small)  # fmt: skip
-        except torch.OutOfMemoryError as exc:
+        except RuntimeError as exc:  # torch.OutOfMemoryError included
+            if not is_resource_error(exc, PROBE_RESOURCE_MARKERS):
+                raise
             # Packing needs the largest trial's memory; with none left to pack into, a fixed
             # --workers N still runs, and records such trials as out of memory.
             raise DeviceError(
-                f"--workers auto: {arch} at batch {large}, {size} px, ran out of GPU memory "
-                "alone in the probe (is another job using the GPU?); give --workers N"
+                f"{arch} at batch {batch}, {size} px, ran out of GPU memory alone on the GPU "
+                "(is another job using it?); give --workers N"
             ) from exc
         context = _context_bytes()
         if large > small:

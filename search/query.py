@@ -213,8 +213,7 @@ def load_best_model(
     Weights come from the trial's best-model file when it is on this machine, else from the
     checkpoint logged to MLflow (`tracking_uri`, MLFLOW_TRACKING_URI).
     """
-    import yaml
-    from hpsearch.config import validate_config
+    from hpsearch.config import config_from_yaml
     from hpsearch.trainer import load_trained_model
 
     study = load_study(name, storage, workdir)
@@ -237,7 +236,7 @@ def load_best_model(
     raw_cfg = study.user_attrs.get(CONFIG_ATTR)
     if not raw_cfg:
         raise HpsearchError(f"study {name!r} has no stored config; was it created by hpsearch?")
-    cfg = validate_config(yaml.safe_load(raw_cfg), f"study {name}")
+    cfg = config_from_yaml(raw_cfg, f"study {name}")
     path = _local_best_model(best, workdir or default_workdir())
     if path is None:  # another host's trial: from MLflow
         from hpsearch.runs import download_best_model

@@ -175,9 +175,17 @@ def create_or_load(
     # Checked before anything is recorded: a refused launch leaves the study as it was.
     existing = [d.name.lower() for d in study.directions]
     if existing != [d.lower() for d in cfg.objective.directions]:
+        # A file with no direction takes each metric's own (val_loss minimizes); a study
+        # begun before that default maximized it.
+        given = existing[0] if len(existing) == 1 else existing
+        hint = (
+            f"; the file gives none: add `direction: {given}` to go on with it"
+            if cfg.objective.direction is None
+            else ""
+        )
         raise ConfigError(
             f"{cfg.source or cfg.name}: objective.direction: {list(cfg.objective.directions)}: "
-            f"study {cfg.name!r} already exists with directions {existing}"
+            f"study {cfg.name!r} already exists with directions {existing}{hint}"
         )
     attrs = study.user_attrs
     if owner or CONFIG_ATTR not in attrs:

@@ -468,24 +468,34 @@ def _remove_state(workdir: Path, pid: int) -> None:
 def _live_users(state: Mapping[str, Any]) -> list[list[int | None]]:
     """The processes that use a server (launches, ``hpsearch ui``, standalone workers) and
     still run. A file of the version before names only the process that started it; one of
-    the version before that names none: its user is unknown ([None, None]), never gone, so
-    that the server is not stopped under it."""
+    the version before that names none: the server's parent is (unless it is gone, and the
+    server was handed to init)."""
     from hpsearch.packing import holder_alive
 
     users = state.get("users")
     if users is None:
         owner = state.get("owner")
-        users = [[owner, state.get("owner_start")]] if owner is not None else [[None, None]]
+        if owner is None:  # two versions before: the process that started it is its parent
+            owner = _parent(int(state.get("pid", 0)))
+        users = [[owner, state.get("owner_start")]] if owner is not None else []
     live: list[list[int | None]] = []
     for user in users if isinstance(users, list) else []:
         with contextlib.suppress(ValueError, TypeError, IndexError):
-            if user[0] is None:
-                live.append([None, None])
-                continue
             pid, start = int(user[0]), user[1]
             if holder_alive(pid, start if isinstance(start, int) else None):
                 live.append([pid, start if isinstance(start, int) else None])
     return live
+
+
+def _parent(pid: int) -> int | None:
+    """The parent of a process of this machine (`/proc/<pid>/stat` field 4); None when it
+    is gone, or init (1) or no one (0) adopted it."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        parent = int(raw[raw.rfind(b")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return parent if parent > 1 else None
 
 
 class StoreLock:

@@ -26,9 +26,13 @@ def packing(d: dict[str, Any]) -> str:
     parts = []
     for r in d["results"]:
         label = r["workers_arg"] if r["workers_arg"] != "auto" else f"auto={r['workers']}"
+        if "complete" not in r:  # its launch made no study
+            parts.append(f"W={r['workers_arg']} error: {str(r.get('error'))[:300]}")
+            continue
         parts.append(
             f"W={label} {_f(r['trials_per_hour'])} trials/h x{_f(r.get('speedup'), '.2f')} "
-            f"{_f(r['images_per_second_steady'])} img/s util {_f(r['gpu_utilization_mean'])}%"
+            f"{_f(r.get('images_per_second_steady'))} img/s "
+            f"util {_f(r.get('gpu_utilization_mean'))}%"
         )
     return "; ".join(parts)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 from hpsearch.config import (
-    StudyDumper,
     available_studies,
+    config_from_yaml,
     config_to_yaml,
     load_config,
     load_yaml,
@@ -261,7 +261,22 @@ def test_a_metric_without_a_direction_goes_its_own_way_and_only_true_false_are_b
         "a": ["yes", "no", "on", "off", True, False, True]
     }
     assert load_yaml(config_to_yaml(loss))["objective"]["direction"] is None  # reads back
-    assert load_yaml(yaml.dump({"x": "off"}, Dumper=StudyDumper)) == {"x": "off"}
+    # The stored config reads back the same with any YAML reader: "off" is quoted.
+    off = load_config(write(tmp_path, GOOD), ["dataset.fast_path=off"])
+    assert yaml.safe_load(config_to_yaml(off))["dataset"]["fast_path"] == "off"
+    assert config_from_yaml(config_to_yaml(off), "stored").dataset.fast_path == "off"
+
+
+def test_a_stored_config_keeps_loading_under_rules_newer_than_its_study(tmp_path: Path) -> None:
+    """A study stored with a float range of batch_size (whole steps: its trials ran) still
+    loads for `train --trial N` and load_best_model; a file with it is refused."""
+    stepped = ["search_space.batch_size={type: float, low: 32, high: 64, step: 32}"]
+    with pytest.raises(ConfigError, match="batch_size is a whole number"):
+        load_with(tmp_path, *stepped)
+    raw = yaml.safe_load(config_to_yaml(load_config(write(tmp_path, GOOD))))
+    raw["search_space"]["batch_size"] = {"type": "float", "low": 32, "high": 64, "step": 32}
+    cfg = config_from_yaml(yaml.safe_dump(raw, sort_keys=False), "study t")
+    assert cfg.resolve_params({"batch_size": 64.0}).batch_size == 64
 
 
 def test_option_types_leave_richer_annotations_and_fitting_values_alone() -> None:

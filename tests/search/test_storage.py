@@ -418,6 +418,14 @@ def test_a_launch_refused_for_its_direction_leaves_the_study_as_it_was(tmp_path:
     after = create_or_load(cfg, open_storage(spec), owner=False).user_attrs
     assert after[N_TRIALS_ATTR] == before[N_TRIALS_ATTR] == 3
     assert after[CONFIG_ATTR] == before[CONFIG_ATTR]
+    # A file with no direction now takes its metric's (val_loss minimizes); a study begun
+    # when every metric maximized says how to go on with it.
+    legacy = load_config("tiny", overrides=["objective={metric: val_acc, direction: maximize}",
+                                            "name=legacy_loss"])  # fmt: skip
+    create_or_load(legacy, open_storage(spec))
+    now = load_config("tiny", overrides=["objective={metric: val_loss}", "name=legacy_loss"])
+    with pytest.raises(ConfigError, match=r"the file gives none: add `direction: maximize`"):
+        create_or_load(now, open_storage(spec))
 
 
 @pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])

@@ -450,6 +450,12 @@ def test_users_are_live_processes_and_a_file_of_the_version_before_names_its_own
     assert srv._live_users(state) == [me]
     assert srv._live_users({"owner": me[0], "owner_start": me[1]}) == [me]
     assert srv._live_users({"owner": dead.pid}) == []
-    # A file that names no user (two versions before): someone unknown, never gone.
-    assert srv._live_users({"url": "http://x", "pid": 1, "pgid": 1}) == [[None, None]]
-    assert srv._live_users({"users": [[None, None], me]}) == [[None, None], me]
+    # A file that names no user (two versions before): the server's parent, which started it;
+    # none when init adopted it (its starter was killed).
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert srv._live_users({"pid": child.pid}) == [[me[0], None]]
+    finally:
+        child.kill()
+        child.wait()
+    assert srv._live_users({"pid": 1}) == []
