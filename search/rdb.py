@@ -431,6 +431,15 @@ class FastRDBStorage(RDBStorage):
             trial_id=trial_id,
         )
 
+    def beats_on_create(self) -> bool:
+        """Whether `create_new_trial`, called now, writes the trial's first heartbeat in
+        its own commit (under the study lock, heartbeats on): the caller need not."""
+        return (
+            self.fast_sql()
+            and getattr(self, "heartbeat_interval", None) is not None
+            and _budget_lock_connection(self.engine) is not None
+        )
+
     def record_heartbeat(self, trial_id: int) -> None:
         if not self.fast_sql():
             super().record_heartbeat(trial_id)

@@ -169,7 +169,7 @@ def open_storage(
             pool_size=pool_size,
             max_overflow=2,
             pool_recycle=300,  # seconds
-            connect_args={"connect_timeout": 10},  # seconds
+            connect_args=pg_connect_args(spec.url),
         )
     try:
         with _schema_lock(spec):
@@ -222,8 +222,35 @@ def _one_shot_engine_kwargs(spec: StorageSpec) -> dict[str, Any]:
     a server that accepts the connection and never answers."""
     kwargs: dict[str, Any] = {"poolclass": sa.pool.NullPool}
     if spec.is_postgres:
-        kwargs["connect_args"] = {"connect_timeout": 10}  # seconds
+        kwargs["connect_args"] = pg_connect_args(spec.url)
     return kwargs
+
+
+# Every session in UTC: heartbeats are CURRENT_TIMESTAMP stored in a column without a time
+# zone, which the session's zone converts, and a server whose zone changes for daylight
+# saving made live trials look an hour stale (or dead ones fresh for an hour). Keepalives,
+# both ways (s): a worker host that vanishes while it holds the study's advisory lock
+# releases it in about a minute, not after the kernel's two hours, which stalled every asker.
+PG_SESSION_OPTIONS = (
+    "-c timezone=UTC -c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 "
+    "-c tcp_keepalives_count=3"
+)
+
+
+def pg_connect_args(url: str) -> dict[str, Any]:
+    """libpq connection parameters for hpsearch's PostgreSQL engines; `options` given in
+    the URL are kept, ours after them."""
+    given = sa.engine.make_url(url).query.get("options")
+    given = given[-1] if isinstance(given, tuple) else given
+    options = f"{given} {PG_SESSION_OPTIONS}" if given else PG_SESSION_OPTIONS
+    return {
+        "connect_timeout": 10,  # seconds
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+        "options": options,
+    }
 
 
 def init_storage(storage: str | None, workdir: Path) -> StorageSpec:

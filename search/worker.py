@@ -612,14 +612,20 @@ def _claim_trial(
         refresh_trials_now(study)  # it may be newer than this process's view
         trial_id = pop()
     # else no read of the queue, which would refresh every trial's view under the lock
+    beat = True
     if trial_id is None:
         used = counts.get("complete", 0) + counts.get("pruned", 0) + counts.get("running", 0)
         if used >= n_trials:
             return "wait"
+        # A second commit under the lock, every trial, when the create wrote the beat too
+        backend = getattr(study._storage, "_backend", study._storage)  # Optuna's cache wraps it
+        beats = getattr(backend, "beats_on_create", None)
+        beat = not (beats is not None and beats())
         trial_id = study._storage.create_new_trial(study._study_id)
     if claimed is not None:
         claimed.append(int(trial_id))
-    _first_heartbeat(study, trial_id)
+    if beat:
+        _first_heartbeat(study, trial_id)
     return int(trial_id)
 
 

@@ -317,6 +317,33 @@ def test_the_ask_reads_the_retry_queue_only_when_the_count_shows_one(
     assert study._storage.get_trial(queued).system_attrs["fixed_params"] == {"lr": 0.01}
 
 
+def test_a_claim_writes_the_first_heartbeat_once(pg_url: str, tmp_path: Path) -> None:
+    """A trial created under the study lock gets its heartbeat in the create's own commit;
+    a second commit under the lock, every trial, wrote it again. A popped retry gets one."""
+    from hpsearch.worker import _claim_trial
+
+    spec = resolve_storage(pg_url, tmp_path)
+    storage = open_storage(spec, heartbeat_interval=60, grace_period=120)
+    study = create_or_load(load_config("tiny"), storage)
+    beats: list[int] = []
+    record = storage.record_heartbeat
+
+    def counting(trial_id: int) -> None:
+        beats.append(trial_id)
+        record(trial_id)
+
+    storage.record_heartbeat = counting  # type: ignore[method-assign]
+    with study_lock(spec, study.study_name, storage.engine):  # type: ignore[attr-defined]
+        created = _claim_trial(study, {"waiting": 0, "running": 0}, 10)
+    study.enqueue_trial({"lr": 0.01})
+    with study_lock(spec, study.study_name, storage.engine):  # type: ignore[attr-defined]
+        popped = _claim_trial(study, {"waiting": 1, "running": 1}, 10)
+    assert isinstance(created, int) and isinstance(popped, int) and beats == [popped]
+    with storage.engine.connect() as conn:  # type: ignore[attr-defined]
+        rows = conn.execute(sa.text("SELECT trial_id FROM trial_heartbeats ORDER BY trial_id"))
+        assert [r[0] for r in rows] == sorted([created, popped])
+
+
 def test_a_launch_on_psycopg_3(pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]) -> None:
     """The whole path on the psycopg 3 driver, named in the URL: the study lock and the
     budget count, the fast storage's trial reads and writes, heartbeats, the tell."""
@@ -638,3 +665,24 @@ def test_a_hand_back_cut_between_its_commits_gets_its_retry(tmp_path: Path) -> N
     assert retry.system_attrs["failed_trial"] == cut.number
     later = datetime.datetime.now() + datetime.timedelta(seconds=1)  # an earlier launch's
     assert requeue_cut_handbacks(study, spec, ["elsewhere:w0"], later, 0) == []
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_sessions_run_in_utc_with_keepalives_and_keep_the_urls_options(
+    pg_url: str, tmp_path: Path, driver: str
+) -> None:
+    """Heartbeats are CURRENT_TIMESTAMP in a column without a zone: a server zone with
+    daylight saving made live trials an hour stale. A worker host that vanished holding the
+    study lock stalled every asker for the kernel's two hours."""
+    url = pg_url.replace("postgresql://", f"postgresql+{driver}://", 1)
+    url += "?options=-c%20statement_timeout%3D60000"
+    with sa.create_engine(pg_url.rsplit("/", 1)[0] + "/postgres").connect() as admin:
+        database = pg_url.rsplit("/", 1)[1]
+        admin.execute(sa.text(f"ALTER DATABASE {database} SET timezone = 'America/New_York'"))
+        admin.commit()
+    storage = open_storage(resolve_storage(url, tmp_path))
+    with storage.engine.connect() as conn:  # type: ignore[attr-defined]
+        show = {k: conn.execute(sa.text(f"SHOW {k}")).scalar() for k in
+                ("timezone", "tcp_keepalives_idle", "statement_timeout")}  # fmt: skip
+    storage.engine.dispose()  # type: ignore[attr-defined]
+    assert show == {"timezone": "UTC", "tcp_keepalives_idle": "30", "statement_timeout": "1min"}
