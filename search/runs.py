@@ -320,10 +320,11 @@ class TrialRun:
     def _finish(
         self, result: Any, outcome: str, summary: dict[str, float], best: Path | None
     ) -> None:
-        self._close_uploader()
         artifacts: list[Path] = []
-        tmp = Path(tempfile.mkdtemp(prefix="hpsearch-artifacts-"))
+        tmp: Path | None = None
         try:
+            self._close_uploader()
+            tmp = Path(tempfile.mkdtemp(prefix="hpsearch-artifacts-"))
             if outcome in TRAINED_TO_END:
                 artifacts += self._plots(result, tmp)
             if best is not None:
@@ -331,6 +332,10 @@ class TrialRun:
                 folder.mkdir()
                 (folder / "best.pt").symlink_to(best.resolve())
                 artifacts.append(folder)
+        except Exception as exc:  # a full /tmp: the run still ends, with what it has
+            logger.warning("MLflow: artifacts of trial %d: %s", self.trial.number, exc)
+            artifacts = [a for a in artifacts if a.exists()]
+        try:
             self.tracker.finish(
                 outcome,
                 result.pruned_at_epoch,
@@ -340,7 +345,8 @@ class TrialRun:
                 reason=str(result.message) or None,
             )
         finally:
-            _rmtree(tmp)
+            if tmp is not None:
+                _rmtree(tmp)
             if best is not None:
                 _rmtree(best.parent)
 
@@ -597,12 +603,13 @@ class TrackingSession:
         if self.parent_run_id is not None:
             return True
         from hpsearch.tracking.mlflow_logger import ensure_experiment, find_study_runs
+        from mlflow.exceptions import MlflowException
 
         try:
             self.experiment_id = ensure_experiment(self.client, self.cfg.name)
             runs = find_study_runs(self.client, self.experiment_id)
             self.parent_run_id = runs[0] if runs else open_study_run(self.cfg, self.spec, self.uri)
-        except (TrackingError, HpsearchError) as exc:
+        except (TrackingError, HpsearchError, MlflowException, OSError) as exc:
             logger.warning(
                 "MLflow at %s unreachable, trials go on without it: %s",
                 redact_uri(self.uri),

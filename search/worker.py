@@ -1107,8 +1107,8 @@ def _prune_checkpoints(study: optuna.Study, cfg: StudyConfig, workdir: Path) -> 
         root = (workdir / "checkpoints").resolve()
         for name in checkpoints_to_delete(trials, cfg.tracking.keep_top_k, maximize):
             path = Path(name).resolve()
-            if root in path.parents and path.exists():
-                path.unlink()
+            if root in path.parents:
+                path.unlink(missing_ok=True)  # another worker of this host may prune it too
     except Exception as exc:  # housekeeping must never fail a worker
         warnings.warn(f"checkpoint clean-up failed: {exc}", stacklevel=2)
 

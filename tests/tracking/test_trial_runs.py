@@ -94,3 +94,30 @@ def test_a_worker_told_to_stop_waits_no_longer_for_the_study_run(
     session.wait_ready()
     assert time.monotonic() - t0 < 30 and session.parent_run_id  # opened its own
     session.close()
+
+
+def test_a_run_whose_artifacts_cannot_be_staged_still_ends(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full /tmp (the artifacts' staging folder) skipped the run's end: it stayed
+    RUNNING in MLflow for good."""
+    import tempfile
+
+    cfg = hps.load_config("tiny", [f"name=runs-{uuid.uuid4().hex[:8]}"])
+    session = TrackingSession(cfg, resolve_storage(pg_url, tmp_path), mlflow_server.url, "w0")
+    study = optuna.create_study(storage=normalize_url(pg_url), study_name=cfg.name,
+                                direction="maximize")  # fmt: skip
+    trial = study.ask()
+    params = suggest(trial, cfg)
+    ckpt = tmp_path / "checkpoints" / f"trial-{trial.number:05d}.pt"
+    run = session.start_trial(trial, params, trial.number, ckpt)
+    assert run is not None
+
+    def full(*args: object, **kwargs: object) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", full)
+    run._finish(_result(0.8, tmp_path / "none.pt"), "completed", {"best_val_acc": 0.8}, None)
+    session.close()
+    done = MlflowClient(tracking_uri=mlflow_server.url).get_run(run.run_id)
+    assert done.info.status == "FINISHED" and done.data.metrics["best_val_acc"] == 0.8
