@@ -40,7 +40,7 @@ from hpsearch.packing import (
     MemoryModel,
     PackingPlan,
     gpu_env,
-    pid_alive,
+    holder_alive,
     plan_from_probe,
 )
 from hpsearch.storage import (
@@ -63,6 +63,7 @@ from hpsearch.worker import (
     ATTR_MESSAGE,
     ATTR_OUTCOME,
     ATTR_PID,
+    ATTR_PID_START,
     ATTR_RUN_ID,
     ATTR_WORKER,
     retried_trials,
@@ -371,8 +372,12 @@ def fail_orphans_on_this_host(
     now = datetime.datetime.now()  # Optuna dates trials in naive local time
     failed = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        pid = t.user_attrs.get(ATTR_PID)
-        gone = t.user_attrs.get(ATTR_HOST) == host and isinstance(pid, int) and not pid_alive(pid)
+        pid, start = t.user_attrs.get(ATTR_PID), t.user_attrs.get(ATTR_PID_START)
+        gone = (
+            t.user_attrs.get(ATTR_HOST) == host
+            and isinstance(pid, int)
+            and not holder_alive(pid, start if isinstance(start, int) else None)
+        )
         reason = f"worker pid {pid} is gone"
         started = t.datetime_start
         if not gone and spec.kind == "journal" and ATTR_PID not in t.user_attrs:
@@ -591,7 +596,7 @@ class Launcher:
         return launch_outcome(supervised, spent, passed)
 
     def _finish_tracking(self, uri: str, stopped_by: str) -> None:
-        from hpsearch.runs import _client, finalize_study
+        from hpsearch.runs import _client, end_dangling_runs, finalize_study
         from hpsearch.tracking.mlflow_logger import close_study_run, find_study_runs
 
         if self._finalizer is not None:  # started when the last trial was told
@@ -612,6 +617,8 @@ class Launcher:
             close_study_run(
                 client, run_id, "FINISHED" if stopped_by in ENDED_AS_ASKED else "KILLED"
             )
+        if ended := end_dangling_runs(uri, self.cfg, self.study):
+            self._messages.append(f"ended {len(ended)} MLflow run(s) their gone workers left")
 
     def _start_tracking(self) -> str | None:
         """The tracking URI, known at once. The slow part (starting the embedded server,

@@ -25,7 +25,7 @@ import optuna
 from hpsearch.background import Renderer, import_in_idle_time, lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
-from hpsearch.packing import pid_alive
+from hpsearch.packing import holder_alive, pid_alive
 from hpsearch.storage import StorageSpec
 from hpsearch.study import dominates, objective_values
 from hpsearch.tracking.server import redact_uri, scrub
@@ -33,7 +33,10 @@ from hpsearch.trainer.types import best_model_path_for
 from hpsearch.worker import (
     ATTR_BEST_MODEL,
     ATTR_HOST,
+    ATTR_MESSAGE,
+    ATTR_OUTCOME,
     ATTR_PID,
+    ATTR_PID_START,
     ATTR_RUN_ID,
     ATTR_RUN_KEY,
     ATTR_WORKER,
@@ -934,6 +937,53 @@ def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
         _end_run(_client(uri), str(run_id), _dead_outcome(reason), reason)
     except Exception as exc:  # best effort: the Optuna state is what counts
         logger.warning("could not mark MLflow run %s: %s", run_id, scrub(str(exc)))
+
+
+def end_dangling_runs(uri: str, cfg: StudyConfig, study: optuna.Study) -> list[str]:
+    """End the trial runs still RUNNING in MLflow whose trials are finished in Optuna and
+    whose workers, of this host and gone, can no longer end them: a worker killed
+    while its told trial's run waited to be ended, or a trial failed by the orphan or stale
+    check, which end no run. Status from the trial's outcome, as its worker would have set
+    it. One search; the runs ended. Best effort."""
+    from hpsearch.tracking.mlflow_logger import ROLE_TAG, ensure_experiment, terminal_status
+
+    try:
+        client = _client(uri)
+        experiment_id = ensure_experiment(client, cfg.name)
+        running = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{ROLE_TAG}` = 'trial' and attributes.status = 'RUNNING'",
+            max_results=1000,
+        )
+        if not running:
+            return []
+        by_run = {
+            str(t.user_attrs[ATTR_RUN_ID]): t
+            for t in study.get_trials(deepcopy=False)
+            if t.user_attrs.get(ATTR_RUN_ID) and t.state.is_finished()
+        }
+        host, ended = socket.gethostname(), []
+        for run in running:
+            t = by_run.get(run.info.run_id)
+            if t is None or t.user_attrs.get(ATTR_HOST) != host:
+                continue
+            pid, start = t.user_attrs.get(ATTR_PID), t.user_attrs.get(ATTR_PID_START)
+            if not isinstance(pid, int) or holder_alive(
+                pid, start if isinstance(start, int) else None
+            ):
+                continue  # its worker may still end it
+            outcome = str(t.user_attrs.get(ATTR_OUTCOME) or "")
+            try:
+                terminal_status(outcome)
+            except ValueError:  # no outcome of hpsearch's (a check failed it): by its state
+                outcome = {"COMPLETE": "completed", "PRUNED": "pruned"}.get(t.state.name, "failed")
+            reason = str(t.user_attrs.get(ATTR_MESSAGE) or "its worker was gone")
+            _end_run(client, run.info.run_id, outcome, reason)
+            ended.append(run.info.run_id)
+        return ended
+    except Exception as exc:  # best effort: the Optuna state is what counts
+        logger.warning("could not end the runs of gone workers: %s", scrub(str(exc)))
+        return []
 
 
 def _dead_outcome(reason: str) -> str:

@@ -28,7 +28,7 @@ from typing import Any, Protocol, cast
 import optuna
 from hpsearch.config import StudyConfig
 from hpsearch.errors import ConfigError, HpsearchError, StorageError
-from hpsearch.packing import AdmissionStopped
+from hpsearch.packing import AdmissionStopped, process_start
 from hpsearch.reporting import TrialReports
 from hpsearch.storage import (
     HeartbeatStorage,
@@ -64,6 +64,9 @@ logger = logging.getLogger("hpsearch.tracking")
 ATTR_WORKER = "worker"
 ATTR_HOST = "host"
 ATTR_PID = "pid"
+# The worker's process start (clock ticks since boot): with the PID it names the process,
+# where a relaunch's new workers may get a killed launch's PIDs (a container restart).
+ATTR_PID_START = "pid_start"
 ATTR_OUTCOME = "outcome"
 ATTR_MESSAGE = "message"
 ATTR_RUN_ID = "mlflow_run_id"
@@ -214,6 +217,9 @@ def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
 # System attr of a retry: how many tries of its chain were handed back unfinished by a stop
 # asked for (Ctrl-C, SIGTERM, a stop while waiting for GPU memory), not lost to a crash.
 ATTR_INTERRUPTED_TRIES = "hpsearch:interrupted_tries"
+# A try's own attributes, which its retry does not inherit.
+TRY_ATTRS = frozenset({ATTR_WORKER, ATTR_HOST, ATTR_PID, ATTR_PID_START, ATTR_OUTCOME,
+                       ATTR_MESSAGE})  # fmt: skip
 
 
 class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
@@ -226,6 +232,10 @@ class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
         self.requeue(study, trial, interrupted=False)
 
     def requeue(self, study: optuna.Study, trial: FrozenTrial, interrupted: bool) -> None:
+        # The retry names no owner and no outcome until a worker takes it up: the failed
+        # try's made a live retry look like the dead worker's (a crash of that worker's
+        # slot failed it), and a retry failed by the stale check look handed back.
+        user_attrs = {k: v for k, v in trial.user_attrs.items() if k not in TRY_ATTRS}
         attrs: dict[str, Any] = {"failed_trial": trial.number, **trial.system_attrs}
         # A new list: Optuna's appends to the failed trial's own, which a cached storage
         # hands out uncopied.
@@ -240,7 +250,7 @@ class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
                 state=TrialState.WAITING,
                 params=trial.params,
                 distributions=trial.distributions,
-                user_attrs=trial.user_attrs,
+                user_attrs=user_attrs,
                 system_attrs=attrs,
                 intermediate_values=(
                     trial.intermediate_values if self._inherit_intermediate_values else None
@@ -454,7 +464,8 @@ def run_worker(
     deadlines = [time.time() + opts.timeout_s] if opts.timeout_s else []
     deadline = min(deadlines + ([opts.deadline] if opts.deadline else []), default=None)
     errors = 0
-    owner = {ATTR_WORKER: wid, ATTR_HOST: socket.gethostname(), ATTR_PID: os.getpid()}
+    owner = {ATTR_WORKER: wid, ATTR_HOST: socket.gethostname(), ATTR_PID: os.getpid(),
+             ATTR_PID_START: process_start(os.getpid())}  # fmt: skip
     try:
         while not stop.is_set():
             if opts.max_trials is not None and len(summary.trials) >= opts.max_trials:
@@ -826,6 +837,7 @@ def run_trial(
             ATTR_WORKER: opts.resolved_id(),
             ATTR_HOST: socket.gethostname(),
             ATTR_PID: os.getpid(),
+            ATTR_PID_START: process_start(os.getpid()),
             ATTR_CHECKPOINT: str(ckpt),
             ATTR_RUN_KEY: run_key,
         }

@@ -423,6 +423,21 @@ def test_a_relaunch_fails_a_journal_trial_no_worker_took_up(tmp_path: Path) -> N
     assert isinstance(claimed, optuna.Trial)
     assert {k: claimed.user_attrs[k] for k in owner} == owner
     assert fail_orphans_on_this_host(study, spec, 2, ownerless_after_s=0.0) == []
+    # A killed launch's worker whose PID a live process has now (a container restarted:
+    # its new workers got the old PIDs): the start time tells them apart.
+    from hpsearch.packing import process_start
+    from hpsearch.worker import ATTR_PID_START
+
+    reused = study.ask()
+    for key, value in (*owner.items(), (ATTR_PID_START, (process_start(os.getpid()) or 0) + 1)):
+        reused.set_user_attr(key, value)
+    claimed.set_user_attr(ATTR_PID_START, process_start(os.getpid()))
+    assert fail_orphans_on_this_host(study, spec, 2) == [reused.number]
+    # Its retry names no owner or outcome until a worker takes it up: the dead try's made
+    # the retry look like that worker's (a crash of its slot failed the live retry).
+    (retry,) = [t for t in study.get_trials(deepcopy=False)
+                if t.system_attrs.get("failed_trial") == reused.number]  # fmt: skip
+    assert not {ATTR_WORKER, ATTR_HOST, ATTR_PID, ATTR_PID_START, "outcome"} & set(retry.user_attrs)
 
 
 def test_a_launch_refused_for_its_direction_leaves_the_study_as_it_was(tmp_path: Path) -> None:

@@ -121,3 +121,47 @@ def test_a_run_whose_artifacts_cannot_be_staged_still_ends(
     session.close()
     done = MlflowClient(tracking_uri=mlflow_server.url).get_run(run.run_id)
     assert done.info.status == "FINISHED" and done.data.metrics["best_val_acc"] == 0.8
+
+
+def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """A worker killed while its told trial's run waited to be ended, or a trial failed by
+    the orphan or stale check (which end no run), left its run RUNNING for good."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from hpsearch.runs import end_dangling_runs
+    from hpsearch.tracking.mlflow_logger import ROLE_TAG
+    from optuna.trial import TrialState
+
+    cfg = hps.load_config("tiny", [f"name=runs-{uuid.uuid4().hex[:8]}"])
+    session = TrackingSession(cfg, resolve_storage(pg_url, tmp_path), mlflow_server.url, "w0")
+    session.wait_ready()
+    study = optuna.create_study(storage=normalize_url(pg_url), study_name=cfg.name,
+                                direction="maximize")  # fmt: skip
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    experiment = client.get_experiment_by_name(cfg.name)
+    assert experiment is not None
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    runs = {}
+    for name, pid, state, outcome in (
+        ("told", gone.pid, TrialState.COMPLETE, "completed"),
+        ("stale", gone.pid, TrialState.FAIL, None),  # the stale check sets no outcome
+        ("live", os.getpid(), TrialState.COMPLETE, "completed"),  # its worker may end it
+    ):
+        trial = study.ask()
+        run = client.create_run(experiment.experiment_id, tags={ROLE_TAG: "trial"})
+        attrs = {"mlflow_run_id": run.info.run_id, "host": socket.gethostname(), "pid": pid}
+        for key, value in {**attrs, **({"outcome": outcome} if outcome else {})}.items():
+            trial.set_user_attr(key, value)
+        study.tell(trial, 0.5 if state == TrialState.COMPLETE else None, state=state)
+        runs[name] = run.info.run_id
+    ended = end_dangling_runs(mlflow_server.url, cfg, study)
+    session.close()
+    assert sorted(ended) == sorted([runs["told"], runs["stale"]])
+    status = {k: client.get_run(v).info.status for k, v in runs.items()}
+    assert status == {"told": "FINISHED", "stale": "FAILED", "live": "RUNNING"}
