@@ -201,7 +201,7 @@ class TrainerConfig(_Frozen):
 
 
 class TrackingConfig(_Frozen):
-    keep_top_k: Int = Field(default=3, ge=0)  # best-model checkpoints kept (disk and MLflow)
+    keep_top_k: Int = Field(default=3, ge=0)  # best models kept on disk; uploaded if top k at tell
     gpu_interval_s: Float = Field(default=5.0, gt=0)  # NVML sampling period, seconds
     input_bound_threshold: Float = Field(default=50.0, ge=0, le=100)  # % GPU utilization
     input_bound_window_s: Float = Field(default=60.0, gt=0)  # seconds averaged

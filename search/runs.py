@@ -945,7 +945,7 @@ def end_dangling_runs(uri: str, cfg: StudyConfig, study: optuna.Study) -> list[s
     while its told trial's run waited to be ended, or a trial failed by the orphan or stale
     check, which end no run. Status from the trial's outcome, as its worker would have set
     it. One search; the runs ended. Best effort."""
-    from hpsearch.tracking.mlflow_logger import ROLE_TAG, ensure_experiment, terminal_status
+    from hpsearch.tracking.mlflow_logger import ROLE_TAG, ensure_experiment
 
     try:
         client = _client(uri)
@@ -957,33 +957,46 @@ def end_dangling_runs(uri: str, cfg: StudyConfig, study: optuna.Study) -> list[s
         )
         if not running:
             return []
-        by_run = {
-            str(t.user_attrs[ATTR_RUN_ID]): t
-            for t in study.get_trials(deepcopy=False)
-            if t.user_attrs.get(ATTR_RUN_ID) and t.state.is_finished()
-        }
-        host, ended = socket.gethostname(), []
-        for run in running:
-            t = by_run.get(run.info.run_id)
-            if t is None or t.user_attrs.get(ATTR_HOST) != host:
-                continue
-            pid, start = t.user_attrs.get(ATTR_PID), t.user_attrs.get(ATTR_PID_START)
-            if not isinstance(pid, int) or holder_alive(
-                pid, start if isinstance(start, int) else None
-            ):
-                continue  # its worker may still end it
-            outcome = str(t.user_attrs.get(ATTR_OUTCOME) or "")
-            try:
-                terminal_status(outcome)
-            except ValueError:  # no outcome of hpsearch's (a check failed it): by its state
-                outcome = {"COMPLETE": "completed", "PRUNED": "pruned"}.get(t.state.name, "failed")
-            reason = str(t.user_attrs.get(ATTR_MESSAGE) or "its worker was gone")
-            _end_run(client, run.info.run_id, outcome, reason)
-            ended.append(run.info.run_id)
-        return ended
+        owners: dict[str, FrozenTrial] = {}
+        for trial in study.get_trials(deepcopy=False):  # in number order: a retry inherits
+            if trial.user_attrs.get(ATTR_RUN_ID):  # the failed try's run id until it links
+                owners.setdefault(str(trial.user_attrs[ATTR_RUN_ID]), trial)  # its own
     except Exception as exc:  # best effort: the Optuna state is what counts
         logger.warning("could not end the runs of gone workers: %s", scrub(str(exc)))
         return []
+    host, ended = socket.gethostname(), []
+    for run in running:
+        t = owners.get(run.info.run_id)
+        if t is None or not t.state.is_finished() or t.user_attrs.get(ATTR_HOST) != host:
+            continue
+        pid, start = t.user_attrs.get(ATTR_PID), t.user_attrs.get(ATTR_PID_START)
+        if not isinstance(pid, int) or holder_alive(pid, start if isinstance(start, int) else None):
+            continue  # its worker may still end it
+        outcome = dangling_outcome(t)
+        reason = str(t.user_attrs.get(ATTR_MESSAGE) or "its worker was gone")
+        try:
+            _end_run(client, run.info.run_id, outcome, reason)
+            ended.append(run.info.run_id)
+        except Exception as exc:  # the others are still ended
+            logger.warning("could not end MLflow run %s: %s", run.info.run_id, scrub(str(exc)))
+    return ended
+
+
+def dangling_outcome(trial: FrozenTrial) -> str:
+    """The outcome a gone worker's finished trial ends its run with: its own where that
+    agrees with the trial's state (a worker may write it and die before the tell, and the
+    stale check then fails the trial), else by the state."""
+    from hpsearch.tracking.mlflow_logger import terminal_status
+
+    outcome = str(trial.user_attrs.get(ATTR_OUTCOME) or "")
+    by_state = {"COMPLETE": "completed", "PRUNED": "pruned"}.get(trial.state.name, "failed")
+    try:
+        status = terminal_status(outcome)
+    except ValueError:  # no outcome of hpsearch's (a check failed it)
+        return by_state
+    if trial.state == TrialState.FAIL and status != "FAILED" and outcome != "interrupted":
+        return "failed"
+    return outcome
 
 
 def _dead_outcome(reason: str) -> str:

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
@@ -237,20 +237,26 @@ PG_SESSION_OPTIONS = (
 )
 
 
-def pg_connect_args(url: str) -> dict[str, Any]:
-    """libpq connection parameters for hpsearch's PostgreSQL engines; `options` given in
-    the URL are kept, ours after them."""
-    given = sa.engine.make_url(url).query.get("options")
-    given = given[-1] if isinstance(given, tuple) else given
-    options = f"{given} {PG_SESSION_OPTIONS}" if given else PG_SESSION_OPTIONS
-    return {
+def pg_connect_args(url: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """libpq connection parameters for hpsearch's PostgreSQL engines. Options the user gave
+    (the URL's `options`, else PGOPTIONS, which libpq reads only when no `options` is
+    given) come first, ours after them; a parameter the URL sets is left to it (SQLAlchemy's
+    connect_args would override it)."""
+    env = os.environ if environ is None else environ
+    query = sa.engine.make_url(url).query
+    given = query.get("options")
+    given = " ".join(given) if isinstance(given, tuple) else given
+    given = given or env.get("PGOPTIONS")
+    ours: dict[str, Any] = {
         "connect_timeout": 10,  # seconds
         "keepalives": 1,
         "keepalives_idle": 30,
         "keepalives_interval": 10,
         "keepalives_count": 3,
-        "options": options,
     }
+    args = {k: v for k, v in ours.items() if k not in query}
+    args["options"] = f"{given} {PG_SESSION_OPTIONS}" if given else PG_SESSION_OPTIONS
+    return args
 
 
 def init_storage(storage: str | None, workdir: Path) -> StorageSpec:
@@ -436,7 +442,9 @@ def study_lock(
     """
     if spec.is_postgres:
         eng = (
-            engine if engine is not None else sa.create_engine(spec.url, poolclass=sa.pool.NullPool)
+            engine
+            if engine is not None
+            else sa.create_engine(spec.url, **_one_shot_engine_kwargs(spec))
         )
         with _advisory_lock(eng, study_name) as conn, budget_lock_held(conn):
             yield conn

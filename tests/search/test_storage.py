@@ -701,3 +701,18 @@ def test_sessions_run_in_utc_with_keepalives_and_keep_the_urls_options(
                 ("timezone", "tcp_keepalives_idle", "statement_timeout")}  # fmt: skip
     storage.engine.dispose()  # type: ignore[attr-defined]
     assert show == {"timezone": "UTC", "tcp_keepalives_idle": "30", "statement_timeout": "1min"}
+
+
+def test_pg_connect_args_keep_what_the_user_gave() -> None:
+    from hpsearch.storage import PG_SESSION_OPTIONS, pg_connect_args
+
+    plain = pg_connect_args("postgresql://u@h/db", environ={})
+    assert plain["options"] == PG_SESSION_OPTIONS and plain["keepalives_idle"] == 30
+    # libpq reads PGOPTIONS only when no options are given: ours would have hidden it
+    # (a search_path there, and the study's tables were made again in public).
+    env = pg_connect_args("postgresql://u@h/db", environ={"PGOPTIONS": "-c search_path=hp"})
+    assert env["options"] == f"-c search_path=hp {PG_SESSION_OPTIONS}"
+    url = "postgresql://u@h/db?options=-c%20a%3D1&options=-c%20b%3D2&keepalives_idle=5"
+    given = pg_connect_args(url, environ={"PGOPTIONS": "-c ignored=1"})
+    assert given["options"] == f"-c a=1 -c b=2 {PG_SESSION_OPTIONS}"
+    assert "keepalives_idle" not in given  # the URL's own (connect_args would override it)

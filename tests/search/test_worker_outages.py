@@ -48,23 +48,25 @@ def engine_of(study: optuna.Study) -> Any:
 def test_an_ask_the_database_interrupts_after_its_claim_goes_on_with_that_trial(
     pg_url: str, admin: sa.Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The claim and its first heartbeat are two commits: a restart between them re-ran the
-    whole ask, which claimed a second trial and left the first RUNNING with no heartbeat,
-    never found stale: it held a place in the budget for good, and the study hung."""
+    """A restart right after the claim's commit re-ran the whole ask, which claimed a
+    second trial and left the first RUNNING (once with no heartbeat, never found stale): it
+    held a place in the budget for good, and the study hung. The claim's commit holds its
+    first heartbeat."""
     cfg = load_config("tiny", overrides=["budget.n_trials=2"])
     spec = resolve_storage(pg_url, tmp_path)
     opts = W.WorkerOptions(workdir=tmp_path, device="cpu", heartbeat_interval_s=1)
     study = W.connect(cfg, spec, opts)
     beaten: list[int] = []
-    real = FastRDBStorage.record_heartbeat
+    real = FastRDBStorage._create_new_trial
 
-    def restart_first(self: FastRDBStorage, trial_id: int) -> None:
+    def restart_first(self: FastRDBStorage, study_id: int, template: Any = None) -> Any:
+        made = real(self, study_id, template)
         if not beaten:  # the database restarts right after the claim's commit
-            beaten.append(trial_id)
+            beaten.append(made._trial_id)
             terminate(admin, pg_url)
-        real(self, trial_id)
+        return made
 
-    monkeypatch.setattr(FastRDBStorage, "record_heartbeat", restart_first)
+    monkeypatch.setattr(FastRDBStorage, "_create_new_trial", restart_first)
     claimed: list[int] = []
     trial = with_db_retry(
         lambda: W._next_trial(

@@ -152,6 +152,8 @@ def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
         ("told", gone.pid, TrialState.COMPLETE, "completed"),
         ("stale", gone.pid, TrialState.FAIL, None),  # the stale check sets no outcome
         ("live", os.getpid(), TrialState.COMPLETE, "completed"),  # its worker may end it
+        # Its worker wrote the outcome and died before the tell; the stale check failed it.
+        ("died_telling", gone.pid, TrialState.FAIL, "completed"),
     ):
         trial = study.ask()
         run = client.create_run(experiment.experiment_id, tags={ROLE_TAG: "trial"})
@@ -160,8 +162,12 @@ def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
             trial.set_user_attr(key, value)
         study.tell(trial, 0.5 if state == TrialState.COMPLETE else None, state=state)
         runs[name] = run.info.run_id
+    retry = study.ask()  # inherits the failed try's run id until it links its own
+    retry.set_user_attr("mlflow_run_id", runs["stale"])
     ended = end_dangling_runs(mlflow_server.url, cfg, study)
     session.close()
-    assert sorted(ended) == sorted([runs["told"], runs["stale"]])
+    assert sorted(ended) == sorted([runs["told"], runs["stale"], runs["died_telling"]])
     status = {k: client.get_run(v).info.status for k, v in runs.items()}
-    assert status == {"told": "FINISHED", "stale": "FAILED", "live": "RUNNING"}
+    assert status == {
+        "told": "FINISHED", "stale": "FAILED", "live": "RUNNING", "died_telling": "FAILED"
+    }  # fmt: skip
