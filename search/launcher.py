@@ -311,13 +311,26 @@ def fail_trial(
         try:
             storage.set_trial_user_attr(trial._trial_id, ATTR_OUTCOME, "failed")
             storage.set_trial_user_attr(trial._trial_id, ATTR_MESSAGE, reason)
-            if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
-                return False
+            failed = storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
         except optuna.exceptions.UpdateFinishedTrialError:
-            return False
+            failed = False
         frozen = storage.get_trial(trial._trial_id)
-        retry_callback(max_retries).requeue(study, frozen, interrupted=interrupted)
-    return True
+        if not failed and not failed_here_before(frozen, reason):
+            return False  # finished elsewhere
+        if failed or not retried_trials(study, [frozen.number]):  # not queued by a try of
+            retry_callback(max_retries).requeue(study, frozen, interrupted=interrupted)
+    return True  # this call whose reply was lost
+
+
+def failed_here_before(trial: FrozenTrial, reason: str) -> bool:
+    """Whether `fail_trial` failed `trial` for `reason` already: a database outage after
+    that commit made `with_db_retry` run it again, which found the trial finished and
+    queued no retry, and the dead worker's epochs were lost."""
+    return (
+        trial.state == TrialState.FAIL
+        and trial.user_attrs.get(ATTR_OUTCOME) == "failed"
+        and trial.user_attrs.get(ATTR_MESSAGE) == reason
+    )
 
 
 def requeue_cut_handbacks(

@@ -237,3 +237,38 @@ def test_a_trial_made_under_the_study_lock_has_its_heartbeat_in_the_same_commit(
             sa.text("SELECT count(*) FROM trial_heartbeats WHERE trial_id = :t"), {"t": trial_id}
         ).scalar_one()
     assert beats == 1
+
+
+def test_a_dead_workers_trial_keeps_its_retry_when_the_database_drops_after_its_failure(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher failed a dead worker's trial, and the connection dropped before the
+    retry was queued: run again, the section found the trial finished and queued none, and
+    the worker's trained epochs were lost for good."""
+    from hpsearch.launcher import fail_trial
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
+    spec = resolve_storage(pg_url, tmp_path)
+    opts = W.WorkerOptions(workdir=tmp_path, device="cpu", heartbeat_interval_s=10)
+    study = W.connect(cfg, spec, opts)
+    trial = W._next_trial(study, cfg, spec, engine_of(study), W._Budget(study, cfg))
+    assert isinstance(trial, optuna.Trial)
+    adds = []
+    real_add = study.add_trial
+
+    def add_once_lost(frozen: Any) -> None:
+        adds.append(frozen)
+        if len(adds) == 1:
+            raise sa.exc.OperationalError("INSERT", {}, Exception("server closed the connection"))
+        real_add(frozen)
+
+    monkeypatch.setattr(study, "add_trial", add_once_lost)
+    frozen = study._storage.get_trial(trial._trial_id)
+    assert with_db_retry(lambda: fail_trial(study, spec, frozen, "worker 0 died", 2)) is True
+    trials = study.get_trials(deepcopy=True)
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
+    assert trials[1].system_attrs["failed_trial"] == trial.number
+    # Once queued, running it again queues no second retry; another's trial is left alone.
+    assert fail_trial(study, spec, study.trials[0], "worker 0 died", 2) is True
+    assert fail_trial(study, spec, study.trials[0], "another reason", 2) is False
+    assert len(study.get_trials(states=(TrialState.WAITING,))) == 1
