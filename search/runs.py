@@ -748,7 +748,8 @@ class TrackingSession:
     def fetch_checkpoint(self, previous_run_id: str, dest: Path) -> bool:
         """Download a failed trial's last resume checkpoint (uploaded by another host) to
         `dest`, and its best-model file, when the run holds one, to `best_model_path_for(dest)`
-        (a stale one there is deleted when it holds none). Both are downloaded into a folder
+        (a stale one there is deleted when it holds none), unless a file at `dest` is as far
+        along (an earlier try of this host's). Both are downloaded into a folder
         beside `dest` and renamed into place, the checkpoint last: a download cut short
         leaves no half file that the next retry would trust, nor a checkpoint without its
         best model."""
@@ -765,6 +766,9 @@ class TrackingSession:
             checkpoint = local / Path(RESUME_ARTIFACT).name
             if not checkpoint.is_file():
                 raise FileNotFoundError(f"{RESUME_ARTIFACT} is not in run {previous_run_id}")
+            here, there = saved_epoch(dest), saved_epoch(checkpoint)
+            if here is not None and (there is None or there <= here):
+                return False  # this host's own file is as far along (an earlier try of it)
             best = local / Path(RESUME_BEST_ARTIFACT).name
             if best.is_file():
                 os.replace(best, best_model_path_for(dest))
@@ -937,6 +941,25 @@ def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
         _end_run(_client(uri), str(run_id), _dead_outcome(reason), reason)
     except Exception as exc:  # best effort: the Optuna state is what counts
         logger.warning("could not mark MLflow run %s: %s", run_id, scrub(str(exc)))
+
+
+def saved_epoch(path: Path) -> int | None:
+    """The last epoch a resume checkpoint holds (the trainer's torch file, or a JSON one of
+    a stand-in trainer); None when there is no readable file."""
+    if not path.is_file():
+        return None
+    try:
+        import json
+
+        return int(json.loads(path.read_bytes())["epoch"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        pass
+    try:
+        import torch
+
+        return int(torch.load(path, map_location="cpu", weights_only=False)["epoch"])
+    except Exception:  # damaged, or not a checkpoint: the other one is used
+        return None
 
 
 def end_dangling_runs(uri: str, cfg: StudyConfig, study: optuna.Study) -> list[str]:

@@ -438,7 +438,7 @@ def study_lock(
     a `FastRDBStorage` on `engine` is inserted on that connection too, in the count's
     transaction: a restart that ends the lock fails the insert rather than letting it
     through on a new connection after another worker has counted (`budget_lock_held`).
-    Journal file: flock on a sibling lock file; yields None.
+    Journal or SQLite file: flock on a sibling lock file; yields None.
     """
     if spec.is_postgres:
         eng = (
@@ -451,16 +451,32 @@ def study_lock(
         return
     # Not "<journal>.lock": that is Optuna's own open-lock file for journal writes, and
     # holding it here made every write inside this lock wait out Optuna's 30 s grace.
-    lock_path = Path(spec.url + ".ask-lock") if spec.kind == "journal" else None
+    lock_path = _ask_lock_path(spec)
     if lock_path is None:
         yield None
         return
-    with open(lock_path, "a") as fh:
+    try:
+        fh = open(lock_path, "a")  # noqa: SIM115 - closed below
+    except PermissionError:  # another user's lock file beside a shared database: flock
+        fh = open(lock_path)  # noqa: SIM115 - works on a file open for reading too
+    with fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
             yield None
         finally:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _ask_lock_path(spec: StorageSpec) -> Path | None:
+    """The file `study_lock` flocks where the database has no lock of its own: beside the
+    journal file, or the SQLite file (with none, parallel workers both counted a free
+    place and ran past the budget); None for an in-memory SQLite database."""
+    if spec.kind == "journal":
+        return Path(spec.url + ".ask-lock")
+    url = make_url(spec.url)
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        return Path(str(url.database) + ".ask-lock")
+    return None
 
 
 def count_trials_sql(conn: sa.Connection, study: optuna.Study) -> dict[str, int]:

@@ -640,24 +640,6 @@ def _claim_trial(
     return int(trial_id)
 
 
-def _previous_host(study: optuna.Study, trial: optuna.Trial, db: Db) -> str | None:
-    """The host the retry `trial`'s previous try ran on (the last of its `retry_history`)."""
-    frozen = getattr(trial, "_cached_frozen_trial", None)  # as root_trial_number reads it
-    if frozen is None:
-        frozen = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
-    history = [n for n in frozen.system_attrs.get("retry_history") or [] if n < trial.number]
-    if not history:
-        return None
-
-    def read() -> Any:
-        storage = study._storage
-        tid = storage.get_trial_id_from_study_id_trial_number(study._study_id, max(history))
-        return storage.get_trial(tid).user_attrs.get(ATTR_HOST)
-
-    host = db(read, "get_trial")
-    return str(host) if host is not None else None
-
-
 def _first_heartbeat(study: optuna.Study, trial_id: int) -> None:
     beating = heartbeat_storage(study._storage)
     if beating is not None:
@@ -868,20 +850,10 @@ def run_trial(
         # finds a dead worker's trial by these (the launcher by worker, a relaunch by host
         # and pid) and re-queues its params.
         db(functools.partial(set_trial_attrs, trial, attrs, drawn=drawn), "set_user_attr")
-        if (
-            tracking is not None
-            and root != trial.number
-            and previous_run
-            and (
-                not ckpt.exists()
-                # The failed try ran on another host, which uploaded its checkpoints: a file
-                # here is from an earlier try of this host, epochs behind that one's.
-                or (
-                    cfg.tracking.upload_checkpoints
-                    and _previous_host(study, trial, db) != socket.gethostname()
-                )
-            )
-        ):
+        # With uploads, a file here may be an earlier try's of this host, epochs behind the
+        # one the failed try uploaded from another: the later epoch is kept.
+        fetch = not ckpt.exists() or cfg.tracking.upload_checkpoints
+        if tracking is not None and root != trial.number and previous_run and fetch:
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
         late = (
             _LateRun(tracking, trial, params, root, ckpt, db, run_key)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import optuna
 import pytest
@@ -311,27 +310,3 @@ def test_tries_handed_back_by_a_stop_do_not_use_up_the_crash_retries() -> None:
     assert last.system_attrs["retry_history"] == [0, 1, 2, 3, 4]
     assert last.system_attrs["failed_trial"] == 0  # the chain's root: its checkpoint
     assert last.intermediate_values == {1: 0.5}
-
-
-def test_a_retry_knows_the_host_its_previous_try_ran_on() -> None:
-    """A retry resumed from a checkpoint of its own host's earlier try even when the try
-    just before ran on another host and uploaded later epochs (upload_checkpoints): the
-    worker fetches when the previous try's host is not its own."""
-    from hpsearch.worker import _previous_host, retry_callback
-    from optuna.trial import TrialState
-
-    study = optuna.create_study()
-    callback = retry_callback(3)
-
-    def db(fn: Any, what: str = "") -> Any:
-        return fn()
-
-    for host in ("host-c", "host-b"):
-        trial = study.ask()
-        if host == "host-c":
-            assert _previous_host(study, trial, db) is None  # the chain's first try
-        trial.set_user_attr("host", host)
-        study.tell(trial, state=TrialState.FAIL)
-        callback.requeue(study, study._storage.get_trial(trial._trial_id), interrupted=True)
-    third = study.ask()  # the chain's third try, on host C again
-    assert _previous_host(study, third, db) == "host-b"

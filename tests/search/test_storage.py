@@ -716,3 +716,23 @@ def test_pg_connect_args_keep_what_the_user_gave() -> None:
     given = pg_connect_args(url, environ={"PGOPTIONS": "-c ignored=1"})
     assert given["options"] == f"-c a=1 -c b=2 {PG_SESSION_OPTIONS}"
     assert "keepalives_idle" not in given  # the URL's own (connect_args would override it)
+
+
+def test_a_sqlite_study_is_locked_like_a_journal(tmp_path: Path) -> None:
+    """SQLite had no study lock: two workers counted the same free place and the study ran
+    past its budget."""
+    import fcntl
+
+    spec = resolve_storage(f"sqlite:///{tmp_path / 'optuna.db'}", tmp_path)
+    with (
+        study_lock(spec, "tiny"),
+        open(tmp_path / "optuna.db.ask-lock", "a") as other,  # another worker's try
+        pytest.raises(BlockingIOError),
+    ):
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "optuna.db.ask-lock", "a") as other:  # released
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    before = set(tmp_path.iterdir())
+    with study_lock(resolve_storage("sqlite://", tmp_path), "tiny") as held:
+        assert held is None  # in memory: one process, nothing to lock
+    assert set(tmp_path.iterdir()) == before

@@ -193,6 +193,18 @@ def test_a_retry_elsewhere_gets_the_best_model_and_its_own_run_holds_both_at_onc
     host_c = TrackingSession(cfg, spec, mlflow_server.url, "w-c")
     ckpt_c = tmp_path / "host-c" / "trial-00000.pt"
     assert host_c.fetch_checkpoint(run_b.run_id, ckpt_c)
+    # A file of this host's as far along stays (fetched again: nothing replaced); one an
+    # earlier try of this host left, epochs behind the upload, is replaced.
+    assert not host_c.fetch_checkpoint(run_b.run_id, ckpt_c)
+    ckpt_d = tmp_path / "host-c-again" / "trial-00000.pt"
+    ckpt_d.parent.mkdir()
+    torch.save({"epoch": 1}, ckpt_d)
+    assert host_c.fetch_checkpoint(run_b.run_id, ckpt_d)
+    assert torch.load(ckpt_d, weights_only=False)["epoch"] == 3
+    ahead = {**torch.load(ckpt_d, weights_only=False), "epoch": 7}
+    torch.save(ahead, ckpt_d)
+    assert not host_c.fetch_checkpoint(run_b.run_id, ckpt_d)
+    assert torch.load(ckpt_d, weights_only=False)["epoch"] == 7
     host_c.close()
     assert best_model_path_for(ckpt_c).read_bytes() == best_a.read_bytes()
     spent = _synthetic(name, max_epochs=3)
