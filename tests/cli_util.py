@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -28,3 +29,12 @@ def popen(args: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Pop
     return subprocess.Popen(
         [sys.executable, "-m", "hpsearch.cli", *args], env=env, stdout=fh, stderr=subprocess.STDOUT
     )
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group `pgid` is still there."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

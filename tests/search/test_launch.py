@@ -13,7 +13,7 @@ from pathlib import Path
 
 import hpsearch as hps
 import pytest
-from cli_util import DUMMY, hpsearch, popen
+from cli_util import DUMMY, group_alive, hpsearch, popen
 from optuna.trial import TrialState
 
 
@@ -782,13 +782,6 @@ def test_two_studies_of_one_work_folder_share_its_server_until_the_last_ends(
     lost. Now the server runs until its last user ends, and that one stops it."""
     from hpsearch.tracking.server import running_server_url, state_path
     from mlflow import MlflowClient
-
-    def group_alive(pgid: int) -> bool:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
     work = tmp_path / "w"
     env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1")

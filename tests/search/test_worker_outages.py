@@ -180,6 +180,17 @@ def test_a_live_trial_outlives_an_outage_longer_than_the_heartbeat_grace(
     assert states == {trial.number: TrialState.RUNNING}
 
 
+def _claimed(pg_url: str, tmp_path: Path) -> tuple[Any, Any, optuna.Study, optuna.Trial]:
+    """A worker's study (tiny, 2 trials) and the trial it just claimed."""
+    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
+    spec = resolve_storage(pg_url, tmp_path)
+    opts = W.WorkerOptions(workdir=tmp_path, device="cpu", heartbeat_interval_s=10)
+    study = W.connect(cfg, spec, opts)
+    trial = W._next_trial(study, cfg, spec, engine_of(study), W._Budget(study, cfg))
+    assert isinstance(trial, optuna.Trial)
+    return cfg, spec, study, trial
+
+
 def test_a_database_error_while_re_queueing_runs_the_locked_section_again(
     pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -187,12 +198,7 @@ def test_a_database_error_while_re_queueing_runs_the_locked_section_again(
     lock included, on a fresh copy of the trial. Before, a lock that failed crashed the
     worker (the trial left RUNNING), and an enqueue run again queued a second retry or
     one whose history had the trial twice (Optuna's callback appends to the trial's list)."""
-    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
-    spec = resolve_storage(pg_url, tmp_path)
-    opts = W.WorkerOptions(workdir=tmp_path, device="cpu", heartbeat_interval_s=10)
-    study = W.connect(cfg, spec, opts)
-    trial = W._next_trial(study, cfg, spec, engine_of(study), W._Budget(study, cfg))
-    assert isinstance(trial, optuna.Trial)
+    cfg, spec, study, trial = _claimed(pg_url, tmp_path)
     calls = {"lock": 0, "add": 0}
     real_add = study.add_trial
 
@@ -247,12 +253,7 @@ def test_a_dead_workers_trial_keeps_its_retry_when_the_database_drops_after_its_
     the worker's trained epochs were lost for good."""
     from hpsearch.launcher import fail_trial
 
-    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
-    spec = resolve_storage(pg_url, tmp_path)
-    opts = W.WorkerOptions(workdir=tmp_path, device="cpu", heartbeat_interval_s=10)
-    study = W.connect(cfg, spec, opts)
-    trial = W._next_trial(study, cfg, spec, engine_of(study), W._Budget(study, cfg))
-    assert isinstance(trial, optuna.Trial)
+    _, spec, study, trial = _claimed(pg_url, tmp_path)
     adds = []
     real_add = study.add_trial
 

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_util import group_alive
 from hpsearch.tracking.mlflow_logger import apply_http_policy
 from hpsearch.tracking.server import LocalServer, start_local_server
-from tracking_helpers import CountingClient, group_alive
+from tracking_helpers import CountingClient
 
 apply_http_policy()  # short MLflow HTTP retries for the test process too
 

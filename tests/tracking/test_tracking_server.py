@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from cli_util import group_alive
 from hpsearch.errors import TrackingError
 from hpsearch.tracking import server as srv
 from hpsearch.tracking.server import (
@@ -31,7 +32,7 @@ from hpsearch.tracking.server import (
     ui_command,
 )
 from mlflow import MlflowClient
-from tracking_helpers import group_alive, group_members
+from tracking_helpers import group_members
 
 # --------------------------------------------------------------------------- pure helpers
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +30,6 @@ class CountingClient(MlflowClient):
         result = super().log_batch(run_id, metrics, params, tags, synchronous=synchronous)
         self.batches.append((run_id, len(metrics), len(params), len(tags)))
         return result
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def group_members(pgid: int) -> list[int]:
