@@ -946,19 +946,18 @@ def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
 def saved_epoch(path: Path) -> int | None:
     """The last epoch a resume checkpoint holds (the trainer's torch file, or a JSON one of
     a stand-in trainer); None when there is no readable file."""
-    if not path.is_file():
-        return None
     try:
-        import json
+        with open(path, "rb") as fh:
+            is_json = fh.read(1) == b"{"
+        if is_json:
+            import json
 
-        return int(json.loads(path.read_bytes())["epoch"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        pass
-    try:
+            return int(json.loads(path.read_bytes())["epoch"])
         import torch
 
-        return int(torch.load(path, map_location="cpu", weights_only=False)["epoch"])
-    except Exception:  # damaged, or not a checkpoint: the other one is used
+        # mmap: the epoch only, not the weights and optimizer state read into memory
+        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["epoch"])
+    except Exception:  # missing, damaged, or not a checkpoint: the other one is used
         return None
 
 

@@ -455,16 +455,45 @@ def study_lock(
     if lock_path is None:
         yield None
         return
+    fd = _open_lock_file(lock_path, spec)
     try:
-        fh = open(lock_path, "a")  # noqa: SIM115 - closed below
-    except PermissionError:  # another user's lock file beside a shared database: flock
-        fh = open(lock_path)  # noqa: SIM115 - works on a file open for reading too
-    with fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # NFS: an exclusive flock needs the file open for writing
+            raise StorageError(
+                f"storage {spec.display}: cannot lock {lock_path}: {exc.strerror or exc}"
+            ) from exc
         try:
             yield None
         finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _open_lock_file(path: Path, spec: StorageSpec) -> int:
+    """The study's lock file, open for writing where it can be (made writable by everyone
+    who may share the database: its content is nothing), else for reading, which flock
+    takes on a local disk (another user's file); one line when neither opens."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o666)  # not the umask's 0644: other users' workers lock it too
+        return fd
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StorageError(
+            f"storage {spec.display}: cannot create {path}: {exc.strerror or exc}"
+        ) from exc
+    for flags in (os.O_RDWR, os.O_RDONLY):
+        try:
+            return os.open(path, flags)
+        except PermissionError:
+            continue
+        except OSError as exc:
+            raise StorageError(f"storage {spec.display}: cannot open {path}: {exc}") from exc
+    raise StorageError(f"storage {spec.display}: {path}: no permission to open it")
 
 
 def _ask_lock_path(spec: StorageSpec) -> Path | None:
@@ -474,9 +503,16 @@ def _ask_lock_path(spec: StorageSpec) -> Path | None:
     if spec.kind == "journal":
         return Path(spec.url + ".ask-lock")
     url = make_url(spec.url)
-    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        return Path(str(url.database) + ".ask-lock")
-    return None
+    if url.get_backend_name() != "sqlite":
+        return None
+    database = str(url.database or "")
+    if url.query.get("uri") == "true":  # sqlite:///file:/x/db?mode=...&uri=true
+        if "memory" in database:
+            return None
+        database = database.removeprefix("file:").split("?", 1)[0]
+    if database in ("", ":memory:"):
+        return None
+    return Path(database + ".ask-lock")
 
 
 def count_trials_sql(conn: sa.Connection, study: optuna.Study) -> dict[str, int]:

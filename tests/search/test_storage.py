@@ -732,6 +732,14 @@ def test_a_sqlite_study_is_locked_like_a_journal(tmp_path: Path) -> None:
         fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(tmp_path / "optuna.db.ask-lock", "a") as other:  # released
         fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    # Shared with other users' workers: writable by them (the umask's 0644 was not).
+    assert (tmp_path / "optuna.db.ask-lock").stat().st_mode & 0o777 == 0o666
+    from hpsearch.storage import _ask_lock_path
+
+    uri = resolve_storage(f"sqlite:///file:{tmp_path / 'u.db'}?mode=rwc&uri=true", tmp_path)
+    assert _ask_lock_path(uri) == tmp_path / "u.db.ask-lock"
+    memory = resolve_storage("sqlite:///file::memory:?cache=shared&uri=true", tmp_path)
+    assert _ask_lock_path(memory) is None
     before = set(tmp_path.iterdir())
     with study_lock(resolve_storage("sqlite://", tmp_path), "tiny") as held:
         assert held is None  # in memory: one process, nothing to lock
