@@ -337,7 +337,11 @@ def _on_signals(stop: Callable[[], None], what: str, die_on_second: bool = False
     def handler(signum: int, frame: Any) -> None:
         count["n"] += 1
         received.append(signum)
-        first = "stopping after the current epoch (Ctrl-C again to kill)"
+        first = (
+            "stopping after the current epoch (Ctrl-C again to kill)"
+            if what != "ui"
+            else "stopping"
+        )
         click.echo(f"\n{what}: {first if count['n'] == 1 else 'killing now'}", err=True)
         if count["n"] > 1 and die_on_second:
             from hpsearch.worker import HANDBACK
