@@ -325,7 +325,12 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
                                    "launch again to resume")  # fmt: skip
 
 
-def _on_signals(stop: Callable[[], None], what: str, die_on_second: bool = False) -> list[int]:
+def _on_signals(
+    stop: Callable[[], None],
+    what: str,
+    die_on_second: bool = False,
+    first: str = "stopping after the current epoch (Ctrl-C again to kill)",
+) -> list[int]:
     """First Ctrl-C/SIGTERM: graceful stop; second: immediate. The launcher's `stop` kills
     its workers when called again; a worker (`die_on_second`) dies by the second signal
     itself, once a trial being handed back is (its trial, left RUNNING, is failed and
@@ -337,11 +342,6 @@ def _on_signals(stop: Callable[[], None], what: str, die_on_second: bool = False
     def handler(signum: int, frame: Any) -> None:
         count["n"] += 1
         received.append(signum)
-        first = (
-            "stopping after the current epoch (Ctrl-C again to kill)"
-            if what != "ui"
-            else "stopping"
-        )
         click.echo(f"\n{what}: {first if count['n'] == 1 else 'killing now'}", err=True)
         if count["n"] > 1 and die_on_second:
             from hpsearch.worker import HANDBACK
@@ -720,7 +720,7 @@ def ui(workdir: Path, host: str, port: int) -> None:
         return
     click.echo(f"MLflow UI: {server.url} (Ctrl-C to stop)")
     stop = threading.Event()
-    _on_signals(stop.set, "ui")
+    _on_signals(stop.set, "ui", first="stopping")
     try:
         while not stop.wait(1.0):
             if not server.is_running():

@@ -317,9 +317,10 @@ def fail_trial(
         frozen = storage.get_trial(trial._trial_id)
         if not failed and not failed_here_before(frozen, reason):
             return False  # finished elsewhere
-        if failed or not retried_trials(study, [frozen.number]):  # not queued by a try of
+        # Unless a try of this call whose reply was lost queued it already
+        if failed or not retried_trials(study, [frozen.number]):
             retry_callback(max_retries).requeue(study, frozen, interrupted=interrupted)
-    return True  # this call whose reply was lost
+    return True
 
 
 def failed_here_before(trial: FrozenTrial, reason: str) -> bool:
@@ -625,12 +626,12 @@ class Launcher:
             exp = client.get_experiment_by_name(self.cfg.name)
             runs = find_study_runs(client, exp.experiment_id) if exp is not None else []
         except Exception:  # best effort: the study's results are in Optuna already
-            runs = []
+            exp, runs = None, []
         for run_id in runs[:1]:
             close_study_run(
                 client, run_id, "FINISHED" if stopped_by in ENDED_AS_ASKED else "KILLED"
             )
-        if ended := end_dangling_runs(uri, self.cfg, self.study):
+        if exp is not None and (ended := end_dangling_runs(client, exp.experiment_id, self.study)):
             self._messages.append(f"ended {len(ended)} MLflow run(s) their gone workers left")
 
     def _start_tracking(self) -> str | None:

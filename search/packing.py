@@ -422,7 +422,7 @@ def plan_from_probe(
     counts = {
         g: workers_per_gpu(free[g], worst_trial_bytes, context, busy, max_per_gpu) for g in gpus
     }
-    # A GPU whose free memory cannot hold the largest trial gets no worker: alone on it, that
+    # A GPU that cannot hold the largest trial gets no worker: alone on it, that
     # trial would be admitted and run out of memory, and the sampler would learn that those
     # values fail. Unless no GPU can hold it: then each gets one, and such trials fail.
     measured_gpus = [
@@ -431,9 +431,9 @@ def plan_from_probe(
     # Judged as the ledger admits: with what this work folder's other workers hold added back
     # (their trials end; a trial of this launch waits for room rather than fail).
     short = [g for g in measured_gpus if HEADROOM * room[g] < per_worker]
-    if short and len(short) < len(gpus):
-        for g in short:
-            counts[g] = 0
+    skipped = short if len(short) < len(gpus) else []
+    for g in skipped:
+        counts[g] = 0
     first = next((g for g in gpus if counts[g] > 0), gpus[0] if gpus else "")
     k = counts.get(first, workers_per_gpu(total_bytes, worst_trial_bytes, context, busy,
                                           max_per_gpu))  # fmt: skip
@@ -451,7 +451,7 @@ def plan_from_probe(
             + f": one worker keeps a GPU {busy:.0%} busy; the largest trial needs "
             f"{per_worker // MiB} MiB"
         )
-    if short and len(short) < len(gpus):
+    if skipped:
         reason += "; no worker on " + ", ".join(f"{g} ({free[g] // MiB} MiB free)" for g in short)
     elif short:
         reason += "; no GPU has room for the largest trial: such trials run out of memory"

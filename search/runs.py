@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import math
 import os
@@ -950,8 +951,6 @@ def saved_epoch(path: Path) -> int | None:
         with open(path, "rb") as fh:
             is_json = fh.read(1) == b"{"
         if is_json:
-            import json
-
             return int(json.loads(path.read_bytes())["epoch"])
         import torch
 
@@ -961,17 +960,15 @@ def saved_epoch(path: Path) -> int | None:
         return None
 
 
-def end_dangling_runs(uri: str, cfg: StudyConfig, study: optuna.Study) -> list[str]:
+def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> list[str]:
     """End the trial runs still RUNNING in MLflow whose trials are finished in Optuna and
     whose workers, of this host and gone, can no longer end them: a worker killed
     while its told trial's run waited to be ended, or a trial failed by the orphan or stale
     check, which end no run. Status from the trial's outcome, as its worker would have set
-    it. One search; the runs ended. Best effort."""
-    from hpsearch.tracking.mlflow_logger import ROLE_TAG, ensure_experiment
+    it. One search in the study's experiment; the runs ended. Best effort."""
+    from hpsearch.tracking.mlflow_logger import ROLE_TAG
 
     try:
-        client = _client(uri)
-        experiment_id = ensure_experiment(client, cfg.name)
         running = client.search_runs(
             [experiment_id],
             filter_string=f"tags.`{ROLE_TAG}` = 'trial' and attributes.status = 'RUNNING'",

@@ -636,9 +636,9 @@ def join_server(workdir: Path) -> SharedServer | None:
     while not health_ok(url):
         # Alive but not answering (busy, or still starting): a second server would be a
         # second writer of the same SQLite file, and would leave this one running for good.
-        if time.monotonic() >= deadline or not _server_alive(state, pgid):
-            if not _server_alive(state, pgid):
-                return None
+        if not _server_alive(state, pgid):
+            return None
+        if time.monotonic() >= deadline:
             raise TrackingError(
                 f"the MLflow server of {Path(workdir).resolve()} (pid {pid}) runs but does "
                 f"not answer at {url} after {JOIN_HEALTH_S:.0f} s; stop it "
@@ -794,10 +794,10 @@ def attach_or_start(
 def serve_ui(
     workdir: Path, host: str = "127.0.0.1", port: int | None = DEFAULT_UI_PORT
 ) -> LocalServer:
-    """``hpsearch ui``: start the server on the store of ``workdir`` and return it; the CLI
-    prints ``server.url`` and blocks on ``server.wait()``, calling ``server.stop()`` on Ctrl-C.
-    ``port=None`` picks a free port. While a search's server already serves the store this
-    raises TrackingError naming its URL; check :func:`running_server_url` first to print it."""
+    """``hpsearch ui``: start the server on the store of ``workdir`` and return it, this
+    process its first user; the CLI prints ``server.url`` and calls ``server.release()`` on
+    Ctrl-C. ``port=None`` picks a free port. Call it under :func:`store_lock`, after
+    :func:`join_server` found no server (one writer per SQLite file)."""
     return start_local_server(workdir, host=host, port=port)
 
 

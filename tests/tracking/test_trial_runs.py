@@ -164,7 +164,7 @@ def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
         runs[name] = run.info.run_id
     retry = study.ask()  # inherits the failed try's run id until it links its own
     retry.set_user_attr("mlflow_run_id", runs["stale"])
-    ended = end_dangling_runs(mlflow_server.url, cfg, study)
+    ended = end_dangling_runs(client, experiment.experiment_id, study)
     session.close()
     assert sorted(ended) == sorted([runs["told"], runs["stale"], runs["died_telling"]])
     status = {k: client.get_run(v).info.status for k, v in runs.items()}
