@@ -151,6 +151,27 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
             ["sampler.name=grid"],
             "search_space.lr.type: 'float': the grid sampler needs categorical",
         ),
+        # YAML 1.1's `yes` was read as true, and pydantic made it 1.
+        (["budget.max_epochs=yes"], "budget.max_epochs: 'yes': must be a number, not a string"),
+        (["budget.max_epochs=true"], "budget.max_epochs: True: must be a number, not true/false"),
+        (['budget.n_trials="30"'], "budget.n_trials: '30': must be a number, not a string"),
+        (["trainer.defaults.batch_size=true"], "batch_size: True: must be a number"),
+        (["trainer.defaults.weight_decay=.inf"], "weight_decay: inf: Input should be a finite"),
+        (["search_space.lr.high=.nan"], "search_space.lr.high: nan: Input should be a finite"),
+        (  # Optuna would draw 37.4, and every trial would fail on it
+            ["search_space.batch_size={type: float, low: 16, high: 64}"],
+            "search_space.batch_size.type: 'float': batch_size is a whole number",
+        ),
+        (
+            ["search_space.batch_size={type: categorical, choices: [true, 64]}"],
+            "search_space.batch_size.choices: True: batch_size must be a number",
+        ),
+        (["objective.metric=[]"], "objective.metric: []: needs at least one metric"),
+        (["objective.metric=[val_acc, val_acc]"], "objective.metric: ['val_acc', 'val_acc']: a"),
+        (  # pydantic's union member ("literal['val_acc',...]") is not part of the field
+            ["objective.metric=accuracy"],
+            "objective.metric: 'accuracy': must be one of 'val_acc', 'val_loss'",
+        ),
     ],
 )
 def test_bad_study_files(tmp_path: Path, sets: list[str], expected: str) -> None:
@@ -202,40 +223,6 @@ def test_yaml_reads_plain_exponents_as_floats_keeps_quoted_strings_and_refuses_d
     # An int option written as a whole float is that int.
     cfg = load_config(write(tmp_path, GOOD), ["sampler.options={n_startup_trials: 1e1}"])
     assert make_sampler(cfg)._n_startup_trials == 10  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize(
-    ("sets", "expected"),
-    [
-        # YAML 1.1's `yes` was read as true, and pydantic made it 1.
-        (["budget.max_epochs=yes"], "budget.max_epochs: 'yes': must be a number, not a string"),
-        (["budget.max_epochs=true"], "budget.max_epochs: True: must be a number, not true/false"),
-        (['budget.n_trials="30"'], "budget.n_trials: '30': must be a number, not a string"),
-        (["trainer.defaults.batch_size=true"], "batch_size: True: must be a number"),
-        (["trainer.defaults.weight_decay=.inf"], "weight_decay: inf: Input should be a finite"),
-        (["search_space.lr.high=.nan"], "search_space.lr.high: nan: Input should be a finite"),
-        (  # Optuna would draw 37.4, and every trial would fail on it
-            ["search_space.batch_size={type: float, low: 16, high: 64}"],
-            "search_space.batch_size.type: 'float': batch_size is a whole number",
-        ),
-        (
-            ["search_space.batch_size={type: categorical, choices: [true, 64]}"],
-            "search_space.batch_size.choices: True: batch_size must be a number",
-        ),
-        (["objective.metric=[]"], "objective.metric: []: needs at least one metric"),
-        (["objective.metric=[val_acc, val_acc]"], "objective.metric: ['val_acc', 'val_acc']: a"),
-        (  # pydantic's union member ("literal['val_acc',...]") is not part of the field
-            ["objective.metric=accuracy"],
-            "objective.metric: 'accuracy': must be one of 'val_acc', 'val_loss'",
-        ),
-    ],
-)
-def test_numbers_metrics_and_integer_ranges_are_checked_at_load(
-    tmp_path: Path, sets: list[str], expected: str
-) -> None:
-    with pytest.raises(ConfigError) as info:
-        load_with(tmp_path, *sets)
-    assert expected in str(info.value), info.value
 
 
 def test_a_metric_without_a_direction_goes_its_own_way_and_only_true_false_are_booleans(
