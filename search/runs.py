@@ -489,6 +489,13 @@ def _subdirs(folder: Path) -> list[Path]:
         return []
 
 
+def _run_job(job: Callable[[], None]) -> None:
+    try:
+        job()
+    except Exception as exc:  # one trial's run must not stop the others'
+        logger.warning("MLflow: a trial's run failed to start: %s", scrub(str(exc)))
+
+
 class TrackingSession:
     """A worker's connection to MLflow: experiment, parent run, and a TrialRun per trial."""
 
@@ -550,10 +557,7 @@ class TrackingSession:
                 self._setup_done = True
             if self._setup_error is None:
                 for job in jobs:
-                    try:
-                        job()
-                    except Exception as exc:  # one trial's run must not stop the others'
-                        logger.warning("MLflow: a trial's run failed to start: %s", scrub(str(exc)))
+                    _run_job(job)
 
     def ready(self) -> bool:
         """Whether the set-up is over (its jobs may still be running)."""
@@ -568,14 +572,17 @@ class TrackingSession:
             raise self._setup_error
 
     def when_ready(self, job: Callable[[], None]) -> None:
-        """Run `job` now if the set-up is over, else on the set-up thread once it is (where
-        an exception it raises is logged, not raised)."""
+        """Run `job` on a thread of its own if the set-up is over, else on the set-up thread
+        once it is; never on the caller's (a trial's run start may wait minutes on a server
+        that does not answer). An exception it raises is logged, not raised."""
         with self._ready_lock:
             if not self.ready():
                 self._on_ready.append(job)
                 return
         if self._setup_error is None:
-            job()
+            threading.Thread(
+                target=_run_job, args=(job,), daemon=True, name="mlflow-run-start"
+            ).start()
 
     def _await_study_run(self, limit_s: float) -> None:
         """Wait, up to `limit_s`, until the server answers and the study run exists: the

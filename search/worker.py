@@ -647,12 +647,15 @@ def _first_heartbeat(study: optuna.Study, trial_id: int) -> None:
 
 
 class _LateRun:
-    """A trial's MLflow run (`TrialRun`), started as soon as the worker's MLflow session is
-    set up: at once for every trial but a worker's first, which trains meanwhile (importing
-    MLflow alone is 1.3 s of CPU on the path to the GPU's first step). Epoch records and the
-    latest resume checkpoint from before the start are handed to the run when it starts, and
-    the run is dated from the trial's start; so are its GPU samples, whose sampler starts
-    with the trial and is handed to the run. `wait` returns the run (or None) for the tell."""
+    """A trial's MLflow run (`TrialRun`), started off the training thread while the trial
+    trains: on a thread of its own once the worker's MLflow session is set up, else on the
+    set-up thread (a worker's first trial: importing MLflow alone is 1.3 s of CPU on the path
+    to the GPU's first step). A server that accepts connections but does not answer holds a
+    create for minutes (MLFLOW_HTTP_REQUEST_TIMEOUT per try, and its retries); the trial's
+    start does not wait for it. Epoch records and the latest resume checkpoint from before
+    the start are handed to the run when it starts, and the run is dated from the trial's
+    start; so are its GPU samples, whose sampler starts with the trial and is handed to the
+    run. `wait` returns the run (or None) for the tell."""
 
     def __init__(
         self, tracking: Any, trial: optuna.Trial, params: Mapping[str, Any], root: int,
@@ -666,17 +669,13 @@ class _LateRun:
         self._checkpoint: Path | None = None  # the latest resume checkpoint from before it
         self._error: StorageError | None = None
         self._cancelled = False
+        self._done = threading.Event()  # `_start` is over: `run` and `_error` are final
         self._args = (trial, params, root, ckpt, db, int(time.time() * 1000), run_key)
         # (sampler, relay) running from the trial's start, until the run takes it
-        self._gpu: tuple[Any, Any] | None = None
-        if not tracking.ready():
-            self._gpu = tracking.early_gpu_sampler()
+        self._gpu: tuple[Any, Any] | None = tracking.early_gpu_sampler()
         # Kept for `training_began`: the run takes the sampler from `_gpu` as it starts.
         self._early_sampler: Any = self._gpu[0] if self._gpu is not None else None
         tracking.when_ready(self._start)
-        if self._error is not None:  # started here, and the database is down: stop now
-            error, self._error = self._error, None
-            raise error
 
     def cancel(self) -> None:
         """The trial is over: a run that has not started now never starts (the worker
@@ -686,7 +685,13 @@ class _LateRun:
             gpu, self._gpu = self._gpu, None
         _stop_sampler(gpu)
 
-    def _start(self) -> None:  # here, or on the session's set-up thread
+    def _start(self) -> None:  # on a thread of its own, or on the session's set-up thread
+        try:
+            self._start_run()
+        finally:
+            self._done.set()
+
+    def _start_run(self) -> None:
         trial, params, root, ckpt, db, start_ms, run_key = self._args
         with self._lock:
             gpu, self._gpu = self._gpu, None
@@ -704,7 +709,7 @@ class _LateRun:
             run_id = run.run_id if run is not None else None
             if run_id:
                 db(lambda: trial.set_user_attr(ATTR_RUN_ID, run_id), "set_user_attr")
-        except StorageError as exc:  # the database stayed down: raised here or by `wait`
+        except StorageError as exc:  # the database stayed down: raised by `wait`
             self._error = exc
             if run is not None:  # not linked: ended now, not left running
                 run.finish_failed("failed", f"the trial's database write failed: {exc}", None)
@@ -775,12 +780,14 @@ class _LateRun:
             run.checkpoint_written(path)
 
     def wait(self) -> Any:
-        """The run, once started (after the session's set-up, waited for here)."""
+        """The run, once started (after the session's set-up and the start, waited for
+        here: a trial that ends before its run's create was answered waits for it)."""
         try:
             self._tracking.wait_ready()
         except Exception as exc:  # the set-up itself failed: no run for any trial
             logger.warning("MLflow set-up failed, trials go on untracked: %s", exc)
             return None
+        self._done.wait()  # the set-up succeeded, so the start was run or is running
         if self._error is not None:
             error, self._error = self._error, None
             raise error

@@ -109,6 +109,54 @@ def test_first_trial_trains_before_mlflow_is_ready(
     assert later and min(m.timestamp for m in later) >= by_number[1].info.start_time
 
 
+def test_a_trial_trains_while_a_slow_server_creates_its_run(
+    tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that takes its time to answer (one that hangs holds a create for minutes)
+    does not hold up a trial's start once the worker's session is set up: trial 1 trains
+    all its epochs while its run's create waits, and they reach the run after it."""
+    hang_s = 4.0  # s: the create of trial 1's run, well past its 3 epochs of 0.2 s
+    answered: dict[str, float] = {}
+    real = MlflowClient.create_run
+
+    def slow_create(self: MlflowClient, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("run_name") == "trial-1":
+            time.sleep(hang_s)
+            answered["ms"] = time.time() * 1000
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "create_run", slow_create)
+    monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.2")
+    name = f"slow-create-{time.time_ns()}"
+    cfg = load_config(
+        "tiny",
+        overrides=[f"name={name}", "budget.n_trials=2", "budget.max_epochs=3",
+                   "pruner={name: none}"],
+    )  # fmt: skip
+    journal = tmp_path / "optuna.journal"
+    spec = StorageSpec("journal", str(journal), "journal")
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train",
+        tracking_uri=mlflow_server.url,
+    )  # fmt: skip
+    assert run_worker(cfg, spec, opts).outcomes == {"finished": 2}
+
+    client = MlflowClient(mlflow_server.url)
+    exp = client.get_experiment_by_name(name)
+    assert exp is not None
+    runs = client.search_runs([exp.experiment_id], "tags.`hpsearch.role` = 'trial'")
+    second = next(r for r in runs if r.data.tags["optuna.trial_number"] == "1")
+    trial = _study(journal, name).trials[1]
+    assert trial.user_attrs["mlflow_run_id"] == second.info.run_id  # linked after all
+    assert second.info.status == "FINISHED"
+    epochs = client.get_metric_history(second.info.run_id, "val_acc")
+    assert [m.step for m in epochs] == [1, 2, 3]
+    # Trained while the create waited: every epoch ended before the server answered.
+    assert max(m.timestamp for m in epochs) < answered["ms"] - 1000
+    assert trial.datetime_start is not None
+    assert second.info.start_time <= min(m.timestamp for m in epochs)
+
+
 def test_a_trial_failing_before_mlflow_is_ready_gets_its_run(
     tmp_path: Path,
     mlflow_server: LocalServer,
