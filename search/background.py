@@ -41,7 +41,10 @@ def lower_priority(idle: bool = False) -> None:
     allowed, less happens."""
     tid = threading.get_native_id()
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, tid, NICE)
+        # NICE above the process's own (a worker started under `nice` stays below it), once
+        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + NICE)
+        if os.getpriority(os.PRIO_PROCESS, tid) < target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
     if idle:
         with contextlib.suppress(AttributeError, OSError):
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

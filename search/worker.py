@@ -748,7 +748,9 @@ class _LateRun:
         self._gpu_rule("pause_rule")
 
     def training_began(self) -> None:
-        """The trial's GPU work begins now: the rule starts its warm-up again."""
+        """The trial's GPU work begins now (its admission), or runs at speed (its first
+        epoch's end: after the data set-up and torch.compile's first steps): the rule
+        starts its warm-up again, and a flag raised before is void."""
         self._gpu_rule("restart_warmup")
 
     def _gpu_rule(self, method: str) -> None:
@@ -873,6 +875,8 @@ def run_trial(
         def on_epoch(record: Any) -> None:
             if not first_epoch:
                 first_epoch.append(int(record.epoch))
+                if late is not None:  # set-up and a compiling first epoch are not input-bound
+                    late.training_began()
             if late is not None:
                 t0 = time.perf_counter()
                 late.log_epoch(record)

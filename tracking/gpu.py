@@ -59,6 +59,7 @@ from hpsearch.tracking import logger
 
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_NOT_FOUND = 6  # nvmlDeviceGetProcessUtilization: no sample since the time given
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_SM = 1
 MIB = 1024 * 1024
@@ -316,16 +317,21 @@ class GpuSampler:
         self.stop_when_input_bound = stop_when_input_bound
         self.on_input_bound = on_input_bound
         self.pid = os.getpid() if pid is None else pid
+        # No mask in the environment: the trainer uses CUDA's first device (cuda:0), the one
+        # GPU of the machine's that is this trial's.
+        self._first_only = False
         if visible_devices is None and use_env:
             visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+            self._first_only = visible_devices is None
             if device_order is None:  # unset: CUDA's own default
                 device_order = os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
         self.visible_devices = visible_devices
         self.device_order = "PCI_BUS_ID" if device_order is None else device_order
         self._cuda_uuids = cuda_uuids
         self.clock = clock
-        self.input_bound = False
+        self.input_bound = False  # flagged once (the run's tag): see `should_stop`
         self.input_bound_mean: float | None = None
+        self._bound_now = False  # the latest judgment of the rule
         self.samples_taken = 0
         self._nvml = nvml
         self._devices: list[_DeviceStats] = []
@@ -369,7 +375,9 @@ class GpuSampler:
         try:
             uuids = nvml_uuids(nvml)
             refs = resolve_visible_devices(self.visible_devices, uuids)
-            if cuda_order_differs(self.visible_devices, self.device_order, len(uuids)):
+            if self._first_only and len(uuids) > 1:
+                refs = self._cudas_first(uuids)
+            elif cuda_order_differs(self.visible_devices, self.device_order, len(uuids)):
                 cuda = self._cuda_uuids()
                 by_uuid = refs_by_uuid(cuda, uuids) if cuda else []
                 if by_uuid:
@@ -392,6 +400,10 @@ class GpuSampler:
                     dev.energy_start_mj = float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
                 except Exception:  # not supported on this GPU: integrate power instead
                     dev.energy_start_mj = None
+                # NVML answers a first query (timestamp 0) from its whole sample buffer:
+                # seconds of this PID's previous trial, or of processes since gone.
+                self._process_utilization(dev)
+                dev.util_pid_seen = False
                 self._devices.append(dev)
         except Exception as exc:  # telemetry is optional
             warn_once("nvml-devices", "GPU telemetry off: cannot list GPUs with NVML (%s)", exc)
@@ -405,6 +417,23 @@ class GpuSampler:
             self._shutdown_nvml()
             return False
         return True
+
+    def _cudas_first(self, uuids: Sequence[str]) -> list[DeviceRef]:
+        """CUDA's device 0 among NVML's GPUs (CUDA numbers them fastest first unless
+        CUDA_DEVICE_ORDER=PCI_BUS_ID, NVML's order): found by its UUID where torch gives it."""
+        if (self.device_order or "").strip().upper() == "PCI_BUS_ID":
+            return [0]
+        cuda = self._cuda_uuids()
+        found = refs_by_uuid(list(cuda or [])[:1], uuids)
+        if found:
+            return found
+        warn_once(
+            "cuda-first",
+            "GPU telemetry: CUDA_VISIBLE_DEVICES is unset on a machine of %d GPUs and CUDA's "
+            "first device is not known to NVML here; NVML's GPU 0 is sampled as the trial's",
+            len(uuids),
+        )
+        return [0]
 
     def start(self) -> bool:
         """Open NVML and start the sampling thread. False (and nothing logged) without a GPU."""
@@ -420,9 +449,13 @@ class GpuSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=max(5.0, self.interval_s * 2))
+            if self._thread.is_alive():  # an NVML call hangs (a GPU off the bus), holding
+                # the lock that the summary takes: the trial ends without one
+                warn_once("gpu-hang", "GPU telemetry: NVML does not answer; no GPU summary")
+                return {}
             self._thread = None
-        if self._devices and self.samples_taken == 0:
-            self.sample_once()
+        if self._devices:
+            self.sample_once()  # energy and power up to the end, not to the last period
         summary = self.summary()
         self._shutdown_nvml()
         return summary
@@ -455,10 +488,15 @@ class GpuSampler:
             self._started_at = self.clock()
             self._history.clear()
             self._history_start = None
+            self.input_bound = False  # a flag raised before (set-up, compiling) is void
+            self.input_bound_mean = None
+            self._bound_now = False
 
     def should_stop(self) -> bool:
-        """True when the policy asks to stop input-bound trials and this one is flagged."""
-        return self.stop_when_input_bound and self.input_bound
+        """True when the policy asks to stop input-bound trials and this one is input-bound
+        over the latest window (not once: a first epoch that read a cold disk and then ran
+        from the page cache is not stopped for it)."""
+        return self.stop_when_input_bound and self._bound_now
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -559,10 +597,14 @@ class GpuSampler:
         try:
             samples = nvml.nvmlDeviceGetProcessUtilization(dev.handle, dev.last_proc_ts)
         except Exception as exc:
-            if nvml_error_code(exc) in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NO_PERMISSION):
+            code = nvml_error_code(exc)
+            if code in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NO_PERMISSION):
                 dev.proc_util_supported = False
                 return None
-            return 0.0  # NOT_FOUND / no sample since last time: this process was idle
+            if code == NVML_ERROR_NOT_FOUND:  # no sample since last time: no process ran
+                return 0.0
+            return None  # a failed query (a timeout, a lost GPU, a race sizing pynvml's
+            # buffer) says nothing: not an idle sample for the rule
         fresh = [s for s in samples if int(s.timeStamp) > dev.last_proc_ts]
         mine = [s for s in fresh if int(s.pid) == self.pid]
         if samples:
@@ -602,6 +644,7 @@ class GpuSampler:
         flag, mean = is_input_bound(
             list(self._history), t, self.window_s, self.threshold_pct, self._history_start
         )
+        self._bound_now = flag
         if flag and not self.input_bound and mean is not None:
             self.input_bound = True
             self.input_bound_mean = mean

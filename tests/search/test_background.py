@@ -169,3 +169,24 @@ assert sorted(p.name for p in files) == [
 assert "matplotlib" not in sys.modules, "the worker imported matplotlib"
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_background_thread_runs_below_a_niced_worker() -> None:
+    """NICE is added to the process's own nice value: a worker started under `nice -n 5`
+    (as in a container's entry point) keeps its background threads below its training."""
+    code = (
+        "import os, threading\n"
+        "from hpsearch.background import NICE, lower_priority\n"
+        "out = []\n"
+        "def run():\n"
+        "    lower_priority(); lower_priority()  # twice: added once\n"
+        "    out.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))\n"
+        "t = threading.Thread(target=run); t.start(); t.join()\n"
+        "print(out[0] - os.getpriority(os.PRIO_PROCESS, 0), NICE)\n"
+    )
+    done = subprocess.run(
+        ["nice", "-n", "5", sys.executable, "-c", code], capture_output=True, text=True,
+        timeout=60, check=True,
+    )  # fmt: skip
+    added, nice = done.stdout.split()
+    assert int(added) == int(nice)

@@ -318,6 +318,33 @@ def test_the_rule_waits_out_a_wait_for_gpu_memory() -> None:
     assert flagged == [True, False]
 
 
+def test_a_flag_before_training_runs_is_void_and_stopping_follows_the_latest_window() -> None:
+    """Set-up and a compiling first epoch leave the GPU idle for minutes: the worker restarts
+    the warm-up at the first epoch's end, which voids a flag raised before. A trial that
+    was input-bound (a cold first read) and runs at speed since is not stopped for it."""
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].util, nvml.gpus[0].proc_util = 0.0, {PID: 0.0}
+    clock = Clock()
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock, window_s=60.0,
+                   warmup_s=10.0, threshold_pct=50.0, stop_when_input_bound=True)  # fmt: skip
+    assert s.open()
+    for _ in range(20):  # 100 s of set-up
+        s.sample_once()
+        clock.t += 5
+    assert s.input_bound and s.should_stop()
+    s.restart_warmup()  # the first epoch's end
+    assert not s.input_bound and not s.should_stop()
+    for _ in range(16):  # starved: flagged again, and stopped at the next report
+        s.sample_once()
+        clock.t += 5
+    assert s.input_bound and s.should_stop()
+    nvml.gpus[0].util, nvml.gpus[0].proc_util = 95.0, {PID: 90.0}
+    for _ in range(13):  # a whole window at speed
+        s.sample_once()
+        clock.t += 5
+    assert s.input_bound and not s.should_stop()  # recorded, no longer stopped
+
+
 def test_busy_gpu_is_not_input_bound_and_policy_off_never_stops() -> None:
     nvml = FakeNVML(fleet(1))
     clock = Clock()
@@ -507,3 +534,80 @@ def test_share_scaled_utilization() -> None:
     assert share_scaled_utilization(24.0, 4) == 96.0
     assert share_scaled_utilization(40.0, 4) == 100.0  # capped
     assert share_scaled_utilization(30.0, 0) == 30.0  # at least this process
+
+
+def test_without_a_mask_only_cudas_first_gpu_is_sampled(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trainer uses cuda:0 when CUDA_VISIBLE_DEVICES is unset: the other GPUs of the
+    machine are not the trial's, and their idle time must not flag it input-bound."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    nvml = FakeNVML(fleet())
+    s = GpuSampler(None, nvml=nvml, pid=PID, cuda_uuids=lambda: [UUIDS[2], UUIDS[0]])
+    assert s.open() and s.device_refs == [2]  # CUDA's fastest first: found by its UUID
+    s.stop()
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    s = GpuSampler(None, nvml=FakeNVML(fleet()), pid=PID, cuda_uuids=lambda: None)
+    assert s.open() and s.device_refs == [0]
+    s.stop()
+    monkeypatch.delenv("CUDA_DEVICE_ORDER")
+    s = GpuSampler(None, nvml=FakeNVML(fleet()), pid=PID, cuda_uuids=lambda: None)
+    assert s.open() and s.device_refs == [0]
+    s.stop()
+    assert "NVML's GPU 0 is sampled" in caplog.text
+    s = GpuSampler(None, nvml=FakeNVML(fleet()), pid=PID, use_env=False)
+    assert s.open() and s.device_refs == [0, 1, 2, 3]  # asked for all of them
+    s.stop()
+
+
+def test_the_first_query_skips_what_nvml_buffered_before_the_trial() -> None:
+    """NVML answers a query from timestamp 0 with its whole buffer: the previous trial of
+    this worker (the same PID), and processes since gone, which counted as busy sharers."""
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].buffered = [(PID, 5.0), (70001, 90.0), (70002, 90.0)]
+    nvml.gpus[0].proc_util = {PID: 80.0}
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=Clock())
+    assert s.open()
+    assert s.sample_once()["system/gpu_process_utilization"] == 80.0
+    assert s.stop()["system/gpu_process_utilization_mean"] == 80.0
+
+
+def test_a_failed_process_query_is_not_an_idle_sample() -> None:
+    """Only NOT_FOUND means no process ran since the last query; a timeout or a lost GPU
+    says nothing, and counted as 0 % it flagged a busy trial."""
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].util, nvml.gpus[0].proc_util = 95.0, {PID: 90.0}
+    clock = Clock()
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock, warmup_s=0)
+    assert s.open()
+    s.sample_once()
+    nvml.gpus[0].proc_error = 10  # NVML_ERROR_TIMEOUT
+    for _ in range(20):
+        s.sample_once()
+        clock.t += 5
+    assert not s.input_bound
+    nvml.gpus[0].proc_error, nvml.gpus[0].proc_util = None, {}  # NOT_FOUND: idle
+    for _ in range(20):
+        s.sample_once()
+        clock.t += 5
+    assert s.input_bound
+
+
+def test_stop_samples_the_end_and_gives_up_on_a_hanging_nvml() -> None:
+    nvml = FakeNVML(fleet(1))
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=Clock())
+    assert s.open()
+    nvml.gpus[0].energy_mj = 1_005_000.0
+    s.sample_once()
+    nvml.gpus[0].energy_mj = 1_012_000.0  # the last interval, after the last periodic sample
+    assert s.stop()["system/gpu_energy_j"] == 12.0
+    nvml = FakeNVML(fleet(1))
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, interval_s=0.05)
+    assert s.start()
+    time.sleep(0.2)
+    nvml.gpus[0].hang_s = 8.0  # the next sample hangs, holding the sampler's lock
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert s.stop() == {}  # no summary, and no wait for NVML
+    assert time.monotonic() - t0 < 6.5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,11 @@ class FakeGpu:
     proc_util: dict[int, float] | None = field(default_factory=dict)  # None = not supported
     proc_mem: dict[int, int] = field(default_factory=dict)
     ts: int = 0
+    # (pid, %) samples from before the sampler opened, in NVML's buffer: a query with
+    # timestamp 0 returns them too
+    buffered: list[tuple[int, float]] = field(default_factory=list)
+    proc_error: int | None = None  # nvmlDeviceGetProcessUtilization raises this code
+    hang_s: float = 0.0  # nvmlDeviceGetUtilizationRates takes this long (a GPU off the bus)
 
 
 class FakeNVML:
@@ -110,6 +116,8 @@ class FakeNVML:
         return self.gpus[h]
 
     def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+        if self.gpus[h].hang_s:
+            time.sleep(self.gpus[h].hang_s)
         return SimpleNamespace(gpu=self._q(h).util, memory=10)
 
     def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
@@ -136,12 +144,15 @@ class FakeNVML:
         g = self._q(h)
         if g.proc_util is None:
             raise FakeNVMLError(3)
+        if g.proc_error is not None:
+            raise FakeNVMLError(g.proc_error)
         g.ts += 1_000_000
-        if not g.proc_util:
+        old = [(pid, u, g.ts - 500_000) for pid, u in g.buffered] if last_seen == 0 else []
+        if not g.proc_util and not old:
             raise FakeNVMLError(6)  # NOT_FOUND: no sample
         return [
-            SimpleNamespace(pid=pid, smUtil=u, memUtil=0, timeStamp=g.ts)
-            for pid, u in g.proc_util.items()
+            SimpleNamespace(pid=pid, smUtil=u, memUtil=0, timeStamp=ts)
+            for pid, u, ts in [*old, *((pid, u, g.ts) for pid, u in g.proc_util.items())]
         ]
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
