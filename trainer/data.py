@@ -311,7 +311,10 @@ def decoded_nbytes(n: int, size: int) -> int:
 
 
 def cache_path(src: Source, size: int, workdir: Path) -> Path:
-    ident = hashlib.sha1(f"{CACHE_VERSION}|{src.ident}|{list(src.items)!r}".encode()).hexdigest()
+    # The labels too: they number the classes of train/'s folders, which val/ and test/
+    # file lists do not show (a class added to train/ only renumbers the ones after it).
+    key = f"{CACHE_VERSION}|{src.ident}|{list(src.items)!r}|{list(src.class_names)!r}".encode()
+    ident = hashlib.sha1(key + np.ascontiguousarray(src.labels).tobytes()).hexdigest()
     name = f"{src.dataset}-{src.split}-{size}px-n{len(src)}-{ident[:12]}.npz"
     return Path(workdir) / "cache" / name
 

@@ -111,12 +111,14 @@ class Schedule:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on weight matrices and conv kernels only, not on biases or norm scales."""
+    """Weight decay on weight matrices and conv kernels only, not on biases, norm scales or
+    ConvNeXt's per-channel `layer_scale` (shaped (C, 1, 1), so not told apart by rank)."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim > 1 else no_decay).append(p)
+            kernel = p.ndim > 1 and not name.endswith("layer_scale")
+            (decay if kernel else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

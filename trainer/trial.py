@@ -83,7 +83,10 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
             return None
         return torch.bfloat16 if precision == "bf16" else None
     if precision == "auto":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # Native bf16 only (Ampere and later): torch counts emulated bf16 as supported, which
+        # runs without tensor cores on a T4 or V100, slower than fp16.
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
 
 
@@ -681,6 +684,14 @@ def _train(
                 run.checkpoint_path = ckpt_path
             run.stop_reason, run.message = "interrupted", f"interrupted before epoch {epoch}"
             return
+        if timeout is not None and elapsed() > timeout:  # the epoch before ended past it
+            run.stop_reason = "time_limit"
+            run.message = (
+                f"trial time limit {timeout:g}s reached before epoch {epoch}; "
+                f"{len(run.history)} complete epochs kept"
+            )
+            save_best()
+            break  # to the test pass
         t_epoch = time.perf_counter()
         # Every random stream is re-seeded from (seed, epoch): a resumed run draws exactly
         # what the uninterrupted one would have drawn.
@@ -692,6 +703,7 @@ def _train(
         correct = torch.zeros((), device=device, dtype=torch.long)
         first_bad = torch.full((), -1, device=device, dtype=torch.long)
         seen = 0
+        cut_short = False  # the time limit stopped the epoch before its last step
         for i, (x_u8, y) in enumerate(train_batches(train_split, batch_size, seed, epoch, device)):
             schedule.apply(optimizer, step)
             x, target = augment.train_batch(x_u8, y, spec, gen, np_rng)
@@ -725,6 +737,7 @@ def _train(
             if (i + 1) % check_every == 0 and first_bad.item() >= 0:
                 break
             if timeout is not None and elapsed() > timeout:
+                cut_short = i + 1 < steps_per_epoch  # else the epoch is whole: evaluated
                 break
         bad_step = int(first_bad.item())
         if bad_step >= 0:
@@ -734,7 +747,7 @@ def _train(
             run.message = f"loss is {kind} at epoch {epoch} step {bad_step}"
             # No best model written: told PRUNED, it is never ranked (see `discard` below).
             return
-        if timeout is not None and elapsed() > timeout:
+        if cut_short:
             run.stop_reason = "time_limit"
             run.message = (
                 f"trial time limit {timeout:g}s reached during epoch {epoch}; "
@@ -751,6 +764,10 @@ def _train(
             val_acc, val_loss, confusion = evaluate(
                 fwd, val_split, res, num_classes, device, amp, tc.channels_last
             )
+            if not math.isfinite(val_loss):  # the epoch's last step broke the weights
+                run.stop_reason = "diverged"
+                run.message = f"validation loss is {val_loss} after epoch {epoch}"
+                return  # as a diverged step: not reported, no best model
             schedule.observe(val_loss)
         record = EpochRecord(
             epoch=epoch,

@@ -181,3 +181,14 @@ def test_fast_path_auto_respects_max_cache_mb(flowers_root: Path) -> None:
     assert data.use_fast_path(cfg, [src], 16)  # 0.8 MB
     on = make_config({"name": "flowers102", "fast_path": "on", "max_cache_mb": 1})
     assert data.use_fast_path(on, [src], 512)
+
+
+def test_the_cache_key_follows_the_class_numbering(tmp_path: Path) -> None:
+    """A class folder added to train/ only renumbers the classes after it: val/'s file list
+    is the same, and its cache of the old labels scored val against the wrong classes."""
+    files = [tmp_path / "val" / "b" / "1.jpg", tmp_path / "val" / "c" / "2.jpg"]
+    before = data.Source("folder", "val", files, np.array([0, 1]), ["b", "c"], ident="r")
+    after = data.Source("folder", "val", files, np.array([1, 2]), ["a", "b", "c"], ident="r")
+    assert data.cache_path(before, 32, tmp_path) != data.cache_path(after, 32, tmp_path)
+    again = data.Source("folder", "val", list(files), np.array([0, 1]), ["b", "c"], ident="r")
+    assert data.cache_path(before, 32, tmp_path) == data.cache_path(again, 32, tmp_path)

@@ -89,6 +89,17 @@ def test_no_weight_decay_on_norms_and_biases() -> None:
     assert len(decay["params"]) + len(no_decay["params"]) == n
 
 
+def test_no_weight_decay_on_convnexts_layer_scale() -> None:
+    """torchvision's ConvNeXt keeps a per-channel scale of shape (C, 1, 1) in each block:
+    a scale, not a kernel, though its rank is 3."""
+    model = torchvision.models.convnext_tiny(num_classes=3)
+    decay, no_decay = param_groups(model, 5e-4)
+    scales = [p for name, p in model.named_parameters() if name.endswith("layer_scale")]
+    assert len(scales) == 18 and all(p.ndim == 3 for p in scales)
+    assert all(any(p is q for q in no_decay["params"]) for p in scales)
+    assert not any(p is q for p in scales for q in decay["params"])
+
+
 def test_warm_cache_keeps_the_most_recently_used_compiled_models() -> None:
     """Compiled models stay on the device outside any trial's reservation: a worker keeps
     only `max_models` of them, dropping the least recently used."""

@@ -169,6 +169,36 @@ def test_divergence_then_next_trial_works(tmp_path: Path) -> None:
     assert all(r.train_loss == r.train_loss for r in good.history)  # not NaN
 
 
+def test_weights_broken_by_an_epochs_last_step_are_not_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A last step with a finite loss and non-finite gradients leaves NaN weights that no
+    step of the epoch shows: the validation loss does, and the pruner is not given it."""
+    real = train_module.evaluate
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        acc, _, confusion = real(*args, **kwargs)
+        return acc, math.nan, confusion
+
+    monkeypatch.setattr(train_module, "evaluate", broken)
+    reports: list[int] = []
+    result = train(synthetic(), TINY, lambda e, v: bool(reports.append(e)),
+                   TrainOptions(device="cpu", workdir=tmp_path))  # fmt: skip
+    assert result.stop_reason == "diverged" and "validation loss is nan" in result.message
+    assert reports == [] and result.best_model_path is None
+
+
+def test_auto_precision_takes_bf16_only_where_it_is_native(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch counts emulated bf16 as supported (a T4, a V100): fp16 runs faster there."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation)  # fmt: skip
+    assert train_module.resolve_precision("auto", torch.device("cuda")) == torch.float16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert train_module.resolve_precision("auto", torch.device("cuda")) == torch.bfloat16
+
+
 class _OOMModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -515,6 +545,30 @@ def test_a_trial_stopped_by_its_time_limit_gets_the_test_accuracy_of_its_best_we
     model = load_trained_model(cfg, TINY, result.best_model_path)
     assert evaluate_model(cfg, TINY, model, "val", tmp_path)[0] == result.best_val_acc
     assert evaluate_model(cfg, TINY, model, "test", tmp_path)[0] == result.test_acc
+
+
+def test_an_epoch_the_time_limit_falls_in_after_its_last_step_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limit passing in the last step of the last epoch: that epoch is whole, so it is
+    evaluated and the trial finished (it was dropped, and the trial ended time_limit)."""
+    skew = {"s": 0.0}
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew["s"])
+    monkeypatch.setattr(train_module, "time", clock)
+    real = train_module.train_batches
+
+    def batches(split: Any, batch_size: int, seed: int, epoch: int, device: Any) -> Any:
+        items = list(real(split, batch_size, seed, epoch, device))
+        for k, item in enumerate(items):
+            if epoch == 2 and k == len(items) - 1:
+                skew["s"] += 1000.0  # the limit passes during this, the epoch's last step
+            yield item
+
+    monkeypatch.setattr(train_module, "train_batches", batches)
+    cfg = synthetic(budget={"max_epochs": 2, "trial_timeout_s": 500.0})
+    result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    assert result.stop_reason == "finished" and result.epochs_run == 2, result.message
+    assert result.history[-1].val_acc is not None
 
 
 def test_a_resumed_trial_counts_its_earlier_tries_against_its_time_limit(
