@@ -257,10 +257,6 @@ class TrialRun:
         if self.uploader is not None:
             self.uploader.submit(path)
 
-    def stop_input_bound(self) -> bool:
-        """True when the study's policy stops input-bound trials and this one is."""
-        return bool(self.sampler is not None and self.sampler.should_stop())
-
     def _note_input_bound(self) -> None:
         """Record it on the Optuna trial too, where `launch` progress and `status` see it."""
         if self.trial.number in self.session._input_bound:

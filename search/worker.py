@@ -659,9 +659,10 @@ class _LateRun:
 
     def __init__(
         self, tracking: Any, trial: optuna.Trial, params: Mapping[str, Any], root: int,
-        ckpt: Path, db: Db, run_key: str | None = None,
+        ckpt: Path, db: Db, run_key: str | None = None, stop: threading.Event | None = None,
     ) -> None:  # fmt: skip
         self.run: Any = None
+        self._stop = stop  # the worker's: `wait` gives up on a start still in progress
         self._tracking = tracking
         self._lock = threading.Lock()
         self._started = False  # the start was tried: `run` is final
@@ -706,14 +707,17 @@ class _LateRun:
             )
             if run is not None:
                 gpu = None  # the run's now: it stops the sampler when it ends
+            with self._lock:
+                cancelled = self._cancelled
+            if cancelled and run is not None:  # the trial ended while the create waited
+                run.finish_failed("interrupted", "the worker stopped before the run started",
+                                  None)  # fmt: skip
+                run = None
             run_id = run.run_id if run is not None else None
             if run_id:
                 db(lambda: trial.set_user_attr(ATTR_RUN_ID, run_id), "set_user_attr")
-        except StorageError as exc:  # the database stayed down: raised by `wait`
+        except StorageError as exc:  # the database stayed down: `wait` writes the link again
             self._error = exc
-            if run is not None:  # not linked: ended now, not left running
-                run.finish_failed("failed", f"the trial's database write failed: {exc}", None)
-                run = None
         except Exception as exc:  # tracking is best effort: the trial goes on untracked
             logger.warning("trial %s: no MLflow run: %s", trial.number, exc)
         _stop_sampler(gpu)  # no run took it
@@ -789,11 +793,38 @@ class _LateRun:
         except Exception as exc:  # the set-up itself failed: no run for any trial
             logger.warning("MLflow set-up failed, trials go on untracked: %s", exc)
             return None
-        self._done.wait()  # the set-up succeeded, so the start was run or is running
+        # The set-up succeeded, so the start was run or is running: a create that waits on
+        # a server that does not answer is given up when the worker stops.
+        while not self._done.wait(0.2):
+            if self._stop is not None and self._stop.is_set():
+                self.cancel()  # the run, if it is made after all, is ended at once
+                return None
         if self._error is not None:
+            # The link's write outlasted the database outage limit on the start's thread,
+            # while the trial trained: written again here, before the trial is told.
             error, self._error = self._error, None
-            raise error
+            trial, db = self._args[0], self._args[4]
+            run = self.run
+            if run is None or not run.run_id:
+                raise error
+            try:
+                db(lambda: trial.set_user_attr(ATTR_RUN_ID, run.run_id), "set_user_attr")
+            except StorageError as again:
+                self.run = None  # not linked: ended now, not left running
+                run.finish_failed("failed", f"the trial's database write failed: {again}", None)
+                raise
         return self.run
+
+    def stop_input_bound(self) -> bool:
+        """Whether the trial's GPU sampler asks to stop it as input-bound: the sampler runs
+        from the trial's start, before its run exists."""
+        with self._lock:
+            sampler = self._early_sampler or getattr(self.run, "sampler", None)
+        try:
+            return bool(sampler is not None and sampler.should_stop())
+        except Exception as exc:  # telemetry never stops a trial by failing
+            logger.warning("trial GPU sampler: %s", exc)
+            return False
 
 
 def _stop_sampler(gpu: tuple[Any, Any] | None) -> None:
@@ -865,7 +896,7 @@ def run_trial(
         if tracking is not None and root != trial.number and previous_run and fetch:
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
         late = (
-            _LateRun(tracking, trial, params, root, ckpt, db, run_key)
+            _LateRun(tracking, trial, params, root, ckpt, db, run_key, stop)
             if tracking is not None
             else None
         )
@@ -887,8 +918,7 @@ def run_trial(
             t0 = time.perf_counter()
             try:
                 stop = reports.report(epoch, value)
-                run = late.run if late is not None else None
-                if run is not None and run.stop_input_bound():
+                if late is not None and late.stop_input_bound():
                     # tracking.stop_input_bound: a starved GPU is stopped like a pruned trial.
                     db(lambda: trial.set_user_attr("stopped_by", "input_bound"), "set_user_attr")
                     return True
@@ -1202,8 +1232,9 @@ def _open_tracking(
         logger.info("removed %s: its worker is gone", gone)
 
     # The first trial trains while MLflow is imported and the study run awaited (_LateRun).
-    # Not with checkpoint uploads (workers on several hosts): there a trial's run exists
-    # before it trains, so that another host can resume it from the run's uploads.
+    # Not with checkpoint uploads (workers on several hosts): there the session is set up
+    # first, so that the first trial's run starts at once beside its training, as every
+    # later trial's does, and takes its uploads from the first checkpoint on.
     return TrackingSession(
         cfg, spec, opts.tracking_uri, opts.resolved_id(), await_study_run_s=opts.await_study_run_s,
         background=not cfg.tracking.upload_checkpoints, stop=stop,

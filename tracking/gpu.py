@@ -52,6 +52,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -338,6 +339,7 @@ class GpuSampler:
         self._initialized = False
         self._started_at: float | None = None
         self._paused = False  # pause_rule: waiting for GPU memory, no rule judged
+        self._restart_at: float | None = None  # restart_warmup's time, until applied
         self._history: deque[tuple[float, float]] = deque()
         self._history_start: float | None = None
         self._thread: threading.Thread | None = None
@@ -445,7 +447,8 @@ class GpuSampler:
         return True
 
     def stop(self) -> dict[str, float]:
-        """Stop the thread, take a last sample, release NVML; returns :meth:`summary`."""
+        """Stop the thread, read the energy (or power) up to now, release NVML; returns
+        :meth:`summary`. A thread stuck in an NVML call is not waited for past a timeout."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=max(5.0, self.interval_s * 2))
@@ -454,8 +457,11 @@ class GpuSampler:
                 warn_once("gpu-hang", "GPU telemetry: NVML does not answer; no GPU summary")
                 return {}
             self._thread = None
-        if self._devices:
-            self.sample_once()  # energy and power up to the end, not to the last period
+            # its last act was reading the energy up to now (_run)
+        elif self._devices and self.samples_taken == 0:
+            self.sample_once()
+        elif self._devices:
+            self._read_energy()
         summary = self.summary()
         self._shutdown_nvml()
         return summary
@@ -476,27 +482,25 @@ class GpuSampler:
         """Judge no input-bound rule until :meth:`restart_warmup`: a packed trial waiting for
         GPU memory runs no work of its own, so its idle GPU says nothing about its input
         pipeline (a wait longer than the warm-up and the window flagged it, and stopped it
-        at its first report). Samples are still taken and logged."""
-        with self._lock:
-            self._paused = True
+        at its first report). Samples are still taken and logged.
+
+        Takes no lock (nor does :meth:`restart_warmup`): the training thread calls both, and
+        the sampler's thread holds the lock through its NVML calls, which may hang."""
+        self._restart_at = None
+        self._paused = True
 
     def restart_warmup(self) -> None:
-        """Judge the input-bound rule from now on, after a new warm-up (the trial's work
-        starts now), forgetting the samples before."""
-        with self._lock:
-            self._paused = False
-            self._started_at = self.clock()
-            self._history.clear()
-            self._history_start = None
-            self.input_bound = False  # a flag raised before (set-up, compiling) is void
-            self.input_bound_mean = None
-            self._bound_now = False
+        """Judge the input-bound rule from now on (applied at the next sample), after a new
+        warm-up, forgetting the samples before: the trial's work starts now, or runs at
+        speed. A flag raised before stays on record (the run's tag) but stops nothing."""
+        self._restart_at = self.clock()
+        self._bound_now = False
 
     def should_stop(self) -> bool:
         """True when the policy asks to stop input-bound trials and this one is input-bound
         over the latest window (not once: a first epoch that read a cold disk and then ran
         from the page cache is not stopped for it)."""
-        return self.stop_when_input_bound and self._bound_now
+        return self.stop_when_input_bound and self._restart_at is None and self._bound_now
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -504,6 +508,24 @@ class GpuSampler:
         while not self._stop.is_set():
             self.sample_once()
             self._stop.wait(self.interval_s)
+        self._read_energy()  # up to the stop, not to the last period's sample
+
+    def _read_energy(self) -> None:
+        """The energy counters (or a power reading), outside any sample: the GPU is idle
+        after training, and such a sample would weigh on the rule and the utilization."""
+        try:
+            with self._lock:
+                t = self.clock()
+                for dev in self._devices:
+                    nvml, h = self._nvml, dev.handle
+                    if dev.energy_start_mj is not None:
+                        energy = _try(partial(nvml.nvmlDeviceGetTotalEnergyConsumption, h))
+                        if energy is not None:
+                            dev.energy_last_mj = float(energy)
+                    elif (power_mw := _try(partial(nvml.nvmlDeviceGetPowerUsage, h))) is not None:
+                        dev.power.append((t, float(power_mw) / 1000.0))
+        except Exception as exc:  # telemetry never kills training
+            warn_once("gpu-energy", "GPU telemetry: reading the energy failed (%s)", exc)
 
     def sample_once(self, now: float | None = None) -> dict[str, float]:
         """Take one sample of every device, update the summaries and the input-bound rule,
@@ -631,6 +653,14 @@ class GpuSampler:
         return float(sum(used)) / MIB
 
     def _update_input_bound(self, t: float, util: float) -> None:
+        restart = self._restart_at
+        if restart is not None:  # restart_warmup, applied here under the lock
+            self._restart_at = None
+            self._paused = False
+            self._started_at = restart
+            self._history.clear()
+            self._history_start = None
+            self._bound_now = False
         if self._paused:
             return
         start = self._started_at if self._started_at is not None else t

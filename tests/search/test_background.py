@@ -182,11 +182,11 @@ def test_a_background_thread_runs_below_a_niced_worker() -> None:
         "    lower_priority(); lower_priority()  # twice: added once\n"
         "    out.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))\n"
         "t = threading.Thread(target=run); t.start(); t.join()\n"
-        "print(out[0] - os.getpriority(os.PRIO_PROCESS, 0), NICE)\n"
+        "print(out[0], os.getpriority(os.PRIO_PROCESS, 0), NICE)\n"
     )
     done = subprocess.run(
         ["nice", "-n", "5", sys.executable, "-c", code], capture_output=True, text=True,
         timeout=60, check=True,
     )  # fmt: skip
-    added, nice = done.stdout.split()
-    assert int(added) == int(nice)
+    thread, process, nice = (int(v) for v in done.stdout.split())
+    assert process >= 5 and thread == min(19, process + nice)  # capped at 19 (CI under nice)

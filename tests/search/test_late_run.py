@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+from hpsearch.errors import StorageError
 from hpsearch.worker import _LateRun
 
 
@@ -35,6 +37,9 @@ class SlowRun:
 
     def checkpoint_written(self, path: Path) -> None:
         self.checkpoints.append(path)
+
+    def finish_failed(self, outcome: str, reason: str, tb: str | None) -> None:
+        self.ended = (outcome, reason)
 
 
 class Session:
@@ -153,3 +158,65 @@ def test_a_trial_waiting_for_gpu_memory_pauses_its_samplers_rule(
     late.waiting_for_gpu()
     late.training_began()
     assert (run.sampler.pauses, run.sampler.restarts) == (1, 1)  # type: ignore[attr-defined]
+
+
+def test_a_link_the_outage_kept_from_its_write_is_written_before_the_tell(
+    tmp_path: Path,
+) -> None:
+    """The start's thread gave up writing the run's link (the database down past the
+    outage limit) while the trial trained: the tell's wait writes it again, and keeps the
+    run; if it fails again, the run is ended and the worker stops (StorageError)."""
+    for comes_back in (True, False):
+        run = SlowRun()
+        run.release.set()
+        session = Session(run)
+        trial = Trial()
+        tries: list[str] = []
+
+        def db(fn: Callable[[], Any], what: str, tries: list[str] = tries,
+               comes_back: bool = comes_back) -> Any:  # fmt: skip
+            tries.append(what)
+            if len(tries) == 1 or not comes_back:
+                raise StorageError("the database is down")
+            return fn()
+
+        late = _LateRun(session, trial, {}, 0, tmp_path / "ckpt", db)  # type: ignore[arg-type]
+        session.jobs[0]()
+        late.log_epoch(Record(1))
+        if comes_back:
+            assert late.wait() is run and trial.user_attrs == {"mlflow_run_id": "run-0"}
+            assert run.epochs == [1] and not hasattr(run, "ended")
+        else:
+            with pytest.raises(StorageError):
+                late.wait()
+            assert run.ended[0] == "failed" and trial.user_attrs == {}
+        assert len(tries) == 2
+
+
+def test_a_trial_that_ends_while_its_create_waits_leaves_no_run_running(
+    tmp_path: Path,
+) -> None:
+    """A worker told to stop does not wait out a create that hangs (minutes on a server
+    that does not answer); the run, made after all, is ended at once, not left RUNNING."""
+    run = SlowRun()
+    session = Session(run)
+    answered = threading.Event()
+
+    def slow_start(*args: Any, **kwargs: Any) -> SlowRun:
+        answered.wait(10)
+        return run
+
+    session.start_trial = slow_start  # type: ignore[method-assign]
+    stop = threading.Event()
+    trial = Trial()
+    late = _LateRun(session, trial, {}, 0, tmp_path / "ckpt", lambda fn, what: fn(), None, stop)  # type: ignore[arg-type]
+    start = threading.Thread(target=session.jobs[0])
+    start.start()
+    stop.set()  # Ctrl-C
+    t0 = time.perf_counter()
+    assert late.wait() is None
+    assert time.perf_counter() - t0 < 2.0
+    answered.set()  # the server answers at last
+    start.join(10)
+    assert run.ended[0] == "interrupted" and trial.user_attrs == {}
+    assert late.run is None

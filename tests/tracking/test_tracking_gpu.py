@@ -318,10 +318,11 @@ def test_the_rule_waits_out_a_wait_for_gpu_memory() -> None:
     assert flagged == [True, False]
 
 
-def test_a_flag_before_training_runs_is_void_and_stopping_follows_the_latest_window() -> None:
+def test_a_flag_before_training_runs_stops_nothing_and_stopping_follows_the_window() -> None:
     """Set-up and a compiling first epoch leave the GPU idle for minutes: the worker restarts
-    the warm-up at the first epoch's end, which voids a flag raised before. A trial that
-    was input-bound (a cold first read) and runs at speed since is not stopped for it."""
+    the warm-up at the first epoch's end, after which a flag raised before (kept on record,
+    as the run's tag is) stops nothing. A trial that was input-bound (a cold first read)
+    and runs at speed since is not stopped for it."""
     nvml = FakeNVML(fleet(1))
     nvml.gpus[0].util, nvml.gpus[0].proc_util = 0.0, {PID: 0.0}
     clock = Clock()
@@ -333,7 +334,7 @@ def test_a_flag_before_training_runs_is_void_and_stopping_follows_the_latest_win
         clock.t += 5
     assert s.input_bound and s.should_stop()
     s.restart_warmup()  # the first epoch's end
-    assert not s.input_bound and not s.should_stop()
+    assert s.input_bound and not s.should_stop()
     for _ in range(16):  # starved: flagged again, and stopped at the next report
         s.sample_once()
         clock.t += 5
@@ -594,14 +595,18 @@ def test_a_failed_process_query_is_not_an_idle_sample() -> None:
     assert s.input_bound
 
 
-def test_stop_samples_the_end_and_gives_up_on_a_hanging_nvml() -> None:
+def test_stop_reads_the_energy_to_the_end_and_gives_up_on_a_hanging_nvml() -> None:
     nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].proc_util = {PID: 80.0}
     s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=Clock())
     assert s.open()
     nvml.gpus[0].energy_mj = 1_005_000.0
     s.sample_once()
     nvml.gpus[0].energy_mj = 1_012_000.0  # the last interval, after the last periodic sample
-    assert s.stop()["system/gpu_energy_j"] == 12.0
+    nvml.gpus[0].proc_util = {}  # training is over: the GPU is idle at the stop
+    summary = s.stop()
+    assert summary["system/gpu_energy_j"] == 12.0
+    assert summary["system/gpu_process_utilization_mean"] == 80.0  # no idle sample added
     nvml = FakeNVML(fleet(1))
     s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, interval_s=0.05)
     assert s.start()
@@ -609,5 +614,8 @@ def test_stop_samples_the_end_and_gives_up_on_a_hanging_nvml() -> None:
     nvml.gpus[0].hang_s = 8.0  # the next sample hangs, holding the sampler's lock
     time.sleep(0.2)
     t0 = time.monotonic()
+    s.pause_rule()  # the training thread's calls do not wait for it
+    s.restart_warmup()
+    assert time.monotonic() - t0 < 0.5
     assert s.stop() == {}  # no summary, and no wait for NVML
     assert time.monotonic() - t0 < 6.5
