@@ -52,7 +52,8 @@ def _study_options(fn: F) -> F:
                      help="Allow downloading the dataset if it is missing."),
         click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
                      default=Path(".hpsearch"), show_default=True, envvar="HPSEARCH_WORKDIR",
-                     help="Work folder: journal storage, data cache, checkpoints, MLflow store."),
+                     help="Work folder: journal storage, data cache, checkpoints, MLflow store "
+                          "(else HPSEARCH_WORKDIR)."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
                      show_default=True, help="Where trials train."),
     ]  # fmt: skip
@@ -65,7 +66,8 @@ def _workdir_option(fn: F) -> F:
     return click.option(
         "--workdir", type=click.Path(file_okay=False, path_type=Path),
         default=Path(".hpsearch"), envvar="HPSEARCH_WORKDIR",
-        help="Work folder (journal storage, MLflow store); default ./.hpsearch.",
+        help="Work folder (journal storage, MLflow store); else HPSEARCH_WORKDIR, "
+             "else ./.hpsearch.",
     )(fn)  # fmt: skip
 
 
@@ -314,7 +316,11 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     click.echo(f"done ({summary.stopped_by}): complete {c['complete']} pruned {c['pruned']} "
                f"failed {c['fail']} waiting {c['waiting']} | best {best}")  # fmt: skip
     if summary.tracking_uri:
-        click.echo(f"MLflow: {summary.tracking_uri} (hpsearch ui --workdir {workdir})")
+        from hpsearch.tracking.server import redact_uri
+
+        embedded = opts.tracking_uri is None  # the work folder's server: `ui` serves it again
+        hint = f" (hpsearch ui --workdir {workdir})" if embedded else ""
+        click.echo(f"MLflow: {redact_uri(summary.tracking_uri)}{hint}")
     if summary.stopped_by == "workers_failed":
         raise click.ClickException("every worker crashed; see the messages above and "
                                    f"{workdir}/logs/")  # fmt: skip
@@ -518,7 +524,7 @@ def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> Non
         click.echo("best: - (no completed trial yet)")
     for r in st.running:
         click.echo(f"running: trial {r['number']} on {r['worker'] or '-'} ({r['host'] or '-'}), "
-                   f"last epoch {r['last_epoch']}")  # fmt: skip
+                   f"last epoch {_or_dash(r['last_epoch'])}")  # fmt: skip
     if st.startup_s_median is not None:
         click.echo(f"per-trial start-up (ask to first step): median {st.startup_s_median:.2f} s")
 
@@ -753,6 +759,15 @@ def dashboard(storage: str | None, workdir: Path, host: str, port: int) -> None:
     )  # fmt: skip
 
 
+# Click 8.2 and later raise it for a group called without a command (8.1 shows the help
+# and exits 0 itself); its message is the whole help, not a one-line error.
+_NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
 def main() -> None:
     """Console entry point: every error, click's own included, is one line and a non-zero exit."""
     # MLflow draws a progress bar for each artifact download (the launcher copies the best
@@ -760,6 +775,9 @@ def main() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     try:
         cli.main(standalone_mode=False)
+    except _NO_ARGS as exc:  # `hpsearch` alone: its help, as click shows it
+        exc.show()
+        sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

@@ -643,7 +643,7 @@ def _build_config(
     if isinstance(raw.get("dataset"), dict):
         if data_dir:
             raw["dataset"]["root"] = data_dir
-        elif env_dir and not raw["dataset"].get("root"):
+        elif env_dir:  # the environment over the file, as the README and --help say
             raw["dataset"]["root"] = env_dir
         if download is not None:
             raw["dataset"]["download"] = download

@@ -116,13 +116,23 @@ def assign_gpus(n_workers: int, gpus: Sequence[str] | None) -> list[str | None]:
 
 
 def worker_env(
-    base: Mapping[str, str], storage_url: str, gpu: str | None, cpu_threads: int | None
+    base: Mapping[str, str],
+    storage_url: str,
+    gpu: str | None,
+    cpu_threads: int | None,
+    tracking_uri: str | None = None,
 ) -> dict[str, str]:
     """A worker's environment: `base` placed on `gpu` (`gpu_env`, as the probe is), the
-    storage URL, which may hold a password, in the environment rather than in argv (`ps`
-    shows argv), and `cpu_threads` intra-op threads unless the user set OMP_NUM_THREADS."""
+    storage URL and the MLflow tracking URI, which may hold a password, in the environment
+    rather than in argv (`ps` shows argv), and `cpu_threads` intra-op threads unless the
+    user set OMP_NUM_THREADS."""
     env = gpu_env(base, gpu)
     env["HPSEARCH_STORAGE"] = storage_url
+    # The resolved study file a worker gets holds the launch's data folder (--data-dir, or
+    # this variable): the variable would win over it.
+    env.pop("HPSEARCH_DATA_DIR", None)
+    if tracking_uri:
+        env["MLFLOW_TRACKING_URI"] = tracking_uri
     env["PYTHONUNBUFFERED"] = "1"
     if cpu_threads is not None:
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
@@ -742,7 +752,8 @@ class Launcher:
         if tracking_uri:
             # The study run may still be in the making (_prepare_tracking): wait for it
             # rather than open a second one; as long as an embedded server may take to start.
-            cmd += ["--tracking-uri", tracking_uri, "--await-study-run", f"{AWAIT_STUDY_RUN_S:.0f}"]
+            # The URI itself goes in the environment (worker_env), as the storage URL does.
+            cmd += ["--await-study-run", f"{AWAIT_STUDY_RUN_S:.0f}"]
         else:
             cmd += ["--no-tracking"]
         if opts.timeout_s is not None:
@@ -757,7 +768,7 @@ class Launcher:
         if opts.device == "cpu" or slot.gpu is None:
             # CPU trials share the cores: one thread pool per worker oversubscribes them.
             threads = max(1, (os.cpu_count() or 1) // opts.workers)
-        env = worker_env(os.environ, self.spec.url, slot.gpu, threads)
+        env = worker_env(os.environ, self.spec.url, slot.gpu, threads, tracking_uri)
         log_dir = opts.workdir / "logs"
         if slot.log is not None:
             slot.log.close()

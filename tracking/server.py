@@ -12,6 +12,7 @@ signals the whole group, SIGTERM first, then SIGKILL, and waits until the group 
 from __future__ import annotations
 
 import atexit
+import base64
 import contextlib
 import fcntl
 import json
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal
-from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from hpsearch.errors import TrackingError
 
@@ -285,12 +286,27 @@ def health_ok(url: str, timeout_s: float = 2.0, *, any_status: bool = False) -> 
     """True when ``<url>/health`` answers 200; with ``any_status``, when a server answers
     there at all (a hosted MLflow may have no ``/health``)."""
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as resp:
+        with urllib.request.urlopen(_health_request(url), timeout=timeout_s) as resp:
             return any_status or int(resp.status) == 200
     except urllib.error.HTTPError:  # an answer, not a 2xx one
         return any_status
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def _health_request(url: str) -> urllib.request.Request:
+    """GET ``<url>/health``; a login in the URL (``http://user:password@host``, which MLflow's
+    client sends as basic auth) goes in an Authorization header: urllib cannot open such a
+    URL itself."""
+    parts = urlsplit(url.rstrip("/"))
+    headers: dict[str, str] = {}
+    if "@" in parts.netloc:
+        login, _, hostport = parts.netloc.rpartition("@")
+        user, _, password = login.partition(":")
+        pair = f"{unquote(user)}:{unquote(password)}".encode()
+        headers["Authorization"] = "Basic " + base64.b64encode(pair).decode("ascii")
+        parts = parts._replace(netloc=hostport)
+    return urllib.request.Request(f"{urlunsplit(parts)}/health", headers=headers)
 
 
 def _read_tail(path: Path, max_bytes: int = 8192) -> str:

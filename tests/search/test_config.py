@@ -69,7 +69,7 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     p = write(tmp_path, {**GOOD, "dataset": {**GOOD["dataset"], "root": "/from/file"}})
     assert load_config(p).dataset.root == "/from/file"
     monkeypatch.setenv("HPSEARCH_DATA_DIR", "/from/env")
-    assert load_config(p).dataset.root == "/from/file"  # the file names it explicitly
+    assert load_config(p).dataset.root == "/from/env"  # as the README says: over the file
     assert load_config(write(tmp_path, GOOD)).dataset.root == "/from/env"
     assert load_config(p, data_dir="/from/cli").dataset.root == "/from/cli"
 

@@ -412,6 +412,15 @@ def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
     assert "Traceback" not in r.stderr
 
 
+def test_hpsearch_alone_shows_its_help_not_a_one_line_error(
+    subprocess_env: dict[str, str],
+) -> None:
+    r = hpsearch([], subprocess_env, timeout=120)
+    assert r.returncode == 2 and "Error" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("Usage:") and "Commands:" in lines
+
+
 def test_every_command_has_help_with_an_example() -> None:
     from hpsearch.cli import cli
 

@@ -204,6 +204,9 @@ def test_the_probe_and_the_workers_get_the_same_gpu_environment(
         "1,0",
     )
     assert worker["HPSEARCH_STORAGE"] == "postgresql://u:secret@h/db"
+    # The resolved study file holds the launch's data folder; the variable would win over it.
+    monkeypatch.setenv("HPSEARCH_DATA_DIR", "/elsewhere")
+    assert "HPSEARCH_DATA_DIR" not in launcher.worker_env(os.environ, "postgresql:///db", "1", None)
     monkeypatch.delenv("CUDA_DEVICE_ORDER")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     cpu = launcher.worker_env(os.environ, "postgresql:///db", None, 1)

@@ -71,6 +71,52 @@ def test_password_never_leaks(pg_url: str, tmp_path: Path, subprocess_env: dict[
         assert SECRET not in Path(study_yaml).read_text()
 
 
+def test_a_tracking_password_is_in_no_output_and_no_workers_command_line(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A tracking server behind basic auth (`http://user:password@host`): the launch's last
+    line shows the URI masked, without the embedded server's `hpsearch ui` hint, and its
+    workers get the URI in their environment, not in their argv (`ps` shows argv)."""
+    import subprocess
+    import sys
+    import time
+
+    from hpsearch.tracking.server import start_local_server
+    from mlflow.tracking import MlflowClient
+
+    with start_local_server(tmp_path / "server") as server:
+        url = server.url.replace("http://", f"http://bob:{SECRET}@")  # the server ignores it
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "hpsearch.cli", "launch", "--study", "tiny", "--workers",
+             "2", "--trials", "2", "--storage", pg_url, "--workdir", str(tmp_path / "w"),
+             "--train-fn", DUMMY, "--tracking-uri", url, "--set", "name=secret-uri",
+             "--set", "budget.max_epochs=2"],
+            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        argvs: list[str] = []
+        while launch.poll() is None:
+            for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:  # the process ended meanwhile
+                    continue
+                if "hpsearch.cli worker" in text:
+                    argvs.append(text)
+            time.sleep(0.05)
+        out, err = launch.communicate()
+        assert launch.returncode == 0, out + err
+        assert argvs and not any(SECRET in a for a in argvs)
+        assert SECRET not in out + err
+        assert f"MLflow: http://bob:***@127.0.0.1:{server.port}" in out
+        assert "hpsearch ui" not in out
+        exp = MlflowClient(server.url).get_experiment_by_name("secret-uri")
+        assert exp is not None
+        trial_runs = MlflowClient(server.url).search_runs(
+            [exp.experiment_id], "tags.`hpsearch.role` = 'trial'"
+        )
+        assert len(trial_runs) == 2  # the workers logged there, through the environment
+
+
 def test_tracking_password_never_in_errors_or_warnings(
     pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
