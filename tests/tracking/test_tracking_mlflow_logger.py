@@ -511,9 +511,11 @@ def test_outage_mid_trial_buffers_and_delivers_after_restart(
         assert small_run.data.tags[INCOMPLETE_TAG] == "true"
         assert small_run.info.status == "FINISHED"
         steps = sorted(m.step for m in client.get_metric_history(small.run_id, "val_acc"))
-        # buffer 1 + 1 in flight: of epochs 2-4 and the final batch, the final one and one
-        # epoch survive
-        assert steps[:2] == [0, 1] and len(steps) == 3
+        # Buffer 1 + 1 in flight: of epochs 2-4 (and the final batch) one or two survive,
+        # by when the sender, which runs at a lower priority than this thread, takes the
+        # next one; never all three.
+        assert steps[:2] == [0, 1] and 3 <= len(steps) <= 4, steps
+        assert small.stats.batches_dropped >= 1
     finally:
         restarted.stop()
     assert "server unreachable" in tracking_logs.text
