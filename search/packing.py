@@ -309,62 +309,113 @@ def holder_alive(pid: int, start: int | None) -> bool:
     return now is None or now == start
 
 
+def first_in_line(pid: int, since: float | None, waiting: Mapping[int, float]) -> bool:
+    """Whether `pid`, waiting since `since` (s since the epoch; None: not waiting, one
+    look), may be admitted before the trials `waiting` ({pid: since}) for the same GPU: the
+    earliest goes first, ties by PID. A large trial is not passed for good by small ones
+    that keep fitting beside each other (it waited out its limit and failed, and the
+    sampler learned that large values fail)."""
+    mine = (math.inf, pid) if since is None else (since, pid)
+    return all((t, p) > mine for p, t in waiting.items() if p != pid)
+
+
+@dataclass
+class _Book:
+    held: dict[int, int]  # {pid: bytes} of the trials running on the GPU
+    waiting: dict[int, float]  # {pid: since, s since the epoch} of trials waiting for room
+    starts: dict[int, int | None]  # {pid: start ticks} of both
+
+
 class GpuLedger:
     """Memory reservations of the trials running on one GPU of this machine: a JSON file
-    {pid: [bytes, start ticks]} under the work folder, changed under flock. Entries of dead
-    processes are dropped, so a killed worker frees its reservation; the start time keeps a
-    PID reused after a crash or a reboot from holding a dead worker's reservation."""
+    {pid: [bytes, start ticks]} under the work folder, changed under flock, beside one of
+    the trials waiting for room {pid: [since, start ticks]}, served first come first served.
+    Entries of dead processes are dropped, so a killed worker frees its reservation and its
+    place in line; the start time keeps a PID reused after a crash or a reboot from holding
+    a dead worker's."""
 
     def __init__(self, workdir: Path, gpu: str, total_bytes: int, headroom: float = HEADROOM):
         self.path = Path(workdir) / "gpu" / f"ledger-{gpu}.json"
-        self.total_bytes = total_bytes
+        self.wait_path = self.path.with_name(f"waiting-{gpu}.json")  # apart: older versions
+        self.total_bytes = total_bytes  # read the ledger as {pid: entry}
         self.headroom = headroom
 
+    def _read(self, path: Path, starts: dict[int, int | None]) -> dict[int, float]:
+        try:
+            raw = json.loads(path.read_text() or "{}")
+        except (OSError, ValueError):
+            raw = {}
+        out: dict[int, float] = {}
+        for key, value in raw.items():
+            # [value, start]; a bare number from an older version: start unknown
+            got, start = (value[0], value[1]) if isinstance(value, list) else (value, None)
+            if holder_alive(int(key), start):
+                out[int(key)], starts[int(key)] = got, start
+        return out
+
+    def _write(
+        self, path: Path, entries: Mapping[int, float], starts: dict[int, int | None]
+    ) -> None:
+        out = {
+            str(p): [v, starts[p] if p in starts else process_start(p)] for p, v in entries.items()
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out))
+        os.replace(tmp, path)
+
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[int, int]]:
+    def _locked(self) -> Iterator[_Book]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_suffix(".lock"), "a") as fh:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
             try:
-                try:
-                    raw = json.loads(self.path.read_text() or "{}")
-                except (OSError, ValueError):
-                    raw = {}
                 starts: dict[int, int | None] = {}
-                book: dict[int, int] = {}
-                for key, value in raw.items():
-                    # [bytes, start]; a bare number from an older version: start unknown
-                    need, start = (value[0], value[1]) if isinstance(value, list) else (value, None)
-                    if holder_alive(int(key), start):
-                        book[int(key)], starts[int(key)] = int(need), start
+                held = {p: int(b) for p, b in self._read(self.path, starts).items()}
+                book = _Book(held, self._read(self.wait_path, starts), starts)
                 yield book
-                out = {
-                    str(p): [b, starts[p] if p in starts else process_start(p)]
-                    for p, b in book.items()
-                }
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(out))
-                os.replace(tmp, self.path)
+                self._write(self.path, book.held, starts)
+                if book.waiting or self.wait_path.exists():
+                    self._write(self.wait_path, book.waiting, starts)
             finally:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
-    def try_reserve(self, need_bytes: int, pid: int | None = None) -> bool:
+    def try_reserve(
+        self, need_bytes: int, pid: int | None = None, since: float | None = None
+    ) -> bool:
+        """Reserve `need_bytes` for `pid` if they fit beside the trials running and no trial
+        waits before it. `since` (s since the epoch): it waits in line from then, and a
+        refusal keeps its place; None: one look, which waits behind every trial in line."""
         pid = os.getpid() if pid is None else pid
         with self._locked() as book:
-            others = {p: b for p, b in book.items() if p != pid}
-            if not admit(need_bytes, others, self.total_bytes, self.headroom):
+            others = {p: b for p, b in book.held.items() if p != pid}
+            first = first_in_line(pid, since, book.waiting)
+            if not (first and admit(need_bytes, others, self.total_bytes, self.headroom)):
+                if since is not None:
+                    book.waiting[pid] = since
                 return False
-            book[pid] = need_bytes
+            book.held[pid] = need_bytes
+            book.waiting.pop(pid, None)
             return True
+
+    def leave_line(self, pid: int | None = None) -> None:
+        """`pid` waits no longer (stopped, or given up): the trials behind it move up."""
+        pid = os.getpid() if pid is None else pid
+        with self._locked() as book:
+            book.waiting.pop(pid, None)
 
     def release(self, pid: int | None = None) -> None:
         pid = os.getpid() if pid is None else pid
         with self._locked() as book:
-            book.pop(pid, None)
+            book.held.pop(pid, None)
+            book.waiting.pop(pid, None)
 
     def reserved(self) -> dict[int, int]:
         with self._locked() as book:
-            return dict(book)
+            return dict(book.held)
+
+    def waiting(self) -> dict[int, float]:
+        with self._locked() as book:
+            return dict(book.waiting)
 
     @contextlib.contextmanager
     def reservation(
@@ -376,18 +427,26 @@ class GpuLedger:
     ) -> Iterator[float]:
         """Hold `need_bytes` on this GPU while the block runs; yields the seconds waited.
 
-        Waits while the GPU is full. Raises DeviceError after `max_wait_s` (a trial
-        that never fits beside the others must not hang its worker forever)."""
+        Waits in line while the GPU is full: trials that wait are admitted in the order they
+        came. Raises AdmissionStopped when `should_stop` says so, or after `max_wait_s` (a
+        neighbour that never ends must not hang the worker): the trial is handed back
+        untouched, not failed, since its values did nothing wrong."""
         t0 = time.monotonic()
-        while not self.try_reserve(need_bytes):
-            if should_stop():
-                raise AdmissionStopped(f"stopped after waiting {time.monotonic() - t0:.0f} s")
-            if time.monotonic() - t0 > max_wait_s:
-                raise DeviceError(
-                    f"GPU memory: a trial needing {need_bytes // MiB} MiB waited "
-                    f"{time.monotonic() - t0:.0f} s for room beside the trials packed there"
-                )
-            time.sleep(poll_s)
+        since = time.time()
+        try:
+            while not self.try_reserve(need_bytes, since=since):
+                if should_stop():
+                    raise AdmissionStopped(f"stopped after waiting {time.monotonic() - t0:.0f} s")
+                if time.monotonic() - t0 > max_wait_s:
+                    raise AdmissionStopped(
+                        f"a trial needing {need_bytes // MiB} MiB waited "
+                        f"{time.monotonic() - t0:.0f} s for room beside the trials packed "
+                        "there; handed back"
+                    )
+                time.sleep(poll_s)
+        except BaseException:
+            self.leave_line()
+            raise
         try:
             yield time.monotonic() - t0
         finally:

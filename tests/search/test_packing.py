@@ -19,6 +19,7 @@ from hpsearch import launcher
 from hpsearch.config import load_config
 from hpsearch.errors import DeviceError
 from hpsearch.packing import (
+    AdmissionStopped,
     GpuLedger,
     MemoryModel,
     MiB,
@@ -26,6 +27,7 @@ from hpsearch.packing import (
     admit,
     busy_fraction,
     busy_from_step_times,
+    first_in_line,
     fit_memory,
     gpu_env,
     gpus_through_mask,
@@ -588,8 +590,10 @@ def test_reservation_waits_for_room_then_gives_up(tmp_path: Path) -> None:
     try:
         assert ledger.try_reserve(8 * GiB, pid=sleeper.pid)
         waiting = ledger.reservation(4 * GiB, poll_s=0.05, max_wait_s=0.3)
-        with pytest.raises(DeviceError, match=r"waited \d+ s for room"), waiting:
+        # Handed back, not failed: its values did nothing wrong; its place in line is left.
+        with pytest.raises(AdmissionStopped, match=r"waited \d+ s for room.*handed back"), waiting:
             pass
+        assert ledger.waiting() == {}
         threading.Timer(0.5, lambda: ledger.release(pid=sleeper.pid)).start()
         with ledger.reservation(4 * GiB, poll_s=0.05) as waited:
             assert waited >= 0.4
@@ -598,6 +602,50 @@ def test_reservation_waits_for_room_then_gives_up(tmp_path: Path) -> None:
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_trials_waiting_for_gpu_memory_are_admitted_in_the_order_they_came(
+    tmp_path: Path,
+) -> None:
+    """A large trial waiting for room is not passed by small ones that keep fitting beside
+    the trials running: it waited out its limit and failed, and the sampler learned that
+    large values fail. A waiter that dies leaves the line."""
+    ledger = GpuLedger(tmp_path, "0", total_bytes=10 * GiB)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    running, large = subprocess.Popen(sleep), subprocess.Popen(sleep)
+    try:
+        assert ledger.try_reserve(8 * GiB, pid=running.pid)
+        assert not ledger.try_reserve(4 * GiB, pid=large.pid, since=100.0)  # in line
+        assert ledger.waiting() == {large.pid: 100.0}
+        assert not ledger.try_reserve(1 * GiB)  # fits, but the large trial came first
+        assert not ledger.try_reserve(1 * GiB, since=200.0)
+        ledger.release(pid=running.pid)
+        assert not ledger.try_reserve(1 * GiB, since=200.0)  # still behind it
+        assert ledger.try_reserve(4 * GiB, pid=large.pid, since=100.0)
+        assert ledger.try_reserve(1 * GiB, since=200.0)  # now beside it
+        assert ledger.waiting() == {}
+        ledger.release()
+        assert not ledger.try_reserve(6 * GiB, since=300.0)  # 4 + 6 > 9: in line
+        ledger.release(pid=large.pid)
+        assert not ledger.try_reserve(1 * GiB, pid=running.pid)  # this one waits first
+        ledger.leave_line()  # it gave up
+        assert ledger.try_reserve(1 * GiB, pid=running.pid)
+        assert not ledger.try_reserve(9 * GiB, pid=large.pid, since=400.0)
+        large.kill()
+        large.wait()
+        assert ledger.try_reserve(1 * GiB)  # the dead waiter's place is gone
+    finally:
+        for proc in (running, large):
+            proc.kill()
+            proc.wait()
+
+
+def test_first_in_line() -> None:
+    assert first_in_line(5, 10.0, {})
+    assert first_in_line(5, 10.0, {5: 10.0, 7: 11.0})
+    assert not first_in_line(5, 10.0, {3: 9.0})
+    assert first_in_line(3, 10.0, {5: 10.0}) and not first_in_line(5, 10.0, {3: 10.0})  # PIDs
+    assert not first_in_line(5, None, {9: 1e12})  # one look waits behind every trial in line
 
 
 def _on_first_refusal(
