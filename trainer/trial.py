@@ -553,19 +553,33 @@ def _train(
     run.batch_size, run.micro_batch = batch_size, micro
 
     def split_of(src: data.Source, is_train: bool) -> Split:
-        return load_split(
-            config,
-            src,
-            size,
-            res,
-            device,
-            fast,
-            workdir,
-            options.warm,
-            train=is_train,
-            batch_size=batch_size,
-            seed=seed,
+        nonlocal fast
+
+        def load(on_device: bool) -> Split:
+            return load_split(config, src, size, res, device, on_device, workdir, options.warm,
+                              train=is_train, batch_size=batch_size, seed=seed)  # fmt: skip
+
+        if not (fast and config.dataset.fast_path == "auto"):
+            return load(fast)
+        try:
+            return load(True)
+        except RuntimeError as exc:  # the GPU has less room than max_cache_mb allows
+            if not _out_of_memory(exc, device):
+                raise
+        # Not the trial's batch size: were it reported as out of memory, the sampler would
+        # learn that its values fail. This and later splits stream from the CPU instead.
+        fast = False
+        if options.warm is not None:
+            options.warm.data.clear()  # the worker's datasets on the device, freed below
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        warnings.warn(
+            f"dataset {config.dataset.name}: its {src.split} split does not fit in GPU memory "
+            "beside training (dataset.fast_path: auto): streamed from the CPU",
+            stacklevel=2,
         )
+        return load(False)
 
     train_split = split_of(train_src, True)
     val_split = split_of(val_src, False)

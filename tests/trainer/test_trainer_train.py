@@ -188,6 +188,32 @@ def test_weights_broken_by_an_epochs_last_step_are_not_reported(
     assert reports == [] and result.best_model_path is None
 
 
+def test_a_dataset_the_gpu_cannot_hold_streams_instead_of_failing_the_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fast_path=auto checks the decoded size against max_cache_mb, not the GPU's room: an
+    upload that runs out of memory was reported as the trial's batch size running out,
+    and the sampler learned that every value fails. The split streams from the CPU."""
+    real = train_module._decoded_to_device
+    uploads: list[int] = []
+
+    def upload(dec: Any, device: Any) -> Any:
+        uploads.append(len(dec.labels))
+        if len(uploads) == 2:  # the val split: the GPU is full
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.80 GiB")
+        return real(dec, device)
+
+    monkeypatch.setattr(train_module, "_decoded_to_device", upload)
+    cfg = synthetic(dataset={"fast_path": "auto"},
+                    trainer={"evaluate_test": False, "num_workers": 0})  # fmt: skip
+    warm = train_module.WarmCache()
+    opts = TrainOptions(device="cpu", workdir=tmp_path, warm=warm)
+    with pytest.warns(UserWarning, match="val split does not fit in GPU memory"):
+        result = train(cfg, TINY, options=opts)
+    assert result.stop_reason == "finished" and result.epochs_run == 2, result.message
+    assert len(uploads) == 2 and warm.data == {}  # the train split's copy given back
+
+
 def test_auto_precision_takes_bf16_only_where_it_is_native(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
