@@ -384,7 +384,8 @@ def _on_signals(
     "-n",
     type=click.IntRange(min=1),
     default=None,
-    help="Set the study's total trials (else the budget the last launch set).",
+    help="Set the study's total trials, as --set budget.n_trials=N does (else the budget "
+    "the last launch set).",
 )
 @click.option(
     "--max-trials",
@@ -468,7 +469,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         heartbeat_interval_s=heartbeat,
         max_retries=max_retries,
         train_fn=train_fn,
-        set_budget=trials is not None,
+        set_budget=trials is not None or "budget.n_trials" in _set_keys(overrides),
         packing=packing,
         sampler_stream=sampler_stream,
     )
@@ -762,6 +763,11 @@ def dashboard(storage: str | None, workdir: Path, host: str, port: int) -> None:
 # Click 8.2 and later raise it for a group called without a command (8.1 shows the help
 # and exits 0 itself); its message is the whole help, not a one-line error.
 _NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+def _set_keys(overrides: tuple[str, ...]) -> set[str]:
+    """The keys that `--set key=value` options name."""
+    return {o.split("=", 1)[0].strip() for o in overrides}
 
 
 def _or_dash(value: object) -> str:

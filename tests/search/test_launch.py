@@ -154,6 +154,12 @@ def test_relaunch_resumes_and_independent_worker_joins(
             "best_trial": best_n,
         }
     ]
+    # A worker given the budget with --set, as --trials gives it, records it and runs to it
+    # (it was read and ignored: the recorded 12 were spent, and the worker ran nothing).
+    more = hpsearch(["worker", *common, "--set", "budget.n_trials=13"], subprocess_env)
+    assert more.returncode == 0, more.stdout + more.stderr
+    study = hps.load_study("tiny", storage=pg_url)
+    assert len(finished(study)) == 13 and study.user_attrs["hpsearch.n_trials"] == 13
 
 
 def test_embedded_default_several_workers(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
