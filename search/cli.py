@@ -518,7 +518,11 @@ def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> Non
         return
     counts = " ".join(f"{k} {v}" for k, v in st.counts.items())
     click.echo(f"study {st.name} ({st.storage}): {counts}")
-    if st.best:
+    if st.best and st.pareto_size is not None:  # no single best: the front, and one of it
+        click.echo(f"pareto front: {st.pareto_size} trials; first by the first objective: "
+                   f"trial {st.best['number']} values {format_value(st.best['value'])} "
+                   f"params {_params_of(st.best)}")  # fmt: skip
+    elif st.best:
         click.echo(f"best: trial {st.best['number']} value {format_value(st.best['value'])} "
                    f"params {_params_of(st.best)}")  # fmt: skip
     else:

@@ -133,6 +133,9 @@ class StudyStatus:
     running: list[dict[str, Any]]
     storage: str
     startup_s_median: float | None = None  # per-trial start-up: ask to first training step
+    # A multi-objective study's Pareto front size (`best` is its member first by the first
+    # objective); None for a single objective
+    pareto_size: int | None = None
 
 
 def study_status(name: str, storage: str | None = None, workdir: Path | None = None) -> StudyStatus:
@@ -158,7 +161,8 @@ def study_status(name: str, storage: str | None = None, workdir: Path | None = N
         float(t.user_attrs["startup_s"]) for t in trials if "startup_s" in t.user_attrs
     )
     median = startups[len(startups) // 2] if startups else None
-    return StudyStatus(name, counts, best, running, spec.display, median)
+    pareto = len(ranked) if len(study.directions) > 1 else None
+    return StudyStatus(name, counts, best, running, spec.display, median, pareto)
 
 
 def list_studies(storage: str | None = None, workdir: Path | None = None) -> list[dict[str, Any]]:

@@ -139,13 +139,20 @@ def test_best_json_is_strict_with_exact_params(
 
 
 def test_a_multi_objective_study_ranks_its_front_and_needs_a_trial_to_load(
-    tmp_path: Path,
+    tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
     study = _journal_study(tmp_path, "mo", directions=["maximize", "minimize"])
     for values in ([0.5, 2.0], [0.9, 5.0], [0.2, 1.0], [0.1, 9.0]):
         study.add_trial(create_trial(values=values))
     top = best_trials("mo", workdir=tmp_path, k=5)
     assert list(top["number"]) == [1, 0, 2]  # the Pareto front, by the first objective
+    st = hps.study_status("mo", workdir=tmp_path)
+    assert st.pareto_size == 3 and st.best is not None and st.best["number"] == 1
+    # `status` names the front, not one member of it as "best".
+    r = hpsearch(["status", "--study", "mo", "--workdir", str(tmp_path)], subprocess_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pareto front: 3 trials; first by the first objective: trial 1" in r.stdout
+    assert "best:" not in r.stdout
     with pytest.raises(hps.HpsearchError, match=r"multi-objective.*trial=NUMBER"):
         load_best_model("mo", workdir=tmp_path)
     with pytest.raises(hps.HpsearchError, match="trial 103: no such completed trial"):
