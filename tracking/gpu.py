@@ -170,9 +170,18 @@ def refs_by_uuid(cuda_uuids: Sequence[str], gpu_uuids: Sequence[str]) -> list[De
 
 def nvml_uuids(nvml: Any) -> list[str]:
     """The UUID of every GPU NVML lists, by NVML index (``nvml``: the pynvml module or a
-    fake of it, initialised)."""
-    count = int(nvml.nvmlDeviceGetCount())
-    return [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+    fake of it, initialised); "" for one this process may not open: NVML counts every GPU
+    of the machine, also those a cgroup (Slurm, a container) keeps from it."""
+
+    def uuid(i: int) -> str:
+        try:
+            return _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)))
+        except Exception as exc:
+            if nvml_error_code(exc) == NVML_ERROR_NO_PERMISSION:
+                return ""
+            raise
+
+    return [uuid(i) for i in range(int(nvml.nvmlDeviceGetCount()))]
 
 
 def torch_cuda_uuids() -> list[str] | None:

@@ -619,3 +619,15 @@ def test_stop_reads_the_energy_to_the_end_and_gives_up_on_a_hanging_nvml() -> No
     assert time.monotonic() - t0 < 0.5
     assert s.stop() == {}  # no summary, and no wait for NVML
     assert time.monotonic() - t0 < 6.5
+
+
+def test_a_gpu_this_process_may_not_open_leaves_the_others_sampled() -> None:
+    """NVML counts every GPU of the machine, also those a cgroup keeps from this process;
+    opening one of them failed, and telemetry went off for the GPU the trial has."""
+    nvml = FakeNVML(fleet(2))
+    nvml.gpus[0].forbidden = True
+    assert gpu.nvml_uuids(nvml) == ["", UUIDS[1]]
+    s = GpuSampler(None, visible_devices="1", nvml=nvml, pid=PID, clock=Clock())
+    assert s.open() and s.device_refs == [1]
+    assert s.sample_once()["system/gpu_utilization"] == 90.0
+    s.stop()

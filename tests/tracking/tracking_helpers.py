@@ -74,6 +74,7 @@ class FakeGpu:
     buffered: list[tuple[int, float]] = field(default_factory=list)
     proc_error: int | None = None  # nvmlDeviceGetProcessUtilization raises this code
     hang_s: float = 0.0  # nvmlDeviceGetUtilizationRates takes this long (a GPU off the bus)
+    forbidden: bool = False  # kept from this process (a cgroup): NO_PERMISSION to open it
 
 
 class FakeNVML:
@@ -100,6 +101,8 @@ class FakeNVML:
         return len(self.gpus)
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        if self.gpus[i].forbidden:
+            raise FakeNVMLError(4)  # NO_PERMISSION
         return i
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
