@@ -115,6 +115,15 @@ def assign_gpus(n_workers: int, gpus: Sequence[str] | None) -> list[str | None]:
     return [gpus[i % len(gpus)] for i in range(n_workers)]
 
 
+def _child_env(base: Mapping[str, str], gpu: str | None) -> dict[str, str]:
+    """`base` placed on `gpu` for a process that loads the launch's resolved study file,
+    which holds the launch's data folder (--data-dir, or HPSEARCH_DATA_DIR): the variable
+    would win over it."""
+    env = gpu_env(base, gpu)
+    env.pop("HPSEARCH_DATA_DIR", None)
+    return env
+
+
 def worker_env(
     base: Mapping[str, str],
     storage_url: str,
@@ -126,11 +135,8 @@ def worker_env(
     storage URL and the MLflow tracking URI, which may hold a password, in the environment
     rather than in argv (`ps` shows argv), and `cpu_threads` intra-op threads unless the
     user set OMP_NUM_THREADS."""
-    env = gpu_env(base, gpu)
+    env = _child_env(base, gpu)
     env["HPSEARCH_STORAGE"] = storage_url
-    # The resolved study file a worker gets holds the launch's data folder (--data-dir, or
-    # this variable): the variable would win over it.
-    env.pop("HPSEARCH_DATA_DIR", None)
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
     env["PYTHONUNBUFFERED"] = "1"
@@ -156,7 +162,7 @@ def auto_workers(
     out.parent.mkdir(parents=True, exist_ok=True)
     # The first GPU as device 0, as its workers will see it; the others after it, in order,
     # so that the probe reads their free memory too.
-    env = gpu_env(os.environ, ",".join(gpus))
+    env = _child_env(os.environ, ",".join(gpus))
     cmd = [sys.executable, "-m", "hpsearch.probe", "--study", str(study_file), "--out", str(out)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -709,11 +709,7 @@ class _LateRun:
                 gpu = None  # the run's now: it stops the sampler when it ends
             with self._lock:
                 cancelled = self._cancelled
-            if cancelled and run is not None:  # the trial ended while the create waited
-                run.finish_failed("interrupted", "the worker stopped before the run started",
-                                  None)  # fmt: skip
-                run = None
-            run_id = run.run_id if run is not None else None
+            run_id = run.run_id if run is not None and not cancelled else None
             if run_id:
                 db(lambda: trial.set_user_attr(ATTR_RUN_ID, run_id), "set_user_attr")
         except StorageError as exc:  # the database stayed down: `wait` writes the link again
@@ -730,8 +726,9 @@ class _LateRun:
             with self._lock:
                 pending, self._pending = self._pending, []
                 checkpoint, self._checkpoint = self._checkpoint, None
-                if run is None or not (pending or checkpoint):
-                    self.run, self._started = run, True
+                doomed = run if self._cancelled else None  # its trial ended meanwhile
+                if doomed is not None or run is None or not (pending or checkpoint):
+                    self.run, self._started = (None if doomed else run), True
                     break
             for record, ms in pending:
                 try:
@@ -744,6 +741,8 @@ class _LateRun:
                     run.checkpoint_written(checkpoint)
                 except Exception as exc:  # telemetry, as above
                     logger.warning("trial %s: checkpoint not uploaded: %s", trial.number, exc)
+        if doomed is not None:  # ended, not left RUNNING
+            doomed.finish_failed("interrupted", "the worker stopped before the run started", None)
 
     def waiting_for_gpu(self) -> None:
         """The trial waits for GPU memory beside packed trials: its GPU sampler judges no
@@ -785,9 +784,11 @@ class _LateRun:
         if run is not None:
             run.checkpoint_written(path)
 
-    def wait(self) -> Any:
+    def wait(self, give_up_on_stop: bool = True) -> Any:
         """The run, once started (after the session's set-up and the start, waited for
-        here: a trial that ends before its run's create was answered waits for it)."""
+        here: a trial that ends before its run's create was answered waits for it). With
+        `give_up_on_stop`, a worker told to stop waits no longer (the trial is handed back;
+        a trial that trained to its end waits, to end its run as it ended)."""
         try:
             self._tracking.wait_ready()
         except Exception as exc:  # the set-up itself failed: no run for any trial
@@ -796,7 +797,7 @@ class _LateRun:
         # The set-up succeeded, so the start was run or is running: a create that waits on
         # a server that does not answer is given up when the worker stops.
         while not self._done.wait(0.2):
-            if self._stop is not None and self._stop.is_set():
+            if give_up_on_stop and self._stop is not None and self._stop.is_set():
                 self.cancel()  # the run, if it is made after all, is ended at once
                 return None
         if self._error is not None:
@@ -903,11 +904,18 @@ def run_trial(
         first_epoch: list[int] = []
         epoch_done = [0.0]  # perf_counter at the end of the latest epoch callback
 
-        def on_epoch(record: Any) -> None:
-            if not first_epoch:
-                first_epoch.append(int(record.epoch))
+        sped_up: list[bool] = []
+
+        def at_speed() -> None:  # the first epoch is over: the trainer reports, then this
+            if not sped_up:
+                sped_up.append(True)
                 if late is not None:  # set-up and a compiling first epoch are not input-bound
                     late.training_began()
+
+        def on_epoch(record: Any) -> None:
+            at_speed()
+            if not first_epoch:
+                first_epoch.append(int(record.epoch))
             if late is not None:
                 t0 = time.perf_counter()
                 late.log_epoch(record)
@@ -916,6 +924,7 @@ def run_trial(
 
         def report(epoch: int, value: float) -> bool:
             t0 = time.perf_counter()
+            at_speed()  # before the first report's input-bound check
             try:
                 stop = reports.report(epoch, value)
                 if late is not None and late.stop_input_bound():
@@ -971,8 +980,9 @@ def run_trial(
             run = late.wait() if late is not None else None
             _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run, tb, db)
             return "error"
-        # A first trial that ended before MLflow's set-up did waits here for its run.
-        run = late.wait() if late is not None else None
+        # A trial that ended before its run started (MLflow's set-up, a slow create) waits.
+        interrupted = str(result.stop_reason) == "interrupted"
+        run = late.wait(give_up_on_stop=interrupted) if late is not None else None
         if root != trial.number:  # a retry: where it picked up
             resumed = resumed_from_epoch(first_epoch, result.history)
             db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, resumed), "set_user_attr")

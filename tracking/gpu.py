@@ -664,12 +664,13 @@ class GpuSampler:
     def _update_input_bound(self, t: float, util: float) -> None:
         restart = self._restart_at
         if restart is not None:  # restart_warmup, applied here under the lock
-            self._restart_at = None
-            self._paused = False
             self._started_at = restart
             self._history.clear()
             self._history_start = None
             self._bound_now = False
+            if self._restart_at is restart:  # no pause_rule nor a new restart meanwhile
+                self._restart_at = None
+                self._paused = False
         if self._paused:
             return
         start = self._started_at if self._started_at is not None else t

@@ -496,6 +496,12 @@ def train(
     )
 
 
+def _finite_weights(model: nn.Module) -> bool:
+    """Whether every parameter and buffer is finite (one host sync)."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
+
+
 def _out_of_memory(exc: RuntimeError, device: torch.device) -> bool:
     """torch's out-of-memory error, or cuDNN's and cuBLAS's allocation failures (plain
     RuntimeErrors). A sticky CUDA error (a device-side assert, an illegal access) can surface
@@ -635,7 +641,14 @@ def _train(
                 "use another path"
             )
         model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        try:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except ValueError as exc:  # parameter groups of an older version (layer_scale's)
+            warnings.warn(
+                f"checkpoint {ckpt_path}: its optimizer state does not fit this version's "
+                f"parameter groups ({exc}); resumed with a fresh one",
+                stacklevel=2,
+            )
         _restore_schedule(schedule, ckpt["schedule"], ckpt_path)
         if scaler is not None and ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
@@ -778,10 +791,14 @@ def _train(
             val_acc, val_loss, confusion = evaluate(
                 fwd, val_split, res, num_classes, device, amp, tc.channels_last
             )
-            if not math.isfinite(val_loss):  # the epoch's last step broke the weights
-                run.stop_reason = "diverged"
-                run.message = f"validation loss is {val_loss} after epoch {epoch}"
-                return  # as a diverged step: not reported, no best model
+            if not math.isfinite(val_loss):
+                if not _finite_weights(model):  # the epoch's last step broke them
+                    run.stop_reason = "diverged"
+                    run.message = f"validation loss is {val_loss} after epoch {epoch}"
+                    return  # as a diverged step: not reported, no best model
+                # Sound weights, logits past fp16's range on some image: a loss, not a
+                # divergence; the accuracy stands.
+                val_loss = math.inf
             schedule.observe(val_loss)
         record = EpochRecord(
             epoch=epoch,

@@ -71,6 +71,7 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("HPSEARCH_DATA_DIR", "/from/env")
     assert load_config(p).dataset.root == "/from/env"  # as the README says: over the file
     assert load_config(write(tmp_path, GOOD)).dataset.root == "/from/env"
+    assert load_config(p, ["dataset.root=/from/set"]).dataset.root == "/from/set"
     assert load_config(p, data_dir="/from/cli").dataset.root == "/from/cli"
 
 

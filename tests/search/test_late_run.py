@@ -220,3 +220,29 @@ def test_a_trial_that_ends_while_its_create_waits_leaves_no_run_running(
     start.join(10)
     assert run.ended[0] == "interrupted" and trial.user_attrs == {}
     assert late.run is None
+
+
+def test_a_run_whose_trial_ended_during_its_link_write_is_ended(tmp_path: Path) -> None:
+    """The stop came after the create returned, while the link's write (a database that
+    is slow to answer) or the epochs' hand-over went on: the run is ended, not RUNNING."""
+    run = SlowRun()
+    run.release.set()
+    session = Session(run)
+    writing = threading.Event()
+    answer = threading.Event()
+
+    def db(fn: Callable[[], Any], what: str) -> Any:
+        writing.set()
+        answer.wait(10)
+        return fn()
+
+    stop = threading.Event()
+    late = _LateRun(session, Trial(), {}, 0, tmp_path / "ckpt", db, None, stop)  # type: ignore[arg-type]
+    start = threading.Thread(target=session.jobs[0])
+    start.start()
+    assert writing.wait(10)
+    stop.set()
+    assert late.wait() is None
+    answer.set()
+    start.join(10)
+    assert run.ended[0] == "interrupted" and late.run is None

@@ -195,8 +195,10 @@ def test_the_probe_and_the_workers_get_the_same_gpu_environment(
         raise subprocess.TimeoutExpired(cmd, 1.0)
 
     monkeypatch.setattr(launcher.subprocess, "run", fake_run)
+    monkeypatch.setenv("HPSEARCH_DATA_DIR", "/elsewhere")  # the resolved file's folder wins
     with pytest.raises(DeviceError, match="the GPU probe took over"):
         launcher.auto_workers(tmp_path / "s.yaml", ["1", "0"], tmp_path, timeout_s=1.0)
+    assert "HPSEARCH_DATA_DIR" not in seen[0]
     worker = launcher.worker_env(os.environ, "postgresql://u:secret@h/db", "1", None)
     assert (worker["CUDA_DEVICE_ORDER"], worker["CUDA_VISIBLE_DEVICES"]) == ("FASTEST_FIRST", "1")
     # The probe trains on its device 0, the first workers' GPU; it sees the launch's other

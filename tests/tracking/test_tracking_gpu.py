@@ -631,3 +631,19 @@ def test_a_gpu_this_process_may_not_open_leaves_the_others_sampled() -> None:
     assert s.open() and s.device_refs == [1]
     assert s.sample_once()["system/gpu_utilization"] == 90.0
     s.stop()
+
+
+def test_a_pause_right_after_a_restart_holds() -> None:
+    """restart_warmup is applied at the next sample: a pause_rule between the two stays."""
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].util, nvml.gpus[0].proc_util = 0.0, {PID: 0.0}
+    clock = Clock()
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock, window_s=60.0,
+                   warmup_s=10.0, threshold_pct=50.0)  # fmt: skip
+    assert s.open()
+    s.restart_warmup()
+    s.pause_rule()  # waits for GPU memory
+    for _ in range(30):  # 150 s idle while it waits
+        s.sample_once()
+        clock.t += 5
+    assert not s.input_bound

@@ -173,19 +173,31 @@ def test_weights_broken_by_an_epochs_last_step_are_not_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A last step with a finite loss and non-finite gradients leaves NaN weights that no
-    step of the epoch shows: the validation loss does, and the pruner is not given it."""
+    step of the epoch shows: the validation loss does, and the pruner is not given it. A
+    NaN loss from sound weights (fp16 logits past its range on one image) is no divergence:
+    the epoch counts, its loss as inf."""
     real = train_module.evaluate
 
-    def broken(*args: Any, **kwargs: Any) -> Any:
+    def overflowing(*args: Any, **kwargs: Any) -> Any:
         acc, _, confusion = real(*args, **kwargs)
         return acc, math.nan, confusion
 
-    monkeypatch.setattr(train_module, "evaluate", broken)
+    def breaking(fwd: Any, *args: Any, **kwargs: Any) -> Any:
+        next(fwd.parameters()).data.fill_(math.nan)  # what the epoch's last step did
+        return real(fwd, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", breaking)
     reports: list[int] = []
     result = train(synthetic(), TINY, lambda e, v: bool(reports.append(e)),
                    TrainOptions(device="cpu", workdir=tmp_path))  # fmt: skip
     assert result.stop_reason == "diverged" and "validation loss is nan" in result.message
     assert reports == [] and result.best_model_path is None
+
+    monkeypatch.setattr(train_module, "evaluate", overflowing)
+    result = train(synthetic(), TINY, lambda e, v: bool(reports.append(e)),
+                   TrainOptions(device="cpu", workdir=tmp_path))  # fmt: skip
+    assert result.stop_reason == "finished" and reports == [1, 2]
+    assert [r.val_loss for r in result.history] == [math.inf, math.inf]
 
 
 def test_a_dataset_the_gpu_cannot_hold_streams_instead_of_failing_the_trial(
@@ -212,6 +224,27 @@ def test_a_dataset_the_gpu_cannot_hold_streams_instead_of_failing_the_trial(
         result = train(cfg, TINY, options=opts)
     assert result.stop_reason == "finished" and result.epochs_run == 2, result.message
     assert len(uploads) == 2 and warm.data == {}  # the train split's copy given back
+
+
+def test_a_checkpoint_of_other_optimizer_groups_resumes_with_a_fresh_optimizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint from before ConvNeXt's layer_scale left the decayed group: its optimizer
+    state no longer fits, and every retry of the trial failed on it."""
+    import hpsearch.trainer.optim as optim
+
+    cfg = synthetic(budget={"max_epochs": 2})
+    ckpt = tmp_path / "t.pt"
+    epochs: list[int] = []
+    opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt,
+                        on_epoch=lambda r: epochs.append(r.epoch),
+                        should_interrupt=lambda: len(epochs) >= 1)  # fmt: skip
+    assert train(cfg, TINY, options=opts).stop_reason == "interrupted"
+    real = optim.param_groups
+    monkeypatch.setattr(optim, "param_groups", lambda m, wd: real(m, wd)[:1])  # one group
+    with pytest.warns(UserWarning, match="resumed with a fresh one"):
+        resumed = train(cfg, TINY, options=dataclasses.replace(opts, should_interrupt=None))
+    assert resumed.stop_reason == "finished" and resumed.epochs_run == 2
 
 
 def test_auto_precision_takes_bf16_only_where_it_is_native(
@@ -571,6 +604,28 @@ def test_a_trial_stopped_by_its_time_limit_gets_the_test_accuracy_of_its_best_we
     model = load_trained_model(cfg, TINY, result.best_model_path)
     assert evaluate_model(cfg, TINY, model, "val", tmp_path)[0] == result.best_val_acc
     assert evaluate_model(cfg, TINY, model, "test", tmp_path)[0] == result.test_acc
+
+
+def test_a_limit_passed_between_epochs_trains_no_step_of_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    skew = {"s": 0.0}
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew["s"])
+    monkeypatch.setattr(train_module, "time", clock)
+    real = train_module.train_batches
+    epochs: list[int] = []
+
+    def batches(split: Any, batch_size: int, seed: int, epoch: int, device: Any) -> Any:
+        epochs.append(epoch)
+        return real(split, batch_size, seed, epoch, device)
+
+    monkeypatch.setattr(train_module, "train_batches", batches)
+    cfg = synthetic(budget={"max_epochs": 3, "trial_timeout_s": 500.0})
+    opts = TrainOptions(device="cpu", workdir=tmp_path,
+                        on_epoch=lambda r: skew.update(s=1000.0))  # fmt: skip
+    result = train(cfg, TINY, options=opts)
+    assert result.stop_reason == "time_limit" and "before epoch 2" in result.message
+    assert epochs == [1] and result.epochs_run == 1
 
 
 def test_an_epoch_the_time_limit_falls_in_after_its_last_step_is_kept(
