@@ -181,13 +181,15 @@ def test_embedded_default_several_workers(tmp_path: Path, subprocess_env: dict[s
             "--set",
             "budget.max_epochs=2",
         ],
-        subprocess_env,
+        # Each worker's first trial waits for the other two: one fast starter could run
+        # all six 20 ms trials before the others got there.
+        {**subprocess_env, "HPSEARCH_DUMMY_BARRIER": f"{tmp_path / 'barrier'}:3"},
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (work / "optuna.journal").exists()
     study = hps.load_study("tiny", workdir=work)
     assert len(finished(study)) == 6
-    assert len({t.user_attrs["pid"] for t in study.get_trials()}) >= 2
+    assert len({t.user_attrs["pid"] for t in study.get_trials()}) == 3
     assert "MLflow UI: http://127.0.0.1:" in r.stdout
     assert (work / "mlflow" / "mlflow.db").exists()
 
@@ -683,7 +685,9 @@ def test_a_second_launch_of_a_study_in_one_work_folder_is_refused(
     second's Ctrl-C failed the first's running trial. Now the second is one line, and the
     first goes on untouched."""
     work = tmp_path / "w"
-    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1")
+    # 3 epochs of 3 s: the first launch still holds its lock while a second interpreter
+    # starts and imports on a loaded machine.
+    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="3")
     args = ["launch", "--study", "tiny", "--workers", "1", "--trials", "1", "--workdir",
             str(work), "--train-fn", DUMMY, "--no-tracking", "--set", "budget.max_epochs=3",
             "--set", "pruner={name: none}"]  # fmt: skip

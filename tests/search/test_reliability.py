@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -200,7 +201,7 @@ def test_independent_worker_killed_is_detected_stale_and_retried(
             t = st.get_trials(deepcopy=False)[victim.number]
             return t if t.state == TrialState.FAIL else None
 
-        dead = wait_for(failed, 4 * heartbeat, "stale detection", logs)
+        dead = wait_for(failed, 60, "stale detection", logs)
         assert isinstance(dead, optuna.trial.FrozenTrial) and dead.datetime_complete is not None
         # When the survivor marked it FAIL (Optuna's timestamp), not when this test noticed.
         detected_s = (dead.datetime_complete - killed).total_seconds()
@@ -209,7 +210,9 @@ def test_independent_worker_killed_is_detected_stale_and_retried(
     finally:
         victim_p.kill()
         survivor.kill()
-    assert detected_s <= 2 * heartbeat, detected_s
+    # Grace 1.5 beats plus a check period (0.2 beats), and 2 s for the check's own queries
+    # and a loaded machine's scheduling: far from any slower path (a relaunch's).
+    assert detected_s <= 2 * heartbeat + 2.0, detected_s
     study = hps.load_study("tiny", storage=pg_url)
     trials = study.get_trials()
     retry = [t for t in trials if t.system_attrs.get("failed_trial") == victim.number]
@@ -248,14 +251,22 @@ def test_a_second_ctrl_c_kills_a_standalone_worker_at_once(
 ) -> None:
     """It said "killing now" and trained on to the end of its epoch, then exited 0."""
     proc = _standalone_worker(pg_url, tmp_path, subprocess_env, 60)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+    reader.start()
     try:
         wait_for(lambda: running_with_epochs(pg_url, "tiny", 0), 120, "a trial running")
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
+        # The second only once the first was handled: two pending SIGINTs merge into one.
+        wait_for(lambda: any("stopping after" in line for line in lines), 60, "the first",
+                 lambda: "".join(lines))  # fmt: skip
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=20)  # the epoch takes 60 s
+        proc.wait(timeout=20)  # the epoch takes 60 s
+        reader.join(10)
     finally:
         proc.kill()
+    out = "".join(lines)
     assert proc.returncode == -signal.SIGINT, out
     assert "killing now" in out
 

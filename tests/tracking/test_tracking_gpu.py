@@ -612,7 +612,7 @@ def test_stop_reads_the_energy_to_the_end_and_gives_up_on_a_hanging_nvml() -> No
     assert s.start()
     time.sleep(0.2)
     nvml.gpus[0].hang_s = 8.0  # the next sample hangs, holding the sampler's lock
-    time.sleep(0.2)
+    assert nvml.hanging.wait(30)
     t0 = time.monotonic()
     s.pause_rule()  # the training thread's calls do not wait for it
     s.restart_warmup()

@@ -103,7 +103,8 @@ def test_first_trial_trains_before_mlflow_is_ready(
     gpu = client.get_metric_history(first.info.run_id, "system/gpu_utilization")
     stamps = [m.timestamp for m in sorted(gpu, key=lambda m: m.step)]
     assert stamps == sorted(stamps) and all(m.value == 90.0 for m in gpu)
-    assert first.info.start_time <= stamps[0] < first.info.start_time + 500  # ms
+    # ms: sampled from the trial's start (the ask's writes and thread starts in between)
+    assert first.info.start_time <= stamps[0] < first.info.start_time + 3000
     assert len([t for t in stamps if t < slow_setup["ready_ms"]]) >= 10
     later = client.get_metric_history(by_number[1].info.run_id, "system/gpu_utilization")
     assert later and min(m.timestamp for m in later) >= by_number[1].info.start_time

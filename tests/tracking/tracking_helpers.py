@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class FakeNVML:
         self.initialized = False
         self.shutdowns = 0
         self.queried: set[int] = set()
+        self.hanging = threading.Event()  # a call is stuck in a GPU's hang_s
 
     def nvmlInit(self) -> None:
         if self.init_error:
@@ -120,6 +122,7 @@ class FakeNVML:
 
     def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
         if self.gpus[h].hang_s:
+            self.hanging.set()
             time.sleep(self.gpus[h].hang_s)
         return SimpleNamespace(gpu=self._q(h).util, memory=10)
 
