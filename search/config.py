@@ -638,15 +638,21 @@ def _build_config(
     for key in raw:
         if not isinstance(key, str):
             raise ConfigError(f"{src}: {key!r}: unknown key")
-    # The data folder: --data-dir, then a --set of dataset.root, then HPSEARCH_DATA_DIR,
-    # then the file (the README's order).
+    pairs = parse_overrides(overrides)
+    apply_overrides(raw, pairs, src)
+    # The data folder: --data-dir, then a --set of dataset.root,
+    # then HPSEARCH_DATA_DIR, then the file (the README's order).
     env_dir = os.environ.get("HPSEARCH_DATA_DIR")
-    if env_dir and isinstance(raw.get("dataset"), dict):
-        raw["dataset"]["root"] = env_dir
-    apply_overrides(raw, parse_overrides(overrides), src)
+    set_root = any(
+        key.strip() == "dataset.root"
+        or (key.strip() == "dataset" and isinstance(value, dict) and "root" in value)
+        for key, value in pairs
+    )
     if isinstance(raw.get("dataset"), dict):
         if data_dir:
             raw["dataset"]["root"] = data_dir
+        elif env_dir and not set_root:
+            raw["dataset"]["root"] = env_dir
         if download is not None:
             raw["dataset"]["download"] = download
     raw["source"] = src

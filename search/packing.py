@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import math
 import os
 import time
@@ -23,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpsearch.errors import DeviceError
+
+logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 TARGET_BUSY = 0.95  # fraction of the GPU's time packed workers together aim to keep busy
@@ -428,9 +431,10 @@ class GpuLedger:
         """Hold `need_bytes` on this GPU while the block runs; yields the seconds waited.
 
         Waits in line while the GPU is full: trials that wait are admitted in the order they
-        came. Raises AdmissionStopped when `should_stop` says so, or after `max_wait_s` (a
-        neighbour that never ends must not hang the worker): the trial is handed back
-        untouched, not failed, since its values did nothing wrong."""
+        came, so a trial that keeps not fitting beside the others waits only for the trials
+        running when it came. Raises AdmissionStopped (the trial is handed back untouched)
+        when `should_stop` says so, and DeviceError after `max_wait_s` (a neighbour that
+        never ends must not hang the worker)."""
         t0 = time.monotonic()
         since = time.time()
         try:
@@ -438,14 +442,16 @@ class GpuLedger:
                 if should_stop():
                     raise AdmissionStopped(f"stopped after waiting {time.monotonic() - t0:.0f} s")
                 if time.monotonic() - t0 > max_wait_s:
-                    raise AdmissionStopped(
-                        f"a trial needing {need_bytes // MiB} MiB waited "
-                        f"{time.monotonic() - t0:.0f} s for room beside the trials packed "
-                        "there; handed back"
+                    raise DeviceError(
+                        f"GPU memory: a trial needing {need_bytes // MiB} MiB waited "
+                        f"{time.monotonic() - t0:.0f} s for room beside the trials packed there"
                     )
                 time.sleep(poll_s)
         except BaseException:
-            self.leave_line()
+            try:
+                self.leave_line()
+            except OSError as exc:  # the line file: what was raised matters more
+                logger.warning("could not leave the GPU memory line: %s", exc)
             raise
         try:
             yield time.monotonic() - t0

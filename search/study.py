@@ -157,12 +157,14 @@ def study_budget(study: optuna.Study, cfg: StudyConfig) -> int:
 
 
 def create_or_load(
-    cfg: StudyConfig, storage: BaseStorage | str, owner: bool = True
+    cfg: StudyConfig, storage: BaseStorage | str, owner: bool = True, budget: bool = False
 ) -> optuna.Study:
     """The study named in the config; created on first launch, resumed after.
 
-    The owner (`launch`, or a worker given --trials) records the resolved config and the
-    budget on the study; other workers only fill them in when missing.
+    The owner (`launch`) records the resolved config and the budget on the study; workers
+    only fill them in when missing, and with `budget` (a worker given --trials, or a
+    --set of budget.n_trials) record the budget: their other --set values are theirs, and
+    the stored config is what earlier trials ran with (trial_config, load_best_model).
     """
     kwargs: dict[str, Any] = {"study_name": cfg.name, "storage": storage, "load_if_exists": True}
     kwargs["sampler"] = make_sampler(cfg)
@@ -188,12 +190,13 @@ def create_or_load(
             f"study {cfg.name!r} already exists with directions {existing}{hint}"
         )
     attrs = study.user_attrs
-    if owner or CONFIG_ATTR not in attrs:
+    first = CONFIG_ATTR not in attrs
+    if owner or first:
         resolved = config_to_yaml(cfg)
         if attrs.get(CONFIG_ATTR) != resolved:
             study.set_user_attr(CONFIG_ATTR, resolved)
-        if attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
-            study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
+    if (owner or first or budget) and attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
+        study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
     return study
 
 

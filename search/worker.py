@@ -70,6 +70,9 @@ ATTR_PID_START = "pid_start"
 ATTR_OUTCOME = "outcome"
 ATTR_MESSAGE = "message"
 ATTR_RUN_ID = "mlflow_run_id"
+# s a trial waits for its run's create once the worker is told to stop: well inside the
+# launcher's grace (120 s), after which it kills workers untold
+RUN_WAIT_AFTER_STOP_S = 30.0
 ATTR_RUN_KEY = "mlflow_run_key"  # tags the try's MLflow run: found again if never linked
 ATTR_CHECKPOINT = "checkpoint"
 ATTR_BEST_MODEL = "best_model"
@@ -427,7 +430,8 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
         failed_trial_callback=retry_callback(opts.max_retries),
     )
     study = with_db_retry(
-        lambda: create_or_load(cfg, storage, owner=opts.set_budget), what="create study"
+        lambda: create_or_load(cfg, storage, owner=False, budget=opts.set_budget),
+        what="create study",
     )
     before = with_db_retry(lambda: len(study.get_trials(deepcopy=False)), what="count trials")
     study.sampler = make_sampler(cfg, opts.stream(), before)
@@ -784,11 +788,13 @@ class _LateRun:
         if run is not None:
             run.checkpoint_written(path)
 
-    def wait(self, give_up_on_stop: bool = True) -> Any:
+    def wait(self, after_stop_s: float = RUN_WAIT_AFTER_STOP_S) -> Any:
         """The run, once started (after the session's set-up and the start, waited for
-        here: a trial that ends before its run's create was answered waits for it). With
-        `give_up_on_stop`, a worker told to stop waits no longer (the trial is handed back;
-        a trial that trained to its end waits, to end its run as it ended)."""
+        here: a trial that ends before its run's create was answered waits for it). Once
+        the worker is told to stop, it waits `after_stop_s` more at most: a trial that
+        trained (an interrupted one too: its checkpoint goes to the run, with uploads, for
+        another host to resume from) waits a while, but is told without its run rather than
+        killed untold by the launcher's grace; one that never started waits none."""
         try:
             self._tracking.wait_ready()
         except Exception as exc:  # the set-up itself failed: no run for any trial
@@ -796,8 +802,12 @@ class _LateRun:
             return None
         # The set-up succeeded, so the start was run or is running: a create that waits on
         # a server that does not answer is given up when the worker stops.
+        stopped_at: float | None = None
         while not self._done.wait(0.2):
-            if give_up_on_stop and self._stop is not None and self._stop.is_set():
+            if self._stop is None or not self._stop.is_set():
+                continue
+            stopped_at = time.monotonic() if stopped_at is None else stopped_at
+            if time.monotonic() - stopped_at >= after_stop_s:
                 self.cancel()  # the run, if it is made after all, is ended at once
                 return None
         if self._error is not None:
@@ -906,7 +916,7 @@ def run_trial(
 
         sped_up: list[bool] = []
 
-        def at_speed() -> None:  # the first epoch is over: the trainer reports, then this
+        def at_speed() -> None:  # the first epoch trained here is over (its on_epoch)
             if not sped_up:
                 sped_up.append(True)
                 if late is not None:  # set-up and a compiling first epoch are not input-bound
@@ -924,10 +934,11 @@ def run_trial(
 
         def report(epoch: int, value: float) -> bool:
             t0 = time.perf_counter()
-            at_speed()  # before the first report's input-bound check
             try:
                 stop = reports.report(epoch, value)
-                if late is not None and late.stop_input_bound():
+                # Judged from the second epoch trained here on: the trainer reports before
+                # its on_epoch, and a retry reports its restored epochs during its set-up.
+                if sped_up and late is not None and late.stop_input_bound():
                     # tracking.stop_input_bound: a starved GPU is stopped like a pruned trial.
                     db(lambda: trial.set_user_attr("stopped_by", "input_bound"), "set_user_attr")
                     return True
@@ -966,7 +977,7 @@ def run_trial(
         except StorageError:
             raise  # the database stayed down past the limit: stop the worker, not the trial
         except AdmissionStopped as exc:  # never started: queue it again as it is
-            run = late.wait() if late is not None else None
+            run = late.wait(after_stop_s=0.0) if late is not None else None
             _fail_and_requeue(study, trial, db, opts.max_retries, lock)
             if run is not None:
                 run.finish_failed("interrupted", f"waiting for GPU memory: {exc}", None)
@@ -981,8 +992,7 @@ def run_trial(
             _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run, tb, db)
             return "error"
         # A trial that ended before its run started (MLflow's set-up, a slow create) waits.
-        interrupted = str(result.stop_reason) == "interrupted"
-        run = late.wait(give_up_on_stop=interrupted) if late is not None else None
+        run = late.wait() if late is not None else None
         if root != trial.number:  # a retry: where it picked up
             resumed = resumed_from_epoch(first_epoch, result.history)
             db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, resumed), "set_user_attr")

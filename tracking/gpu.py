@@ -386,7 +386,9 @@ class GpuSampler:
         try:
             uuids = nvml_uuids(nvml)
             refs = resolve_visible_devices(self.visible_devices, uuids)
-            if self._first_only and len(uuids) > 1:
+            if "" in uuids:  # a GPU hidden from this process: NVML's indices are not CUDA's
+                refs = self._through_cuda(uuids)
+            elif self._first_only and len(uuids) > 1:
                 refs = self._cudas_first(uuids)
             elif cuda_order_differs(self.visible_devices, self.device_order, len(uuids)):
                 cuda = self._cuda_uuids()
@@ -428,6 +430,20 @@ class GpuSampler:
             self._shutdown_nvml()
             return False
         return True
+
+    def _through_cuda(self, uuids: Sequence[str]) -> list[DeviceRef]:
+        """The GPUs CUDA shows this process (its first only, without a mask), found by their
+        UUIDs: NVML counts every GPU of the machine, a cgroup's hidden ones too (Slurm's
+        ConstrainDevices), so its indices and CUDA's differ. None without torch's UUIDs."""
+        cuda = list(self._cuda_uuids() or [])
+        refs = refs_by_uuid(cuda[:1] if self._first_only else cuda, uuids)
+        if not refs:
+            warn_once(
+                "cuda-hidden",
+                "GPU telemetry off: NVML lists GPUs this process may not open, and CUDA's "
+                "devices are not known to NVML here to tell which is the trial's",
+            )
+        return refs
 
     def _cudas_first(self, uuids: Sequence[str]) -> list[DeviceRef]:
         """CUDA's device 0 among NVML's GPUs (CUDA numbers them fastest first unless

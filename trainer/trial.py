@@ -567,19 +567,25 @@ def _train(
 
         if not (fast and config.dataset.fast_path == "auto"):
             return load(fast)
-        try:
-            return load(True)
-        except RuntimeError as exc:  # the GPU has less room than max_cache_mb allows
-            if not _out_of_memory(exc, device):
-                raise
-        # Not the trial's batch size: were it reported as out of memory, the sampler would
-        # learn that its values fail. This and later splits stream from the CPU instead.
+        # The GPU may have less room than max_cache_mb allows. Not the trial's batch size:
+        # were it reported as out of memory, the sampler would learn that its values fail.
+        # The worker's cached datasets (other image sizes', often) are given up first, then
+        # this and later splits stream from the CPU.
+        for last_try in (False, True):
+            try:
+                return load(True)
+            except RuntimeError as exc:
+                if not _out_of_memory(exc, device):
+                    raise
+            held = options.warm is not None and bool(options.warm.data)
+            if options.warm is not None:
+                options.warm.data.clear()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if last_try or not held:
+                break
         fast = False
-        if options.warm is not None:
-            options.warm.data.clear()  # the worker's datasets on the device, freed below
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         warnings.warn(
             f"dataset {config.dataset.name}: its {src.split} split does not fit in GPU memory "
             "beside training (dataset.fast_path: auto): streamed from the CPU",
@@ -792,12 +798,14 @@ def _train(
                 fwd, val_split, res, num_classes, device, amp, tc.channels_last
             )
             if not math.isfinite(val_loss):
-                if not _finite_weights(model):  # the epoch's last step broke them
+                # Broken weights (the epoch's last step), or a study whose objective is the
+                # loss: as a diverged step, not reported, no best model (told PRUNED).
+                if "val_loss" in config.objective.metrics or not _finite_weights(model):
                     run.stop_reason = "diverged"
                     run.message = f"validation loss is {val_loss} after epoch {epoch}"
-                    return  # as a diverged step: not reported, no best model
-                # Sound weights, logits past fp16's range on some image: a loss, not a
-                # divergence; the accuracy stands.
+                    return
+                # Sound weights, logits past fp16's range on some image, and an objective
+                # of accuracy: a loss, not a divergence; the accuracy stands.
                 val_loss = math.inf
             schedule.observe(val_loss)
         record = EpochRecord(

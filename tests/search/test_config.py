@@ -72,6 +72,11 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert load_config(p).dataset.root == "/from/env"  # as the README says: over the file
     assert load_config(write(tmp_path, GOOD)).dataset.root == "/from/env"
     assert load_config(p, ["dataset.root=/from/set"]).dataset.root == "/from/set"
+    # A file without a dataset section, given one with --set, takes the variable too.
+    (tmp_path / "bare").mkdir()
+    bare = write(tmp_path / "bare", {k: v for k, v in GOOD.items() if k != "dataset"})
+    sets = ["dataset.name=synthetic", "dataset.image_size=16"]
+    assert load_config(bare, sets).dataset.root == "/from/env"
     assert load_config(p, data_dir="/from/cli").dataset.root == "/from/cli"
 
 

@@ -440,6 +440,19 @@ def test_a_relaunch_fails_a_journal_trial_no_worker_took_up(tmp_path: Path) -> N
     assert not {ATTR_WORKER, ATTR_HOST, ATTR_PID, ATTR_PID_START, "outcome"} & set(retry.user_attrs)
 
 
+def test_a_worker_given_the_budget_records_it_and_not_its_other_values(tmp_path: Path) -> None:
+    """`hpsearch worker --trials N` (or --set budget.n_trials=N) sets the study's budget; its
+    other --set values are its own, and the stored config stays what the trials ran with."""
+    from hpsearch.study import CONFIG_ATTR, N_TRIALS_ATTR
+
+    spec = resolve_storage(None, tmp_path)
+    cfg = load_config("tiny", overrides=["budget.n_trials=3"])
+    before = create_or_load(cfg, open_storage(spec)).user_attrs
+    worker = load_config("tiny", overrides=["budget.n_trials=9", "budget.max_epochs=1"])
+    after = create_or_load(worker, open_storage(spec), owner=False, budget=True).user_attrs
+    assert after[N_TRIALS_ATTR] == 9 and after[CONFIG_ATTR] == before[CONFIG_ATTR]
+
+
 def test_a_launch_refused_for_its_direction_leaves_the_study_as_it_was(tmp_path: Path) -> None:
     from hpsearch.errors import ConfigError
     from hpsearch.study import CONFIG_ATTR, N_TRIALS_ATTR

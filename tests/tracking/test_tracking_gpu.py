@@ -627,10 +627,15 @@ def test_a_gpu_this_process_may_not_open_leaves_the_others_sampled() -> None:
     nvml = FakeNVML(fleet(2))
     nvml.gpus[0].forbidden = True
     assert gpu.nvml_uuids(nvml) == ["", UUIDS[1]]
-    s = GpuSampler(None, visible_devices="1", nvml=nvml, pid=PID, clock=Clock())
+    # CUDA numbers only the GPU it may open (its 0, NVML's 1): found by its UUID.
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=Clock(),
+                   cuda_uuids=lambda: [UUIDS[1]])  # fmt: skip
     assert s.open() and s.device_refs == [1]
     assert s.sample_once()["system/gpu_utilization"] == 90.0
     s.stop()
+    # Without torch's UUIDs no index can be trusted: off, not another GPU's figures.
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, cuda_uuids=lambda: None)
+    assert not s.open()
 
 
 def test_a_pause_right_after_a_restart_holds() -> None:

@@ -198,6 +198,10 @@ def test_weights_broken_by_an_epochs_last_step_are_not_reported(
                    TrainOptions(device="cpu", workdir=tmp_path))  # fmt: skip
     assert result.stop_reason == "finished" and reports == [1, 2]
     assert [r.val_loss for r in result.history] == [math.inf, math.inf]
+    # An objective of the loss cannot be told an inf: diverged (told PRUNED), as before.
+    by_loss = synthetic(objective={"metric": ["val_acc", "val_loss"]}, pruner={"name": "none"})
+    result = train(by_loss, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    assert result.stop_reason == "diverged"
 
 
 def test_a_dataset_the_gpu_cannot_hold_streams_instead_of_failing_the_trial(
@@ -209,9 +213,11 @@ def test_a_dataset_the_gpu_cannot_hold_streams_instead_of_failing_the_trial(
     real = train_module._decoded_to_device
     uploads: list[int] = []
 
+    failing = {2, 3}  # uploads that find the GPU full: the val split's, twice
+
     def upload(dec: Any, device: Any) -> Any:
         uploads.append(len(dec.labels))
-        if len(uploads) == 2:  # the val split: the GPU is full
+        if len(uploads) in failing:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.80 GiB")
         return real(dec, device)
 
@@ -223,7 +229,17 @@ def test_a_dataset_the_gpu_cannot_hold_streams_instead_of_failing_the_trial(
     with pytest.warns(UserWarning, match="val split does not fit in GPU memory"):
         result = train(cfg, TINY, options=opts)
     assert result.stop_reason == "finished" and result.epochs_run == 2, result.message
-    assert len(uploads) == 2 and warm.data == {}  # the train split's copy given back
+    # Tried again once without the worker's cached copies (the train split's), then streamed.
+    assert len(uploads) == 3 and warm.data == {}
+    # A GPU that has room once the cached copies (another image size's) are given up
+    # takes the split after all.
+    uploads.clear()
+    failing.discard(3)
+    warm.put_data(("other", "size"), torch.zeros(1))
+    result = train(cfg, TINY, options=opts)
+    assert result.stop_reason == "finished" and len(uploads) == 3
+    assert ("other", "size") not in warm.data
+    assert any("val" in key for key in warm.data)  # on the device after all
 
 
 def test_a_checkpoint_of_other_optimizer_groups_resumes_with_a_fresh_optimizer(
