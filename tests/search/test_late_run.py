@@ -193,12 +193,12 @@ def test_a_link_the_outage_kept_from_its_write_is_written_before_the_tell(
         assert len(tries) == 2
 
 
-def test_a_trial_that_ends_while_its_create_waits_leaves_no_run_running(
-    tmp_path: Path,
-) -> None:
-    """A worker told to stop does not wait out a create that hangs (minutes on a server
-    that does not answer); the run, made after all, is ended at once, not left RUNNING."""
-    run = SlowRun()
+def _slow_create(
+    run: SlowRun, tmp_path: Path
+) -> tuple[Trial, _LateRun, threading.Thread, threading.Event, threading.Event]:
+    """A trial whose run's create waits until `answered` is set (a slow or hanging server),
+    started on its own thread as the session starts it: (trial, late, start thread, the
+    worker's stop event, answered)."""
     session = Session(run)
     answered = threading.Event()
 
@@ -212,6 +212,16 @@ def test_a_trial_that_ends_while_its_create_waits_leaves_no_run_running(
     late = _LateRun(session, trial, {}, 0, tmp_path / "ckpt", lambda fn, what: fn(), None, stop)  # type: ignore[arg-type]
     start = threading.Thread(target=session.jobs[0])
     start.start()
+    return trial, late, start, stop, answered
+
+
+def test_a_trial_that_ends_while_its_create_waits_leaves_no_run_running(
+    tmp_path: Path,
+) -> None:
+    """A worker told to stop does not wait out a create that hangs (minutes on a server
+    that does not answer); the run, made after all, is ended at once, not left RUNNING."""
+    run = SlowRun()
+    trial, late, start, stop, answered = _slow_create(run, tmp_path)
     stop.set()  # Ctrl-C
     t0 = time.perf_counter()
     assert late.wait(after_stop_s=0.5) is None  # the worker's 30 s, shortened
@@ -254,19 +264,7 @@ def test_a_stopped_trial_waits_a_while_for_a_create_that_answers(tmp_path: Path)
     waited for (it was given up at once, and the interrupted trial had no run)."""
     run = SlowRun()
     run.release.set()
-    session = Session(run)
-    answered = threading.Event()
-
-    def slow_start(*args: Any, **kwargs: Any) -> SlowRun:
-        answered.wait(10)
-        return run
-
-    session.start_trial = slow_start  # type: ignore[method-assign]
-    stop = threading.Event()
-    trial = Trial()
-    late = _LateRun(session, trial, {}, 0, tmp_path / "ckpt", lambda fn, what: fn(), None, stop)  # type: ignore[arg-type]
-    start = threading.Thread(target=session.jobs[0])
-    start.start()
+    trial, late, start, stop, answered = _slow_create(run, tmp_path)
     stop.set()
     threading.Timer(0.5, answered.set).start()
     assert late.wait() is run and trial.user_attrs == {"mlflow_run_id": "run-0"}

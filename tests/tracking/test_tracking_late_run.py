@@ -38,6 +38,29 @@ def slow_setup(monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
     return seen
 
 
+def _two_trials(tmp_path: Path, url: str, name: str, *overrides: str) -> Path:
+    """A worker runs two 3-epoch trials of the tiny study `name` with the dummy trainer,
+    tracked at `url`, on a journal it returns."""
+    cfg = load_config(
+        "tiny",
+        overrides=[f"name={name}", "budget.n_trials=2", "budget.max_epochs=3",
+                   "pruner={name: none}", *overrides],
+    )  # fmt: skip
+    journal = tmp_path / "optuna.journal"
+    spec = StorageSpec("journal", str(journal), "journal")
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train", tracking_uri=url
+    )
+    assert run_worker(cfg, spec, opts).outcomes == {"finished": 2}
+    return journal
+
+
+def _trial_runs(client: MlflowClient, name: str) -> list[Any]:
+    exp = client.get_experiment_by_name(name)
+    assert exp is not None
+    return list(client.search_runs([exp.experiment_id], "tags.`hpsearch.role` = 'trial'"))
+
+
 def _study(journal: Path, name: str) -> optuna.Study:
     storage = optuna.storages.JournalStorage(
         optuna.storages.journal.JournalFileBackend(str(journal))
@@ -56,29 +79,10 @@ def test_first_trial_trains_before_mlflow_is_ready(
     monkeypatch.setitem(sys.modules, "pynvml", FakeNVML([FakeGpu(UUIDS[0])]))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     name = f"late-{time.time_ns()}"
-    cfg = load_config(
-        "tiny",
-        overrides=[
-            f"name={name}",
-            "budget.n_trials=2",
-            "budget.max_epochs=3",
-            "tracking.gpu_interval_s=0.1",
-            "pruner={name: none}",
-        ],
-    )
-    journal = tmp_path / "optuna.journal"
-    spec = StorageSpec("journal", str(journal), "journal")
-    opts = WorkerOptions(
-        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train",
-        tracking_uri=mlflow_server.url,
-    )  # fmt: skip
     began_ms = time.time() * 1000
-    assert run_worker(cfg, spec, opts).outcomes == {"finished": 2}
-
+    journal = _two_trials(tmp_path, mlflow_server.url, name, "tracking.gpu_interval_s=0.1")
     client = MlflowClient(mlflow_server.url)
-    exp = client.get_experiment_by_name(name)
-    assert exp is not None
-    runs = client.search_runs([exp.experiment_id], "tags.`hpsearch.role` = 'trial'")
+    runs = _trial_runs(client, name)
     by_number = {int(r.data.tags["optuna.trial_number"]): r for r in runs}
     assert sorted(by_number) == [0, 1]
     for t in _study(journal, name).trials:
@@ -129,23 +133,9 @@ def test_a_trial_trains_while_a_slow_server_creates_its_run(
     monkeypatch.setattr(MlflowClient, "create_run", slow_create)
     monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.2")
     name = f"slow-create-{time.time_ns()}"
-    cfg = load_config(
-        "tiny",
-        overrides=[f"name={name}", "budget.n_trials=2", "budget.max_epochs=3",
-                   "pruner={name: none}"],
-    )  # fmt: skip
-    journal = tmp_path / "optuna.journal"
-    spec = StorageSpec("journal", str(journal), "journal")
-    opts = WorkerOptions(
-        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train",
-        tracking_uri=mlflow_server.url,
-    )  # fmt: skip
-    assert run_worker(cfg, spec, opts).outcomes == {"finished": 2}
-
+    journal = _two_trials(tmp_path, mlflow_server.url, name)
     client = MlflowClient(mlflow_server.url)
-    exp = client.get_experiment_by_name(name)
-    assert exp is not None
-    runs = client.search_runs([exp.experiment_id], "tags.`hpsearch.role` = 'trial'")
+    runs = _trial_runs(client, name)
     second = next(r for r in runs if r.data.tags["optuna.trial_number"] == "1")
     trial = _study(journal, name).trials[1]
     assert trial.user_attrs["mlflow_run_id"] == second.info.run_id  # linked after all
@@ -179,10 +169,7 @@ def test_a_trial_failing_before_mlflow_is_ready_gets_its_run(
     trial = _study(journal, name).trials[0]
     assert trial.state == optuna.trial.TrialState.FAIL
 
-    client = MlflowClient(mlflow_server.url)
-    exp = client.get_experiment_by_name(name)
-    assert exp is not None
-    runs = client.search_runs([exp.experiment_id], "tags.`hpsearch.role` = 'trial'")
+    runs = _trial_runs(MlflowClient(mlflow_server.url), name)
     assert len(runs) == 1
     assert runs[0].info.run_id == trial.user_attrs["mlflow_run_id"]
     assert runs[0].info.status == "FAILED"

@@ -594,6 +594,15 @@ def test_a_trial_that_ended_gives_up_its_resume_checkpoint_in_flight(
     assert torch.load(ckpt, weights_only=False)["epoch"] == 2 and stopped.checkpoint_path == ckpt
 
 
+def _skewed_clock(monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    """The trainer's clock, ahead of time.perf_counter by `skew["s"]` seconds (set by the
+    test): a time limit falls where the test wants it whatever this machine's speed."""
+    skew = {"s": 0.0}
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew["s"])
+    monkeypatch.setattr(train_module, "time", clock)
+    return skew
+
+
 def test_time_limit(tmp_path: Path) -> None:
     cfg = synthetic(budget={"max_epochs": 50, "trial_timeout_s": 0.5})
     result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
@@ -607,9 +616,7 @@ def test_a_trial_stopped_by_its_time_limit_gets_the_test_accuracy_of_its_best_we
     """It is told COMPLETE with its best val_acc and may be the study's best trial."""
     # The trainer's clock runs 100 s ahead per epoch: the limit falls in epoch 3 whatever
     # this machine's speed.
-    skew = {"s": 0.0}
-    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew["s"])
-    monkeypatch.setattr(train_module, "time", clock)
+    skew = _skewed_clock(monkeypatch)
     cfg = synthetic(budget={"max_epochs": 50, "trial_timeout_s": 150.0},
                     trainer={"evaluate_test": True})  # fmt: skip
     opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=tmp_path / "t.pt",
@@ -625,9 +632,7 @@ def test_a_trial_stopped_by_its_time_limit_gets_the_test_accuracy_of_its_best_we
 def test_a_limit_passed_between_epochs_trains_no_step_of_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    skew = {"s": 0.0}
-    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew["s"])
-    monkeypatch.setattr(train_module, "time", clock)
+    skew = _skewed_clock(monkeypatch)
     real = train_module.train_batches
     epochs: list[int] = []
 
@@ -649,9 +654,7 @@ def test_an_epoch_the_time_limit_falls_in_after_its_last_step_is_kept(
 ) -> None:
     """The limit passing in the last step of the last epoch: that epoch is whole, so it is
     evaluated and the trial finished (it was dropped, and the trial ended time_limit)."""
-    skew = {"s": 0.0}
-    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew["s"])
-    monkeypatch.setattr(train_module, "time", clock)
+    skew = _skewed_clock(monkeypatch)
     real = train_module.train_batches
 
     def batches(split: Any, batch_size: int, seed: int, epoch: int, device: Any) -> Any:
@@ -673,9 +676,7 @@ def test_a_resumed_trial_counts_its_earlier_tries_against_its_time_limit(
 ) -> None:
     """Each try had the whole trial_timeout_s again: a trial interrupted and resumed trained
     past its limit."""
-    skew = {"s": 0.0}  # the trainer's clock runs 100 s ahead per epoch
-    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew["s"])
-    monkeypatch.setattr(train_module, "time", clock)
+    skew = _skewed_clock(monkeypatch)  # 100 s ahead per epoch
     cfg = synthetic(budget={"max_epochs": 50, "trial_timeout_s": 150.0})
     epochs: list[int] = []
 
