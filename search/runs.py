@@ -559,6 +559,10 @@ class TrackingSession:
         """Whether the set-up is over (its jobs may still be running)."""
         return self._setup_done
 
+    def setup_failed(self) -> BaseException | None:
+        """What the set-up raised, once it is over; None while it runs or if it succeeded."""
+        return self._setup_error if self._setup_done else None
+
     def wait_ready(self) -> None:
         """Until the set-up and the jobs it ran are done; raises what the set-up raised."""
         thread = self._setup_thread

@@ -70,9 +70,9 @@ ATTR_PID_START = "pid_start"
 ATTR_OUTCOME = "outcome"
 ATTR_MESSAGE = "message"
 ATTR_RUN_ID = "mlflow_run_id"
-# s a trial waits for its run's create once the worker is told to stop: well inside the
-# launcher's grace (120 s), after which it kills workers untold
-RUN_WAIT_AFTER_STOP_S = 30.0
+# s a trial waits for its run's create once it sees the worker told to stop (at its epoch's
+# end): the launcher's grace (120 s) counts from the stop, then it kills workers untold
+RUN_WAIT_AFTER_STOP_S = 10.0
 ATTR_RUN_KEY = "mlflow_run_key"  # tags the try's MLflow run: found again if never linked
 ATTR_CHECKPOINT = "checkpoint"
 ATTR_BEST_MODEL = "best_model"
@@ -795,21 +795,22 @@ class _LateRun:
         trained (an interrupted one too: its checkpoint goes to the run, with uploads, for
         another host to resume from) waits a while, but is told without its run rather than
         killed untold by the launcher's grace; one that never started waits none."""
-        try:
-            self._tracking.wait_ready()
-        except Exception as exc:  # the set-up itself failed: no run for any trial
-            logger.warning("MLflow set-up failed, trials go on untracked: %s", exc)
-            return None
-        # The set-up succeeded, so the start was run or is running: a create that waits on
-        # a server that does not answer is given up when the worker stops.
+        # The start runs once the set-up is over (on the set-up thread, or one of its own);
+        # a set-up that failed runs none. A create or a set-up that waits on a server that
+        # does not answer is given up when the worker stops.
         stopped_at: float | None = None
         while not self._done.wait(0.2):
+            failed = self._tracking.setup_failed()
+            if failed is not None:  # no run for any trial
+                logger.warning("MLflow set-up failed, trials go on untracked: %s", failed)
+                return None
             if self._stop is None or not self._stop.is_set():
                 continue
             stopped_at = time.monotonic() if stopped_at is None else stopped_at
             if time.monotonic() - stopped_at >= after_stop_s:
-                self.cancel()  # the run, if it is made after all, is ended at once
-                return None
+                self.cancel()  # a run made after all is ended at once
+                with self._lock:  # unless the start was over just now: linked, kept
+                    return self.run if self._started else None
         if self._error is not None:
             # The link's write outlasted the database outage limit on the start's thread,
             # while the trial trained: written again here, before the trial is told.

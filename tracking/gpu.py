@@ -386,8 +386,11 @@ class GpuSampler:
         try:
             uuids = nvml_uuids(nvml)
             refs = resolve_visible_devices(self.visible_devices, uuids)
-            if "" in uuids:  # a GPU hidden from this process: NVML's indices are not CUDA's
-                refs = self._through_cuda(uuids)
+            by_index = self.visible_devices is None or any(
+                e.strip().isdigit() for e in self.visible_devices.split(",")
+            )
+            if "" in uuids and by_index:  # a GPU hidden from this process: NVML's indices
+                refs = self._through_cuda(uuids)  # are not CUDA's (UUID entries are sound)
             elif self._first_only and len(uuids) > 1:
                 refs = self._cudas_first(uuids)
             elif cuda_order_differs(self.visible_devices, self.device_order, len(uuids)):

@@ -134,6 +134,14 @@ def _decoded_to_device(dec: data.Decoded, device: torch.device) -> tuple[Tensor,
     return images, torch.from_numpy(dec.labels).to(device)
 
 
+def _data_key(
+    config: StudyConfig, src: data.Source, size: int, device: torch.device
+) -> tuple[Any, ...]:
+    """A split's key in the warm cache (its eval images': this plus ("eval", res))."""
+    return (src.dataset, src.ident, src.split, len(src), size, str(device),
+            config.dataset.on_corrupt)  # fmt: skip
+
+
 def load_split(
     config: StudyConfig,
     src: data.Source,
@@ -151,7 +159,7 @@ def load_split(
     """A split on the fast path (whole uint8 array on the device) or streaming path."""
     on_corrupt = config.dataset.on_corrupt
     if fast:
-        key = (src.dataset, src.ident, src.split, len(src), size, str(device), on_corrupt)
+        key = _data_key(config, src, size, device)
         if warm is not None and key in warm.data:
             images, labels = warm.data[key]
         else:
@@ -577,7 +585,12 @@ def _train(
             except RuntimeError as exc:
                 if not _out_of_memory(exc, device):
                     raise
-            held = options.warm is not None and bool(options.warm.data)
+            # Retried only when the cache held other datasets (not this trial's splits,
+            # which stay in use whatever the cache holds).
+            mine = {_data_key(config, s, size, device) for s in sources.values() if s}
+            held = options.warm is not None and any(
+                tuple(k[:7]) not in mine for k in options.warm.data
+            )
             if options.warm is not None:
                 options.warm.data.clear()
             gc.collect()
@@ -798,14 +811,13 @@ def _train(
                 fwd, val_split, res, num_classes, device, amp, tc.channels_last
             )
             if not math.isfinite(val_loss):
-                # Broken weights (the epoch's last step), or a study whose objective is the
-                # loss: as a diverged step, not reported, no best model (told PRUNED).
-                if "val_loss" in config.objective.metrics or not _finite_weights(model):
+                if not _finite_weights(model):  # the epoch's last step broke them
                     run.stop_reason = "diverged"
                     run.message = f"validation loss is {val_loss} after epoch {epoch}"
-                    return
-                # Sound weights, logits past fp16's range on some image, and an objective
-                # of accuracy: a loss, not a divergence; the accuracy stands.
+                    return  # as a diverged step: not reported, no best model (PRUNED)
+                # Sound weights, logits past fp16's range on some image: a loss, not a
+                # divergence. The epoch counts; it is never the best where the loss is
+                # told to Optuna (_improves).
                 val_loss = math.inf
             schedule.observe(val_loss)
         record = EpochRecord(
@@ -823,7 +835,8 @@ def _train(
 
         if val_acc is not None:
             assert confusion is not None and val_loss is not None
-            if _improves(config.reported_metric, run, val_acc, val_loss):
+            told_loss = "val_loss" in config.objective.metrics
+            if _improves(config.reported_metric, run, val_acc, val_loss, told_loss):
                 run.best_acc, run.best_loss, run.best_epoch = val_acc, val_loss, epoch
                 run.best_confusion = confusion.cpu().tolist()
                 run.evals_since_best = 0
@@ -912,10 +925,16 @@ def _train(
                 torch.cuda.empty_cache()
 
 
-def _improves(metric: str, run: _Run, val_acc: float, val_loss: float) -> bool:
+def _improves(
+    metric: str, run: _Run, val_acc: float, val_loss: float, told_loss: bool = False
+) -> bool:
     """Whether an evaluated epoch beats the run's best by the metric the study optimizes
     (`StudyConfig.reported_metric`): the objective, the best model and its test accuracy
-    all come from the best epoch, so a study minimizing val_loss takes the lowest loss."""
+    all come from the best epoch, so a study minimizing val_loss takes the lowest loss.
+    With `told_loss` (the loss is an objective) an infinite loss is never the best: Optuna
+    takes no infinite value."""
+    if told_loss and not math.isfinite(val_loss):
+        return False
     if run.best_acc is None:
         return True
     if metric == "val_loss":

@@ -61,6 +61,9 @@ class Session:
     def wait_ready(self) -> None:
         pass
 
+    def setup_failed(self) -> BaseException | None:
+        return None
+
     def start_trial(self, *args: Any, **kwargs: Any) -> SlowRun:
         return self.run
 
@@ -270,3 +273,20 @@ def test_a_stopped_trial_waits_a_while_for_a_create_that_answers(tmp_path: Path)
     assert late.wait() is run and trial.user_attrs == {"mlflow_run_id": "run-0"}
     start.join(10)
     assert not hasattr(run, "ended")
+
+
+def test_a_stop_cuts_short_the_wait_for_a_set_up_that_hangs(tmp_path: Path) -> None:
+    """A worker's first trial's run starts once MLflow's set-up is over; a set-up stuck on
+    a server that does not answer held a stopped worker's tell for minutes."""
+    session = Session(SlowRun())
+    session.wait_ready = lambda: time.sleep(8)  # type: ignore[method-assign]  # joins it
+    stop = threading.Event()
+    late = _LateRun(session, Trial(), {}, 0, tmp_path / "ckpt", lambda fn, what: fn(), None, stop)  # type: ignore[arg-type]
+    stop.set()
+    t0 = time.perf_counter()
+    assert late.wait(after_stop_s=0.2) is None
+    assert time.perf_counter() - t0 < 3.0
+    failed = Session(SlowRun())  # a set-up that failed: no run, at once
+    failed.setup_failed = lambda: RuntimeError("no server")  # type: ignore[method-assign,assignment,return-value]
+    late = _LateRun(failed, Trial(), {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
+    assert late.wait() is None

@@ -636,6 +636,10 @@ def test_a_gpu_this_process_may_not_open_leaves_the_others_sampled() -> None:
     # Without torch's UUIDs no index can be trusted: off, not another GPU's figures.
     s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, cuda_uuids=lambda: None)
     assert not s.open()
+    # A UUID names its GPU however NVML numbers them.
+    s = GpuSampler(None, visible_devices=UUIDS[1][:12], nvml=nvml, pid=PID, cuda_uuids=lambda: None)
+    assert s.open() and s.device_refs == [1]
+    s.stop()
 
 
 def test_a_pause_right_after_a_restart_holds() -> None:
