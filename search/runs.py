@@ -485,6 +485,9 @@ def _subdirs(folder: Path) -> list[Path]:
         return []
 
 
+SETUP_WAIT_AFTER_STOP_S = 10.0  # s a stopping worker waits for a set-up still under way
+
+
 def _run_job(job: Callable[[], None]) -> None:
     try:
         job()
@@ -547,6 +550,9 @@ class TrackingSession:
             self._connect()
         except BaseException as exc:  # re-raised by wait_ready, on the worker's thread
             self._setup_error = exc
+            if isinstance(exc, Exception):
+                logger.warning("MLflow set-up failed, trials go on untracked: %s",
+                               scrub(str(exc)))  # fmt: skip
         finally:
             with self._ready_lock:
                 jobs, self._on_ready = self._on_ready, []
@@ -845,8 +851,15 @@ class TrackingSession:
     def close(self) -> None:
         """Wait for the trials' runs to finish (a stopping worker loses none of them), and
         export the held study best to ONNX meanwhile (the launcher waits for it)."""
-        if self._setup_thread is not None:
-            self._setup_thread.join()  # its jobs start runs that the finisher then closes
+        thread, stopped_at = self._setup_thread, None
+        while thread is not None and thread.is_alive():  # its jobs start runs the finisher
+            thread.join(0.5)  # then closes; a set-up stuck on a server that does not
+            if not self._stop.is_set():  # answer is left behind once the worker stops
+                continue
+            stopped_at = time.monotonic() if stopped_at is None else stopped_at
+            if time.monotonic() - stopped_at > SETUP_WAIT_AFTER_STOP_S:
+                logger.warning("MLflow set-up still waits for the server; stopping without it")
+                break
         self._finisher.release()  # its uploads overlap with the export
         try:
             self._export_held_onnx()

@@ -799,18 +799,16 @@ class _LateRun:
         # a set-up that failed runs none. A create or a set-up that waits on a server that
         # does not answer is given up when the worker stops.
         stopped_at: float | None = None
-        while not self._done.wait(0.2):
-            failed = self._tracking.setup_failed()
-            if failed is not None:  # no run for any trial
-                logger.warning("MLflow set-up failed, trials go on untracked: %s", failed)
-                return None
-            if self._stop is None or not self._stop.is_set():
-                continue
-            stopped_at = time.monotonic() if stopped_at is None else stopped_at
-            if time.monotonic() - stopped_at >= after_stop_s:
-                self.cancel()  # a run made after all is ended at once
-                with self._lock:  # unless the start was over just now: linked, kept
-                    return self.run if self._started else None
+        while not self._done.is_set():
+            if self._tracking.setup_failed() is not None:  # no run for any trial (the
+                return None  # session warned once)
+            if self._stop is not None and self._stop.is_set():
+                stopped_at = time.monotonic() if stopped_at is None else stopped_at
+                if time.monotonic() - stopped_at >= after_stop_s:
+                    self.cancel()  # a run made after all is ended at once
+                    with self._lock:  # unless its start was over just now, linked
+                        return self.run if self._started and self._error is None else None
+            self._done.wait(0.2)
         if self._error is not None:
             # The link's write outlasted the database outage limit on the start's thread,
             # while the trial trained: written again here, before the trial is told.

@@ -566,12 +566,18 @@ def _train(
     micro, accum = micro_batches(batch_size, tc.max_micro_batch)
     run.batch_size, run.micro_batch = batch_size, micro
 
+    in_use: set[tuple[Any, ...]] = set()  # warm-cache keys of the splits loaded so far
+
     def split_of(src: data.Source, is_train: bool) -> Split:
         nonlocal fast
 
         def load(on_device: bool) -> Split:
-            return load_split(config, src, size, res, device, on_device, workdir, options.warm,
-                              train=is_train, batch_size=batch_size, seed=seed)  # fmt: skip
+            split = load_split(config, src, size, res, device, on_device, workdir, options.warm,
+                               train=is_train, batch_size=batch_size, seed=seed)  # fmt: skip
+            if on_device:
+                key = _data_key(config, src, size, device)
+                in_use.update([key] if is_train else [key, (*key, "eval", res)])
+            return split
 
         if not (fast and config.dataset.fast_path == "auto"):
             return load(fast)
@@ -585,14 +591,14 @@ def _train(
             except RuntimeError as exc:
                 if not _out_of_memory(exc, device):
                     raise
-            # Retried only when the cache held other datasets (not this trial's splits,
-            # which stay in use whatever the cache holds).
-            mine = {_data_key(config, s, size, device) for s in sources.values() if s}
-            held = options.warm is not None and any(
-                tuple(k[:7]) not in mine for k in options.warm.data
+            # Retried only when the cache held more than this trial's splits loaded so far
+            # (in use whatever the cache holds): other splits, sizes, compiled models.
+            warm = options.warm
+            held = warm is not None and (
+                any(k not in in_use for k in warm.data) or bool(warm.models)
             )
-            if options.warm is not None:
-                options.warm.data.clear()
+            if warm is not None:
+                warm.clear()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -891,6 +897,16 @@ def _train(
             options.on_epoch(record)
         if run.stop_reason != "finished":
             break
+
+    if (
+        "val_loss" in config.objective.metrics
+        and run.best_acc is None
+        and any(r.val_loss is not None for r in run.history)
+        and run.stop_reason in ("finished", "early_stopped", "time_limit")
+    ):  # every evaluated loss was infinite: nothing Optuna can be told
+        run.stop_reason = "diverged"
+        run.message = "no evaluated epoch had a finite validation loss"
+        return
 
     # --- test: the best model of a complete trial (finished, early-stopped or timed out) -----
     # A trial stopped by its time limit is told COMPLETE with its best val_acc, and may be the

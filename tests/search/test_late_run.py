@@ -290,3 +290,28 @@ def test_a_stop_cuts_short_the_wait_for_a_set_up_that_hangs(tmp_path: Path) -> N
     failed.setup_failed = lambda: RuntimeError("no server")  # type: ignore[method-assign,assignment,return-value]
     late = _LateRun(failed, Trial(), {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
     assert late.wait() is None
+
+
+def test_a_stopping_worker_does_not_wait_for_a_set_up_stuck_on_its_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session's close waited for its set-up thread without a limit: a set-up stuck on
+    a server that does not answer kept a stopped worker until the launcher killed it."""
+    import hpsearch.runs as runs
+    from hpsearch.config import load_config
+    from hpsearch.storage import StorageSpec
+
+    answered = threading.Event()
+    monkeypatch.setattr(runs, "_client", lambda uri: answered.wait(30))
+    monkeypatch.setattr(runs, "SETUP_WAIT_AFTER_STOP_S", 0.5)
+    stop = threading.Event()
+    spec = StorageSpec("journal", str(tmp_path / "j"), "journal")
+    session = runs.TrackingSession(load_config("tiny"), spec, "http://127.0.0.1:9", "w0",
+                                   background=True, stop=stop)  # fmt: skip
+    try:
+        stop.set()
+        t0 = time.perf_counter()
+        session.close()
+        assert time.perf_counter() - t0 < 5.0
+    finally:
+        answered.set()

@@ -212,6 +212,9 @@ def test_weights_broken_by_an_epochs_last_step_are_not_reported(
     result = train(by_loss, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
     assert result.stop_reason == "finished" and result.best_val_acc != 0.99  # epoch 1's
     assert result.best_val_loss is not None and math.isfinite(result.best_val_loss)
+    monkeypatch.setattr(train_module, "evaluate", overflowing)  # every epoch: nothing to tell
+    result = train(by_loss, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    assert result.stop_reason == "diverged" and "no evaluated epoch" in result.message
 
 
 def test_a_dataset_the_gpu_cannot_hold_streams_instead_of_failing_the_trial(
