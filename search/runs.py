@@ -550,7 +550,7 @@ class TrackingSession:
             self._connect()
         except BaseException as exc:  # re-raised by wait_ready, on the worker's thread
             self._setup_error = exc
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception) and self._setup_thread is not None:  # else raised
                 logger.warning("MLflow set-up failed, trials go on untracked: %s",
                                scrub(str(exc)))  # fmt: skip
         finally:

@@ -805,9 +805,12 @@ class _LateRun:
             if self._stop is not None and self._stop.is_set():
                 stopped_at = time.monotonic() if stopped_at is None else stopped_at
                 if time.monotonic() - stopped_at >= after_stop_s:
-                    self.cancel()  # a run made after all is ended at once
-                    with self._lock:  # unless its start was over just now, linked
-                        return self.run if self._started and self._error is None else None
+                    self.cancel()  # a run made after all is ended at once,
+                    with self._lock:  # unless its start was over just now
+                        if not self._started:
+                            return None
+                    self._done.wait()  # only its last steps are left: as if it were done
+                    break
             self._done.wait(0.2)
         if self._error is not None:
             # The link's write outlasted the database outage limit on the start's thread,

@@ -567,6 +567,7 @@ def _train(
     run.batch_size, run.micro_batch = batch_size, micro
 
     in_use: set[tuple[Any, ...]] = set()  # warm-cache keys of the splits loaded so far
+    trained = False  # the test split loads after training: the warm models are this trial's
 
     def split_of(src: data.Source, is_train: bool) -> Split:
         nonlocal fast
@@ -594,11 +595,15 @@ def _train(
             # Retried only when the cache held more than this trial's splits loaded so far
             # (in use whatever the cache holds): other splits, sizes, compiled models.
             warm = options.warm
+            mine = _data_key(config, src, size, device)  # this split's own, partly made
             held = warm is not None and (
-                any(k not in in_use for k in warm.data) or bool(warm.models)
+                any(k not in in_use and k[:7] != mine for k in warm.data)
+                or (not trained and bool(warm.models))  # after training: the trial's model
             )
             if warm is not None:
-                warm.clear()
+                warm.data.clear()
+                if not trained:
+                    warm.models.clear()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -924,6 +929,7 @@ def _train(
         else:  # resumed without its best model (lost with its host): not the best weights
             log.warning("test accuracy not measured: the best model's weights are gone")
             return
+        trained = True
         try:
             test_split = split_of(test_src, False)
             run.test_acc, _, _ = evaluate(

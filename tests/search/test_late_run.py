@@ -302,7 +302,12 @@ def test_a_stopping_worker_does_not_wait_for_a_set_up_stuck_on_its_server(
     from hpsearch.storage import StorageSpec
 
     answered = threading.Event()
-    monkeypatch.setattr(runs, "_client", lambda uri: answered.wait(30))
+
+    def stuck(uri: str) -> None:
+        answered.wait(30)
+        raise ConnectionError("the server never answered")  # the set-up ends quietly
+
+    monkeypatch.setattr(runs, "_client", stuck)
     monkeypatch.setattr(runs, "SETUP_WAIT_AFTER_STOP_S", 0.5)
     stop = threading.Event()
     spec = StorageSpec("journal", str(tmp_path / "j"), "journal")
