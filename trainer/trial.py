@@ -567,7 +567,7 @@ def _train(
     run.batch_size, run.micro_batch = batch_size, micro
 
     in_use: set[tuple[Any, ...]] = set()  # warm-cache keys of the splits loaded so far
-    trained = False  # the test split loads after training: the warm models are this trial's
+    own_model: tuple[Any, ...] | None = None  # this trial's compiled model's key, once built
 
     def split_of(src: data.Source, is_train: bool) -> Split:
         nonlocal fast
@@ -596,14 +596,14 @@ def _train(
             # (in use whatever the cache holds): other splits, sizes, compiled models.
             warm = options.warm
             mine = _data_key(config, src, size, device)  # this split's own, partly made
+            own = {*in_use, mine, (*mine, "eval", res)}
             held = warm is not None and (
-                any(k not in in_use and k[:7] != mine for k in warm.data)
-                or (not trained and bool(warm.models))  # after training: the trial's model
+                any(k not in own for k in warm.data) or any(k != own_model for k in warm.models)
             )
             if warm is not None:
                 warm.data.clear()
-                if not trained:
-                    warm.models.clear()
+                for k in [k for k in warm.models if k != own_model]:
+                    del warm.models[k]
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -627,6 +627,7 @@ def _train(
     fwd: nn.Module
     if tc.compile and options.warm is not None:
         key = (hp.arch, res, batch_size, num_classes, str(device), tc.channels_last, amp)
+        own_model = key
         if (entry := options.warm.get_model(key)) is not None:
             cached, fwd = entry  # same graph: reuse the compiled code, reset the weights
             cached.load_state_dict(model.state_dict())
@@ -929,7 +930,6 @@ def _train(
         else:  # resumed without its best model (lost with its host): not the best weights
             log.warning("test accuracy not measured: the best model's weights are gone")
             return
-        trained = True
         try:
             test_split = split_of(test_src, False)
             run.test_acc, _, _ = evaluate(
