@@ -436,6 +436,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
       hpsearch worker --study flowers102 --storage postgresql://user@db-host/optuna \\
           --tracking-uri http://mlflow-host:5000 --data-dir /data
     """
+    from hpsearch.config import parse_overrides
     from hpsearch.runner import ensure_workdir
     from hpsearch.storage import resolve_storage
     from hpsearch.tracking.server import join_server, resolve_tracking_uri, store_lock
@@ -469,7 +470,8 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         heartbeat_interval_s=heartbeat,
         max_retries=max_retries,
         train_fn=train_fn,
-        set_budget=trials is not None or "budget.n_trials" in _set_keys(overrides),
+        set_budget=trials is not None
+        or any(key.strip() == "budget.n_trials" for key, _ in parse_overrides(overrides)),
         packing=packing,
         sampler_stream=sampler_stream,
     )
@@ -767,11 +769,6 @@ def dashboard(storage: str | None, workdir: Path, host: str, port: int) -> None:
 # Click 8.2 and later raise it for a group called without a command (8.1 shows the help
 # and exits 0 itself); its message is the whole help, not a one-line error.
 _NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
-
-
-def _set_keys(overrides: tuple[str, ...]) -> set[str]:
-    """The keys that `--set key=value` options name."""
-    return {o.split("=", 1)[0].strip() for o in overrides}
 
 
 def _or_dash(value: object) -> str:

@@ -316,8 +316,7 @@ def first_in_line(pid: int, since: float | None, waiting: Mapping[int, float]) -
     """Whether `pid`, waiting since `since` (s since the epoch; None: not waiting, one
     look), may be admitted before the trials `waiting` ({pid: since}) for the same GPU: the
     earliest goes first, ties by PID. A large trial is not passed for good by small ones
-    that keep fitting beside each other (it waited out its limit and failed, and the
-    sampler learned that large values fail)."""
+    that keep fitting beside each other (it waited out its limit and failed)."""
     mine = (math.inf, pid) if since is None else (since, pid)
     return all((t, p) > mine for p, t in waiting.items() if p != pid)
 
@@ -339,8 +338,9 @@ class GpuLedger:
 
     def __init__(self, workdir: Path, gpu: str, total_bytes: int, headroom: float = HEADROOM):
         self.path = Path(workdir) / "gpu" / f"ledger-{gpu}.json"
-        self.wait_path = self.path.with_name(f"waiting-{gpu}.json")  # apart: older versions
-        self.total_bytes = total_bytes  # read the ledger as {pid: entry}
+        # apart from the ledger: older versions read every entry of it as {pid: [bytes, ...]}
+        self.wait_path = self.path.with_name(f"waiting-{gpu}.json")
+        self.total_bytes = total_bytes
         self.headroom = headroom
 
     def _read(self, path: Path, starts: dict[int, int | None]) -> dict[int, float]:

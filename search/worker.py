@@ -70,9 +70,6 @@ ATTR_PID_START = "pid_start"
 ATTR_OUTCOME = "outcome"
 ATTR_MESSAGE = "message"
 ATTR_RUN_ID = "mlflow_run_id"
-# s a trial waits for its run's create once it sees the worker told to stop (at its epoch's
-# end): the launcher's grace (120 s) counts from the stop, then it kills workers untold
-RUN_WAIT_AFTER_STOP_S = 10.0
 ATTR_RUN_KEY = "mlflow_run_key"  # tags the try's MLflow run: found again if never linked
 ATTR_CHECKPOINT = "checkpoint"
 ATTR_BEST_MODEL = "best_model"
@@ -650,6 +647,11 @@ def _first_heartbeat(study: optuna.Study, trial_id: int) -> None:
         beating.record_heartbeat(trial_id)
 
 
+# s a trial waits for its run's create once it sees the worker told to stop (at its epoch's
+# end): the launcher's grace (120 s) counts from the stop, then it kills workers untold
+RUN_WAIT_AFTER_STOP_S = 10.0
+
+
 class _LateRun:
     """A trial's MLflow run (`TrialRun`), started off the training thread while the trial
     trains: on a thread of its own once the worker's MLflow session is set up, else on the
@@ -757,7 +759,7 @@ class _LateRun:
     def training_began(self) -> None:
         """The trial's GPU work begins now (its admission), or runs at speed (its first
         epoch's end: after the data set-up and torch.compile's first steps): the rule
-        starts its warm-up again, and a flag raised before is void."""
+        starts its warm-up again; a flag raised before stays on record and stops nothing."""
         self._gpu_rule("restart_warmup")
 
     def _gpu_rule(self, method: str) -> None:
@@ -916,18 +918,11 @@ def run_trial(
         first_epoch: list[int] = []
         epoch_done = [0.0]  # perf_counter at the end of the latest epoch callback
 
-        sped_up: list[bool] = []
-
-        def at_speed() -> None:  # the first epoch trained here is over (its on_epoch)
-            if not sped_up:
-                sped_up.append(True)
+        def on_epoch(record: Any) -> None:
+            if not first_epoch:  # the first epoch trained here is over
+                first_epoch.append(int(record.epoch))
                 if late is not None:  # set-up and a compiling first epoch are not input-bound
                     late.training_began()
-
-        def on_epoch(record: Any) -> None:
-            at_speed()
-            if not first_epoch:
-                first_epoch.append(int(record.epoch))
             if late is not None:
                 t0 = time.perf_counter()
                 late.log_epoch(record)
@@ -940,7 +935,7 @@ def run_trial(
                 stop = reports.report(epoch, value)
                 # Judged from the second epoch trained here on: the trainer reports before
                 # its on_epoch, and a retry reports its restored epochs during its set-up.
-                if sped_up and late is not None and late.stop_input_bound():
+                if first_epoch and late is not None and late.stop_input_bound():
                     # tracking.stop_input_bound: a starved GPU is stopped like a pruned trial.
                     db(lambda: trial.set_user_attr("stopped_by", "input_bound"), "set_user_attr")
                     return True

@@ -566,6 +566,7 @@ def _train(
     micro, accum = micro_batches(batch_size, tc.max_micro_batch)
     run.batch_size, run.micro_batch = batch_size, micro
 
+    told_loss = "val_loss" in config.objective.metrics  # an objective: Optuna takes no inf
     in_use: set[tuple[Any, ...]] = set()  # warm-cache keys of the splits loaded so far
     own_model: tuple[Any, ...] | None = None  # this trial's compiled model's key, once built
 
@@ -847,7 +848,6 @@ def _train(
 
         if val_acc is not None:
             assert confusion is not None and val_loss is not None
-            told_loss = "val_loss" in config.objective.metrics
             if _improves(config.reported_metric, run, val_acc, val_loss, told_loss):
                 run.best_acc, run.best_loss, run.best_epoch = val_acc, val_loss, epoch
                 run.best_confusion = confusion.cpu().tolist()
@@ -905,7 +905,7 @@ def _train(
             break
 
     if (
-        "val_loss" in config.objective.metrics
+        told_loss
         and run.best_acc is None
         and any(r.val_loss is not None for r in run.history)
         and run.stop_reason in ("finished", "early_stopped", "time_limit")
