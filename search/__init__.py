@@ -4,8 +4,9 @@ Optuna studies in PostgreSQL (or a journal file), pruned torchvision trials in w
 processes, everything in MLflow.
 
     import hpsearch
-    study = hpsearch.load_study("flowers102", storage="postgresql://postgres@127.0.0.1/test")
-    top = hpsearch.best_trials("flowers102", k=5)
+    url = "postgresql://postgres@127.0.0.1/test"
+    study = hpsearch.load_study("flowers102", storage=url)
+    top = hpsearch.best_trials("flowers102", storage=url, k=5)
 """
 
 from __future__ import annotations

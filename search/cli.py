@@ -47,7 +47,8 @@ def _study_options(fn: F) -> F:
             help="Override a study field, e.g. --set budget.max_epochs=2 (repeatable).",
         ),
         click.option("--data-dir", type=click.Path(file_okay=False), default=None,
-                     help="Dataset root (else HPSEARCH_DATA_DIR, else the study file)."),
+                     help="Dataset root (else --set dataset.root, else HPSEARCH_DATA_DIR, "
+                          "else the study file)."),
         click.option("--download", is_flag=True, default=None,
                      help="Allow downloading the dataset if it is missing."),
         click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),

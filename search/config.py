@@ -185,7 +185,8 @@ class PrunerConfig(_Frozen):
 class TrainerConfig(_Frozen):
     eval_every: Int = Field(default=1, ge=1)  # epochs between validations (and reports)
     patience: Int | None = Field(default=None, ge=1)  # evals without improvement
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # auto: bf16 where the GPU has it natively, else fp16; fp32 on the CPU
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     channels_last: bool = True
     compile: bool = False
     cudnn_benchmark: bool = True
