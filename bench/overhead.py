@@ -269,11 +269,13 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def plain_env(workers: int) -> dict[str, str]:
-    """What `hpsearch launch` gives each of its workers (launcher._spawn), minus storage."""
+def plain_env(workers: int, device: str = "cpu") -> dict[str, str]:
+    """What `hpsearch launch` gives each of its workers (launcher._spawn), minus storage:
+    a share of the cores' threads on the CPU only (a GPU worker keeps torch's default)."""
     env = child_env()
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    if not device.startswith("cuda"):
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     return env
 
 
@@ -511,7 +513,7 @@ def run_plain(
     link_cache(workdir, ctx["cache_workdir"])
     n, w = ctx["n_trials"], args.workers
     quotas = [n // w + (1 if i < n % w else 0) for i in range(w)]
-    env = plain_env(w)
+    env = plain_env(w, ctx["device"])
     procs: list[Proc] = []
     spawned_at = time.time()
     cpu = CpuSampler().start()
@@ -835,8 +837,10 @@ def print_table(stats: dict[str, dict[str, Any]], ratio: float | None) -> None:
     for role in roles:
         row(f"CPU s: {role}", fmt(p["cpu_s"].get(role)), fmt(h["cpu_s"].get(role)))
     if roles:
-        tp, th = sum(v or 0 for v in p["cpu_s"].values()), sum(v or 0 for v in h["cpu_s"].values())
-        row("CPU s: all", fmt(tp), fmt(th), f"{th / tp:.3f}x" if tp else "")
+        # "other": processes on the host that are neither side's (the sampler reads all of
+        # /proc): noise, not part of either side's cost
+        tp, th = (sum(v or 0 for k, v in s["cpu_s"].items() if k != "other") for s in (p, h))
+        row("CPU s: both sides", fmt(tp), fmt(th), f"{th / tp:.3f}x" if tp else "")
     verdict = "n/a" if ratio is None else ("met" if ratio <= TARGET_RATIO else "MISSED")
     print(f"wall-time ratio hpsearch/plain: {fmt(ratio, 3)} (target <= {TARGET_RATIO}: {verdict})")
 
@@ -854,7 +858,9 @@ def host_info(args: argparse.Namespace, warm: dict[str, Any]) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
-        "omp_num_threads_plain": plain_env(args.workers)["OMP_NUM_THREADS"],
+        "omp_num_threads_plain": plain_env(args.workers, str(warm.get("device"))).get(
+            "OMP_NUM_THREADS"
+        ),
         "torch": warm.get("torch"),
         "torchvision": warm.get("torchvision"),
         "torch_threads": warm.get("torch_threads"),
@@ -921,9 +927,10 @@ def bench(args: argparse.Namespace) -> int:
             },
             root,
             "warmup",
-            plain_env(args.workers),
+            plain_env(args.workers, args.device),
         )
         warm["wall_s"] = time.perf_counter() - t
+        ctx["device"] = str(warm["device"])  # resolved: "auto" is "cpu" or "cuda..." here
         print(
             f"warm-up (untimed): {warm['caches_built']} cache file(s) built, cache "
             f"{warm['cache_s']:.1f}s, {warm['wall_s']:.1f}s in all; device {warm['device']}",
@@ -963,6 +970,9 @@ def bench(args: argparse.Namespace) -> int:
                     "hpsearch": asdict(pair_["hpsearch"]),
                 }
             )
+            if args.json_path:  # the pairs so far, replaced by the full report at the end
+                partial = {"partial": True, "args": vars(args), "runs": runs}
+                Path(args.json_path).write_text(json.dumps(jsonable(partial), indent=2))
         server_start_s = server.started_s
     finally:
         if server is not None:

@@ -200,14 +200,17 @@ def measure(
     )  # fmt: skip
     print(f"W={label}: {n_trials} trials x {args.epochs} epochs ...", flush=True)
     with GpuWatch(device, args.gpu, args.gpu_interval) as gpu:
-        run = run_launch(cli, workdir / "launch.log", args.launch_timeout, echo=args.verbose)
+        # Stopped (run.sh's cap, Ctrl-C): what this count finished is still read and kept.
+        run = run_launch(cli, workdir / "launch.log", args.launch_timeout, echo=args.verbose,
+                         keep_on_interrupt=True)  # fmt: skip
     ran, reason = launched_workers(run)
     workers = ran or (1 if label == "auto" else int(label))
     try:
         study = load_launched_study(cfg.name, workdir, run)
     except BenchError as exc:  # this count's row says why; the others' rows stand
         return {"workers_arg": label, "workers": workers, "launch_returncode": run.returncode,
-                "trials_per_hour": 0.0, "error": str(exc)}  # fmt: skip
+                "trials_per_hour": 0.0, "error": str(exc),
+                "interrupted": run.interrupted}  # fmt: skip
     trials = study.get_trials(deepcopy=False)
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     epochs = sum(len(t.user_attrs.get("history", [])) for t in trials)
@@ -274,7 +277,8 @@ def measure(
     deaths = worker_deaths(run)
     result["failed_trials"] = failed
     result["worker_deaths"] = deaths
-    problems = []
+    result["interrupted"] = run.interrupted
+    problems = ["the bench was stopped during this count"] if run.interrupted else []
     if run.returncode != 0 or len(done) < n_trials:
         problems.append(
             f"launch exit code {run.returncode}, {len(done)}/{n_trials} trials complete"
@@ -400,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             if args.json_path:  # after every run: a bench stopped later keeps what it has
                 Path(args.json_path).write_text(json.dumps(record, indent=2, default=str))
+            if r.get("interrupted"):
+                raise KeyboardInterrupt
     except HpsearchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ Example (GPU):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import shutil
@@ -228,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     env = environment(device, args.gpu)
+    if cfg.dataset.root is not None:  # a prepared subset says how it differs (benchdata.py)
+        with contextlib.suppress(OSError):
+            source = Path(cfg.dataset.root) / "flowers-102" / "SOURCE.txt"
+            env["dataset_source"] = source.read_text().strip()
     parent = Path(args.workdir) if args.workdir else Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix=f"study-{time.strftime('%Y%m%d-%H%M%S')}-", dir=parent))
@@ -320,6 +325,10 @@ def run(
         "states": states,  # all trials, the grace period's included
         "finished": len(in_budget),  # complete or pruned by the time-out
         "finished_in_grace": len(in_grace),
+        "budget_states": {  # by the time-out: what the budget's figures count
+            "complete": sum(1 for t in in_budget if t.state == TrialState.COMPLETE),
+            "pruned": sum(1 for t in in_budget if t.state == TrialState.PRUNED),
+        },
         "grace_states": {
             "complete": sum(1 for t in in_grace if t.state == TrialState.COMPLETE),
             "pruned": sum(1 for t in in_grace if t.state == TrialState.PRUNED),
@@ -402,7 +411,7 @@ def print_table(
     cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any], r: dict[str, Any]
 ) -> None:
     where = env.get("gpu") or f"cpu ({env['cpu_count']} cores)"
-    s = r["states"]
+    s, b, g = r["states"], r["budget_states"], r["grace_states"]
     best = (
         f"{r['best_value']:.4f} (trial {r['best_trial']}, {r['best_epochs']} epochs)"
         if r["best_value"] is not None
@@ -411,8 +420,8 @@ def print_table(
     stopped = f" (bench sent {' then '.join(r['bench_stops'])})" if r["bench_stops"] else ""
     rows = [
         ("wall s", f"{r['wall_s']:.1f}{stopped}"),
-        ("trials complete / pruned", f"{s['complete']} / {s['pruned']}"),
-        ("finished by time-out / in grace", f"{r['finished']} / {r['finished_in_grace']}"),
+        ("complete / pruned by time-out", f"{b['complete']} / {b['pruned']}"),
+        ("complete / pruned in grace", f"{g['complete']} / {g['pruned']}"),
         ("failed / interrupted / waiting", f"{s['fail']} / {r['interrupted']} / {s['waiting']}"),
         ("epochs / train images", f"{r['epochs']} / {r['train_images']}"),
         ("train img/s (e2e)", f"{r['images_per_second_e2e']:.1f}"),
@@ -436,6 +445,8 @@ def print_table(
     )
     if r["auto_reason"]:
         print(f"  --workers auto: {r['auto_reason']}")
+    if env.get("dataset_source"):  # e.g. test JPEGs re-encoded: test acc reads lower
+        print(f"  data: {env['dataset_source']}")
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")

@@ -232,6 +232,8 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         auto_workers,
         check_gpus,
         format_progress,
+        hold_launch_lock,
+        packing_path,
         parse_gpus,
     )
     from hpsearch.packing import gpus_through_mask, place_workers, visible_gpus
@@ -257,6 +259,9 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     # (not with --device cuda:N, which names one GPU of those visible).
     use_gpus = gpu_list or (visible_gpus() if device in ("auto", "cuda") else [])
     placement, packing = None, None
+    # Before anything is written or probed: a second launch of this study is refused
+    # without touching the first's study file and packing plan, or its GPUs.
+    launch_lock = hold_launch_lock(workdir, cfg.name)
     if workers == "auto":
         if not use_gpus:
             n_workers = 1
@@ -267,7 +272,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             study_file.write_text(config_to_yaml(cfg))
             plan = auto_workers(study_file, use_gpus, workdir, max_per_gpu)
             placement = place_workers({g: plan.workers_on(g) for g in use_gpus})
-            n_workers, packing = len(placement), workdir / "run" / "packing.json"
+            n_workers, packing = len(placement), packing_path(study_file)
             click.echo(f"--workers auto: {plan.reason}")
     else:
         n_workers = int(workers)
@@ -305,7 +310,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
     click.echo(f"study {cfg.name}: {cfg.budget.n_trials} trials, {n_workers} workers, "
                f"storage {spec.display}")  # fmt: skip
-    launcher = Launcher(cfg, spec, opts, on_progress=show)
+    launcher = Launcher(cfg, spec, opts, on_progress=show, launch_lock=launch_lock)
     _on_signals(launcher.stop, "launch")
     summary = launcher.run()
     c = summary.counts
@@ -332,6 +337,9 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
                                    "launch again to resume")  # fmt: skip
 
 
+SAME_STOP_S = 2.0  # s: a SIGTERM this soon after another is the same stop (see _on_signals)
+
+
 def _on_signals(
     stop: Callable[[], None],
     what: str,
@@ -339,17 +347,37 @@ def _on_signals(
     first: str = "stopping after the current epoch (Ctrl-C again to kill)",
 ) -> list[int]:
     """First Ctrl-C/SIGTERM: graceful stop; second: immediate. The launcher's `stop` kills
-    its workers when called again; a worker (`die_on_second`) dies by the second signal
-    itself, once a trial being handed back is (its trial, left RUNNING, is failed and
-    resumed once its heartbeat is stale); a third kills it at once. Returns the signals
+    its workers when called again, and a third signal ends the launcher at once (it may be
+    waiting on a server or the database). A worker (`die_on_second`) dies by the second
+    signal itself, once a trial being handed back is (its trial, left RUNNING, is failed
+    and resumed once its heartbeat is stale); a third kills it at once. A SIGTERM within
+    `SAME_STOP_S` of the one before is the same stop: a job scheduler or systemd signals
+    every process of the job, and the launcher relays its own. Returns the signals
     received, as they come."""
     count = {"n": 0}
     received: list[int] = []
+    last_term = {"at": -math.inf}
 
     def handler(signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if signum == signal.SIGTERM:
+            again = now - last_term["at"] < SAME_STOP_S
+            last_term["at"] = now
+            if again and count["n"] == 1:
+                return
         count["n"] += 1
         received.append(signum)
-        click.echo(f"\n{what}: {first if count['n'] == 1 else 'killing now'}", err=True)
+        if count["n"] == 1:
+            said = first
+        elif die_on_second:
+            said = "killing now"
+        else:
+            said = "killing now (again to exit at once)" if count["n"] == 2 else "exiting"
+        click.echo(f"\n{what}: {said}", err=True)
+        if count["n"] > 2 and not die_on_second:
+            signal.signal(signum, signal.SIG_DFL)  # (main thread only)
+            os.kill(os.getpid(), signum)
+            return
         if count["n"] > 1 and die_on_second:
             from hpsearch.worker import HANDBACK
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -42,6 +42,7 @@ from hpsearch.packing import (
     gpu_env,
     holder_alive,
     plan_from_probe,
+    process_start,
 )
 from hpsearch.storage import (
     StorageSpec,
@@ -154,11 +155,12 @@ def auto_workers(
 ) -> PackingPlan:
     """`--workers auto`: probe the study's trial shapes on the first GPU (in a child
     process, so this one holds no CUDA context), then pack each GPU by its free memory
-    (the probe reads every GPU's before it trains). The plan is saved as
-    `<workdir>/run/packing.json`; workers reserve memory by it."""
+    (the probe reads every GPU's before it trains). The plan is saved beside the study file
+    (`<workdir>/run/<study>.packing.json`, `packing_path`); its workers reserve memory by
+    it. Call it under the study's launch lock (`hold_launch_lock`)."""
     if not gpus:
         raise DeviceError("--workers auto: no GPU is visible; give --workers N")
-    out = workdir / "run" / "probe.json"
+    out = study_file.with_suffix(".probe.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     # The first GPU as device 0, as its workers will see it; the others after it, in order,
     # so that the probe reads their free memory too.
@@ -189,8 +191,44 @@ def auto_workers(
         gpus, int(raw["total_bytes"]), models, int(raw["worst_trial_bytes"]),
         float(raw["busy"]), max_per_gpu, int(raw.get("data_bytes", 0)), free, held,
     )  # fmt: skip
-    (workdir / "run" / "packing.json").write_text(plan.to_json())
+    packing_path(study_file).write_text(plan.to_json())
     return plan
+
+
+def packing_path(study_file: Path) -> Path:
+    """Where `auto_workers` saves the plan of the study whose resolved file is `study_file`
+    (each study of a work folder packs by its own trials' sizes)."""
+    return study_file.with_suffix(".packing.json")
+
+
+def hold_launch_lock(workdir: Path, name: str) -> IO[str]:
+    """One launch per study and work folder: a second one's workers would share the
+    first's worker names and logs, its stop would fail the first's trials, and its study
+    file and `--workers auto` probe would replace the first's. The lock on
+    `run/<name>.lock` is held while the returned file is open, and until this process exits
+    (the kernel drops it even after a SIGKILL)."""
+    path = Path(workdir) / "run" / f"{name}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a+")  # noqa: SIM115 - kept open: the lock lives with it
+    except OSError as exc:
+        raise ConfigError(
+            f"--workdir: {workdir}: cannot write {exc.filename or path}: {exc.strerror or exc}"
+        ) from exc
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        raise ConfigError(
+            f"study {name!r} is already being launched from {workdir} (pid {holder}); add "
+            "workers to it with `hpsearch worker`, or use another --workdir"
+        ) from None
+    fh.truncate(0)
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh
 
 
 # A worker's exit code after a graceful stop by SIGINT or SIGTERM (128 + the signal's
@@ -300,11 +338,23 @@ class _Slot:
         return f"{socket.gethostname()}:w{self.index}"
 
 
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+# Loaded before any fork: a dlopen in the forked child could hang on a loader lock that a
+# thread of this process (importing MLflow) held at the fork, and Popen with it.
+_LIBC = _load_libc()
+
+
 def _set_pdeathsig() -> None:
     # Workers die with the launcher even if it is SIGKILLed: no orphans.
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _LIBC is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def fail_trial(
@@ -350,21 +400,39 @@ def failed_here_before(trial: FrozenTrial, reason: str) -> bool:
     )
 
 
+def launched_by(attrs: Mapping[str, Any], pids: Mapping[int, int | None] | None) -> bool:
+    """Whether the worker process a trial names (its `pid` and `pid_start` attributes) is
+    one of `pids` ({pid: start ticks}, the processes one launch started; None: any). Two
+    launches on one host name their workers alike (`host:w0`), so the name alone does not
+    tell whose a trial is. A trial of a worker that recorded no pid (an older version's)
+    counts as anyone's."""
+    pid = attrs.get(ATTR_PID)
+    if pids is None or not isinstance(pid, int):
+        return True
+    if pid not in pids:
+        return False
+    start, ours = attrs.get(ATTR_PID_START), pids[pid]
+    return not isinstance(start, int) or ours is None or start == ours
+
+
 def requeue_cut_handbacks(
     study: optuna.Study,
     spec: StorageSpec,
     worker_ids: Collection[str],
     since: datetime.datetime,
     max_retries: int,
+    pids: Mapping[int, int | None] | None = None,
 ) -> list[int]:
     """Queue the retries of trials these workers handed back (FAIL, outcome "interrupted",
     ended `since` or later) that have none: a worker killed between the hand-back's two
     commits (a second stop, or past the grace) left its trial failed, never to resume. As
-    interrupted (no crash retry), under the study lock; the trials queued."""
+    interrupted (no crash retry), under the study lock; the trials queued. `pids`: the
+    workers' processes (`launched_by`)."""
     cut = [
         t
         for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
         if t.user_attrs.get(ATTR_WORKER) in worker_ids
+        and launched_by(t.user_attrs, pids)
         and t.user_attrs.get(ATTR_OUTCOME) == "interrupted"
         and t.datetime_complete is not None
         and t.datetime_complete >= since
@@ -437,7 +505,9 @@ class Launcher:
         spec: StorageSpec,
         opts: LaunchOptions,
         on_progress: Callable[[Progress], None] | None = None,
+        launch_lock: IO[str] | None = None,
     ) -> None:
+        """`launch_lock`: the caller's `hold_launch_lock` of this study, handed over."""
         if opts.workers < 1:
             raise ConfigError(f"--workers: {opts.workers}: must be at least 1")
         self.cfg = cfg
@@ -445,9 +515,10 @@ class Launcher:
         self.opts = opts
         self.on_progress = on_progress
         self._stop_requests = 0
-        self._launch_lock: IO[str] | None = None  # run/<study>.lock, held while running
-        self._lock = threading.Lock()
+        self._launch_lock = launch_lock  # run/<study>.lock, held while running
+        self._lock = threading.RLock()  # reentrant: stop() may run under it (a test's spawn)
         self._slots: list[_Slot] = []
+        self._pids: dict[int, int | None] = {}  # every worker process started: {pid: start}
         self._messages: list[str] = []
         self._server: Any = None
         self._started_at = datetime.datetime.now()  # of the launch (run), local like Optuna's
@@ -475,36 +546,31 @@ class Launcher:
             raise RuntimeError("the launcher's study is opened in run()")
         return self._study
 
-    def _hold_launch_lock(self, path: Path) -> None:
-        """One launch per study and work folder: a second one's workers would share the
-        first's worker names and logs, and its stop would fail the first's trials. Held
-        until this process exits (the kernel drops it even after a SIGKILL)."""
-        fh = open(path, "a+")  # noqa: SIM115 - kept open: the lock lives with it
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "?"
-            fh.close()
-            raise ConfigError(
-                f"study {self.cfg.name!r} is already being launched from {self.opts.workdir} "
-                f"(pid {holder}); add workers to it with `hpsearch worker`, or use another "
-                "--workdir"
-            ) from None
-        fh.truncate(0)
-        fh.write(str(os.getpid()))
-        fh.flush()
-        self._launch_lock = fh
-
     def stop(self) -> None:
-        with self._lock:
+        """The first call stops the workers gracefully (SIGTERM: each hands its trial back);
+        a second kills them and what they started (their process groups)."""
+        with self._lock:  # a worker started meanwhile (_start_unless_stopping) is seen here
             self._stop_requests += 1
             n = self._stop_requests
-        for s in self._slots:
-            if s.proc is not None and s.proc.poll() is None:
-                s.killed_on_stop = n > 1
-                with contextlib.suppress(ProcessLookupError):
-                    s.proc.send_signal(signal.SIGTERM if n == 1 else signal.SIGKILL)
+            for s in self._slots:
+                if s.proc is not None and s.proc.poll() is None:
+                    s.killed_on_stop = n > 1
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        if n == 1:
+                            s.proc.send_signal(signal.SIGTERM)
+                        else:
+                            os.killpg(s.proc.pid, signal.SIGKILL)
+
+    def _start_unless_stopping(self, slot: _Slot, resolved: Path, tracking_uri: str | None) -> bool:
+        """Start `slot`'s worker unless a stop was asked for; under the lock `stop` takes,
+        so a worker started while a stop comes is signalled by it, never missed."""
+        with self._lock:
+            if self._stop_requests:
+                return False
+            if all(s is not slot for s in self._slots):
+                self._slots.append(slot)
+            self._spawn(slot, resolved, tracking_uri)
+            return True
 
     def _event(self, msg: str) -> None:
         self._messages.append(msg)
@@ -527,16 +593,11 @@ class Launcher:
                 self.on_progress(self._progress(msg))
 
     def run(self) -> LaunchSummary:
-        cfg, opts = self.cfg, self.opts
-        resolved = opts.workdir / "run" / f"{cfg.name}.yaml"
-        try:
-            resolved.parent.mkdir(parents=True, exist_ok=True)
-            self._hold_launch_lock(resolved.with_suffix(".lock"))
-        except OSError as exc:
-            raise ConfigError(
-                f"--workdir: {opts.workdir}: cannot write {exc.filename or resolved}: "
-                f"{exc.strerror or exc}"
-            ) from exc
+        """Run the launch; the launch lock (`hold_launch_lock`) is taken here unless the
+        caller holds it (given to the constructor), and released at the end either way."""
+        resolved = self.opts.workdir / "run" / f"{self.cfg.name}.yaml"
+        if self._launch_lock is None:
+            self._launch_lock = hold_launch_lock(self.opts.workdir, self.cfg.name)
         try:
             return self._run_locked(resolved)
         finally:
@@ -567,21 +628,28 @@ class Launcher:
             # process's own connection and study set-up below. Optuna's create_study with
             # load_if_exists tolerates the race of whoever creates the study first.
             for i, gpu in enumerate(placement):
-                if self._stop_requests:  # Ctrl-C while starting: start no more
-                    break
                 slot = _Slot(i, gpu)
-                self._slots.append(slot)
-                self._spawn(slot, resolved, tracking_uri)
-                if self._stop_requests and slot.proc is not None:  # stop() may have missed it
-                    with contextlib.suppress(ProcessLookupError):
-                        slot.proc.send_signal(signal.SIGTERM)
-            self._open_study()
-            self._study_settled.set()  # (the finally below sets it when this raised)
-            # Orphans are RUNNING trials of dead processes on this host: the workers just
-            # started have none yet (they are still importing).
-            if orphans := fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):
-                self._event(f"its worker was gone: {self._requeued_text(orphans)}")
-            stopped_by = self._outcome(self._supervise(resolved, tracking_uri))
+                if not self._start_unless_stopping(slot, resolved, tracking_uri):
+                    break  # Ctrl-C while starting: start no more
+            try:
+                self._open_study()
+                self._study_settled.set()  # (the finally below sets it when this raised)
+                # Orphans are RUNNING trials of dead processes on this host: the workers
+                # just started have none yet (they are still importing).
+                if orphans := fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):
+                    self._event(f"its worker was gone: {self._requeued_text(orphans)}")
+                supervised = self._supervise(resolved, tracking_uri)
+            except Exception:
+                # The launch fails (its MLflow set-up, say), but the workers have trained
+                # meanwhile: they stop as on a Ctrl-C, each handing its trial back, before
+                # the kill below takes what is left after the grace. (Without the study
+                # they hold no trial.)
+                if not self._stop_requests:
+                    self.stop()
+                    if self._study is not None:
+                        self._wait_stopping()
+                raise
+            stopped_by = self._outcome(supervised)
         finally:
             try:
                 self._study_settled.set()
@@ -780,7 +848,7 @@ class Launcher:
             slot.log.close()
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
-            slot.log = open(log_dir / f"worker-{slot.index}.log", "ab")  # noqa: SIM115
+            slot.log = open(self._log_path(slot), "ab")  # noqa: SIM115
         except OSError as exc:
             raise ConfigError(
                 f"--workdir: {opts.workdir}: cannot write {exc.filename or log_dir}: "
@@ -795,6 +863,7 @@ class Launcher:
             start_new_session=True,  # Ctrl-C reaches the launcher only; it forwards SIGTERM
             preexec_fn=_set_pdeathsig,
         )
+        self._pids[slot.proc.pid] = process_start(slot.proc.pid)
         slot.state = "running"
 
     def _supervise(self, resolved: Path, tracking_uri: str | None) -> str:
@@ -916,8 +985,10 @@ class Launcher:
         budget_left = may_start_trial(counts, self.cfg.budget.n_trials)
         if should_restart(code, slot.restarts, self.opts.max_restarts, budget_left):
             slot.restarts += 1
+            if not self._start_unless_stopping(slot, resolved, tracking_uri):
+                slot.state = "stopped"  # a stop came while the study was read
+                return
             self._event(f"{msg}; restarting it ({slot.restarts}/{self.opts.max_restarts})")
-            self._spawn(slot, resolved, tracking_uri)
         else:
             # One stopped from outside each time (its trial handed back) did not crash: a
             # launch whose workers all end so is "stopped", not "every worker crashed".
@@ -926,8 +997,12 @@ class Launcher:
             why = "no restarts left" if budget_left else "no trial of the budget left to start"
             self._event(f"{msg}; not restarted ({why}). Last log line: {tail}")
 
+    def _log_path(self, slot: _Slot) -> Path:
+        # Per study: studies launched in one work folder number their workers alike.
+        return self.opts.workdir / "logs" / f"{self.cfg.name}-worker-{slot.index}.log"
+
     def _log_tail(self, slot: _Slot) -> str:
-        path = self.opts.workdir / "logs" / f"worker-{slot.index}.log"
+        path = self._log_path(slot)
         try:
             lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
         except OSError:
@@ -947,7 +1022,9 @@ class Launcher:
         mine = [
             t
             for t in running
-            if t.user_attrs.get(ATTR_WORKER) == worker_id and t._trial_id not in self._held_ids
+            if t.user_attrs.get(ATTR_WORKER) == worker_id
+            and launched_by(t.user_attrs, self._pids)
+            and t._trial_id not in self._held_ids
         ]
         setting_up = self._tracking_setting_up()
         hold = {t._trial_id for t in mine if setting_up and not t.user_attrs.get(ATTR_RUN_ID)}
@@ -993,10 +1070,41 @@ class Launcher:
         leaves the list once failed: what a database error interrupts is failed later."""
         failed: list[int] = []
         while self._held and not self._tracking_setting_up():
-            failed += self._fail(self._held[:1])
+            # Its run's creation on a server just started can take seconds: beaten all the
+            # while, or the restarted worker's stale check fails it first, without its run.
+            with self._beating_held():
+                failed += self._fail(self._held[:1])
             self._held.pop(0)
-            self._beat_held()  # the others wait meanwhile
         return failed
+
+    @contextlib.contextmanager
+    def _beating_held(self) -> Iterator[None]:
+        """Beat for the held trials from a thread (every half heartbeat interval) while the
+        block runs."""
+        storage = heartbeat_storage(self.study._storage, enabled=False)
+        if storage is None or not self._held:
+            yield
+            return
+        ids = [t._trial_id for t, _ in self._held]
+        done = threading.Event()
+
+        def beat() -> None:
+            while True:
+                for trial_id in ids:
+                    with contextlib.suppress(
+                        SQLAlchemyError, optuna.exceptions.StorageInternalError
+                    ):
+                        storage.record_heartbeat(trial_id)
+                if done.wait(self.opts.heartbeat_interval_s / 2):
+                    return
+
+        thread = threading.Thread(target=beat, daemon=True, name="beat-held")
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def _tracking_setting_up(self) -> bool:
         return self._tracking_thread is not None and self._tracking_thread.is_alive()
@@ -1044,8 +1152,10 @@ class Launcher:
 
     def _kill_all(self) -> None:
         for s in self._slots:
-            if s.proc is not None and s.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
+            if s.proc is not None:
+                # The group too when the worker is gone: what it started (a --train-fn's
+                # subprocess) may hold a GPU. A group with members keeps its id from reuse.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(s.proc.pid, signal.SIGKILL)
             if s.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -1061,7 +1171,7 @@ class Launcher:
         ids = [s.worker_id for s in self._slots]
         if queued := with_db_retry(
             lambda: requeue_cut_handbacks(
-                self.study, self.spec, ids, self._started_at, self.opts.max_retries
+                self.study, self.spec, ids, self._started_at, self.opts.max_retries, self._pids
             )
         ):
             self._event(f"trial {', '.join(map(str, queued))}: its hand-back was cut short; "
@@ -1081,7 +1191,9 @@ class Launcher:
         self._last_trials, self._last_best = trials, (best_value, best_trial)
         counts = budget_counts(trials)
         running = {
-            t.user_attrs.get(ATTR_WORKER): t.number for t in trials if t.state == TrialState.RUNNING
+            t.user_attrs.get(ATTR_WORKER): t.number
+            for t in trials
+            if t.state == TrialState.RUNNING and launched_by(t.user_attrs, self._pids)
         }
         input_bound = {
             t.number: float(t.user_attrs["input_bound_gpu_util"])

@@ -766,6 +766,10 @@ def _spawn_and_wait(
     finally:
         log.close()
     server = LocalServer(proc, url, workdir, log_path)
+    # Named at once, not once healthy: a starter killed during the start (tens of seconds
+    # cold) would leave a server no one can find, and the next launch would start a second
+    # writer of the store. A joiner waits for a named server that does not answer yet.
+    server.write_state()
     try:
         deadline = t0 + timeout_s
         delay = 0.1
@@ -782,7 +786,6 @@ def _spawn_and_wait(
                 raise TrackingError(message)
             if health_ok(url, timeout_s=2.0):
                 server.started_s = time.monotonic() - t0
-                server.write_state()
                 return server
             if time.monotonic() >= deadline:
                 server.stop()

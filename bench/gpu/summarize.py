@@ -40,10 +40,12 @@ def packing(d: dict[str, Any]) -> str:
 def study(d: dict[str, Any]) -> str:
     r = d["result"]
     s = r["states"]
+    b = r.get("budget_states") or s  # (a JSON of the version before: all trials)
     return (
         f"best {r['metric']} {_f(r['best_value'], '.4f')} test {_f(r['test_acc'], '.4f')} "
-        f"at {_f(r['time_to_best_s'])}s; complete {s['complete']} pruned {s['pruned']} "
-        f"failed {s['fail']}; {_f(r['images_per_second_e2e'])} img/s; "
+        f"at {_f(r['time_to_best_s'])}s of {_f(d['args']['timeout'])}s; by the time-out "
+        f"complete {b['complete']} pruned {b['pruned']}; failed {s['fail']}; "
+        f"{_f(r['images_per_second_e2e'])} img/s; "
         f"util {_f(r['gpu_utilization_mean'])}% "
         f"({_f(r.get('gpu_utilization_working'))}% from the 1st trial to the time-out)"
     )

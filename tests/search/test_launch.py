@@ -637,7 +637,7 @@ def test_a_grid_study_trains_its_grid_and_ends_cleanly(
     trials = hps.load_study("tiny", workdir=tmp_path).trials
     assert [t.state.name for t in trials] == ["COMPLETE"] * 3
     assert sorted(t.params["batch_size"] for t in trials) == [32, 48, 64]
-    log = (tmp_path / "logs" / "worker-0.log").read_text()
+    log = (tmp_path / "logs" / "tiny-worker-0.log").read_text()
     assert "Traceback" not in log and "Cannot tell" not in log, log
 
 
@@ -709,6 +709,32 @@ def test_a_second_launch_of_a_study_in_one_work_folder_is_refused(
     assert trial.state == TrialState.COMPLETE
     again = hpsearch([*args[:6], "2", *args[7:]], env, timeout=120)  # the lock went with it
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_a_refused_second_launch_leaves_the_first_ones_files_and_gpus_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--workers auto` wrote the study file and probed the GPUs before the launch lock
+    refused it: the running launch's restarted workers took the second command's config,
+    and the probe trained on GPUs packed full."""
+    from click.testing import CliRunner
+    from hpsearch import cli, launcher
+
+    work = tmp_path / "w"
+    first = launcher.hold_launch_lock(work, "tiny")  # the running launch
+    study_file = work / "run" / "tiny.yaml"
+    study_file.write_text("the first launch's\n")
+    probed: list[object] = []
+    monkeypatch.setattr(launcher, "auto_workers", lambda *a, **k: probed.append(a))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    try:
+        r = CliRunner().invoke(cli.cli, ["launch", "--study", "tiny", "--workers", "auto",
+                                         "--workdir", str(work), "--train-fn", DUMMY,
+                                         "--no-tracking"])  # fmt: skip
+    finally:
+        first.close()
+    assert r.exit_code == 1 and "is already being launched" in r.output, r.output
+    assert probed == [] and study_file.read_text() == "the first launch's\n"
 
 
 def test_a_stop_while_workers_start_starts_no_more(tmp_path: Path) -> None:

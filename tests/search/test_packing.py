@@ -301,13 +301,16 @@ def test_a_plan_adds_back_what_other_workers_of_the_work_folder_reserved(
     }  # fmt: skip
 
     def fake_run(cmd: list[str], **kwargs: object) -> object:
-        (tmp_path / "run" / "probe.json").write_text(json.dumps(probe_out))
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(probe_out))
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(launcher.subprocess, "run", fake_run)
     need = 16 * GiB + 1536 * MiB
     assert GpuLedger(tmp_path, "0", 80 * GiB).try_reserve(2 * need, pid=os.getppid())
     plan = launcher.auto_workers(tmp_path / "s.yaml", ["0", "1"], tmp_path)
+    # Each study's own plan: another study's workers size their trials by theirs.
+    assert launcher.packing_path(tmp_path / "s.yaml") == tmp_path / "s.packing.json"
+    assert PackingPlan.from_json((tmp_path / "s.packing.json").read_text()) == plan
     assert plan.bytes_on("0") == 45 * GiB + 2 * need
     assert plan.workers_on("0") == 2  # 0.9 x 45 GiB free: 2 of 17.5 GiB
     assert plan.bytes_on("1") == 80 * GiB  # unknown: planned like the first GPU's total

@@ -478,7 +478,7 @@ def test_a_worker_dying_while_the_embedded_server_starts_does_not_hold_up_the_la
         trials = [(t.number, t.state.name, t.user_attrs.get("message")) for t in study.trials]
         logs = {
             p.name: p.read_text(errors="replace")[-1500:]
-            for p in sorted((work / "logs").glob("worker-*.log"))
+            for p in sorted((work / "logs").glob("*worker-*.log"))
         }
         return f"released at {held.get('released')}; events {events}; trials {trials}; logs {logs}"
 

@@ -289,6 +289,31 @@ def test_server_not_healthy_in_time_is_killed(
     assert spawned and not group_alive(spawned[0].pid)
 
 
+def test_a_starting_server_is_named_before_it_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launcher killed while its server started (tens of seconds, cold) left a server no
+    state file named: the next launch started a second writer of the same store, and the
+    first ran for good. Now a joiner finds it (and waits for it to answer)."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(srv, "server_command", lambda *a, **k: sleeper)
+    path = state_path(tmp_path.resolve())
+    seen: list[dict[str, object] | None] = []
+
+    def health(url: str, timeout_s: float = 2.0) -> bool:
+        seen.append(json.loads(path.read_text()) if path.exists() else None)
+        return True
+
+    monkeypatch.setattr(srv, "health_ok", health)
+    server = start_local_server(tmp_path)
+    try:
+        first = seen[0]
+        assert first is not None and first["pid"] == server.pid and first["url"] == server.url
+    finally:
+        server.stop()
+    assert not path.exists()
+
+
 # --------------------------------------------------------------------------- real server
 
 

@@ -1,0 +1,229 @@
+"""The launcher's supervision of its workers: whose trials it fails, stops that come while
+it (re)starts workers, a failed set-up, process groups, signals. Workers here are small
+Python processes standing in for `hpsearch worker`, so each test runs in seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cli_util import DUMMY
+from hpsearch.config import load_config
+from hpsearch.errors import TrackingError
+from hpsearch.launcher import Launcher, LaunchOptions, _Slot, launched_by
+from hpsearch.packing import process_start
+from hpsearch.storage import resolve_storage
+from hpsearch.worker import ATTR_HOST, ATTR_PID, ATTR_PID_START, ATTR_WORKER
+from optuna.trial import TrialState
+
+
+def _launcher(work: Path, **opts: Any) -> Launcher:
+    cfg = load_config("tiny", ["budget.max_epochs=1"])
+    options = LaunchOptions(
+        workers=1, workdir=work, device="cpu", tracking=False, train_fn=DUMMY, **opts
+    )
+    return Launcher(cfg, resolve_storage(None, work), options)
+
+
+def _wait(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Running: a zombie (killed, not yet reaped by whoever inherited it) is not."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
+def test_launched_by_tells_a_launchs_workers_by_their_processes() -> None:
+    mine = {100: 7, 101: None}
+    assert launched_by({ATTR_PID: 100, ATTR_PID_START: 7}, mine)
+    assert launched_by({ATTR_PID: 101, ATTR_PID_START: 9}, mine)  # start not read: the pid
+    assert not launched_by({ATTR_PID: 100, ATTR_PID_START: 8}, mine)  # the pid reused
+    assert not launched_by({ATTR_PID: 102, ATTR_PID_START: 7}, mine)  # another launch's
+    assert launched_by({}, mine)  # an older worker recorded no pid: its name decides
+    assert launched_by({ATTR_PID: 102}, None)
+
+
+def test_a_launch_fails_only_the_trials_of_its_own_workers(tmp_path: Path) -> None:
+    """Two launches of one study on one host (other work folders, one storage) both name
+    their workers `host:w0`: a worker of one dying (or the launch ending) failed the other
+    launch's live trial, which trained on, unable to record its result."""
+    launcher = _launcher(tmp_path / "w")
+    launcher._open_study()
+    study = launcher.study
+    worker_id = _Slot(0, None).worker_id
+    host = socket.gethostname()
+    launcher._pids[4_000_000] = None  # this launch's worker 0, dead now
+    ours, theirs, older = study.ask(), study.ask(), study.ask()
+    ours.set_user_attr(ATTR_PID, 4_000_000)
+    # The other launch's worker 0: alive (this very process).
+    theirs.set_user_attr(ATTR_PID, os.getpid())
+    theirs.set_user_attr(ATTR_PID_START, process_start(os.getpid()))
+    for trial in (ours, theirs, older):
+        trial.set_user_attr(ATTR_WORKER, worker_id)
+        trial.set_user_attr(ATTR_HOST, host)
+    failed, held = launcher._fail_trials_of(worker_id, "worker died (test)")
+    assert sorted(failed) == sorted([ours.number, older.number]) and held == []
+    assert study._storage.get_trial(theirs._trial_id).state == TrialState.RUNNING
+    # Nor does the launch's progress show the other launch's trial as its worker's.
+    launcher._slots.append(_Slot(0, None))
+    assert [w.trial for w in launcher._progress().workers] == [None]
+
+
+def test_a_stop_while_a_worker_is_restarted_restarts_none(tmp_path: Path) -> None:
+    """Ctrl-C while the launcher read the study to decide on a crashed worker's restart:
+    the new worker never got the stop, trained through the grace period and was killed,
+    its trial using up a retry."""
+    launcher = _launcher(tmp_path / "w")
+    launcher._open_study()
+    slot = _Slot(0, None)
+    slot.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    slot.proc.wait()
+    launcher._slots.append(slot)
+    study = launcher.study
+    real = study.get_trials
+    calls = {"n": 0}
+
+    def get_trials(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the restart's read, after the failed trials' one
+            launcher.stop()
+        return real(*args, **kwargs)
+
+    study.get_trials = get_trials  # type: ignore[method-assign]
+    dead = slot.proc
+    resolved = tmp_path / "w" / "run" / "tiny.yaml"
+    try:
+        launcher._on_exit(slot, 1, resolved, None)
+        assert slot.proc is dead and slot.state == "stopped"
+    finally:
+        if slot.proc is not dead and slot.proc is not None:
+            os.killpg(slot.proc.pid, signal.SIGKILL)
+
+
+def test_a_failed_tracking_set_up_stops_the_workers_gracefully(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded server not healthy in time (or a server refusing the study run): the
+    workers, training meanwhile, were SIGKILLed, losing their epochs and a retry each."""
+    launcher = _launcher(tmp_path / "w", grace_s=20)
+    up, term = tmp_path / "up", tmp_path / "term"
+    script = textwrap.dedent(
+        f"""
+        import pathlib, signal, sys, time
+        def stop(*_):
+            pathlib.Path({str(term)!r}).write_text("handed back")
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, stop)
+        pathlib.Path({str(up)!r}).write_text("up")
+        time.sleep(60)
+        """
+    )
+
+    def spawn(slot: _Slot, resolved: Path, uri: str | None) -> None:
+        slot.proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+        launcher._pids[slot.proc.pid] = None
+        slot.state = "running"
+
+    def ready() -> bool:
+        if up.exists():  # fails once the worker trains
+            raise TrackingError("MLflow: the server was not healthy after 180 s")
+        return False
+
+    monkeypatch.setattr(launcher, "_spawn", spawn)
+    monkeypatch.setattr(launcher, "_tracking_ready", ready)
+    t0 = time.monotonic()
+    with pytest.raises(TrackingError, match="not healthy"):
+        launcher.run()
+    assert term.read_text() == "handed back"
+    assert time.monotonic() - t0 < 15  # not the grace: the worker stopped at once
+    assert launcher._slots[0].proc is not None and launcher._slots[0].proc.returncode == 143
+
+
+def test_the_launchs_kill_takes_what_a_dead_worker_started(tmp_path: Path) -> None:
+    """A worker gone by the second Ctrl-C left its own children (a --train-fn's
+    subprocess, holding a GPU maybe): the kill skipped the group of a worker already dead."""
+    launcher = _launcher(tmp_path / "w")
+    starts_child = (
+        "import subprocess, sys; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(p.pid, flush=True)"
+    )
+    slot = _Slot(0, None)
+    slot.proc = subprocess.Popen(  # type: ignore[assignment]
+        [sys.executable, "-c", starts_child], stdout=subprocess.PIPE, start_new_session=True
+    )
+    assert slot.proc is not None and slot.proc.stdout is not None
+    child = int(slot.proc.stdout.readline())
+    slot.proc.wait()
+    launcher._slots.append(slot)
+    try:
+        assert _alive(child)
+        launcher._kill_all()
+        _wait(lambda: not _alive(child), 5, "the worker's child killed")
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_third_ctrl_c_ends_a_launcher_stuck_in_its_stop() -> None:
+    """A launcher waiting on a server's start or the database printed "killing now" at
+    every further Ctrl-C and went on waiting."""
+    script = textwrap.dedent(
+        """
+        import time
+        from hpsearch.cli import _on_signals
+        _on_signals(lambda: time.sleep(60), "launch")  # a stop that hangs
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        for _ in range(3):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        assert proc.wait(timeout=10) == -signal.SIGINT
+    finally:
+        proc.kill()
+
+
+def test_a_sigterm_the_launcher_relays_is_not_a_second_stop() -> None:
+    """systemd or a job scheduler signals every process of the job: each worker got the
+    SIGTERM and the one its launcher relays, took the second for "kill now", and died
+    without finishing its epoch."""
+    script = textwrap.dedent(
+        """
+        import os, signal, threading, time
+        from hpsearch.cli import _on_signals
+        stop = threading.Event()
+        received = _on_signals(stop.set, "worker", die_on_second=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        print(stop.is_set(), received, flush=True)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == ["True", f"[{int(signal.SIGTERM)}]"]
