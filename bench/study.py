@@ -163,8 +163,9 @@ def own_epochs(trials: list[Any]) -> dict[int, int]:
     """Epochs each trial trained itself (trial number -> epochs), so that no epoch counts twice.
 
     A retry (Optuna's retry callback, for a trial whose worker died or was interrupted) is
-    created WAITING with a copy of its failed trial's attributes, `history` included, and
-    resumes from that trial's checkpoint: the history it writes holds the restored epochs
+    created WAITING with a copy of its failed trial's attributes (`history` included, in
+    versions before the copy left out the try's results), and resumes from that trial's
+    checkpoint: the history it writes holds the restored epochs
     too, and the worker records the first epoch it trained as `resumed_from_epoch`
     (hpsearch.worker). So: a WAITING trial counts nothing; a retry whose history is still
     the copy of its predecessor's (it crashed, failed with an error, or ran when the launch

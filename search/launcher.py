@@ -52,6 +52,7 @@ from hpsearch.storage import (
     with_db_retry,
 )
 from hpsearch.study import (
+    best_of,
     budget_counts,
     budget_done,
     counts_once_requeued,
@@ -486,14 +487,16 @@ def fail_orphans_on_this_host(
     return failed
 
 
-def _best(study: optuna.Study) -> tuple[float | None, int | None]:
+def _best(
+    study: optuna.Study, trials: Sequence[FrozenTrial] | None = None
+) -> tuple[float | None, int | None]:
+    """The best trial's value and number (`best_of`) from `trials`, else the study's."""
     if len(study.directions) > 1:
         return None, None
-    try:
-        best = study.best_trial
-    except ValueError:
-        return None, None
-    return best.value, best.number
+    if trials is None:
+        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    best = best_of(trials, study.direction)
+    return (best.value, best.number) if best is not None else (None, None)
 
 
 class Launcher:
@@ -1184,7 +1187,7 @@ class Launcher:
     def _progress(self, message: str = "") -> Progress:
         try:
             trials = self.study.get_trials(deepcopy=False)
-            best_value, best_trial = _best(self.study)
+            best_value, best_trial = _best(self.study, trials)
         except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
             # The database may be restarting: progress is cosmetic, show the last figures.
             trials, (best_value, best_trial) = self._last_trials, self._last_best

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,9 +188,12 @@ def list_studies(storage: str | None = None, workdir: Path | None = None) -> lis
 
 def _local_best_model(trial: FrozenTrial, workdir: Path) -> Path | None:
     """The trial's best-model file when it is on this machine. Older studies stored the
-    path relative to the launch's folder: then it is looked for under `workdir`."""
+    path relative to the launch's folder: then it is looked for under `workdir`. A trial
+    another host ran has none here: a file at its path is another try's (an earlier one of
+    its chain, on this host) or another study's."""
     stored = trial.user_attrs.get("best_model")
-    if not stored:
+    host = trial.user_attrs.get("host")
+    if not stored or (host is not None and host != socket.gethostname()):
         return None
     path = Path(str(stored))
     if path.is_absolute():

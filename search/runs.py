@@ -28,7 +28,7 @@ from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError
 from hpsearch.packing import holder_alive, pid_alive
 from hpsearch.storage import StorageSpec
-from hpsearch.study import dominates, objective_values
+from hpsearch.study import best_of, dominates, objective_values
 from hpsearch.tracking.server import redact_uri, scrub
 from hpsearch.trainer.types import best_model_path_for
 from hpsearch.worker import (
@@ -154,9 +154,13 @@ class _CheckpointUploader:
         folder = RESUME_ARTIFACT.split("/")[0]
         tmp = Path(tempfile.mkdtemp(prefix="hpsearch-ckpt-"))
         try:
-            # Copies first: the trainer replaces the files at a later epoch. The best model
-            # goes first: it is written before the checkpoint that refers to it, and a fetch
-            # between the two uploads then finds it no older than the checkpoint.
+            # Copies first, as the trainer replaces the files at a later epoch: the
+            # checkpoint's, then the best model's. The trainer writes the best model before
+            # the checkpoint that refers to it, so the best copied after the checkpoint is
+            # no older than it (a resume retrains the epochs between, exactly). The best
+            # model is uploaded first: a fetch between the two uploads finds the same.
+            ckpt = tmp / Path(RESUME_ARTIFACT).name
+            shutil.copyfile(path, ckpt)
             best = best_model_path_for(path)
             key = _file_key(best)
             if key is not None and key != self._best_sent:
@@ -164,9 +168,7 @@ class _CheckpointUploader:
                 shutil.copyfile(best, snap)
                 self.client.log_artifact(self.run_id, str(snap), folder)
                 self._best_sent = key
-            snap = tmp / Path(RESUME_ARTIFACT).name
-            shutil.copyfile(path, snap)
-            self.client.log_artifact(self.run_id, str(snap), folder)
+            self.client.log_artifact(self.run_id, str(ckpt), folder)
         except Exception as exc:  # best effort: the local checkpoint still exists
             logger.warning("checkpoint upload failed: %s", scrub(str(exc)))
         finally:
@@ -781,8 +783,10 @@ class TrackingSession:
             if not checkpoint.is_file():
                 raise FileNotFoundError(f"{RESUME_ARTIFACT} is not in run {previous_run_id}")
             here, there = saved_epoch(dest), saved_epoch(checkpoint)
-            if here is not None and (there is None or there <= here):
-                return False  # this host's own file is as far along (an earlier try of it)
+            if there is None or (here is not None and there <= here):
+                # Unreadable (cut short, damaged): starting over beats a retry that fails
+                # at its load. Or this host's own file is as far along (an earlier try's).
+                return False
             best = local / Path(RESUME_BEST_ARTIFACT).name
             if best.is_file():
                 os.replace(best, best_model_path_for(dest))
@@ -1014,11 +1018,35 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
         outcome = dangling_outcome(t)
         reason = str(t.user_attrs.get(ATTR_MESSAGE) or "its worker was gone")
         try:
+            _upload_told_best(client, run.info.run_id, t)
+        except Exception as exc:  # the run is still ended
+            logger.warning("could not upload trial %s's best model: %s", t.number, scrub(str(exc)))
+        try:
             _end_run(client, run.info.run_id, outcome, reason)
             ended.append(run.info.run_id)
         except Exception as exc:  # the others are still ended
             logger.warning("could not end MLflow run %s: %s", run.info.run_id, scrub(str(exc)))
     return ended
+
+
+def _upload_told_best(client: Any, run_id: str, trial: FrozenTrial) -> None:
+    """The best model a trial was told with (its `checkpoint_uri` names this run), when its
+    worker died before the upload: from this host's file, else the run is tagged
+    incomplete (readers of `checkpoint_uri` would find nothing)."""
+    from hpsearch.tracking.mlflow_logger import INCOMPLETE_TAG
+
+    if trial.user_attrs.get("checkpoint_uri") != f"runs:/{run_id}/{CHECKPOINT_ARTIFACT}/best.pt":
+        return
+    if any(a.path.endswith("best.pt") for a in client.list_artifacts(run_id, CHECKPOINT_ARTIFACT)):
+        return
+    local = Path(str(trial.user_attrs.get(ATTR_BEST_MODEL) or ""))
+    if not local.is_file():
+        client.set_tag(run_id, INCOMPLETE_TAG, "true")
+        return
+    with tempfile.TemporaryDirectory(prefix="hpsearch-best-") as tmp:
+        snap = Path(tmp) / "best.pt"
+        shutil.copyfile(local, snap)
+        client.log_artifact(run_id, str(snap), CHECKPOINT_ARTIFACT)
 
 
 def dangling_outcome(trial: FrozenTrial) -> str:
@@ -1166,13 +1194,17 @@ def _best_trial_onnx(
             return may_still_export(t.user_attrs, here, pid_alive)
 
     try:
-        best = study.best_trial
         complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    except Exception as exc:  # no complete trial (ValueError), or the storage failing
+    except Exception as exc:  # the storage failing
         logger.warning("no best trial to take the ONNX of: %s", scrub(str(exc)))
         return None
-    tied = [best] + [t for t in complete if t.value == best.value and t.number != best.number]
-    tied = [t for t in tied if t.user_attrs.get(ATTR_RUN_ID)]
+    best = best_of(complete, study.direction)
+    if best is None:
+        logger.warning("no best trial to take the ONNX of: no trial completed")
+        return None
+    # Tied trials in number order: the first with an export, as `hpsearch best` ranks them.
+    tied = [t for t in complete if t.value == best.value and t.user_attrs.get(ATTR_RUN_ID)]
+    tied.sort(key=lambda t: t.number)
     deadline = time.monotonic() + wait_s
     folder = ONNX_ARTIFACT.split("/")[0]
     while tied:
@@ -1199,9 +1231,8 @@ def _export_best_onnx(
     best-model file in the work folder when it ran on this machine, else from the top-k
     checkpoint its MLflow run holds (none with `tracking.keep_top_k: 0`). For a worker that
     died before it could export its own."""
-    try:
-        best = study.best_trial
-    except ValueError:
+    best = best_of(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), study.direction)
+    if best is None:
         return None
     path = best.user_attrs.get(ATTR_BEST_MODEL)
     here = best.user_attrs.get(ATTR_HOST) in (None, socket.gethostname())
@@ -1227,6 +1258,14 @@ def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: P
 
     uri = resolve_tracking_uri(tracking_uri)
     run_id = trial.user_attrs.get(ATTR_RUN_ID)
+    if not trial.user_attrs.get("checkpoint_uri"):
+        # Not uploaded (outside the top k at its tell, or tracking.keep_top_k: 0), and its
+        # file is gone (outside the top k since) or on another host.
+        raise HpsearchError(
+            f"trial {trial.number}: no model of it was kept: its file is not on this machine "
+            "(kept for the top tracking.keep_top_k trials, on the host that ran it) and "
+            "none was logged to MLflow"
+        )
     if not uri or not run_id:
         raise HpsearchError(
             f"trial {trial.number}: its checkpoint is not on this machine and no MLflow run "

@@ -238,6 +238,17 @@ def suggest(trial: optuna.Trial, cfg: StudyConfig) -> dict[str, Any]:
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
+def best_of(
+    trials: Sequence[FrozenTrial], direction: optuna.study.StudyDirection
+) -> FrozenTrial | None:
+    """The best completed trial of a single-objective study; of tied ones the earliest, as
+    `hpsearch best` and `load_best_model` rank them (Optuna's `best_trial` on PostgreSQL
+    takes any of them: the study run's ONNX could be another trial's model)."""
+    done = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
+    sign = 1.0 if direction == optuna.study.StudyDirection.MINIMIZE else -1.0
+    return min(done, key=lambda t: (sign * float(t.value or 0.0), t.number), default=None)
+
+
 def budget_counts(trials: Sequence[FrozenTrial]) -> dict[str, int]:
     counts = {s.name.lower(): 0 for s in TrialState}
     for t in trials:

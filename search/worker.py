@@ -77,6 +77,7 @@ ATTR_HISTORY = "history"
 ATTR_TEST_ACC = "test_acc"
 ATTR_RESUMED_FROM = "resumed_from_epoch"
 ATTR_STARTUP = "startup_s"
+ATTR_CHECKPOINT_URI = "checkpoint_uri"  # the best model in MLflow
 
 
 class TrainFn(Protocol):
@@ -196,9 +197,21 @@ def check_result(result: object) -> None:
         )
 
 
-def checkpoint_path(workdir: Path, study: str, root_trial: int) -> Path:
-    """Checkpoints are keyed by the first trial of a retry chain, so a retry finds them."""
-    return workdir / "checkpoints" / study / f"trial-{root_trial:05d}.pt"
+def checkpoint_path(
+    workdir: Path, study: str, root_trial: int, inherited: str | None = None, fresh: bool = False
+) -> Path:
+    """A retry chain's resume checkpoint in this host's work folder. A retry takes the file
+    name its chain's first try chose (`inherited`, the path the failed try recorded; else,
+    for a chain an older version began, `trial-<root>.pt`). A first try (`fresh`) names a
+    file of its own (`trial-<root>-<random>.pt`): a file left at its number by another study
+    of the same name (another storage, or a study deleted and made again) would otherwise
+    be resumed from, or refused as another's."""
+    folder = workdir / "checkpoints" / study
+    if inherited:
+        return folder / Path(inherited).name
+    if fresh:
+        return folder / f"trial-{root_trial:05d}-{uuid.uuid4().hex[:8]}.pt"
+    return folder / f"trial-{root_trial:05d}.pt"
 
 
 def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
@@ -218,8 +231,11 @@ def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
 # asked for (Ctrl-C, SIGTERM, a stop while waiting for GPU memory), not lost to a crash.
 ATTR_INTERRUPTED_TRIES = "hpsearch:interrupted_tries"
 # A try's own attributes, which its retry does not inherit.
+# Its results too: a retry told without them (no test pass, no upload) showed the failed
+# try's test accuracy and checkpoint.
 TRY_ATTRS = frozenset({ATTR_WORKER, ATTR_HOST, ATTR_PID, ATTR_PID_START, ATTR_OUTCOME,
-                       ATTR_MESSAGE})  # fmt: skip
+                       ATTR_MESSAGE, ATTR_TEST_ACC, ATTR_HISTORY, ATTR_BEST_MODEL,
+                       ATTR_STARTUP, ATTR_CHECKPOINT_URI})  # fmt: skip
 
 
 class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
@@ -886,7 +902,10 @@ def run_trial(
             raise _sampler_failed(study, cfg, trial._trial_id, exc) from exc
         timing.suggest_ms = (time.perf_counter() - t0) * 1e3
         root = root_trial_number(trial)
-        ckpt = checkpoint_path(opts.workdir, cfg.name, root)
+        inherited = trial.user_attrs.get(ATTR_CHECKPOINT) if root != trial.number else None
+        ckpt = checkpoint_path(
+            opts.workdir, cfg.name, root, str(inherited or "") or None, fresh=root == trial.number
+        )
         run_key = uuid.uuid4().hex
         attrs = {
             ATTR_WORKER: opts.resolved_id(),
@@ -1096,7 +1115,7 @@ def _tell(
         attrs[ATTR_BEST_MODEL] = str(Path(result.best_model_path).absolute())
     uri = run.checkpoint_uri(result) if run is not None else None
     if uri is not None:
-        attrs["checkpoint_uri"] = uri
+        attrs[ATTR_CHECKPOINT_URI] = uri
     if reason == "interrupted":
         _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
         # Checkpointed at an epoch boundary: fail now, and queue the same params to resume.
@@ -1151,15 +1170,18 @@ def resumed_from_epoch(trained: list[int], history: list[Any]) -> int:
 
 
 def checkpoints_to_delete(
-    trials: list[optuna.trial.FrozenTrial], keep_top_k: int, maximize: bool
+    trials: list[optuna.trial.FrozenTrial], keep_top_k: int, maximize: bool | None
 ) -> list[str]:
     """Files of finished trials that may go: every resume checkpoint (the trial cannot
-    resume any more), and best-model files outside the top k completed trials."""
+    resume any more), and best-model files outside the top k completed trials (none of a
+    multi-objective study, `maximize` None: it has no single ranking)."""
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    out = [str(t.user_attrs[ATTR_CHECKPOINT]) for t in finished if ATTR_CHECKPOINT in t.user_attrs]
+    if maximize is None:
+        return out
     complete = [t for t in finished if t.state == TrialState.COMPLETE and t.value is not None]
     ranked = sorted(complete, key=lambda t: t.value or 0.0, reverse=maximize)
     keep = {t.number for t in ranked[:keep_top_k]}
-    out = [str(t.user_attrs[ATTR_CHECKPOINT]) for t in finished if ATTR_CHECKPOINT in t.user_attrs]
     out += [
         str(t.user_attrs[ATTR_BEST_MODEL])
         for t in finished
@@ -1170,13 +1192,15 @@ def checkpoints_to_delete(
 
 def _prune_checkpoints(study: optuna.Study, cfg: StudyConfig, workdir: Path) -> None:
     """Bound disk use: only this machine's files under the work folder are touched."""
-    if len(study.directions) > 1:
-        return
     try:
         if not any(p.is_file() for p in (workdir / "checkpoints").rglob("*")):
             return  # nothing to delete: spare the read of every trial
         trials = study.get_trials(deepcopy=False)
-        maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+        maximize = (
+            None
+            if len(study.directions) > 1
+            else study.direction == optuna.study.StudyDirection.MAXIMIZE
+        )
         root = (workdir / "checkpoints").resolve()
         for name in checkpoints_to_delete(trials, cfg.tracking.keep_top_k, maximize):
             path = Path(name).resolve()

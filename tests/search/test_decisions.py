@@ -310,3 +310,63 @@ def test_tries_handed_back_by_a_stop_do_not_use_up_the_crash_retries() -> None:
     assert last.system_attrs["retry_history"] == [0, 1, 2, 3, 4]
     assert last.system_attrs["failed_trial"] == 0  # the chain's root: its checkpoint
     assert last.intermediate_values == {1: 0.5}
+
+
+def test_a_chains_resume_checkpoint_is_named_by_its_first_try(tmp_path: Path) -> None:
+    """`trial-<root>.pt` was every study's of that name: a study made again (or of another
+    storage) in the same work folder resumed from the other's file, or failed on it."""
+    from hpsearch.worker import checkpoint_path
+
+    first = checkpoint_path(tmp_path, "s", 3, fresh=True)
+    assert first != checkpoint_path(tmp_path, "s", 3, fresh=True)
+    assert first.parent == tmp_path / "checkpoints" / "s"
+    assert first.name.startswith("trial-00003-") and first.suffix == ".pt"
+    # A retry takes its first try's name, in its own host's work folder.
+    other = tmp_path / "host-b"
+    assert checkpoint_path(other, "s", 3, str(first)) == other / "checkpoints" / "s" / first.name
+    # A chain an older version began.
+    assert checkpoint_path(tmp_path, "s", 3) == tmp_path / "checkpoints" / "s" / "trial-00003.pt"
+
+
+def test_finished_trials_give_up_their_resume_checkpoints_and_lesser_best_models() -> None:
+    from hpsearch.worker import ATTR_BEST_MODEL, ATTR_CHECKPOINT, checkpoints_to_delete
+    from optuna.trial import TrialState, create_trial
+
+    def trial(n: int, state: TrialState, value: float | None) -> optuna.trial.FrozenTrial:
+        attrs = {ATTR_CHECKPOINT: f"t{n}.pt", ATTR_BEST_MODEL: f"t{n}.best.pt"}
+        t = create_trial(state=state, value=value, user_attrs=attrs)
+        t.number = n
+        return t
+
+    trials = [
+        trial(0, TrialState.COMPLETE, 0.5),
+        trial(1, TrialState.COMPLETE, 0.9),
+        trial(2, TrialState.PRUNED, None),
+        trial(3, TrialState.RUNNING, None),  # may still resume: nothing of it goes
+    ]
+    assert sorted(checkpoints_to_delete(trials, 1, maximize=True)) == [
+        "t0.best.pt", "t0.pt", "t1.pt", "t2.best.pt", "t2.pt"
+    ]  # fmt: skip
+    # Multi-objective: no ranking to keep the best models by; the resume checkpoints went
+    # never (disk use grew with every trial).
+    assert sorted(checkpoints_to_delete(trials, 1, maximize=None)) == ["t0.pt", "t1.pt", "t2.pt"]
+
+
+def test_the_best_trial_of_tied_ones_is_the_earliest_everywhere() -> None:
+    """Optuna's `best_trial` on PostgreSQL takes any of tied trials: the launch summary and
+    the study run's ONNX could name another trial than `hpsearch best` and load_best_model."""
+    from hpsearch.study import best_of
+    from optuna.study import StudyDirection
+    from optuna.trial import TrialState, create_trial
+
+    def trial(
+        n: int, value: float | None, state: TrialState = TrialState.COMPLETE
+    ) -> optuna.trial.FrozenTrial:
+        t = create_trial(state=state, value=value)
+        t.number = n
+        return t
+
+    trials = [trial(0, 0.5), trial(3, 0.9), trial(2, 0.9), trial(1, None, TrialState.RUNNING)]
+    best, low = best_of(trials, StudyDirection.MAXIMIZE), best_of(trials, StudyDirection.MINIMIZE)
+    assert best is not None and best.number == 2 and low is not None and low.number == 0
+    assert best_of(trials[3:], StudyDirection.MAXIMIZE) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from pathlib import Path
 
 import hpsearch as hps
@@ -175,17 +176,30 @@ def test_a_best_model_stored_relative_to_the_launch_folder_is_found_under_the_wo
     assert _local_best_model(absolute, tmp_path / "elsewhere") == model
     gone = create_trial(value=0.5, user_attrs={"best_model": "w/checkpoints/tiny/x.best.pt"})
     assert _local_best_model(gone, work) is None
+    # Another host's trial: the file at its path here is another try's or another study's,
+    # not its model (which comes from MLflow).
+    here = create_trial(
+        value=0.5, user_attrs={"best_model": str(model), "host": socket.gethostname()}
+    )
+    assert _local_best_model(here, work) == model
+    other = create_trial(value=0.5, user_attrs={"best_model": str(model), "host": "other-host"})
+    assert _local_best_model(other, work) is None
 
 
 def test_a_failed_download_never_shows_the_tracking_password(tmp_path: Path) -> None:
     from hpsearch.runs import download_best_model
 
-    trial = create_trial(value=0.5, user_attrs={"mlflow_run_id": "abc123"})
+    kept = {"mlflow_run_id": "abc123", "checkpoint_uri": "runs:/abc123/checkpoint/best.pt"}
+    trial = create_trial(value=0.5, user_attrs=kept)
     with pytest.raises(hps.TrackingError) as info:
         download_best_model(trial, "http://bob:s3cret@127.0.0.1:9", tmp_path)
     assert "s3cret" not in str(info.value) and "bob:***@127.0.0.1:9" in str(info.value)
     # MLflow's own error, which holds the URI, is not chained to it (a traceback prints it).
     assert info.value.__cause__ is None and info.value.__suppress_context__
+    # None logged to MLflow: said so, rather than to pass a tracking URI.
+    unkept = create_trial(value=0.5, user_attrs={"mlflow_run_id": "abc123"})
+    with pytest.raises(hps.HpsearchError, match="no model of it was kept"):
+        download_best_model(unkept, "http://127.0.0.1:9", tmp_path)
 
 
 def test_every_library_exception_is_exported() -> None:

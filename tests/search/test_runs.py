@@ -109,3 +109,51 @@ def test_a_forked_child_does_not_keep_the_parents_snapshots_locked(tmp_path: Pat
     os.close(read)
     assert snap.parent in _owner_fds  # the parent's lock is still held
     _rmtree(snap.parent)
+
+
+def test_an_unreadable_uploaded_checkpoint_is_not_resumed_from(tmp_path: Path) -> None:
+    """A checkpoint cut short or damaged in MLflow was put in place when this host had none:
+    the retry then failed at its load, ending the chain, where starting over would not."""
+    from hpsearch.runs import TrackingSession
+
+    class Client:
+        def download_artifacts(self, run_id: str, folder: str, dst: str) -> str:
+            out = Path(dst) / folder
+            out.mkdir(parents=True)
+            (out / "checkpoint.pt").write_bytes(b"garbage")
+            return str(out)
+
+    session = object.__new__(TrackingSession)
+    session.wait_ready = lambda: None  # type: ignore[method-assign]
+    session.client = Client()  # type: ignore[assignment]
+    dest = tmp_path / "checkpoints" / "s" / "trial-00000.pt"
+    assert not session.fetch_checkpoint("run", dest)
+    assert not dest.exists() and [p.name for p in dest.parent.iterdir()] == []
+
+
+def test_an_uploaded_checkpoint_is_never_newer_than_the_best_model_beside_it(
+    tmp_path: Path,
+) -> None:
+    """The trainer wrote its next best model and checkpoint while the best model uploaded:
+    the checkpoint copied after it was an epoch ahead of the best model in MLflow, and a
+    retry elsewhere resumed past the best epoch without its weights."""
+    from hpsearch.runs import _CheckpointUploader
+    from hpsearch.trainer.types import best_model_path_for
+
+    ckpt = tmp_path / "trial-00000.pt"
+    best = best_model_path_for(ckpt)
+    best.write_text("epoch 1")
+    ckpt.write_text("epoch 1")
+    sent: dict[str, str] = {}
+
+    class Client:
+        def log_artifact(self, run_id: str, local: str, folder: str) -> None:
+            sent[Path(local).name] = Path(local).read_text()
+            if len(sent) == 1:  # the trainer's next epoch lands during the first upload
+                best.write_text("epoch 2")
+                ckpt.write_text("epoch 2")
+
+    uploader = _CheckpointUploader(Client(), "run")
+    uploader.submit(ckpt)
+    uploader.close()
+    assert sent == {"checkpoint.best.pt": "epoch 1", "checkpoint.pt": "epoch 1"}

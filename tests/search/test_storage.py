@@ -652,6 +652,30 @@ def test_heartbeats_on_postgres_print_no_experimental_notice(pg_url: str, tmp_pa
     assert not [w for w in seen if issubclass(w.category, optuna.exceptions.ExperimentalWarning)]
 
 
+def test_a_retry_inherits_no_result_of_the_try_it_retries(tmp_path: Path) -> None:
+    """A try that wrote its test accuracy and checkpoint URI, then died before its tell: a
+    retry told without them (no test pass, not uploaded) showed the failed try's."""
+    from hpsearch.launcher import fail_trial
+
+    spec = resolve_storage(None, tmp_path)
+    study = create_or_load(load_config("tiny", overrides=["budget.n_trials=1"]), open_storage(spec))
+    trial = study.ask()
+    for key, value in {
+        "test_acc": 0.4,
+        "checkpoint_uri": "runs:/r/checkpoint/best.pt",
+        "history": [{"epoch": 1}],
+        "best_model": "/w/t.best.pt",
+        "startup_s": 1.0,
+        "checkpoint": "/w/t.pt",
+        "mlflow_run_id": "r",
+    }.items():
+        trial.set_user_attr(key, value)  # fmt: skip
+    assert fail_trial(study, spec, study._storage.get_trial(trial._trial_id), "died", 2)
+    (retry,) = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    # The chain's checkpoint and MLflow run go on; the try's results do not.
+    assert retry.user_attrs == {"checkpoint": "/w/t.pt", "mlflow_run_id": "r"}
+
+
 def test_a_trial_a_launch_kills_on_a_stop_uses_no_crash_retry(tmp_path: Path) -> None:
     """A second Ctrl-C kills the workers; their trials are failed and queued by the launcher.
     Counted as crashes, repeated stops failed a chain for good (--max-retries 0: at once)."""

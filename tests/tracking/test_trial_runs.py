@@ -134,7 +134,7 @@ def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
     import sys
 
     from hpsearch.runs import end_dangling_runs
-    from hpsearch.tracking.mlflow_logger import ROLE_TAG
+    from hpsearch.tracking.mlflow_logger import INCOMPLETE_TAG, ROLE_TAG
     from optuna.trial import TrialState
 
     cfg = hps.load_config("tiny", [f"name=runs-{uuid.uuid4().hex[:8]}"])
@@ -162,12 +162,37 @@ def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
             trial.set_user_attr(key, value)
         study.tell(trial, 0.5 if state == TrialState.COMPLETE else None, state=state)
         runs[name] = run.info.run_id
+    # Told with a best model in MLflow, and killed before its upload: from this host's
+    # file, or (the file gone too) the run says it is incomplete.
+    best = tmp_path / "t.best.pt"
+    best.write_bytes(b"weights")
+    for name, local in (("told_best", best), ("told_lost", tmp_path / "gone.best.pt")):
+        trial = study.ask()
+        rid = client.create_run(experiment.experiment_id, tags={ROLE_TAG: "trial"}).info.run_id
+        for key, value in {
+            "mlflow_run_id": rid,
+            "host": socket.gethostname(),
+            "pid": gone.pid,
+            "outcome": "completed",
+            "best_model": str(local),
+            "checkpoint_uri": f"runs:/{rid}/checkpoint/best.pt",
+        }.items():
+            trial.set_user_attr(key, value)  # fmt: skip
+        study.tell(trial, 0.5)
+        runs[name] = rid
     retry = study.ask()  # inherits the failed try's run id until it links its own
     retry.set_user_attr("mlflow_run_id", runs["stale"])
     ended = end_dangling_runs(client, experiment.experiment_id, study)
     session.close()
-    assert sorted(ended) == sorted([runs["told"], runs["stale"], runs["died_telling"]])
+    assert sorted(ended) == sorted(
+        [runs[k] for k in ("told", "stale", "died_telling", "told_best", "told_lost")]
+    )
     status = {k: client.get_run(v).info.status for k, v in runs.items()}
     assert status == {
-        "told": "FINISHED", "stale": "FAILED", "live": "RUNNING", "died_telling": "FAILED"
+        "told": "FINISHED", "stale": "FAILED", "live": "RUNNING", "died_telling": "FAILED",
+        "told_best": "FINISHED", "told_lost": "FINISHED",
     }  # fmt: skip
+    uploaded = [a.path for a in client.list_artifacts(runs["told_best"], "checkpoint")]
+    assert uploaded == ["checkpoint/best.pt"]
+    incomplete = {k: client.get_run(runs[k]).data.tags.get(INCOMPLETE_TAG) for k in runs}
+    assert incomplete == {k: "true" if k == "told_lost" else None for k in runs}
