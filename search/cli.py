@@ -259,43 +259,6 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     # (not with --device cuda:N, which names one GPU of those visible).
     use_gpus = gpu_list or (visible_gpus() if device in ("auto", "cuda") else [])
     placement, packing = None, None
-    # Before anything is written or probed: a second launch of this study is refused
-    # without touching the first's study file and packing plan, or its GPUs.
-    launch_lock = hold_launch_lock(workdir, cfg.name)
-    if workers == "auto":
-        if not use_gpus:
-            n_workers = 1
-            click.echo("--workers auto: no GPU visible; running 1 worker")
-        else:
-            study_file = workdir / "run" / f"{cfg.name}.yaml"
-            study_file.parent.mkdir(parents=True, exist_ok=True)
-            study_file.write_text(config_to_yaml(cfg))
-            plan = auto_workers(study_file, use_gpus, workdir, max_per_gpu)
-            placement = place_workers({g: plan.workers_on(g) for g in use_gpus})
-            n_workers, packing = len(placement), packing_path(study_file)
-            click.echo(f"--workers auto: {plan.reason}")
-    else:
-        n_workers = int(workers)
-        if use_gpus and not gpu_list:
-            placement = [use_gpus[i % len(use_gpus)] for i in range(n_workers)]
-    opts = LaunchOptions(
-        workers=n_workers,
-        placement=placement,
-        packing=packing,
-        workdir=workdir,
-        gpus=gpu_list,
-        device=device,
-        tracking_uri=resolve_tracking_uri(tracking_uri),
-        tracking=not no_tracking,
-        timeout_s=timeout if timeout is not None else cfg.budget.timeout_s,
-        train_fn=train_fn,
-        max_restarts=max_restarts,
-        max_retries=max_retries,
-        heartbeat_interval_s=heartbeat,
-        grace_s=grace,
-        started_at=started,
-    )
-
     last: dict[str, Any] = {"line": "", "at": 0.0}
 
     def show(p: Progress) -> None:
@@ -308,9 +271,50 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             click.echo(format_progress(p))
             last["line"], last["at"] = state, p.elapsed_s
 
-    click.echo(f"study {cfg.name}: {cfg.budget.n_trials} trials, {n_workers} workers, "
-               f"storage {spec.display}")  # fmt: skip
-    launcher = Launcher(cfg, spec, opts, on_progress=show, launch_lock=launch_lock)
+    # Before anything is written or probed: a second launch of this study is refused
+    # without touching the first's study file and packing plan, or its GPUs.
+    launch_lock = hold_launch_lock(workdir, cfg.name)
+    try:
+        if workers == "auto":
+            if not use_gpus:
+                n_workers = 1
+                click.echo("--workers auto: no GPU visible; running 1 worker")
+            else:
+                study_file = workdir / "run" / f"{cfg.name}.yaml"
+                study_file.parent.mkdir(parents=True, exist_ok=True)
+                study_file.write_text(config_to_yaml(cfg))
+                plan = auto_workers(study_file, use_gpus, workdir, max_per_gpu)
+                placement = place_workers({g: plan.workers_on(g) for g in use_gpus})
+                n_workers, packing = len(placement), packing_path(study_file)
+                click.echo(f"--workers auto: {plan.reason}")
+        else:
+            n_workers = int(workers)
+            if use_gpus and not gpu_list:
+                placement = [use_gpus[i % len(use_gpus)] for i in range(n_workers)]
+        opts = LaunchOptions(
+            workers=n_workers,
+            placement=placement,
+            packing=packing,
+            workdir=workdir,
+            gpus=gpu_list,
+            device=device,
+            tracking_uri=resolve_tracking_uri(tracking_uri),
+            tracking=not no_tracking,
+            timeout_s=timeout if timeout is not None else cfg.budget.timeout_s,
+            train_fn=train_fn,
+            max_restarts=max_restarts,
+            max_retries=max_retries,
+            heartbeat_interval_s=heartbeat,
+            grace_s=grace,
+            started_at=started,
+        )
+
+        click.echo(f"study {cfg.name}: {cfg.budget.n_trials} trials, {n_workers} workers, "
+                   f"storage {spec.display}")  # fmt: skip
+        launcher = Launcher(cfg, spec, opts, on_progress=show, launch_lock=launch_lock)
+    except BaseException:
+        launch_lock.close()  # the launcher releases it once it runs
+        raise
     _on_signals(launcher.stop, "launch")
     summary = launcher.run()
     c = summary.counts
@@ -350,21 +354,21 @@ def _on_signals(
     its workers when called again, and a third signal ends the launcher at once (it may be
     waiting on a server or the database). A worker (`die_on_second`) dies by the second
     signal itself, once a trial being handed back is (its trial, left RUNNING, is failed
-    and resumed once its heartbeat is stale); a third kills it at once. A SIGTERM within
-    `SAME_STOP_S` of the one before is the same stop: a job scheduler or systemd signals
-    every process of the job, and the launcher relays its own. Returns the signals
-    received, as they come."""
+    and resumed once its heartbeat is stale); a third kills it at once. To a worker, a
+    SIGTERM within `SAME_STOP_S` of the first is the same stop: a job scheduler or systemd
+    signals every process of the job, and the launcher relays its own. (The launcher takes
+    every signal: a bench's second SIGTERM a second after the first kills its workers.)
+    Returns the signals received, as they come."""
     count = {"n": 0}
     received: list[int] = []
     last_term = {"at": -math.inf}
 
     def handler(signum: int, frame: Any) -> None:
         now = time.monotonic()
-        if signum == signal.SIGTERM:
-            again = now - last_term["at"] < SAME_STOP_S
+        if die_on_second and signum == signal.SIGTERM:
+            if count["n"] == 1 and now - last_term["at"] < SAME_STOP_S:
+                return  # the same stop, twice (from the first counted one, not the last)
             last_term["at"] = now
-            if again and count["n"] == 1:
-                return
         count["n"] += 1
         received.append(signum)
         if count["n"] == 1:

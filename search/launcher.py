@@ -333,6 +333,7 @@ class _Slot:
     state: str = "starting"
     crashes: int = 0  # exits that were neither a stop from outside nor the launch's own kill
     killed_on_stop: bool = False  # SIGKILLed by a second stop: its trials were interrupted
+    group_killed: bool = False  # its process's group killed, as its exit was seen (_poll)
 
     @property
     def worker_id(self) -> str:
@@ -556,7 +557,7 @@ class Launcher:
             self._stop_requests += 1
             n = self._stop_requests
             for s in self._slots:
-                if s.proc is not None and s.proc.poll() is None:
+                if s.proc is not None and self._poll(s) is None:
                     s.killed_on_stop = n > 1
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         if n == 1:
@@ -867,6 +868,7 @@ class Launcher:
             preexec_fn=_set_pdeathsig,
         )
         self._pids[slot.proc.pid] = process_start(slot.proc.pid)
+        slot.group_killed = False
         slot.state = "running"
 
     def _supervise(self, resolved: Path, tracking_uri: str | None) -> str:
@@ -879,7 +881,7 @@ class Launcher:
             for slot in self._slots:
                 if slot.proc is None or slot.state != "running":
                     continue
-                code = slot.proc.poll()
+                code = self._poll(slot)
                 if code is None:
                     alive += 1
                     continue
@@ -1148,16 +1150,28 @@ class Launcher:
     def _wait_stopping(self) -> None:
         deadline = time.monotonic() + self.opts.grace_s
         while time.monotonic() < deadline and self._stop_requests < 2:
-            if all(s.proc is None or s.proc.poll() is not None for s in self._slots):
+            if all(s.proc is None or self._poll(s) is not None for s in self._slots):
                 return
             self._beat_held()
             time.sleep(0.2)
 
+    def _poll(self, slot: _Slot) -> int | None:
+        """The worker's exit code once it exited, else None. As its exit is first seen (and
+        the worker reaped), what it started is killed too: its process group (a
+        --train-fn's subprocess, holding a GPU maybe). Only then: a group left with no
+        process may give its id to another one's later."""
+        if slot.proc is None:
+            return None
+        code = slot.proc.poll()
+        if code is not None and not slot.group_killed:
+            slot.group_killed = True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(slot.proc.pid, signal.SIGKILL)
+        return code
+
     def _kill_all(self) -> None:
         for s in self._slots:
-            if s.proc is not None:
-                # The group too when the worker is gone: what it started (a --train-fn's
-                # subprocess) may hold a GPU. A group with members keeps its id from reuse.
+            if s.proc is not None and self._poll(s) is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(s.proc.pid, signal.SIGKILL)
             if s.proc is not None:

@@ -188,12 +188,9 @@ def list_studies(storage: str | None = None, workdir: Path | None = None) -> lis
 
 def _local_best_model(trial: FrozenTrial, workdir: Path) -> Path | None:
     """The trial's best-model file when it is on this machine. Older studies stored the
-    path relative to the launch's folder: then it is looked for under `workdir`. A trial
-    another host ran has none here: a file at its path is another try's (an earlier one of
-    its chain, on this host) or another study's."""
+    path relative to the launch's folder: then it is looked for under `workdir`."""
     stored = trial.user_attrs.get("best_model")
-    host = trial.user_attrs.get("host")
-    if not stored or (host is not None and host != socket.gethostname()):
+    if not stored:
         return None
     path = Path(str(stored))
     if path.is_absolute():
@@ -245,9 +242,24 @@ def load_best_model(
     if not raw_cfg:
         raise HpsearchError(f"study {name!r} has no stored config; was it created by hpsearch?")
     cfg = config_from_yaml(raw_cfg, f"study {name}")
-    path = _local_best_model(best, workdir or default_workdir())
-    if path is None:  # another host's trial: from MLflow
-        from hpsearch.runs import download_best_model
+    path = best_model_file(best, tracking_uri, workdir or default_workdir())
+    return load_trained_model(cfg, best.params, path, device=device)
 
-        path = download_best_model(best, tracking_uri, workdir or default_workdir())
-    return load_trained_model(cfg, best.params, Path(str(path)), device=device)
+
+def best_model_file(trial: FrozenTrial, tracking_uri: str | None, workdir: Path) -> Path:
+    """Where a trial's best model is read from: its file when this host ran it; for a trial
+    another host ran, the copy its MLflow run holds first (a file at its path here may be
+    an earlier try's of its chain, which this host ran), else the file (a work folder the
+    hosts share)."""
+    from hpsearch.runs import download_best_model
+
+    local = _local_best_model(trial, workdir)
+    elsewhere = trial.user_attrs.get("host") not in (None, socket.gethostname())
+    if local is not None and not (elsewhere and trial.user_attrs.get("checkpoint_uri")):
+        return local
+    try:
+        return Path(download_best_model(trial, tracking_uri, workdir))
+    except HpsearchError:
+        if local is None:
+            raise
+        return local

@@ -783,10 +783,10 @@ class TrackingSession:
             if not checkpoint.is_file():
                 raise FileNotFoundError(f"{RESUME_ARTIFACT} is not in run {previous_run_id}")
             here, there = saved_epoch(dest), saved_epoch(checkpoint)
-            if there is None or (here is not None and there <= here):
-                # Unreadable (cut short, damaged): starting over beats a retry that fails
-                # at its load. Or this host's own file is as far along (an earlier try's).
-                return False
+            if there is None and not _loadable(checkpoint):
+                return False  # cut short, damaged: starting over beats failing at its load
+            if here is not None and (there is None or there <= here):
+                return False  # this host's own file is as far along (an earlier try of it)
             best = local / Path(RESUME_BEST_ARTIFACT).name
             if best.is_file():
                 os.replace(best, best_model_path_for(dest))
@@ -982,6 +982,23 @@ def saved_epoch(path: Path) -> int | None:
         return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["epoch"])
     except Exception:  # missing, damaged, or not a checkpoint: the other one is used
         return None
+
+
+def _loadable(path: Path) -> bool:
+    """Whether a checkpoint loads at all (JSON, or torch's), with an epoch or not: a custom
+    trainer's file may hold none."""
+    try:
+        with open(path, "rb") as fh:
+            is_json = fh.read(1) == b"{"
+        if is_json:
+            json.loads(path.read_bytes())
+        else:
+            import torch
+
+            torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return True
+    except Exception:
+        return False
 
 
 def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> list[str]:

@@ -198,20 +198,18 @@ def check_result(result: object) -> None:
 
 
 def checkpoint_path(
-    workdir: Path, study: str, root_trial: int, inherited: str | None = None, fresh: bool = False
+    workdir: Path, study: str, root_trial: int, inherited: str | None = None
 ) -> Path:
     """A retry chain's resume checkpoint in this host's work folder. A retry takes the file
-    name its chain's first try chose (`inherited`, the path the failed try recorded; else,
-    for a chain an older version began, `trial-<root>.pt`). A first try (`fresh`) names a
-    file of its own (`trial-<root>-<random>.pt`): a file left at its number by another study
-    of the same name (another storage, or a study deleted and made again) would otherwise
-    be resumed from, or refused as another's."""
+    name its chain's first try recorded (`inherited`, the failed try's `checkpoint`
+    attribute, written before it trained: a chain without one has no file). Otherwise the
+    try names a file of its own, `trial-<root>-<random>.pt`: `trial-<root>.pt` was every
+    same-name study's, and a file another left there (another storage, or a study deleted
+    and made again) was resumed from, or refused as another's."""
     folder = workdir / "checkpoints" / study
     if inherited:
         return folder / Path(inherited).name
-    if fresh:
-        return folder / f"trial-{root_trial:05d}-{uuid.uuid4().hex[:8]}.pt"
-    return folder / f"trial-{root_trial:05d}.pt"
+    return folder / f"trial-{root_trial:05d}-{uuid.uuid4().hex[:8]}.pt"
 
 
 def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
@@ -903,9 +901,7 @@ def run_trial(
         timing.suggest_ms = (time.perf_counter() - t0) * 1e3
         root = root_trial_number(trial)
         inherited = trial.user_attrs.get(ATTR_CHECKPOINT) if root != trial.number else None
-        ckpt = checkpoint_path(
-            opts.workdir, cfg.name, root, str(inherited or "") or None, fresh=root == trial.number
-        )
+        ckpt = checkpoint_path(opts.workdir, cfg.name, root, str(inherited or "") or None)
         run_key = uuid.uuid4().hex
         attrs = {
             ATTR_WORKER: opts.resolved_id(),

@@ -636,6 +636,18 @@ def _server_alive(state: Mapping[str, Any], pgid: int) -> bool:
     return holder_alive(int(state["pid"]), start if isinstance(start, int) else None)
 
 
+def _age_s(start_ticks: object) -> float | None:
+    """Seconds since a process started, from its start in clock ticks since boot
+    (`packing.process_start`); None where that is unknown."""
+    if not isinstance(start_ticks, int):
+        return None
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def join_server(workdir: Path) -> SharedServer | None:
     """Join the live, healthy server of ``workdir``'s store as one of its users (recorded
     in ``server.json``, so that whichever user leaves last stops it), or None when there is
@@ -648,7 +660,11 @@ def join_server(workdir: Path) -> SharedServer | None:
         return None
     if not _server_alive(state, pgid):
         return None
-    deadline = time.monotonic() + JOIN_HEALTH_S
+    # A server still in its start (named as it was spawned, its starter gone since) gets
+    # what is left of the start's time limit; a running one that stopped answering, 30 s.
+    age = _age_s(state.get("start"))
+    left = DEFAULT_START_TIMEOUT_S - age if age is not None else 0.0
+    deadline = time.monotonic() + max(JOIN_HEALTH_S, left)
     while not health_ok(url):
         # Alive but not answering (busy, or still starting): a second server would be a
         # second writer of the same SQLite file, and would leave this one running for good.
@@ -657,7 +673,7 @@ def join_server(workdir: Path) -> SharedServer | None:
         if time.monotonic() >= deadline:
             raise TrackingError(
                 f"the MLflow server of {Path(workdir).resolve()} (pid {pid}) runs but does "
-                f"not answer at {url} after {JOIN_HEALTH_S:.0f} s; stop it "
+                f"not answer at {url} after {max(JOIN_HEALTH_S, left):.0f} s; stop it "
                 f"(kill -- -{pgid}) or try again"
             )
         time.sleep(1.0)

@@ -317,15 +317,18 @@ def test_a_chains_resume_checkpoint_is_named_by_its_first_try(tmp_path: Path) ->
     storage) in the same work folder resumed from the other's file, or failed on it."""
     from hpsearch.worker import checkpoint_path
 
-    first = checkpoint_path(tmp_path, "s", 3, fresh=True)
-    assert first != checkpoint_path(tmp_path, "s", 3, fresh=True)
+    first = checkpoint_path(tmp_path, "s", 3)
+    assert first != checkpoint_path(tmp_path, "s", 3)
     assert first.parent == tmp_path / "checkpoints" / "s"
     assert first.name.startswith("trial-00003-") and first.suffix == ".pt"
-    # A retry takes its first try's name, in its own host's work folder.
+    # A retry takes its first try's name, in its own host's work folder; a chain an older
+    # version began, the name it recorded.
     other = tmp_path / "host-b"
     assert checkpoint_path(other, "s", 3, str(first)) == other / "checkpoints" / "s" / first.name
-    # A chain an older version began.
-    assert checkpoint_path(tmp_path, "s", 3) == tmp_path / "checkpoints" / "s" / "trial-00003.pt"
+    old = "/elsewhere/checkpoints/s/trial-00003.pt"
+    assert (
+        checkpoint_path(tmp_path, "s", 3, old) == tmp_path / "checkpoints" / "s" / "trial-00003.pt"
+    )
 
 
 def test_finished_trials_give_up_their_resume_checkpoints_and_lesser_best_models() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from cli_util import DUMMY
+from hpsearch import launcher as launcher_mod
 from hpsearch.config import load_config
 from hpsearch.errors import TrackingError
 from hpsearch.launcher import Launcher, LaunchOptions, _Slot, launched_by
@@ -86,7 +87,9 @@ def test_a_launch_fails_only_the_trials_of_its_own_workers(tmp_path: Path) -> No
     assert [w.trial for w in launcher._progress().workers] == [None]
 
 
-def test_a_stop_while_a_worker_is_restarted_restarts_none(tmp_path: Path) -> None:
+def test_a_stop_while_a_worker_is_restarted_restarts_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ctrl-C while the launcher read the study to decide on a crashed worker's restart:
     the new worker never got the stop, trained through the grace period and was killed,
     its trial using up a retry."""
@@ -96,17 +99,12 @@ def test_a_stop_while_a_worker_is_restarted_restarts_none(tmp_path: Path) -> Non
     slot.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     slot.proc.wait()
     launcher._slots.append(slot)
-    study = launcher.study
-    real = study.get_trials
-    calls = {"n": 0}
 
-    def get_trials(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 2:  # the restart's read, after the failed trials' one
-            launcher.stop()
-        return real(*args, **kwargs)
+    def stop_then_restart(*args: Any) -> bool:  # the Ctrl-C lands as the restart is decided
+        launcher.stop()
+        return True
 
-    study.get_trials = get_trials  # type: ignore[method-assign]
+    monkeypatch.setattr(launcher_mod, "should_restart", stop_then_restart)
     dead = slot.proc
     resolved = tmp_path / "w" / "run" / "tiny.yaml"
     try:

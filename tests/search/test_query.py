@@ -176,14 +176,6 @@ def test_a_best_model_stored_relative_to_the_launch_folder_is_found_under_the_wo
     assert _local_best_model(absolute, tmp_path / "elsewhere") == model
     gone = create_trial(value=0.5, user_attrs={"best_model": "w/checkpoints/tiny/x.best.pt"})
     assert _local_best_model(gone, work) is None
-    # Another host's trial: the file at its path here is another try's or another study's,
-    # not its model (which comes from MLflow).
-    here = create_trial(
-        value=0.5, user_attrs={"best_model": str(model), "host": socket.gethostname()}
-    )
-    assert _local_best_model(here, work) == model
-    other = create_trial(value=0.5, user_attrs={"best_model": str(model), "host": "other-host"})
-    assert _local_best_model(other, work) is None
 
 
 def test_a_failed_download_never_shows_the_tracking_password(tmp_path: Path) -> None:
@@ -211,3 +203,36 @@ def test_every_library_exception_is_exported() -> None:
         n for n, c in vars(errors).items() if inspect.isclass(c) and c.__module__ == errors.__name__
     }
     assert classes <= set(hps.__all__) and all(hasattr(hps, n) for n in classes)
+
+
+def test_another_hosts_best_model_comes_from_mlflow_before_a_file_at_its_path_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry another host ran and won with: at its path here lies this host's earlier try
+    of the chain, half trained, which load_best_model returned."""
+    import hpsearch.runs
+    from hpsearch.query import best_model_file
+
+    here_file = tmp_path / "trial-00002-abc.best.pt"
+    here_file.write_bytes(b"the earlier try's")
+    fetched = tmp_path / "fetched.best.pt"
+    fetched.write_bytes(b"the winner's")
+    calls: list[int] = []
+
+    def download(trial: object, uri: object, workdir: object) -> Path:
+        calls.append(1)
+        if uri is None:
+            raise hps.TrackingError("no server")
+        return fetched
+
+    monkeypatch.setattr(hpsearch.runs, "download_best_model", download)
+    kept = {"best_model": str(here_file), "checkpoint_uri": "runs:/r/checkpoint/best.pt"}
+    mine = create_trial(value=0.5, user_attrs={**kept, "host": socket.gethostname()})
+    assert best_model_file(mine, "http://mlflow", tmp_path) == here_file and not calls
+    other = create_trial(value=0.5, user_attrs={**kept, "host": "other-host"})
+    assert best_model_file(other, "http://mlflow", tmp_path) == fetched
+    # No server to ask: the file (a work folder the hosts share) rather than nothing.
+    assert best_model_file(other, None, tmp_path) == here_file
+    # Not in MLflow: the file.
+    shared = create_trial(value=0.5, user_attrs={"best_model": str(here_file), "host": "b"})
+    assert best_model_file(shared, "http://mlflow", tmp_path) == here_file
