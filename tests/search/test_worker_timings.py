@@ -60,3 +60,23 @@ def test_timing_split_of_the_real_trainer(tmp_path: Path, flowers_root: Path) ->
     assert epoch_seconds <= t["epochs_s"] < epoch_seconds + 1.0
     assert t["setup_s"] > 0 and t["finish_s"] > 0
     assert t["setup_s"] + t["epochs_s"] + t["finish_s"] <= t["trial_s"]
+
+
+def test_a_first_try_never_resumes_from_another_same_name_studys_file(tmp_path: Path) -> None:
+    """Every study named `tiny` kept trial 0's resume checkpoint at `trial-00000.pt`: a study
+    made again in the work folder (another storage, or the old one deleted) found the other's
+    file there and failed on its hyperparameters, or resumed from its weights."""
+    import torch
+
+    left = tmp_path / "checkpoints" / "tiny" / "trial-00000.pt"
+    left.parent.mkdir(parents=True)
+    torch.save({"params": {"lr": 123.0}, "epoch": 1}, left)
+    cfg = load_config(
+        "tiny",
+        overrides=["budget.n_trials=1", "budget.max_epochs=1", "dataset.name=synthetic",
+                   "dataset.image_size=16", "trainer.evaluate_test=false"],
+    )  # fmt: skip
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    opts = WorkerOptions(workdir=tmp_path, worker_id="w0", device="cpu")
+    assert run_worker(cfg, spec, opts).outcomes == {"finished": 1}
+    assert torch.load(left, weights_only=False)["params"] == {"lr": 123.0}  # left alone
