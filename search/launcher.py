@@ -674,6 +674,10 @@ class Launcher:
                         "MLflow server left running: another search, `hpsearch ui` or "
                         "worker of this work folder uses it"
                     )
+        if self._tracking_error is not None:
+            # The set-up failed after the workers had spent the budget (seconds of MLflow's
+            # import on a loaded machine): the trials stand, untracked; the launch says why.
+            raise self._tracking_error
         counts = with_db_retry(lambda: budget_counts(self.study.get_trials(deepcopy=False)))
         best_value, best_trial = with_db_retry(lambda: _best(self.study))
         return LaunchSummary(

@@ -225,3 +225,33 @@ def test_a_sigterm_the_launcher_relays_is_not_a_second_stop() -> None:
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.split() == ["True", f"[{int(signal.SIGTERM)}]"]
+
+
+def test_a_tracking_set_up_failing_after_the_trials_ended_fails_the_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, subprocess_env: dict[str, str]
+) -> None:
+    """MLflow's import on a loaded machine outlasted a short study: the set-up's failure
+    came after the workers had spent the budget, and the launch ended "done (budget)",
+    untracked, with no word of it."""
+    import threading
+
+    from hpsearch.study import budget_counts
+
+    for key, value in subprocess_env.items():  # the workers import the dummy trainer
+        monkeypatch.setenv(key, value)
+    launcher = _launcher(tmp_path / "w")
+
+    def late_failure() -> None:  # once supervising is over: the worker is done
+        launcher._study_settled.wait()
+        _wait(lambda: [s.state for s in launcher._slots] == ["done"], 120, "the worker done")
+        time.sleep(1.0)
+        launcher._tracking_error = TrackingError("MLflow at notauri: refused")
+
+    def start_tracking() -> None:
+        launcher._tracking_thread = threading.Thread(target=late_failure, daemon=True)
+        launcher._tracking_thread.start()
+
+    monkeypatch.setattr(launcher, "_start_tracking", start_tracking)
+    with pytest.raises(TrackingError, match="notauri"):
+        launcher.run()
+    assert sum(budget_counts(launcher.study.get_trials()).values()) == 4  # the trials stand
