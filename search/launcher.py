@@ -1088,22 +1088,13 @@ class Launcher:
 
     @contextlib.contextmanager
     def _beating_held(self) -> Iterator[None]:
-        """Beat for the held trials from a thread (every half heartbeat interval) while the
-        block runs."""
-        storage = heartbeat_storage(self.study._storage, enabled=False)
-        if storage is None or not self._held:
-            yield
-            return
-        ids = [t._trial_id for t, _ in self._held]
+        """`_beat_held` from a thread (every half heartbeat interval) while the block runs
+        (which leaves `_held` as it is)."""
         done = threading.Event()
 
         def beat() -> None:
             while True:
-                for trial_id in ids:
-                    with contextlib.suppress(
-                        SQLAlchemyError, optuna.exceptions.StorageInternalError
-                    ):
-                        storage.record_heartbeat(trial_id)
+                self._beat_held(force=True)
                 if done.wait(self.opts.heartbeat_interval_s / 2):
                     return
 
