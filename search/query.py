@@ -12,7 +12,7 @@ import optuna
 import pandas as pd
 from hpsearch.errors import HpsearchError, StudyNotFoundError
 from hpsearch.storage import StorageSpec, has_optuna_tables, open_storage, resolve_storage
-from hpsearch.study import CONFIG_ATTR
+from hpsearch.study import CONFIG_ATTR, rank_key
 from optuna.trial import FrozenTrial, TrialState
 
 USER_COLUMNS = ("outcome", "worker", "host", "test_acc", "mlflow_run_id")
@@ -48,8 +48,7 @@ def _ranked(study: optuna.Study) -> list[FrozenTrial]:
         sign = 1.0 if study.directions[0] == optuna.study.StudyDirection.MINIMIZE else -1.0
         return sorted(front, key=lambda t: (sign * t.values[0], t.number))
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    sign = 1.0 if study.direction == optuna.study.StudyDirection.MINIMIZE else -1.0
-    return sorted(done, key=lambda t: (sign * float(t.value or 0.0), t.number))
+    return sorted(done, key=rank_key(study.direction))
 
 
 def checkpoint_uri(trial: FrozenTrial) -> str | None:

@@ -968,34 +968,32 @@ def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
         logger.warning("could not mark MLflow run %s: %s", run_id, scrub(str(exc)))
 
 
-def saved_epoch(path: Path) -> int | None:
-    """The last epoch a resume checkpoint holds (the trainer's torch file, or a JSON one of
-    a stand-in trainer); None when there is no readable file."""
-    try:
-        with open(path, "rb") as fh:
-            is_json = fh.read(1) == b"{"
-        if is_json:
-            return int(json.loads(path.read_bytes())["epoch"])
-        import torch
+def _load_checkpoint(path: Path) -> Any:
+    """A resume checkpoint: the trainer's torch file, or a JSON one of a stand-in trainer.
+    Raises what the load raises."""
+    with open(path, "rb") as fh:
+        is_json = fh.read(1) == b"{"
+    if is_json:
+        return json.loads(path.read_bytes())
+    import torch
 
-        # mmap: the epoch only, not the weights and optimizer state read into memory
-        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["epoch"])
+    # mmap: the weights and optimizer state are not read into memory
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def saved_epoch(path: Path) -> int | None:
+    """The last epoch a resume checkpoint holds; None when there is no readable file."""
+    try:
+        return int(_load_checkpoint(path)["epoch"])
     except Exception:  # missing, damaged, or not a checkpoint: the other one is used
         return None
 
 
 def _loadable(path: Path) -> bool:
-    """Whether a checkpoint loads at all (JSON, or torch's), with an epoch or not: a custom
-    trainer's file may hold none."""
+    """Whether a checkpoint loads at all, with an epoch or not: a custom trainer's file may
+    hold none."""
     try:
-        with open(path, "rb") as fh:
-            is_json = fh.read(1) == b"{"
-        if is_json:
-            json.loads(path.read_bytes())
-        else:
-            import torch
-
-            torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        _load_checkpoint(path)
         return True
     except Exception:
         return False

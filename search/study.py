@@ -245,8 +245,13 @@ def best_of(
     `hpsearch best` and `load_best_model` rank them (Optuna's `best_trial` on PostgreSQL
     takes any of them: the study run's ONNX could be another trial's model)."""
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
+    return min(done, key=rank_key(direction), default=None)
+
+
+def rank_key(direction: optuna.study.StudyDirection) -> Callable[[FrozenTrial], tuple[float, int]]:
+    """Sort key of completed single-objective trials, best first; ties: the earlier."""
     sign = 1.0 if direction == optuna.study.StudyDirection.MINIMIZE else -1.0
-    return min(done, key=lambda t: (sign * float(t.value or 0.0), t.number), default=None)
+    return lambda t: (sign * float(t.value or 0.0), t.number)
 
 
 def budget_counts(trials: Sequence[FrozenTrial]) -> dict[str, int]:
