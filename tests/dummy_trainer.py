@@ -12,7 +12,10 @@ reached it, so a concurrency test really has n trials in flight however slowly t
 and HPSEARCH_DUMMY_DIE_ONCE="<file>" (the first process to train an epoch makes the file and
 kills itself with SIGKILL after that epoch's report), or HPSEARCH_DUMMY_DIE_ONCE_UNREPORTED
 ="<file>" (the same, right after that epoch's checkpoint, before its report: what a worker
-killed while the report's write was still in flight leaves).
+killed while the report's write was still in flight leaves), or
+HPSEARCH_DUMMY_POOR_AFTER_FIRST=1 (a process's trials after its first score 0 at every
+epoch: a median pruner then prunes them, whatever the sampler proposed, since the view a
+trial reports against holds the process's own finished first trial).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 from hpsearch.trainer import EpochRecord, TrainOptions, TrialResult
 
 _BARRIER_PASSED = False
+_TRIALS_STARTED = 0  # this process's calls of train
 
 
 def _barrier() -> None:
@@ -70,8 +74,11 @@ def train(
     report: Callable[[int, float], bool],
     options: TrainOptions | None = None,
 ) -> TrialResult:
+    global _TRIALS_STARTED
     options = options or TrainOptions()
     _barrier()
+    _TRIALS_STARTED += 1
+    poor = _TRIALS_STARTED > 1 and os.environ.get("HPSEARCH_DUMMY_POOR_AFTER_FIRST") == "1"
     epoch_s = float(os.environ.get("HPSEARCH_DUMMY_EPOCH_S", "0.01"))
     ckpt = options.checkpoint_path
     history: list[EpochRecord] = []
@@ -85,7 +92,7 @@ def train(
     pruned_at = None
     for epoch in range(start, config.budget.max_epochs + 1):
         time.sleep(epoch_s)
-        acc = score(params, epoch)
+        acc = 0.0 if poor else score(params, epoch)
         rec = EpochRecord(epoch, 1 - acc, acc, 1 - acc, acc, float(params.get("lr", 0.1)),
                           epoch_s, 1000.0)  # fmt: skip
         history.append(rec)

@@ -182,8 +182,14 @@ def test_embedded_default_several_workers(tmp_path: Path, subprocess_env: dict[s
             "budget.max_epochs=2",
         ],
         # Each worker's first trial waits for the other two: one fast starter could run
-        # all six 20 ms trials before the others got there.
-        {**subprocess_env, "HPSEARCH_DUMMY_BARRIER": f"{tmp_path / 'barrier'}:3"},
+        # all six 20 ms trials before the others got there. A worker's later trials score 0,
+        # so the median pruner prunes them against the finished first ones: whether a
+        # sampled trial fell below the median depended on the order the workers finished.
+        {
+            **subprocess_env,
+            "HPSEARCH_DUMMY_BARRIER": f"{tmp_path / 'barrier'}:3",
+            "HPSEARCH_DUMMY_POOR_AFTER_FIRST": "1",
+        },
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (work / "optuna.journal").exists()
