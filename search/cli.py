@@ -80,6 +80,17 @@ def _storage_option(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
+class _Seconds(click.FloatRange):
+    """A number of seconds >= 0 (> 0 with min_open): click's FloatRange lets nan through,
+    which compares false with every deadline, so the limit was silently off."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r}: must be a finite number of seconds", param, ctx)
+        return number
+
+
 class _WorkersType(click.ParamType):
     name = "N|auto"
 
@@ -101,7 +112,7 @@ _WORKERS = _WorkersType()
 def _trial_options(fn: F) -> F:
     """Options shared by `launch` and `worker`: how trials run and recover."""
     opts = [
-        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+        click.option("--timeout", type=_Seconds(min=0, min_open=True), default=None,
                      help="Stop handing out trials after SEC seconds."),
         click.option("--max-retries", type=click.IntRange(min=0), default=2, show_default=True,
                      help="Retries (resumed from checkpoint) of a trial whose worker died; "
@@ -203,7 +214,7 @@ def cli() -> None:
 )
 @click.option(
     "--grace",
-    type=click.FloatRange(min=0),
+    type=_Seconds(min=0),
     default=120.0,
     show_default=True,
     help="Seconds the first Ctrl-C waits for running trials to checkpoint.",
@@ -224,7 +235,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
       hpsearch launch --study flowers102 --workers auto --data-dir ../shared/datasets
     """
     started = time.monotonic()  # --timeout counts from here: loading and probing included
-    from hpsearch.config import config_to_yaml
+    from hpsearch.config import config_to_yaml, pruning_note
     from hpsearch.launcher import (
         Launcher,
         LaunchOptions,
@@ -243,6 +254,8 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
     ensure_workdir(workdir)
     cfg = _load(study, overrides, data_dir, download, trials)
+    if (note := pruning_note(cfg)) is not None:
+        click.echo(f"note: {note}", err=True)
     gpu_list = parse_gpus(gpus)
     if gpu_list or device == "cuda":
         import torch
@@ -435,7 +448,7 @@ def _on_signals(
 )
 @click.option(
     "--await-study-run",
-    type=click.FloatRange(min=0),
+    type=_Seconds(min=0),
     default=0.0,
     hidden=True,
     help="Wait up to S seconds for the launcher to open the study's MLflow run.",
@@ -718,8 +731,8 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
 
     ensure_workdir(workdir)
     cfg = _load(study, overrides, data_dir, download)
-    if trial_number is not None:  # what that trial ran with, today's --set on top
-        cfg = trial_config(cfg, storage, workdir, overrides, download)
+    if trial_number is not None and params_json is None:  # run_fixed refuses both
+        cfg = trial_config(cfg, storage, workdir, overrides, download)  # today's --set on top
     result = run_fixed(
         cfg, params_json, trial_number, storage, workdir, device, seed,
         on_epoch=lambda r: click.echo(

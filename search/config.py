@@ -25,8 +25,8 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 ARCHS = (
@@ -79,7 +79,7 @@ class Hyperparams(_Frozen):
     lr: Float = Field(default=0.1, gt=0)  # at base_batch_size, before lr_scaling
     momentum: Float = Field(default=0.9, ge=0, lt=1)
     weight_decay: Float = Field(default=5e-4, ge=0)
-    batch_size: Int = Field(default=128, ge=1)
+    batch_size: Int = Field(default=128, ge=1)  # a new study file: >= 2 (_check_new_file)
     lr_scaling: Literal[LR_SCALINGS] = "none"  # type: ignore[valid-type]
     loss: Literal[LOSSES] = "ce"  # type: ignore[valid-type]
     label_smoothing: Float = Field(default=0.1, ge=0, lt=1)
@@ -155,11 +155,15 @@ class ObjectiveConfig(_Frozen):
             raise ValueError("a metric given twice")
         return metric
 
-    @model_validator(mode="after")
-    def _same_length(self) -> ObjectiveConfig:
-        if isinstance(self.direction, list) and len(self.direction) != len(self.metrics):
-            raise ValueError("needs one direction per metric")
-        return self
+    @field_validator("direction")
+    @classmethod
+    def _one_per_metric(cls, direction: Any, info: ValidationInfo) -> Any:
+        metric = info.data.get("metric")  # absent when the metric itself was refused
+        if isinstance(direction, list) and metric is not None:
+            n = 1 if isinstance(metric, str) else len(metric)
+            if len(direction) != n:
+                raise ValueError(f"needs {n} direction(s), one per objective.metric")
+        return direction
 
 
 class BudgetConfig(_Frozen):
@@ -171,9 +175,12 @@ class BudgetConfig(_Frozen):
     trial_timeout_s: Float | None = Field(default=None, gt=0)
 
 
+SEED_MAX = 2**32 - 1  # numpy's seeds, which Optuna's samplers use, are < 2**32
+
+
 class SamplerConfig(_Frozen):
     name: Literal[SAMPLERS] = "tpe"  # type: ignore[valid-type]
-    seed: Int | None = None
+    seed: Int | None = Field(default=None, ge=0, le=SEED_MAX)
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -192,7 +199,8 @@ class TrainerConfig(_Frozen):
     cudnn_benchmark: bool = True
     max_micro_batch: Int | None = Field(default=None, ge=1)  # larger batches accumulate
     base_batch_size: Int = Field(default=256, ge=1)  # reference batch for lr_scaling
-    seed: Int = 0  # per-trial seed = seed + trial number
+    # per-trial seed = seed + trial number; torch takes -2**63 .. 2**64 - 1
+    seed: Int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     evaluate_test: bool = True  # test accuracy of each finished trial
     num_workers: Int = Field(default=4, ge=0)  # DataLoader workers of the streaming path
     checkpoint: bool = True
@@ -265,11 +273,12 @@ class StudyConfig(_Frozen):
 
     @property
     def reported_metric(self) -> str:
-        """What an evaluated epoch reports to the pruner: the objective's metric when it is
-        measured per epoch (val_loss), else val_acc (a multi-objective study prunes nothing;
-        a pruner with train_seconds is refused)."""
+        """What an evaluated epoch reports to the pruner, and what picks a trial's best
+        epoch (its weights, its told values): val_loss where the objectives have it and not
+        val_acc (alone, or beside train_seconds), else val_acc (a multi-objective study
+        prunes nothing; a pruner with train_seconds is refused)."""
         metrics = self.objective.metrics
-        return "val_loss" if metrics == ("val_loss",) else "val_acc"
+        return "val_loss" if "val_loss" in metrics and "val_acc" not in metrics else "val_acc"
 
     def fixed_params(self) -> dict[str, Any]:
         """Hyperparameter values used for everything the search space leaves out."""
@@ -303,6 +312,8 @@ def _format_validation(source: str, exc: ValidationError, prefix: str = "") -> s
     if prefix:
         field = f"{prefix}.{field}" if field else prefix
     value = err.get("input")
+    if err["type"] == "missing":  # its input is the section around it, not a value
+        return f"{source}: {field}: missing: a required key"
     if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
         tag = value.get("type") if isinstance(value, dict) else None
         return f"{source}: {field}.type: {tag!r}: must be one of 'float', 'int', 'categorical'"
@@ -349,6 +360,9 @@ def grid_space(cfg: StudyConfig) -> dict[str, list[Any]]:
 
 def _check_space(cfg: StudyConfig, src: str, stored: bool = False) -> None:
     seen: dict[str, Any] = {}
+    # Per parameter: the values each categorical must take for it to be sampled (its own
+    # `when` and, through them, the `when`s of the parameters it names), and why.
+    needs: dict[str, dict[str, tuple[list[Any], str]]] = {}
     numeric = {n for n, f in Hyperparams.model_fields.items() if f.annotation in (int, float)}
     integers = {n for n, f in Hyperparams.model_fields.items() if f.annotation is int}
     numeric |= {"image_size"}
@@ -362,7 +376,11 @@ def _check_space(cfg: StudyConfig, src: str, stored: bool = False) -> None:
             )
         if isinstance(spec, CategoricalParam):
             allowed = _CHOICE_SETS.get(name)
-            for choice in spec.choices:
+            for i, choice in enumerate(spec.choices):
+                if not stored and choice in spec.choices[:i]:
+                    # Optuna draws it twice as often (and takes the first for both: 1 and
+                    # 1.0, or 1 and true, are one choice to it), and a grid trains it twice.
+                    raise ConfigError(f"{src}: {field}.choices: {choice!r}: given twice")
                 if allowed is not None and choice not in allowed:
                     raise ConfigError(
                         f"{src}: {field}.choices: {choice!r}: unknown {name}; "
@@ -393,12 +411,16 @@ def _check_space(cfg: StudyConfig, src: str, stored: bool = False) -> None:
                     "parameter declared earlier in search_space"
                 )
             wanted = cond_value if isinstance(cond_value, list) else [cond_value]
+            if not wanted and not stored:
+                raise ConfigError(f"{src}: {cfield}: []: needs at least one value")
             for w in wanted:
                 if w not in seen[cond_name]:
                     raise ConfigError(
                         f"{src}: {cfield}: {w!r}: not among the choices of {cond_name} "
                         f"{seen[cond_name]}"
                     )
+        if not stored:
+            needs[name] = _sampling_needs(src, field, spec.when or {}, needs)
         if isinstance(spec, CategoricalParam):
             seen[name] = list(spec.choices)
     if cfg.sampler.name == "grid":
@@ -431,6 +453,115 @@ def _check_space(cfg: StudyConfig, src: str, stored: bool = False) -> None:
         )
 
 
+def _sampling_needs(
+    src: str,
+    field: str,
+    when: Mapping[str, Any],
+    needs: Mapping[str, dict[str, tuple[list[Any], str]]],
+) -> dict[str, tuple[list[Any], str]]:
+    """What a parameter with `when` needs of the categoricals to be sampled: its own
+    conditions, and those of each parameter it names (which is sampled only when they
+    hold). ConfigError when two of them leave a categorical no value: the parameter would
+    never be sampled."""
+    out: dict[str, tuple[list[Any], str]] = {}
+
+    def narrow(key: str, values: list[Any], why: str) -> None:
+        if key not in out:
+            out[key] = (values, why)
+            return
+        have, have_why = out[key]
+        both = [v for v in have if v in values]  # ==, as `suggest` tests a condition
+        if not both:
+            raise ConfigError(
+                f"{src}: {field}.when: {dict(when)!r}: can never hold: {have_why} needs "
+                f"{key} in {have}, {why} needs it in {values}"
+            )
+        out[key] = (both, have_why)
+
+    for cond_name, cond_value in when.items():
+        narrow(cond_name, cond_value if isinstance(cond_value, list) else [cond_value], "its when")
+    for cond_name in when:
+        for key, (values, _) in needs.get(cond_name, {}).items():
+            narrow(key, values, f"{cond_name} (sampled only then)")
+    return out
+
+
+def pruning_note(cfg: StudyConfig) -> str | None:
+    """Why the study's pruner will prune no trial with this epoch budget, or None. Not an
+    error: a quick run of a long study (`--set budget.max_epochs=2`) is fine unpruned, but
+    a launch says so. Trials report at epochs 1..budget.max_epochs."""
+    opts, epochs = cfg.pruner.options, cfg.budget.max_epochs
+    name = cfg.pruner.name
+
+    def whole(key: str, default: int) -> int | None:
+        value = opts.get(key, default)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    first: tuple[str, int] | None = None  # (option, the first epoch it can prune at)
+    if name == "median" and (warm := whole("n_warmup_steps", 1)) is not None:
+        first = ("n_warmup_steps", warm)
+    elif name in ("asha", "successive_halving"):
+        low, factor = whole("min_resource", 1), whole("reduction_factor", 3)
+        rate = whole("min_early_stopping_rate", 0)
+        if low is not None and factor is not None and rate is not None:
+            first = ("min_resource", low * factor**rate)
+    elif name == "hyperband" and (low := whole("min_resource", 1)) is not None:
+        first = ("min_resource", low)
+        high = whole("max_resource", epochs)
+        if low <= epochs and high is not None and high > epochs:
+            return (
+                f"pruner.options.max_resource: {high}: above budget.max_epochs ({epochs}): "
+                "Hyperband's brackets are sized for trials longer than any trains"
+            )
+    if first is not None and first[1] > epochs:
+        return (
+            f"pruner.options.{first[0]}: {opts.get(first[0], first[1])!r}: the pruner's first "
+            f"decision comes at epoch {first[1]}, after budget.max_epochs ({epochs}): no "
+            "trial will be pruned"
+        )
+    return None
+
+
+def _check_new_file(cfg: StudyConfig, src: str) -> None:
+    """Rules of a study file that a study's stored config (`config_from_yaml`) is spared:
+    its trials ran under the rules of their day, and it must keep loading."""
+    reserved = {"seed": "set sampler.seed; each worker draws from a seed derived from it",
+                "search_space": "the grid is the search_space's values"}  # fmt: skip
+    for key, why in reserved.items():
+        if key in cfg.sampler.options:
+            raise ConfigError(
+                f"{src}: sampler.options.{key}: {cfg.sampler.options[key]!r}: not an option "
+                f"here: {why}"
+            )
+    if cfg.dataset.num_classes is not None and cfg.dataset.name != "synthetic":
+        raise ConfigError(
+            f"{src}: dataset.num_classes: {cfg.dataset.num_classes}: only the synthetic "
+            f"dataset takes it; {cfg.dataset.name} has its own classes"
+        )
+    # Batch norm cannot train on one image: every trial drawing it failed at its first step.
+    one = "must be >= 2: batch norm cannot train on batches of one image"
+    if cfg.trainer.defaults.batch_size < 2:
+        raise ConfigError(
+            f"{src}: trainer.defaults.batch_size: {cfg.trainer.defaults.batch_size}: {one}"
+        )
+    if cfg.trainer.max_micro_batch is not None and cfg.trainer.max_micro_batch < 2:
+        raise ConfigError(f"{src}: trainer.max_micro_batch: {cfg.trainer.max_micro_batch}: {one}")
+    spec = cfg.search_space.get("batch_size")
+    if isinstance(spec, IntParam) and spec.low < 2:
+        raise ConfigError(f"{src}: search_space.batch_size.low: {spec.low}: {one}")
+    if isinstance(spec, CategoricalParam):
+        for choice in spec.choices:
+            if _is_number(choice) and choice < 2:  # type: ignore[operator]
+                raise ConfigError(f"{src}: search_space.batch_size.choices: {choice!r}: {one}")
+    if cfg.pruner.name == "hyperband":
+        low, high = cfg.pruner.options.get("min_resource"), cfg.pruner.options.get("max_resource")
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            # Optuna then makes no bracket, and prunes nothing.
+            raise ConfigError(
+                f"{src}: pruner.options.min_resource: {low}: must be <= max_resource ({high})"
+            )
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -443,19 +574,35 @@ def _check_value(src: str, field: str, name: str, value: Any) -> None:
         raise ConfigError(f"{src}: {field}: {value!r}: {name}: {msg}") from exc
 
 
-def _check_components(cfg: StudyConfig, src: str) -> None:
-    """Build sampler and pruner once so that bad options fail at load time."""
-    from hpsearch.study import make_pruner, make_sampler
+def _check_components(cfg: StudyConfig, src: str, stored: bool = False) -> None:
+    """Build sampler and pruner once, then (a new study's file) run a few made-up trials
+    through them, so that bad options fail at load time: Optuna checks many only when a
+    trial asks or the pruner decides, which would fail every trial in every worker."""
+    from hpsearch.study import RehearsalError, make_pruner, make_sampler, rehearse
 
     for section, make in (("sampler", make_sampler), ("pruner", make_pruner)):
         try:
             make(cfg)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             opts = getattr(cfg, section).options
             raise ConfigError(f"{src}: {section}.options: {opts!r}: {exc}") from exc
-        except ValueError as exc:
-            opts = getattr(cfg, section).options
-            raise ConfigError(f"{src}: {section}.options: {opts!r}: {exc}") from exc
+    if stored:
+        return
+    _check_new_file(cfg, src)
+    try:
+        rehearse(cfg)
+    except RehearsalError as exc:
+        part = getattr(cfg, exc.section)
+        cause = exc.__cause__
+        if isinstance(cause, ImportError):
+            raise ConfigError(
+                f"{src}: {exc.section}.name: {part.name!r}: needs the Python package "
+                f"{cause.name or cause}; pip install it"
+            ) from exc
+        raise ConfigError(
+            f"{src}: {exc.section}.options: {part.options!r}: Optuna refused them at a "
+            f"trial: {type(cause).__name__}: {' '.join(str(cause).split())}"
+        ) from exc
 
 
 # --- loading ---------------------------------------------------------------------------
@@ -687,7 +834,7 @@ def validate_config(
     except ValidationError as exc:
         raise ConfigError(_format_validation(src, exc)) from exc
     _check_space(cfg, src, stored)
-    _check_components(cfg, src)
+    _check_components(cfg, src, stored)
     return cfg
 
 

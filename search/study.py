@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
+import logging
+import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optuna
@@ -146,6 +149,97 @@ def make_pruner(cfg: StudyConfig) -> optuna.pruners.BasePruner:
         cls = optuna.pruners.HyperbandPruner
         extra = {"min_resource": 1, "max_resource": epochs, "reduction_factor": 3}
     return cls(**_kwargs_for(cls, dict(p.options), extra))
+
+
+REHEARSAL_TRIALS = 4
+
+
+class RehearsalError(Exception):
+    """The study's `section` ("sampler" or "pruner") failed a made-up trial; the cause is
+    chained."""
+
+    def __init__(self, section: str) -> None:
+        super().__init__(section)
+        self.section = section
+
+
+def rehearse(cfg: StudyConfig) -> None:
+    """Run `REHEARSAL_TRIALS` made-up trials through the study's sampler and pruner on an
+    in-memory study over its search space: Optuna checks many options only when a trial
+    asks or the pruner decides (TPE's n_ei_candidates and prior_weight, Hyperband's
+    reduction_factor, CMA-ES's package). TPE models from its second trial here; GP's model
+    is not fitted (seconds of torch per load). Raises RehearsalError."""
+    options = dict(cfg.sampler.options)
+    if cfg.sampler.name == "tpe":
+        options["n_startup_trials"] = min(int(options.get("n_startup_trials", 10)), 1)
+    elif cfg.sampler.name == "gp":
+        options["n_startup_trials"] = REHEARSAL_TRIALS
+    sampler_cfg = cfg.model_copy(
+        update={"sampler": cfg.sampler.model_copy(update={"options": options})}
+    )
+    n_trials = REHEARSAL_TRIALS
+    if cfg.sampler.name == "grid":  # a smaller grid would warn that it is exhausted
+        n_trials = min(n_trials, math.prod(len(v) for v in grid_space(cfg).values()))
+    # The made-up trials' notices (independent sampling, deprecated options: the first
+    # build showed those) are noise, and so is the in-memory study's "created" line.
+    with warnings.catch_warnings(), _quiet(logging.getLogger("optuna")):
+        warnings.simplefilter("ignore")
+        try:
+            sampler = make_sampler(sampler_cfg)
+        except (TypeError, ValueError) as exc:
+            raise RehearsalError("sampler") from exc
+        try:
+            pruner = make_pruner(cfg)
+        except (TypeError, ValueError) as exc:
+            raise RehearsalError("pruner") from exc
+        storage = optuna.storages.InMemoryStorage()
+        directions = [optuna.study.StudyDirection[d.upper()] for d in cfg.objective.directions]
+        storage.create_new_study(directions, "rehearsal")
+        study = optuna.Study("rehearsal", storage, sampler=sampler, pruner=pruner)
+        _rehearse_trials(cfg, study, n_trials, len(directions))
+
+
+class _DropAll(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """Drop what `logger`'s own handlers (Optuna's stderr handler) would print meanwhile."""
+    handlers = list(logger.handlers)
+    for handler in handlers:
+        handler.addFilter(_DROP_ALL)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(_DROP_ALL)
+
+
+_DROP_ALL = _DropAll()
+
+
+def _rehearse_trials(cfg: StudyConfig, study: optuna.Study, n_trials: int, n_values: int) -> None:
+    steps = range(1, min(cfg.budget.max_epochs, 3) + 1)
+    for i in range(n_trials):
+        values = [0.1 + 0.2 * ((i * 7 + k) % 4) for k in range(n_values)]
+        try:
+            trial = study.ask()
+            suggest(trial, cfg)
+        except Exception as exc:  # anything a sampler's option can make it raise
+            raise RehearsalError("sampler") from exc
+        for step in steps if n_values == 1 else ():  # Optuna prunes single objectives only
+            trial.report(values[0] * step / len(steps), step)
+            try:
+                if trial.should_prune():
+                    break
+            except Exception as exc:  # anything a pruner's option can make it raise
+                raise RehearsalError("pruner") from exc
+        try:
+            study.tell(trial, values if n_values > 1 else values[0])
+        except Exception as exc:  # a sampler's after_trial
+            raise RehearsalError("sampler") from exc
 
 
 N_TRIALS_ATTR = "hpsearch.n_trials"  # study user attribute: the budget workers obey

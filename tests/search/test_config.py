@@ -13,6 +13,7 @@ from hpsearch.config import (
     load_config,
     load_yaml,
     parse_overrides,
+    pruning_note,
 )
 from hpsearch.errors import ConfigError
 from hpsearch.study import make_sampler
@@ -178,6 +179,55 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
             ["objective.metric=accuracy"],
             "objective.metric: 'accuracy': must be one of 'val_acc', 'val_loss'",
         ),
+        (
+            ["objective.metric=[val_acc, train_seconds]", "objective.direction=[maximize]"],
+            "objective.direction: ['maximize']: needs 2 direction(s), one per objective.metric",
+        ),
+        # Batch norm cannot train on a batch of one image: every trial failed at its first step.
+        (["trainer.defaults.batch_size=1"], "trainer.defaults.batch_size: 1: must be >= 2"),
+        (["trainer.max_micro_batch=1"], "trainer.max_micro_batch: 1: must be >= 2"),
+        (
+            ["search_space.batch_size={type: categorical, choices: [1, 32]}"],
+            "search_space.batch_size.choices: 1: must be >= 2: batch norm",
+        ),
+        (["dataset.num_classes=5"], "dataset.num_classes: 5: only the synthetic dataset takes it"),
+        # numpy's seeds are < 2**32; torch failed on a larger trainer seed in every trial.
+        (["sampler.seed=-1"], "sampler.seed: -1: Input should be greater than or equal to 0"),
+        (["trainer.seed=99999999999999999999"], "trainer.seed: 99999999999999999999: Input"),
+        # Each worker's sampler draws from its own seed, derived from sampler.seed; a fixed
+        # option made them all propose the same parameters.
+        (["sampler.options={seed: 7}"], "sampler.options.seed: 7: not an option here: set sampler"),
+        # A sampler or pruner option Optuna takes but fails on at a trial: found by the
+        # made-up trials at load, not in every worker.
+        (
+            ["sampler.options={n_ei_candidates: 0}"],
+            "sampler.options: {'n_ei_candidates': 0}: Optuna refused them at a trial: ValueError",
+        ),
+        (
+            ["pruner={name: hyperband, options: {reduction_factor: 1}}"],
+            "pruner.options: {'reduction_factor': 1}: Optuna refused them at a trial: ZeroDivision",
+        ),
+        (
+            ["pruner={name: hyperband, options: {min_resource: 2, max_resource: 1}}"],
+            "pruner.options.min_resource: 2: must be <= max_resource (1)",
+        ),
+        (
+            ["search_space.loss.choices=[ce, focal, ce]"],
+            "search_space.loss.choices: 'ce': given twice",
+        ),
+        (
+            ["search_space.focal_gamma.when={loss: []}"],
+            "search_space.focal_gamma.when.loss: []: needs at least one value",
+        ),
+        (  # momentum needs loss focal, and optimizer (which it names) exists only with ce
+            [
+                "search_space.optimizer={type: categorical, choices: [sgd, adamw], when: {loss: ce}}",
+                "search_space.momentum={type: float, low: 0.5, high: 0.9, "
+                "when: {optimizer: sgd, loss: focal}}",
+            ],
+            "search_space.momentum.when: {'optimizer': 'sgd', 'loss': 'focal'}: can never hold: "
+            "its when needs loss in ['focal'], optimizer (sampled only then) needs it in ['ce']",
+        ),
     ],
 )
 def test_bad_study_files(tmp_path: Path, sets: list[str], expected: str) -> None:
@@ -189,6 +239,94 @@ def test_bad_study_files(tmp_path: Path, sets: list[str], expected: str) -> None
     assert expected in msg, msg
     if any(expected.startswith(s.partition("=")[0]) for s in sets):  # the field was --set
         assert msg.endswith(tuple(f"(from --set {s})" for s in sets)), msg  # not in the file
+
+
+def test_a_missing_section_is_named_without_the_dict_around_it(tmp_path: Path) -> None:
+    p = tmp_path / "empty.yaml"
+    p.write_text("")
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    assert str(info.value) == f"{p}: dataset: missing: a required key"
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],  # TPE, median
+        ["sampler={name: tpe, options: {multivariate: true, group: true, constant_liar: true}}"],
+        ["sampler.name=random", "pruner={name: hyperband, options: {reduction_factor: 2}}"],
+        ["sampler.name=gp", "pruner.name=asha"],
+        ["sampler.name=cmaes", "pruner.name=successive_halving"],
+        ["sampler.name=nsga2", "objective.metric=[val_acc, train_seconds]", "pruner.name=none"],
+        [
+            "sampler.name=grid",
+            "search_space.lr={type: float, low: 0.1, high: 0.3, step: 0.1}",
+            "search_space.focal_gamma.step=0.5",
+        ],
+        [  # nested conditions that can hold: momentum with loss focal, optimizer sgd
+            "search_space.optimizer={type: categorical, choices: [sgd, adamw], "
+            "when: {loss: [ce, focal]}}",
+            "search_space.momentum={type: float, low: 0.5, high: 0.9, "
+            "when: {optimizer: sgd, loss: focal}}",
+        ],
+        [  # conditions compare as `suggest` does (==): 0 and 0.0 are one value
+            "search_space.mixup_alpha={type: categorical, choices: [0, 0.2]}",
+            "search_space.cutmix_alpha={type: categorical, choices: [0.0, 1.0], "
+            "when: {mixup_alpha: 0}}",
+            "search_space.label_smoothing={type: float, low: 0.05, high: 0.2, "
+            "when: {mixup_alpha: 0.0, cutmix_alpha: 1.0}}",
+        ],
+        ["pruner.options={n_warmup_steps: 2}"],  # decides at the last epoch: it can prune
+        ["pruner={name: hyperband, options: {min_resource: 10}}"],  # prunes none: a note
+    ],
+)
+def test_every_sampler_and_pruner_passes_its_made_up_trials_quietly(
+    tmp_path: Path, sets: list[str], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The load's made-up trials pass every sampler and pruner with good options, fast and
+    without a line of output (no "A new study created", no independent-sampling notice)."""
+    import time
+
+    t0 = time.perf_counter()
+    load_with(tmp_path, *sets)
+    assert time.perf_counter() - t0 < 5.0  # s; GP's model is not fitted (seconds of torch)
+    out, err = capfd.readouterr()
+    assert "study created" not in out + err and "independent" not in out + err, out + err
+
+
+@pytest.mark.parametrize(
+    ("sets", "note"),
+    [
+        ([], None),  # median, n_warmup_steps 1 (the default): decides from epoch 1
+        (["pruner.options={n_warmup_steps: 2}"], None),  # at the last epoch: it can prune
+        (
+            ["pruner.options={n_warmup_steps: 3}"],
+            "pruner.options.n_warmup_steps: 3: the pruner's first decision comes at epoch 3, "
+            "after budget.max_epochs (2): no trial will be pruned",
+        ),
+        (
+            ["pruner={name: asha, options: {min_resource: 1, min_early_stopping_rate: 1}}"],
+            "pruner.options.min_resource: 1: the pruner's first decision comes at epoch 3",
+        ),
+        (  # flowers102's Hyperband on a quick run
+            ["pruner={name: hyperband, options: {min_resource: 10}}"],
+            "pruner.options.min_resource: 10: the pruner's first decision comes at epoch 10",
+        ),
+        (
+            ["pruner={name: hyperband, options: {max_resource: 5}}"],
+            "pruner.options.max_resource: 5: above budget.max_epochs (2): Hyperband's brackets",
+        ),
+        (["pruner={name: hyperband, options: {max_resource: 2}}"], None),
+        (["pruner.name=none"], None),
+    ],
+)
+def test_a_pruner_that_prunes_nothing_in_the_budget_gets_a_note(
+    tmp_path: Path, sets: list[str], note: str | None
+) -> None:
+    """Not an error: a quick run of a long study (--set budget.max_epochs=2) is fine
+    unpruned; `launch` prints the note."""
+    got = pruning_note(load_config(write(tmp_path, GOOD), sets))
+    assert got == note if note is None else (got is not None and got.startswith(note)), got
 
 
 def test_a_bad_value_from_the_file_itself_names_no_override(tmp_path: Path) -> None:
@@ -270,6 +408,15 @@ def test_a_stored_config_keeps_loading_under_rules_newer_than_its_study(tmp_path
     raw["search_space"]["batch_size"] = {"type": "float", "low": 32, "high": 64, "step": 32}
     cfg = config_from_yaml(yaml.safe_dump(raw, sort_keys=False), "study t")
     assert cfg.resolve_params({"batch_size": 64.0}).batch_size == 64
+    # Nor do the later rules of the file alone (its trials ran under those of their day):
+    # a choice given twice, a `when` that never holds, a sampler seed option, a batch of 1.
+    raw["search_space"]["loss"]["choices"] = ["ce", "focal", "ce"]
+    raw["search_space"]["focal_gamma"]["when"] = {"loss": []}
+    raw["sampler"]["options"] = {"seed": 3}
+    raw["search_space"]["batch_size"] = {"type": "int", "low": 1, "high": 64}
+    raw["dataset"]["num_classes"] = 5
+    cfg = config_from_yaml(yaml.safe_dump(raw, sort_keys=False), "study t")
+    assert cfg.search_space["loss"].choices == ["ce", "focal", "ce"]  # type: ignore[union-attr]
 
 
 def test_option_types_leave_richer_annotations_and_fitting_values_alone() -> None:

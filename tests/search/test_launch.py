@@ -380,6 +380,31 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
             ["train", "--study", "tiny", "--params", "{bad json"],
             "--params: '{bad json': not valid JSON",
         ),
+        # It loaded the study named by --trial first: "study 'tiny' not found".
+        (
+            ["train", "--study", "tiny", "--params", "{}", "--trial", "3"],
+            "--params and --trial: give one of them, not both",
+        ),
+        # click's FloatRange lets nan through, which no deadline is ever past.
+        (["launch", "--study", "tiny", "--timeout", "nan"], "'nan': must be a finite number"),
+        (["launch", "--study", "tiny", "--grace", "nan"], "'nan': must be a finite number"),
+        # Every trial failed on it as it built its model, in every worker.
+        (
+            [
+                "launch",
+                "--study",
+                "tiny",
+                "--set",
+                "model.weights=/nonexistent/w.pt",
+                "--storage",
+                pg_url,
+                "--no-tracking",
+            ],
+            "model.weights: '/nonexistent/w.pt': no such file",
+        ),
+        # A mistyped path read as an empty store: "no studies".
+        (["studies", "--storage", "sqlite:////nonexistent/dir/x.db"], "x.db: no such file"),
+        (["studies", "--storage", str(tmp_path / "typo.journal")], "typo.journal: no such file"),
     ]
     for args, expected in cases:
         r = hpsearch(
