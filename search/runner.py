@@ -50,6 +50,10 @@ def check_dataset(cfg: StudyConfig, light: bool = False) -> None:
     light: only the files' presence where that can be told without torch (Flowers-102 on
     disk): `launch` checks so, and each worker it starts checks fully (it needs torch anyway).
     """
+    weights = cfg.model.weights
+    if weights is not None and not Path(weights).expanduser().is_file():
+        # Else every trial fails on it when it builds its model, in every worker.
+        raise ConfigError(f"{cfg.source or cfg.name}: model.weights: {weights!r}: no such file")
     ds = cfg.dataset
     if light and ds.name == "flowers102" and not ds.download:
         message = flowers_layout_error(Path(ds.root or "data").expanduser())
@@ -153,6 +157,12 @@ def run_fixed(
             # more than 1 value per channel"): one line, as the worker's trial message.
             raise HpsearchError(f"training failed: {type(exc).__name__}: {exc}") from exc
         raise
+    if earlier and result.best_val_acc is not None and result.best_model_path is None:
+        # Its best model's write failed (the result's message says so): the earlier run's
+        # files come back, as when a run fails.
+        for f, a in zip(files, aside, strict=True):
+            if a.exists() and not f.exists():
+                a.replace(f)
     for a in aside:
         a.unlink(missing_ok=True)
     return result

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import torchvision
 from hpsearch.background import lower_priority
 from hpsearch.config import Hyperparams, StudyConfig
-from hpsearch.errors import DeviceError
+from hpsearch.errors import DataError, DeviceError
 from hpsearch.trainer import augment, data
 from hpsearch.trainer.losses import make_loss
 from hpsearch.trainer.models import build_model
@@ -196,6 +196,19 @@ def load_split(
     return Split(n=len(src), loader=loader, sampler=sampler)
 
 
+def _loader_items(loader: torch.utils.data.DataLoader[Any]) -> Iterator[Any]:
+    """A DataLoader's batches. A DataError of one of its worker processes comes back with
+    the worker's traceback in its message ("Caught DataError in DataLoader worker process
+    0. Original Traceback ..."); it is raised here as its own one line again."""
+    try:
+        yield from loader
+    except DataError as exc:
+        lines = str(exc).strip().splitlines()
+        if len(lines) < 2 or "DataLoader worker" not in lines[0]:
+            raise
+        raise DataError(lines[-1].split(": ", 1)[-1]) from None
+
+
 def train_batches(
     split: Split, batch_size: int, seed: int, epoch: int, device: torch.device
 ) -> Iterator[tuple[Tensor, Tensor]]:
@@ -204,7 +217,7 @@ def train_batches(
     if split.loader is not None:
         assert split.sampler is not None
         split.sampler.set_epoch(epoch)
-        for x, y in split.loader:
+        for x, y in _loader_items(split.loader):
             if len(y):
                 yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         return
@@ -220,7 +233,7 @@ def train_batches(
 def eval_batches(split: Split, res: int, device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
     """Normalized float (B, 3, R, R) eval batches in file order."""
     if split.loader is not None:
-        for x, y in split.loader:
+        for x, y in _loader_items(split.loader):
             if len(y):
                 xd = x.to(device, non_blocking=True)
                 yield augment.eval_batch(xd, res), y.to(device, non_blocking=True)
@@ -339,6 +352,7 @@ class _CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._drop = threading.Event()
+        self.failed_path: Path | None = None  # the file of the write that failed
 
     def submit(
         self,
@@ -357,6 +371,7 @@ class _CheckpointWriter:
             # Idle CPU time only: the training thread waits for it, when it must, at the next
             # save and at the trial's end, which frees a core for it (lower_priority).
             lower_priority(idle=True)
+            path = None
             try:
                 for obj, path in snapshot:
                     if path == droppable:
@@ -365,7 +380,7 @@ class _CheckpointWriter:
                     else:
                         atomic_save(obj, path)
             except BaseException as exc:  # re-raised on the training thread
-                self._error = exc
+                self._error, self.failed_path = exc, path
                 return
             if done is not None:
                 try:
@@ -457,6 +472,7 @@ def train(
     run = _Run()
     oom: str | None = None  # why, when out of memory or workspace
     writer = _CheckpointWriter()
+    write_error: CheckpointError | None = None
     try:
         _train(config, hp, dict(params), report, options, device, run, start, writer)
     except RuntimeError as exc:  # torch's out-of-memory error is one too
@@ -466,10 +482,37 @@ def train(
         cause = None if isinstance(exc, torch.OutOfMemoryError) else resource_error_cause(exc)
         oom = f": {cause}" if cause else ""
     finally:
-        writer.wait()  # the last checkpoint is on disk before the result is
+        try:
+            writer.wait()  # the last checkpoint is on disk before the result is
+        except CheckpointError as exc:  # one of the trial's last writes; _train's own error wins
+            write_error = exc
+    if write_error is not None:
+        # One of the trial's last writes failed: the trained result stands. An interrupted
+        # trial's older best-model file still goes with its older checkpoint (the retry
+        # resumes from that pair); one of a trial that ended is an earlier epoch's, not the
+        # best one, and is not kept.
+        failed = writer.failed_path
+        reason = write_error.__cause__ or write_error
+        note = f"not saved: {failed.name if failed else 'a checkpoint'} ({reason})"
+        if (
+            failed is not None
+            and failed == run.best_model_path
+            and run.stop_reason != "interrupted"
+        ):
+            with contextlib.suppress(OSError):
+                failed.unlink()
+            run.best_model_path = None
+            note += "; no best-model file is kept"
+        run.message = "; ".join(m for m in (run.message, note) if m)
+        log.warning("%s", note)
     if run.checkpoint_path is not None and not run.checkpoint_path.is_file():
         run.checkpoint_path = None  # its only save was given up
     if oom is not None:
+        if options.warm is not None:
+            # A step cut short left its gradients on a cached compiled model: about one
+            # model of memory held until that model is reused.
+            for cached, _ in options.warm.models.values():
+                cached.zero_grad(set_to_none=True)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -619,6 +662,12 @@ def _train(
         return load(False)
 
     train_split = split_of(train_src, True)
+    if 0 < train_split.n < batch_size:
+        # One batch of the whole split an epoch: that is the batch the lr is scaled for and
+        # the trial reports (batch_size 2048 on Flowers-102's 1020 images trains on 1020).
+        batch_size = train_split.n
+        micro, accum = micro_batches(batch_size, tc.max_micro_batch)
+        run.batch_size, run.micro_batch = batch_size, micro
     val_split = split_of(val_src, False)
     steps_per_epoch = max(1, train_split.n // batch_size)
 
@@ -665,35 +714,29 @@ def _train(
     best_path = best_model_path_for(ckpt_path) if ckpt_path is not None else None
     first_epoch = 1
     if ckpt_path is not None and ckpt_path.is_file():
-        # our own file (it holds numpy RNG state, so not weights_only)
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if ckpt.get("params") != hp.model_dump():
-            raise CheckpointError(
-                f"checkpoint {ckpt_path}: written for other hyperparameters; delete it or "
-                "use another path"
-            )
-        model.load_state_dict(ckpt["model"])
         try:
-            optimizer.load_state_dict(ckpt["optimizer"])
-        except ValueError as exc:  # parameter groups of an older version (layer_scale's)
-            warnings.warn(
-                f"checkpoint {ckpt_path}: its optimizer state does not fit this version's "
-                f"parameter groups ({exc}); resumed with a fresh one",
-                stacklevel=2,
-            )
-        _restore_schedule(schedule, ckpt["schedule"], ckpt_path)
-        if scaler is not None and ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
-        _restore_rng(ckpt["rng"])
-        run.history = [EpochRecord(**r) for r in ckpt["history"]]
-        for k, v in ckpt["run"].items():
-            if k != "effective_lr":  # the current run's (its schedule is: _restore_schedule)
-                setattr(run, k, v)
+            ckpt = _resume(ckpt_path, hp, model, optimizer, schedule, scaler, run)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a damaged file, or one of another layout: torch, pickle
+            if isinstance(exc, RuntimeError) and _out_of_memory(exc, device):
+                raise  # copying it onto the GPU: train's out-of-memory handling
+            raise CheckpointError(
+                f"checkpoint {ckpt_path}: cannot resume from it ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())[:300]}); delete it to start the trial afresh"
+            ) from exc
         first_epoch = ckpt["epoch"] + 1
-        run.train_seconds = ckpt["train_seconds"]
-        run.elapsed_before = float(ckpt.get("elapsed_s", run.train_seconds))
         if best_path is not None and best_path.is_file():
-            run.best_model_path = best_path
+            saved = _saved_epoch(best_path)
+            if saved is None or saved == run.best_epoch:  # unread: kept, as before
+                run.best_model_path = best_path
+            else:
+                # Written just before a crash that took the checkpoint of its epoch: that
+                # epoch is trained again here and may not be the best this time, so these
+                # are not the best weights the run reports (its test pass, load_best_model).
+                log.warning("%s: an epoch after its checkpoint's; not kept", best_path)
+                with contextlib.suppress(OSError):
+                    best_path.unlink()
         run.checkpoint_path = ckpt_path
         if ckpt.get("stop_reason") not in (None, "finished", "interrupted", "time_limit"):
             first_epoch = config.budget.max_epochs + 1  # it had stopped for good
@@ -993,6 +1036,57 @@ def _restore_schedule(schedule: Schedule, saved: Mapping[str, Any], path: Path) 
             path,
             ", ".join(changed),
         )
+
+
+def _resume(
+    path: Path,
+    hp: Hyperparams,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: Schedule,
+    scaler: torch.amp.GradScaler | None,
+    run: _Run,
+) -> dict[str, Any]:
+    """Restore a trial's state from its resume checkpoint; the checkpoint's dict, for its
+    epoch and stop reason."""
+    # Our own file (it holds numpy RNG state, so not weights_only), read onto the CPU:
+    # load_state_dict copies onto the model's device, and a copy of the weights and the
+    # optimizer's moments left on the GPU would be held beside training.
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if ckpt.get("params") != hp.model_dump():
+        raise CheckpointError(
+            f"checkpoint {path}: written for other hyperparameters; delete it or use another path"
+        )
+    model.load_state_dict(ckpt.pop("model"))
+    try:
+        optimizer.load_state_dict(ckpt.pop("optimizer"))
+    except ValueError as exc:  # parameter groups of an older version (layer_scale's)
+        warnings.warn(
+            f"checkpoint {path}: its optimizer state does not fit this version's parameter "
+            f"groups ({exc}); resumed with a fresh one",
+            stacklevel=2,
+        )
+    _restore_schedule(schedule, ckpt["schedule"], path)
+    if scaler is not None and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    _restore_rng(ckpt["rng"])
+    run.history = [EpochRecord(**r) for r in ckpt["history"]]
+    for k, v in ckpt["run"].items():
+        if k != "effective_lr":  # the current run's (its schedule is: _restore_schedule)
+            setattr(run, k, v)
+    run.train_seconds = ckpt["train_seconds"]
+    run.elapsed_before = float(ckpt.get("elapsed_s", run.train_seconds))
+    return ckpt
+
+
+def _saved_epoch(best_path: Path) -> int | None:
+    """The epoch a best-model file holds (memory-mapped: its weights are not read); None
+    when it cannot be read."""
+    try:
+        saved = torch.load(best_path, map_location="cpu", weights_only=False, mmap=True)
+        return int(saved["epoch"])
+    except Exception:  # any reading error: the caller keeps the file, as it did before
+        return None
 
 
 def _best_file(

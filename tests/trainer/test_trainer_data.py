@@ -152,6 +152,25 @@ def test_corrupt_image_skip_warns_and_fail_raises(tmp_path: Path) -> None:
     )
 
 
+def test_a_corrupt_image_in_a_dataloader_worker_is_one_line(tmp_path: Path) -> None:
+    """on_corrupt: fail on the streaming path: the DataLoader re-raised the worker's error
+    with its traceback in the message, and the file's name came after 500 characters."""
+    from hpsearch.trainer import TrainOptions, train
+
+    _imagefolder(tmp_path / "data", corrupt=True)
+    cfg = make_config(
+        {"name": "imagefolder", "root": str(tmp_path / "data"), "image_size": 16,
+         "fast_path": "off", "on_corrupt": "fail"},
+        trainer={"num_workers": 1, "evaluate_test": False},
+        budget={"max_epochs": 1},
+    )  # fmt: skip
+    with pytest.raises(DataError) as info:
+        # One batch of all 7 images: a shuffled smaller one might leave the file out.
+        train(cfg, {"batch_size": 7}, options=TrainOptions(device="cpu", workdir=tmp_path))
+    msg = str(info.value)
+    assert "\n" not in msg and "broken.jpg" in msg and "Traceback" not in msg, msg
+
+
 def test_fast_and_streaming_paths_compute_the_same_eval_batches(
     flowers_root: Path, cache_workdir: Path
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import math
 import time
 import types
@@ -299,11 +300,11 @@ def test_out_of_memory_is_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(train_module, "build_model", lambda cfg, hp, n: _OOMModel())
     result = train(
         synthetic(),
-        {**TINY, "batch_size": 64},
+        {**TINY, "batch_size": 32},
         options=TrainOptions(device="cpu", workdir=tmp_path),
     )
     assert result.stop_reason == "out_of_memory"
-    assert "out of memory at batch_size=64" in result.message
+    assert "out of memory at batch_size=32" in result.message
     assert result.epochs_run == 0 and result.best_val_acc is None
     monkeypatch.undo()
     assert (
@@ -758,9 +759,15 @@ def test_a_train_split_smaller_than_one_batch_trains_in_chunks_batchnorm_takes(
 ) -> None:
     """6 images for a batch of 16 in chunks of at most 2: 3 chunks of 2 (8 chunks of 1 or 0
     images would make BatchNorm raise)."""
-    cfg = synthetic(dataset={"train_limit": 6}, trainer={"max_micro_batch": 2})
-    result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    cfg = synthetic(
+        dataset={"train_limit": 6}, trainer={"max_micro_batch": 2, "base_batch_size": 64}
+    )
+    params = {**TINY, "lr_scaling": "linear", "lr": 0.1}
+    result = train(cfg, params, options=TrainOptions(device="cpu", workdir=tmp_path))
     assert result.stop_reason == "finished" and result.micro_batch_size == 2
+    # The batch is the 6 images, not 16: the lr was scaled for 16, and 16 was reported.
+    assert result.effective_batch_size == 6
+    assert result.effective_lr == pytest.approx(0.1 * 6 / 64)
     assert all(math.isfinite(r.train_loss) for r in result.history)
 
 
@@ -818,6 +825,9 @@ def test_a_warm_model_reused_after_a_failed_step_starts_with_no_gradients(
         return train(cfg, params, options=TrainOptions(device="cpu", workdir=tmp_path, warm=cache))
 
     assert run(warm).stop_reason == "out_of_memory"  # the second micro-batch of step 1
+    # Its gradients are freed with the trial, not held on the cached model until its reuse.
+    cached, _ = next(iter(warm.models.values()))
+    assert all(p.grad is None for p in cached.parameters())
     calls["oom_at"] = -1
     reused, fresh = run(warm), run(WarmCache())
     assert numbers(reused.history) == numbers(fresh.history)
@@ -845,7 +855,7 @@ def test_the_best_epoch_is_the_objectives_best(
 ) -> None:
     """A study minimizing val_loss scored each trial by the val loss of its most accurate
     epoch, and kept (and tested) that epoch's weights, not the lowest loss's."""
-    scripted = iter([(0.5, 2.0), (0.4, 1.0), (0.6, 3.0)] * 2)  # (val_acc, val_loss) by epoch
+    scripted = iter([(0.5, 2.0), (0.4, 1.0), (0.6, 3.0)] * 3)  # (val_acc, val_loss) by epoch
 
     def evaluate(*args: Any, **kwargs: Any) -> Any:
         acc, loss = next(scripted)
@@ -855,15 +865,111 @@ def test_the_best_epoch_is_the_objectives_best(
     for objective, best_epoch in (
         ({"metric": "val_loss", "direction": "minimize"}, 2),
         ({"metric": "val_acc", "direction": "maximize"}, 3),
+        # Beside train_seconds too: its told loss was the most accurate epoch's.
+        ({"metric": ["val_loss", "train_seconds"]}, 2),
     ):
-        ckpt = tmp_path / f"{objective['metric']}.pt"
-        cfg = synthetic(objective=objective, budget={"max_epochs": 3})
+        ckpt = tmp_path / f"{'-'.join(objective['metric'])}.pt"
+        cfg = synthetic(objective=objective, budget={"max_epochs": 3}, pruner={"name": "none"})
         result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path,
                                                        checkpoint_path=ckpt))  # fmt: skip
         acc, loss = {2: (0.4, 1.0), 3: (0.6, 3.0)}[best_epoch]
         assert (result.best_val_acc, result.best_val_loss) == (acc, loss)
         assert result.best_model_path is not None
         assert torch.load(result.best_model_path, weights_only=False)["epoch"] == best_epoch
+
+
+def _scripted_evaluate(monkeypatch: pytest.MonkeyPatch, accs: list[float]) -> None:
+    scripted = iter(accs)
+
+    def evaluate(*args: Any, **kwargs: Any) -> Any:
+        acc = next(scripted)
+        return acc, 1.0 - acc, torch.zeros(10, 10, dtype=torch.long)
+
+    monkeypatch.setattr(train_module, "evaluate", evaluate)
+
+
+def test_a_failed_last_best_model_write_keeps_the_trained_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk filled up as the best model of a trained trial's last epoch was written:
+    the whole trial was lost (raised, told FAIL). Its result stands, without a best-model
+    file: the one there held an earlier epoch, not the best."""
+    _scripted_evaluate(monkeypatch, [0.5, 0.6])  # epoch 2 is the best
+    real_save = torch.save
+
+    def disk_full(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(obj, dict) and obj.get("epoch") == 2 and "optimizer" not in obj:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    ckpt = tmp_path / "trial.pt"
+    result = train(synthetic(), TINY,
+                   options=TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt))  # fmt: skip
+    assert result.stop_reason == "finished" and result.epochs_run == 2
+    assert result.best_val_acc == 0.6
+    assert "not saved" in result.message and "No space left on device" in result.message
+    assert result.best_model_path is None
+    assert not train_module.best_model_path_for(ckpt).exists()
+
+
+def test_an_interrupted_trials_failed_write_keeps_the_older_pair_it_resumes_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped after epoch 2, whose best model's write failed: the epoch-1 checkpoint and
+    best model on disk belong together, and the retry resumes from them."""
+    _scripted_evaluate(monkeypatch, [0.5, 0.6])
+    real_save = torch.save
+
+    def disk_full(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(obj, dict) and obj.get("epoch") == 2 and "optimizer" not in obj:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    ckpt = tmp_path / "trial.pt"
+    stop = itertools.chain([False] * 3, itertools.repeat(True))  # asked for after epoch 2
+    result = train(synthetic(budget={"max_epochs": 3}), TINY,
+                   options=TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt,
+                                        should_interrupt=lambda: next(stop)))  # fmt: skip
+    assert result.stop_reason == "interrupted" and "not saved" in result.message
+    assert result.checkpoint_path == ckpt and result.best_model_path is not None
+    assert torch.load(ckpt, weights_only=False)["epoch"] == 1
+    assert torch.load(result.best_model_path, weights_only=False)["epoch"] == 1
+
+
+def test_a_best_model_newer_than_the_resume_checkpoint_is_not_taken_for_the_best(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash after the best model of epoch 2 was written and before its checkpoint: the
+    retry trains epoch 2 again, which may not be the best this time, and reported epoch
+    1's accuracy with epoch 2's weights as its best model (its test pass, ONNX, loads)."""
+    ckpt = tmp_path / "trial.pt"
+    cfg = synthetic(budget={"max_epochs": 3})
+    _scripted_evaluate(monkeypatch, [0.5])
+    stop = itertools.chain([False], itertools.repeat(True))  # stop after epoch 1
+    first = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path,
+                                                 checkpoint_path=ckpt,
+                                                 should_interrupt=lambda: next(stop)))  # fmt: skip
+    assert first.stop_reason == "interrupted" and first.best_model_path is not None
+    best = torch.load(first.best_model_path, weights_only=False)
+    torch.save({**best, "epoch": 2, "val_acc": 0.55}, first.best_model_path)  # the crash's
+    _scripted_evaluate(monkeypatch, [0.4, 0.3])  # epoch 2 this time: no better than 1
+    second = train(cfg, TINY,
+                   options=TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt))  # fmt: skip
+    assert second.best_val_acc == 0.5 and second.stop_reason == "finished"
+    assert second.best_model_path is None and not first.best_model_path.exists()
+
+
+def test_a_damaged_resume_checkpoint_is_one_line(tmp_path: Path) -> None:
+    ckpt = tmp_path / "trial.pt"
+    ckpt.write_bytes(b"PK\x03\x04 not a whole zip")
+    with pytest.raises(CheckpointError) as info:
+        train(synthetic(), TINY,
+              options=TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt))  # fmt: skip
+    msg = str(info.value)
+    assert msg.startswith(f"checkpoint {ckpt}: cannot resume from it (") and "\n" not in msg
+    assert msg.endswith("delete it to start the trial afresh")
 
 
 def test_out_of_memory_in_the_test_pass_keeps_the_trained_trial(
