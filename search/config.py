@@ -695,6 +695,18 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=StudyLoader)
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line, placed by line and column: PyYAML's own text names the
+    stream `"<unicode string>"`, not the file, and runs over several lines."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem is None or mark is None:
+        return " ".join(str(exc).split())
+    context = getattr(exc, "context", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" + (
+        f" ({context})" if context else ""
+    )
+
+
 def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
     """`key.sub=value` pairs; values are parsed as YAML (`2`, `1e-3`, `[a, b]`, `null`)."""
     out = []
@@ -706,7 +718,7 @@ def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
             value = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(
-                f"--set: {item!r}: value is not valid YAML: {' '.join(str(exc).split())}"
+                f"--set: {item!r}: value is not valid YAML: {yaml_problem(exc)}"
             ) from exc
         out.append((key.strip(), value))
     return out
@@ -741,7 +753,7 @@ def load_config(
     try:
         raw = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{src}: not valid YAML: {' '.join(str(exc).split())}") from exc
+        raise ConfigError(f"{src}: not valid YAML: {yaml_problem(exc)}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{src}: not UTF-8 text (byte {exc.start})") from exc
     except OSError as exc:
@@ -768,7 +780,7 @@ def config_from_yaml(
     try:
         raw = load_yaml(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{src}: not valid YAML: {' '.join(str(exc).split())}") from exc
+        raise ConfigError(f"{src}: not valid YAML: {yaml_problem(exc)}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{src}: <root>: {type(raw).__name__}: must be a mapping")
     raw.pop("source", None)  # where it was read from then

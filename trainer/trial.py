@@ -230,18 +230,19 @@ def train_batches(
         yield split.images[idx], split.labels[idx]
 
 
-def eval_batches(split: Split, res: int, device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
-    """Normalized float (B, 3, R, R) eval batches in file order."""
+def eval_batches(
+    split: Split, res: int, device: torch.device, batch: int = EVAL_BATCH
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Normalized float (B, 3, R, R) eval batches of at most `batch` images, in file order."""
     if split.loader is not None:
         for x, y in _loader_items(split.loader):
-            if len(y):
-                xd = x.to(device, non_blocking=True)
-                yield augment.eval_batch(xd, res), y.to(device, non_blocking=True)
+            for xc, yc in zip(x.split(batch), y.split(batch), strict=True):
+                if len(yc):
+                    xd = xc.to(device, non_blocking=True)
+                    yield augment.eval_batch(xd, res), yc.to(device, non_blocking=True)
         return
     assert split.eval_images is not None and split.labels is not None
-    for x, y in zip(
-        split.eval_images.split(EVAL_BATCH), split.labels.split(EVAL_BATCH), strict=True
-    ):
+    for x, y in zip(split.eval_images.split(batch), split.labels.split(batch), strict=True):
         yield augment.normalize(x), y
 
 
@@ -254,6 +255,7 @@ def evaluate(
     device: torch.device,
     amp: torch.dtype | None,
     channels_last: bool,
+    batch: int = EVAL_BATCH,
 ) -> tuple[float, float, Tensor]:
     """(accuracy, mean cross-entropy, confusion (C, C) rows=true) over the split."""
     was_training = model.training
@@ -262,20 +264,51 @@ def evaluate(
     correct = torch.zeros((), device=device, dtype=torch.long)
     confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.long)
     n = 0
-    for x, y in eval_batches(split, res, device):
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        with _autocast(device, amp):
-            logits = model(x)
-        logits = logits.float()
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
-        pred = logits.argmax(1)
-        correct += (pred == y).sum()
-        confusion += torch.bincount(y * num_classes + pred, minlength=num_classes**2)
-        n += len(y)
-    model.train(was_training)
+    try:
+        for x, y in eval_batches(split, res, device, batch):
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with _autocast(device, amp):
+                logits = model(x)
+            logits = logits.float()
+            loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
+            pred = logits.argmax(1)
+            correct += (pred == y).sum()
+            confusion += torch.bincount(y * num_classes + pred, minlength=num_classes**2)
+            n += len(y)
+    finally:  # an evaluation that failed (out of memory, retried) leaves it training
+        model.train(was_training)
     n = max(n, 1)
     return correct.item() / n, loss_sum.item() / n, confusion.view(num_classes, num_classes)
+
+
+def evaluate_fitting(
+    model: nn.Module,
+    split: Split,
+    res: int,
+    num_classes: int,
+    device: torch.device,
+    amp: torch.dtype | None,
+    channels_last: bool,
+    micro: int,
+) -> tuple[float, float, Tensor]:
+    """`evaluate` in batches of EVAL_BATCH images, or, when those run out of memory, of the
+    trial's training micro-batch: that fits (it trained), with gradients besides. A small
+    training batch at a large image size fit where 256 images of inference did not, and the
+    trial was told out of memory at its batch size, which the sampler then learned to avoid.
+    (The smaller batches sum the loss in another order: equal to ~1e-15.)"""
+    try:
+        return evaluate(model, split, res, num_classes, device, amp, channels_last)
+    except RuntimeError as exc:
+        if micro >= EVAL_BATCH or not _out_of_memory(exc, device):
+            raise
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    log.warning(
+        "evaluation out of memory in batches of %d images: batches of %d", EVAL_BATCH, micro
+    )
+    return evaluate(model, split, res, num_classes, device, amp, channels_last, micro)
 
 
 # --- checkpoints -------------------------------------------------------------------------
@@ -863,8 +896,8 @@ def _train(
         val_acc = val_loss = None
         confusion = None
         if epoch % tc.eval_every == 0 or epoch == config.budget.max_epochs:
-            val_acc, val_loss, confusion = evaluate(
-                fwd, val_split, res, num_classes, device, amp, tc.channels_last
+            val_acc, val_loss, confusion = evaluate_fitting(
+                fwd, val_split, res, num_classes, device, amp, tc.channels_last, micro
             )
             if not math.isfinite(val_loss):
                 if not _finite_weights(model):  # the epoch's last step broke them
@@ -975,8 +1008,8 @@ def _train(
             return
         try:
             test_split = split_of(test_src, False)
-            run.test_acc, _, _ = evaluate(
-                fwd, test_split, res, num_classes, device, amp, tc.channels_last
+            run.test_acc, _, _ = evaluate_fitting(
+                fwd, test_split, res, num_classes, device, amp, tc.channels_last, micro
             )
         except RuntimeError as exc:
             # The trained trial stands: only its test figure is missing (the test split is

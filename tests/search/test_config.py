@@ -443,8 +443,12 @@ def test_option_types_leave_richer_annotations_and_fitting_values_alone() -> Non
 def test_unreadable_and_unknown_files(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("dataset: [unclosed\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad.yaml: not valid YAML") as info:
         load_config(bad)
+    # Placed in the file, not in PyYAML's "<unicode string>".
+    assert str(info.value).endswith(
+        "but got '<stream end>' at line 2, column 1 (while parsing a flow sequence)"
+    ), info.value
     with pytest.raises(
         ConfigError, match=r"--study: 'nosuch': no such study file; known studies: .*flowers102"
     ):

@@ -972,6 +972,38 @@ def test_a_damaged_resume_checkpoint_is_one_line(tmp_path: Path) -> None:
     assert msg.endswith("delete it to start the trial afresh")
 
 
+class _EvalOutOfMemory(nn.Module):
+    """Inference on more than `limit` images runs out of memory; training fits."""
+
+    def __init__(self, inner: nn.Module, limit: int) -> None:
+        super().__init__()
+        self.inner, self.limit = inner, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return self.inner(x)
+
+
+def test_an_evaluation_out_of_memory_takes_the_training_batch_not_the_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches of 256 eval images ran out of memory where the training batch of 16 fit: the
+    trial was told out of memory at batch_size=16, which the sampler learned to avoid."""
+    cfg = synthetic(trainer={"evaluate_test": True})
+    plain = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    real_build = train_module.build_model
+    monkeypatch.setattr(train_module, "build_model",
+                        lambda c, hp, n: _EvalOutOfMemory(real_build(c, hp, n), limit=16))  # fmt: skip
+    fitted = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    assert fitted.stop_reason == "finished", fitted.message
+    assert [r.val_acc for r in fitted.history] == [r.val_acc for r in plain.history]
+    assert [r.val_loss for r in fitted.history] == pytest.approx(
+        [r.val_loss for r in plain.history]
+    )
+    assert fitted.test_acc == plain.test_acc is not None
+
+
 def test_out_of_memory_in_the_test_pass_keeps_the_trained_trial(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -983,13 +1015,13 @@ def test_out_of_memory_in_the_test_pass_keeps_the_trained_trial(
 
     def evaluate(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        if len(calls) == 2:  # after the one validation: the test pass
+        if len(calls) >= 2:  # after the one validation: the test pass, in both batch sizes
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_evaluate(*args, **kwargs)
 
     monkeypatch.setattr(train_module, "evaluate", evaluate)
     result = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
-    assert len(calls) == 2
+    assert len(calls) == 3
     assert result.stop_reason == "finished" and result.best_val_acc is not None
     assert result.test_acc is None and "test accuracy not measured" in result.message
 
