@@ -509,12 +509,15 @@ class TrackingSession:
         await_study_run_s: float = 0.0,
         background: bool = False,
         stop: threading.Event | None = None,
+        device: str = "auto",
     ) -> None:
         """background: set up (import MLflow, wait for the study run, connect) on a thread,
         so that a worker's first trial trains meanwhile; `when_ready` runs what needs it.
         `stop` (the worker's) ends the wait for the study run: a worker told to stop (its
-        launcher killed) waited up to `await_study_run_s` to tell its finished trials."""
+        launcher killed) waited up to `await_study_run_s` to tell its finished trials.
+        `device`: the worker's --device; the GPU telemetry samples the GPU it trains on."""
         self._stop = stop if stop is not None else threading.Event()
+        self.device = device
         self.cfg = cfg
         self.spec = spec
         self.uri = uri
@@ -720,12 +723,20 @@ class TrackingSession:
             return None
 
     def _sampler_options(self) -> dict[str, Any]:
+        from hpsearch.tracking.gpu import trial_gpu_index
+
         t = self.cfg.tracking
+        cuda = False
+        if self.device == "auto":
+            import torch
+
+            cuda = torch.cuda.is_available()
         return {
             "interval_s": t.gpu_interval_s,
             "window_s": t.input_bound_window_s,
             "threshold_pct": t.input_bound_threshold,
             "stop_when_input_bound": t.stop_input_bound,
+            "trial_device": trial_gpu_index(self.device, cuda),
         }
 
     def checkpoint_to_upload(self, trial: Any, result: Any) -> tuple[Path | None, bool]:

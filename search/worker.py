@@ -1274,5 +1274,5 @@ def _open_tracking(
     # later trial's does, and takes its uploads from the first checkpoint on.
     return TrackingSession(
         cfg, spec, opts.tracking_uri, opts.resolved_id(), await_study_run_s=opts.await_study_run_s,
-        background=not cfg.tracking.upload_checkpoints, stop=stop,
+        background=not cfg.tracking.upload_checkpoints, stop=stop, device=opts.device,
     )  # fmt: skip

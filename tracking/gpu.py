@@ -313,8 +313,12 @@ class GpuSampler:
         clock: Callable[[], float] = time.monotonic,
         device_order: str | None = None,
         cuda_uuids: Callable[[], Sequence[str] | None] = torch_cuda_uuids,
+        trial_device: int | None = 0,
     ) -> None:
-        """``visible_devices`` overrides ``$CUDA_VISIBLE_DEVICES``; with ``use_env=False`` and
+        """``trial_device``: the visible GPU the trial trains on (``cuda:N``), the only one
+        the input-bound rule judges; None for a trial on the CPU, which samples nothing
+        (see `trial_gpu_index`).
+        ``visible_devices`` overrides ``$CUDA_VISIBLE_DEVICES``; with ``use_env=False`` and
         no value every GPU is sampled. ``device_order`` is the order its indices count in:
         ``$CUDA_DEVICE_ORDER`` for the environment's value (unset: CUDA's FASTEST_FIRST),
         else NVML's (PCI_BUS_ID).
@@ -343,6 +347,7 @@ class GpuSampler:
         self.input_bound_mean: float | None = None
         self._bound_now = False  # the latest judgment of the rule
         self.samples_taken = 0
+        self.trial_device = trial_device
         self._nvml = nvml
         self._devices: list[_DeviceStats] = []
         self._initialized = False
@@ -372,6 +377,8 @@ class GpuSampler:
             return self.available
         self._initialized = True
         self._started_at = self.clock()
+        if self.trial_device is None:  # a CPU trial: a GPU's figures are not its own
+            return False
         try:
             if self._nvml is None:
                 import pynvml
@@ -564,14 +571,16 @@ class GpuSampler:
             with self._lock:
                 t = self.clock() if now is None else now
                 metrics: dict[str, float] = {}
-                utils: list[float] = []
-                for dev in self._devices:
+                judged: float | None = None
+                for i, dev in enumerate(self._devices):
                     util = self._sample_device(dev, t, metrics)
-                    if util is not None:
-                        utils.append(util)
+                    if i == self.trial_device:
+                        # Its own GPU only: beside another visible one it does not use (a
+                        # mask of two, cuda:0 training), the mean of 90% and 0% was flagged.
+                        judged = util
                 self.samples_taken += 1
-                if utils:
-                    self._update_input_bound(t, sum(utils) / len(utils))
+                if judged is not None:
+                    self._update_input_bound(t, judged)
         except Exception as exc:  # telemetry never kills training
             warn_once("gpu-sample", "GPU telemetry: sampling failed (%s)", exc)
             return {}
@@ -845,6 +854,16 @@ class TrackerRelay:
         )
 
 
+def trial_gpu_index(device: str, cuda_available: bool) -> int | None:
+    """The visible GPU a trial on `device` (a worker's --device) trains on, as the trainer
+    resolves it: None on the CPU (`cpu`, or `auto` without CUDA); N for `cuda:N`; else 0."""
+    if device == "cpu" or (device == "auto" and not cuda_available):
+        return None
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return int(device[5:])
+    return 0
+
+
 def relayed_sampler(**kwargs: Any) -> tuple[GpuSampler, TrackerRelay]:
     """A GpuSampler that can start before its tracker exists; ``relay.attach(tracker)``
     sends its samples and its input-bound flag to the tracker from then on."""
@@ -876,5 +895,6 @@ __all__ = [
     "resolve_visible_devices",
     "sampler_for_tracker",
     "torch_cuda_uuids",
+    "trial_gpu_index",
     "warn_once",
 ]

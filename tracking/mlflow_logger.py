@@ -153,10 +153,11 @@ def terminal_tags(
     status = OUTCOME_STATUS.get(outcome, "FAILED")
     if outcome == "pruned" and pruned_at_epoch is not None:
         tags[PRUNED_AT_TAG] = str(int(pruned_at_epoch))
+    # A reason may quote an error holding a URL with its password (MLflow's, a database's).
     if status == "FAILED":
-        tags[REASON_TAG] = truncate(reason or outcome, MAX_TAG_VAL_LENGTH)
+        tags[REASON_TAG] = truncate(scrub(reason or outcome), MAX_TAG_VAL_LENGTH)
     elif reason:
-        tags[REASON_TAG] = truncate(reason, MAX_TAG_VAL_LENGTH)
+        tags[REASON_TAG] = truncate(scrub(reason), MAX_TAG_VAL_LENGTH)
     return tags
 
 
@@ -313,9 +314,11 @@ def study_tags(
 
 
 def _safe_tag_value(value: Any) -> str:
+    """A tag's value with the credentials of any URL in it masked: the whole value a URL
+    (`redact_uri`), or one inside a message (`scrub`)."""
     text = str(value)
     if "://" in text:
-        text = redact_uri(text)
+        text = scrub(redact_uri(text))
     return truncate(text, MAX_TAG_VAL_LENGTH)
 
 
@@ -677,9 +680,10 @@ class TrialTracker:
                 for path in artifacts:
                     self._upload(run_id, Path(path))
                 if traceback:
+                    text = scrub(traceback)  # its frames' messages may hold a URL's password
                     self._best_effort(
                         "upload traceback.txt",
-                        lambda: self.client.log_text(run_id, traceback, "traceback.txt"),
+                        lambda: self.client.log_text(run_id, text, "traceback.txt"),
                     )
             elif artifacts or traceback:
                 self.incomplete = True

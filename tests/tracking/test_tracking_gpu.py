@@ -291,6 +291,37 @@ def test_input_bound_fires_once_and_can_request_stop(caplog: pytest.LogCaptureFi
     assert s.summary()["system/gpu_input_bound_utilization"] == 20.0
 
 
+@pytest.mark.parametrize(
+    ("device", "cuda", "expected"),
+    [("cpu", True, None), ("auto", False, None), ("auto", True, 0), ("cuda", True, 0),
+     ("cuda:1", True, 1)],
+)  # fmt: skip
+def test_trial_gpu_index(device: str, cuda: bool, expected: int | None) -> None:
+    assert gpu.trial_gpu_index(device, cuda) == expected
+
+
+def test_the_rule_judges_the_trials_own_gpu_and_a_cpu_trial_samples_none() -> None:
+    """A mask of two GPUs, the trial training on the first (cuda:0) at 90%: the mean with
+    the other's 0% read 45% and stopped it as input-bound. A --device cpu worker on a GPU
+    machine sampled GPU 0 (0% of its own) and was stopped 90 s in."""
+    nvml = FakeNVML(fleet(2))
+    nvml.gpus[0].proc_util = {PID: 90.0}
+    nvml.gpus[1].util, nvml.gpus[1].proc_util = 0.0, {}  # idle
+    for trial_device, bound in ((0, False), (1, True)):
+        clock = Clock()
+        s = GpuSampler(None, visible_devices="0,1", nvml=nvml, pid=PID, clock=clock,
+                       warmup_s=0.0, window_s=20.0, stop_when_input_bound=True,
+                       trial_device=trial_device)  # fmt: skip
+        assert s.open()
+        for _ in range(8):
+            s.sample_once()
+            clock.t += 5
+        assert s.should_stop() is bound, trial_device
+        s.stop()
+    cpu = GpuSampler(None, visible_devices="0,1", nvml=nvml, pid=PID, trial_device=None)
+    assert not cpu.open() and cpu.sample_once() == {}
+
+
 def test_the_rule_waits_out_a_wait_for_gpu_memory() -> None:
     """A packed trial waits for GPU memory with its sampler running: 120 s of 0% before its
     first step flagged it (and stopped it at its first report), unless the rule is paused

@@ -558,3 +558,15 @@ def test_databricks_notebook_probe_is_skipped_outside_databricks(
         return  # nothing to tell apart: the probe fails fast either way
     if not databricks:  # no IPython import behind the requests (0.35 s of CPU)
         assert not seen["ipython"]
+
+
+def test_a_reason_or_tag_quoting_a_url_never_holds_its_password() -> None:
+    """Only a tag that was a URL as a whole was masked: a failure's reason quoting the
+    database's or MLflow's URL went to the run with the password in it."""
+    from hpsearch.tracking.mlflow_logger import REASON_TAG, _safe_tag_value, terminal_tags
+
+    reason = "storage: cannot connect to postgresql://bob:S3CRET@db/optuna"
+    for tags in (terminal_tags("error", None, reason), terminal_tags("pruned", 2, reason)):
+        assert "S3CRET" not in tags[REASON_TAG] and "bob:***@db" in tags[REASON_TAG]
+    assert _safe_tag_value("failed: http://u:S3CRET@h/x") == "failed: http://u:***@h/x"
+    assert _safe_tag_value("http://u:S3CRET@h/x") == "http://u:***@h/x"
