@@ -702,8 +702,8 @@ class Launcher:
         return launch_outcome(supervised, spent, passed)
 
     def _finish_tracking(self, uri: str, stopped_by: str) -> None:
-        from hpsearch.runs import _client, end_dangling_runs, finalize_study
-        from hpsearch.tracking.mlflow_logger import close_study_run, find_study_runs
+        from hpsearch.runs import SPOOL_FOLDER, _client, end_dangling_runs, finalize_study
+        from hpsearch.tracking.mlflow_logger import close_study_run, find_study_runs, replay_spool
 
         if self._finalizer is not None:  # started when the last trial was told
             self._finalizer.join()
@@ -723,6 +723,9 @@ class Launcher:
             close_study_run(
                 client, run_id, "FINISHED" if stopped_by in ENDED_AS_ASKED else "KILLED"
             )
+        if exp is not None and (sent := replay_spool(client, self.opts.workdir / SPOOL_FOLDER)):
+            # Before the gone workers' runs are ended: these end with their own status.
+            self._messages.append(f"sent {sent} MLflow run(s) kept while the server was down")
         if exp is not None and (ended := end_dangling_runs(client, exp.experiment_id, self.study)):
             self._messages.append(f"ended {len(ended)} MLflow run(s) their gone workers left")
 

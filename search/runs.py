@@ -181,6 +181,11 @@ class _CheckpointUploader:
         self._thread.join(timeout_s)
 
 
+# <workdir>/mlflow-spool: what trials' runs could not send while MLflow was down
+# (tracking.mlflow_logger.write_spool); sent by a later trial, the worker's end, the launch's.
+SPOOL_FOLDER = "mlflow-spool"
+
+
 class _Finisher:
     """Finishes trials' MLflow runs (plots, best-model upload, status) on one background
     thread, in order, so the worker asks for its next trial at once. A job waits until the
@@ -510,14 +515,19 @@ class TrackingSession:
         background: bool = False,
         stop: threading.Event | None = None,
         device: str = "auto",
+        spool_dir: Path | None = None,
     ) -> None:
         """background: set up (import MLflow, wait for the study run, connect) on a thread,
         so that a worker's first trial trains meanwhile; `when_ready` runs what needs it.
         `stop` (the worker's) ends the wait for the study run: a worker told to stop (its
         launcher killed) waited up to `await_study_run_s` to tell its finished trials.
-        `device`: the worker's --device; the GPU telemetry samples the GPU it trains on."""
+        `device`: the worker's --device; the GPU telemetry samples the GPU it trains on.
+        `spool_dir`: where a trial's run keeps what MLflow, down past the trial's end, did
+        not take; sent at a later trial's start and at `close` (`replay_spool`)."""
         self._stop = stop if stop is not None else threading.Event()
         self.device = device
+        self.spool_dir = spool_dir
+        self._replay_queued = False
         self.cfg = cfg
         self.spec = spec
         self.uri = uri
@@ -694,9 +704,13 @@ class TrackingSession:
             tags={"hpsearch.root_trial": str(root)} if root != trial.number else None,
             start_time_ms=start_time_ms,
             run_key=run_key,
+            spool_dir=self.spool_dir,
         )
         if not tracker.enabled:
             return None
+        if self._spooled() and not self._replay_queued:  # the server answers again
+            self._replay_queued = True
+            self._finisher.submit(self._replay)
         if early_gpu is not None:
             sampler, relay = early_gpu
             relay.attach(tracker)
@@ -721,6 +735,28 @@ class TrackingSession:
         except Exception as exc:  # telemetry never fails a trial
             logger.warning("GPU sampler failed to start: %s", exc)
             return None
+
+    def _spooled(self) -> bool:
+        from hpsearch.tracking.mlflow_logger import SPOOL_SUFFIX
+
+        try:
+            return self.spool_dir is not None and any(self.spool_dir.glob(f"*{SPOOL_SUFFIX}"))
+        except OSError:
+            return False
+
+    def _replay(self) -> None:
+        """Send the runs kept while MLflow was down (on the finisher thread)."""
+        from hpsearch.tracking.mlflow_logger import replay_spool
+        from hpsearch.tracking.server import health_ok
+
+        self._replay_queued = False
+        # A server that accepts but does not answer would hold each call for minutes.
+        if self.spool_dir is None or self.client is None:
+            return
+        if not health_ok(self.uri, any_status=True):
+            return
+        if sent := replay_spool(self.client, self.spool_dir):
+            logger.info("MLflow: sent %d run(s) kept while the server was down", sent)
 
     def _sampler_options(self) -> dict[str, Any]:
         from hpsearch.tracking.gpu import trial_gpu_index
@@ -879,6 +915,8 @@ class TrackingSession:
         try:
             self._export_held_onnx()
         finally:
+            if self._spooled() and self._setup_done:  # after the runs queued before it
+                self._finisher.submit(self._replay)
             self._finisher.close()
             self.renderer.close()
 

@@ -14,6 +14,8 @@ logged as a warning and, when data was lost, the run is tagged ``hpsearch.tracki
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -528,9 +530,13 @@ class TrialTracker:
         start_timeout_s: float = 15.0,
         initial_backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
+        spool_dir: Path | None = None,
     ) -> None:
+        """``spool_dir``: where `finish` keeps what MLflow, still down ``flush_timeout_s``
+        after the trial, did not take (`replay_spool` sends it); None drops it."""
         apply_http_policy()
         self.client = client
+        self.spool_dir = spool_dir
         self.trial_number = trial_number
         self.max_buffer = max(1, max_buffer)
         self.flush_timeout_s = flush_timeout_s
@@ -674,8 +680,10 @@ class TrialTracker:
                 self._closing = True
                 self._cond.notify_all()
             wait = self.flush_timeout_s if timeout_s is None else timeout_s
-            delivered = self._join(wait)
+            delivered, leftover = self._join(wait, keep=self.spool_dir is not None)
             server_down = not delivered
+            if server_down and self._spool(leftover, status, bool(artifacts), traceback):
+                return False  # no set_tag or status: each would wait out the server again
             if not server_down:
                 for path in artifacts:
                     self._upload(run_id, Path(path))
@@ -855,7 +863,10 @@ class TrialTracker:
             done = self._deliver(batch)
             with self._cond:
                 if not done and self._inflight is batch:
-                    self._count_dropped(batch)
+                    if self._abort.is_set():  # cut short, not refused: `_join` takes it
+                        self._queue.appendleft(batch)
+                    else:
+                        self._count_dropped(batch)
                 self._inflight = None
                 self._cond.notify_all()
 
@@ -911,25 +922,64 @@ class TrialTracker:
             self.stats.requests += 1
             batch.sent_chunks = i + 1
 
-    def _join(self, timeout_s: float) -> bool:
-        """Wait for the sender to drain; abort it after ``timeout_s``. True if all delivered."""
+    def _join(self, timeout_s: float, keep: bool = False) -> tuple[bool, list[_Batch]]:
+        """Wait for the sender to drain; abort it after ``timeout_s``. (True, []) if all was
+        delivered; else False and, with ``keep``, what was not (the batch in flight from
+        its first unsent chunk), else nothing (it is counted as dropped)."""
         thread = self._thread
         if thread is None:
-            return True
+            return True, []
         thread.join(timeout=max(0.0, timeout_s))
-        if thread.is_alive():
-            self._abort.set()
-            with self._cond:
-                self._cond.notify_all()
-            thread.join(timeout=5.0)
-            with self._cond:
-                for batch in self._queue:
-                    self._count_dropped(batch)
-                self._queue.clear()
-                if self._inflight is not None:
-                    self._count_dropped(self._inflight)
-                    self._inflight = None
+        if not thread.is_alive():
+            return True, []
+        self._abort.set()
+        with self._cond:
+            self._cond.notify_all()
+        thread.join(timeout=5.0)
+        with self._cond:
+            left = [self._inflight] if self._inflight is not None else []
+            left += list(self._queue)
+            self._queue.clear()
+            self._inflight = None
+        if not keep:
+            for batch in left:
+                self._count_dropped(batch)
+            return False, []
+        kept = []
+        for batch in left:  # a chunk the server took is not sent twice
+            for metrics, params, tags in chunk_batch(batch.metrics, batch.params, batch.tags)[
+                batch.sent_chunks :
+            ]:
+                if metrics or params or tags:
+                    kept.append(_Batch(metrics, params, tags, batch.kind, batch.enqueued))
+        return False, kept
+
+    def _spool(
+        self, batches: list[_Batch], status: str, had_artifacts: bool, traceback: str | None
+    ) -> bool:
+        """Keep what MLflow did not take in ``spool_dir``, with the run's end (status, the
+        traceback; artifacts are not kept: the run is tagged incomplete). False when there
+        is no spool folder or it cannot be written: then it is dropped."""
+        if self.spool_dir is None or self.run_id is None:
             return False
+        try:
+            path = write_spool(
+                self.spool_dir, self.run_id, batches, status,
+                incomplete=self.incomplete or had_artifacts,
+                traceback=scrub(traceback) if traceback else None,
+            )  # fmt: skip
+        except (OSError, ValueError) as exc:
+            logger.warning("MLflow: cannot keep trial %d's metrics: %s", self.trial_number, exc)
+            for batch in batches:
+                self._count_dropped(batch)
+            return False
+        logger.warning(
+            "MLflow: server still down; trial %d's %d undelivered batch(es) kept in %s, sent "
+            "when it answers",
+            self.trial_number,
+            len(batches),
+            path,
+        )
         return True
 
     def _upload(self, run_id: str, path: Path) -> None:
@@ -951,6 +1001,90 @@ class TrialTracker:
             self.incomplete = True
             logger.warning("MLflow: could not %s for run %s: %s", what, self.run_id, _short(exc))
             return False
+
+
+SPOOL_SUFFIX = ".spool.json"
+
+
+def write_spool(
+    spool_dir: Path,
+    run_id: str,
+    batches: Sequence[_Batch],
+    status: str,
+    *,
+    incomplete: bool,
+    traceback: str | None,
+) -> Path:
+    """``<spool_dir>/<run_id>.spool.json``: a run's undelivered batches and its end, written
+    whole (rename into place). Raises OSError."""
+    record = {
+        "run_id": run_id,
+        "status": status,
+        "incomplete": incomplete,
+        "traceback": traceback,
+        "batches": [
+            {
+                "metrics": [[m.key, m.value, m.timestamp, m.step] for m in b.metrics],
+                "params": [[p.key, p.value] for p in b.params],
+                "tags": [[t.key, t.value] for t in b.tags],
+            }
+            for b in batches
+        ],
+    }
+    spool_dir.mkdir(parents=True, exist_ok=True)
+    path = spool_dir / f"{run_id}{SPOOL_SUFFIX}"
+    tmp = spool_dir / f".{path.name}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record))  # NaN and inf as JSON's NaN/Infinity: read back alike
+    os.replace(tmp, path)
+    return path
+
+
+def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
+    """Send the runs kept in ``spool_dir`` (`write_spool`), oldest first: their batches,
+    the incomplete tag, the traceback, then their status. A file is claimed by renaming
+    it (two workers of one host share the folder) and deleted once sent; it goes back when
+    the server fails again, which ends this call. The number of runs sent. Never raises."""
+    sent = 0
+    try:
+        paths = sorted(spool_dir.glob(f"*{SPOOL_SUFFIX}"), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return 0
+    for path in paths:
+        claimed = path.with_name(f".{path.name}.{os.getpid()}.sending")
+        try:
+            os.rename(path, claimed)
+        except OSError:  # another process took it
+            continue
+        try:
+            _replay_run(client, json.loads(claimed.read_text()))
+        except Exception as exc:  # telemetry: kept for the next try, or set aside
+            if isinstance(exc, ValueError | KeyError | TypeError) or is_permanent_error(exc):
+                with contextlib.suppress(OSError):  # unreadable, or its run refused for good
+                    os.rename(claimed, path.with_name(path.name + ".failed"))
+                logger.warning("MLflow: kept run %s cannot be sent: %s", path.name, _short(exc))
+                continue
+            with contextlib.suppress(OSError):
+                os.rename(claimed, path)
+            logger.info("MLflow: kept runs not sent yet: %s", _short(exc))
+            return sent
+        claimed.unlink(missing_ok=True)
+        sent += 1
+    return sent
+
+
+def _replay_run(client: MlflowClient, record: Mapping[str, Any]) -> None:
+    run_id = str(record["run_id"])
+    for b in record["batches"]:
+        metrics = [Metric(k, float(v), int(ts), int(step)) for k, v, ts, step in b["metrics"]]
+        params = [Param(str(k), str(v)) for k, v in b["params"]]
+        tags = [RunTag(str(k), str(v)) for k, v in b["tags"]]
+        for m, p, t in chunk_batch(metrics, params, tags):
+            client.log_batch(run_id, metrics=m, params=p, tags=t, synchronous=True)
+    if record.get("incomplete"):
+        client.set_tag(run_id, INCOMPLETE_TAG, "true")
+    if record.get("traceback"):
+        client.log_text(run_id, str(record["traceback"]), "traceback.txt")
+    client.set_terminated(run_id, status=str(record["status"]))
 
 
 def _default_gpu_label() -> str:

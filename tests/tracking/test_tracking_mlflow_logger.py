@@ -19,6 +19,7 @@ from hpsearch.tracking.mlflow_logger import (
     HTTP_POLICY,
     INCOMPLETE_TAG,
     OUTCOME_STATUS,
+    SPOOL_SUFFIX,
     TrialTracker,
     apply_http_policy,
     backoff_delays,
@@ -29,6 +30,7 @@ from hpsearch.tracking.mlflow_logger import (
     is_permanent_error,
     open_study_run,
     param_value,
+    replay_spool,
     study_tags,
     terminal_status,
     terminal_tags,
@@ -470,7 +472,10 @@ def test_outage_mid_trial_buffers_and_delivers_after_restart(
     survivor = make_tracker(client, exp, parent, 0, flush_timeout_s=120.0, max_backoff_s=2.0)
     lost = make_tracker(client, exp, parent, 1, flush_timeout_s=1.0, max_backoff_s=2.0)
     small = make_tracker(client, exp, parent, 2, max_buffer=1, max_backoff_s=2.0)
-    trackers = (survivor, lost, small)
+    spool = tmp_path / "spool"
+    kept = make_tracker(client, exp, parent, 3, flush_timeout_s=1.0, max_backoff_s=2.0,
+                        spool_dir=spool)  # fmt: skip
+    trackers = (survivor, lost, small, kept)
     for e in range(2):
         for t in trackers:
             t.log_epoch(e, epoch_metrics(e))
@@ -490,9 +495,20 @@ def test_outage_mid_trial_buffers_and_delivers_after_restart(
     assert lost.finish("completed") is False
     assert time.monotonic() - t0 < 60
     assert lost.incomplete and lost.stats.batches_dropped >= 3
+    # One with a spool folder keeps them, with its end, for when the server answers.
+    assert kept.finish("completed", summary_metrics={"best_val_acc": 0.7}) is False
+    assert kept.stats.batches_dropped == 0 and kept.run_id is not None
+    assert [p.name for p in spool.iterdir()] == [f"{kept.run_id}{SPOOL_SUFFIX}"]
 
     restarted = start_local_server(workdir, port=port)
     try:
+        assert replay_spool(client, spool) == 1 and list(spool.iterdir()) == []
+        kept_run = client.get_run(kept.run_id)
+        assert kept_run.info.status == "FINISHED" and INCOMPLETE_TAG not in kept_run.data.tags
+        assert sorted(m.step for m in client.get_metric_history(kept.run_id, "val_acc")) == [
+            0, 1, 2, 3, 4,
+        ]  # fmt: skip
+        assert kept_run.data.metrics["best_val_acc"] == 0.7
         assert survivor.finish("completed", summary_metrics={"best_val_acc": 0.5}) is True
         assert survivor.run_id is not None and lost.run_id is not None
         run = client.get_run(survivor.run_id)
