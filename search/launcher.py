@@ -723,11 +723,12 @@ class Launcher:
             close_study_run(
                 client, run_id, "FINISHED" if stopped_by in ENDED_AS_ASKED else "KILLED"
             )
-        if exp is not None and (sent := replay_spool(client, self.opts.workdir / SPOOL_FOLDER)):
-            # Before the gone workers' runs are ended: these end with their own status.
-            self._messages.append(f"sent {sent} MLflow run(s) kept while the server was down")
         if exp is not None and (ended := end_dangling_runs(client, exp.experiment_id, self.study)):
             self._messages.append(f"ended {len(ended)} MLflow run(s) their gone workers left")
+        # After those (a kept run ended so gets its told best model uploaded), and over them:
+        # a kept run's own metrics, status and end time are its worker's.
+        if exp is not None and (sent := replay_spool(client, self.opts.workdir / SPOOL_FOLDER)):
+            self._messages.append(f"sent {sent} MLflow run(s) kept while the server was down")
 
     def _start_tracking(self) -> str | None:
         """The tracking URI, known at once. The slow part (starting the embedded server,

@@ -1020,6 +1020,7 @@ def write_spool(
     record = {
         "run_id": run_id,
         "status": status,
+        "end_ms": int(time.time() * 1000),  # the run ended now, not when it is sent
         "incomplete": incomplete,
         "traceback": traceback,
         "batches": [
@@ -1044,13 +1045,10 @@ def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
     the incomplete tag, the traceback, then their status. A file is claimed by renaming
     it (two workers of one host share the folder) and deleted once sent; it goes back when
     the server fails again, which ends this call. The number of runs sent. Never raises."""
+    _reclaim_abandoned(spool_dir)
     sent = 0
-    try:
-        paths = sorted(spool_dir.glob(f"*{SPOOL_SUFFIX}"), key=lambda p: p.stat().st_mtime)
-    except OSError:
-        return 0
-    for path in paths:
-        claimed = path.with_name(f".{path.name}.{os.getpid()}.sending")
+    for path in sorted(spool_dir.glob(f"*{SPOOL_SUFFIX}") if spool_dir.is_dir() else ()):
+        claimed = path.with_name(f".{path.name}.{_CLAIMER}.sending")
         try:
             os.rename(path, claimed)
         except OSError:  # another process took it
@@ -1058,12 +1056,13 @@ def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
         try:
             _replay_run(client, json.loads(claimed.read_text()))
         except Exception as exc:  # telemetry: kept for the next try, or set aside
-            if isinstance(exc, ValueError | KeyError | TypeError) or is_permanent_error(exc):
-                with contextlib.suppress(OSError):  # unreadable, or its run refused for good
+            code = _http_status(exc)
+            if isinstance(exc, ValueError | KeyError | TypeError) or code == 404:
+                with contextlib.suppress(OSError):  # unreadable, or no such run there
                     os.rename(claimed, path.with_name(path.name + ".failed"))
                 logger.warning("MLflow: kept run %s cannot be sent: %s", path.name, _short(exc))
                 continue
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # the server is down again, or refuses us
                 os.rename(claimed, path)
             logger.info("MLflow: kept runs not sent yet: %s", _short(exc))
             return sent
@@ -1072,19 +1071,58 @@ def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
     return sent
 
 
+# A claim names its process, <host>.<pid>: one of this host that is gone is put back.
+_CLAIMER = f"{socket.gethostname()}.{os.getpid()}"
+
+
+def _reclaim_abandoned(spool_dir: Path) -> None:
+    """Put back the files a process of this host claimed and died sending."""
+    from hpsearch.packing import holder_alive
+
+    host = socket.gethostname()
+    for claimed in spool_dir.glob(f".*{SPOOL_SUFFIX}.*.sending") if spool_dir.is_dir() else ():
+        name, _, claimer = claimed.name[1:].removesuffix(".sending").partition(SPOOL_SUFFIX + ".")
+        claim_host, _, pid = claimer.rpartition(".")
+        if claim_host != host or not pid.isdigit() or holder_alive(int(pid), None):
+            continue
+        with contextlib.suppress(OSError):
+            os.rename(claimed, spool_dir / (name + SPOOL_SUFFIX))
+
+
+def _http_status(exc: BaseException) -> int | None:
+    if not isinstance(exc, MlflowException):
+        return None
+    try:
+        return int(exc.get_http_status_code())
+    except (TypeError, ValueError):
+        return None
+
+
 def _replay_run(client: MlflowClient, record: Mapping[str, Any]) -> None:
     run_id = str(record["run_id"])
+    incomplete = bool(record.get("incomplete"))
     for b in record["batches"]:
         metrics = [Metric(k, float(v), int(ts), int(step)) for k, v, ts, step in b["metrics"]]
         params = [Param(str(k), str(v)) for k, v in b["params"]]
         tags = [RunTag(str(k), str(v)) for k, v in b["tags"]]
         for m, p, t in chunk_batch(metrics, params, tags):
-            client.log_batch(run_id, metrics=m, params=p, tags=t, synchronous=True)
-    if record.get("incomplete"):
+            try:
+                client.log_batch(run_id, metrics=m, params=p, tags=t, synchronous=True)
+            except MlflowException as exc:  # one refused request, as when sent live
+                if _http_status(exc) in (401, 403, 404) or not is_permanent_error(exc):
+                    raise
+                logger.warning(
+                    "MLflow: a kept batch of run %s was rejected: %s", run_id, _short(exc)
+                )
+                incomplete = True
+    if incomplete:
         client.set_tag(run_id, INCOMPLETE_TAG, "true")
     if record.get("traceback"):
         client.log_text(run_id, str(record["traceback"]), "traceback.txt")
-    client.set_terminated(run_id, status=str(record["status"]))
+    end_ms = record.get("end_ms")
+    client.set_terminated(
+        run_id, status=str(record["status"]), end_time=int(end_ms) if end_ms else None
+    )
 
 
 def _default_gpu_label() -> str:

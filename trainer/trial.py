@@ -290,25 +290,25 @@ def evaluate_fitting(
     device: torch.device,
     amp: torch.dtype | None,
     channels_last: bool,
+    batch: int,
     micro: int,
-) -> tuple[float, float, Tensor]:
-    """`evaluate` in batches of EVAL_BATCH images, or, when those run out of memory, of the
+) -> tuple[tuple[float, float, Tensor], int]:
+    """`evaluate` in batches of `batch` images, or, when those run out of memory, of the
     trial's training micro-batch: that fits (it trained), with gradients besides. A small
     training batch at a large image size fit where 256 images of inference did not, and the
     trial was told out of memory at its batch size, which the sampler then learned to avoid.
-    (The smaller batches sum the loss in another order: equal to ~1e-15.)"""
+    Returns the result and the batch it took, for the next evaluation. (Smaller batches sum
+    the loss in another order: equal to ~1e-15.)"""
     try:
-        return evaluate(model, split, res, num_classes, device, amp, channels_last)
+        return evaluate(model, split, res, num_classes, device, amp, channels_last, batch), batch
     except RuntimeError as exc:
-        if micro >= EVAL_BATCH or not _out_of_memory(exc, device):
+        if micro >= batch or not _out_of_memory(exc, device):
             raise
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    log.warning(
-        "evaluation out of memory in batches of %d images: batches of %d", EVAL_BATCH, micro
-    )
-    return evaluate(model, split, res, num_classes, device, amp, channels_last, micro)
+    log.warning("evaluation out of memory in batches of %d images: batches of %d", batch, micro)
+    return evaluate(model, split, res, num_classes, device, amp, channels_last, micro), micro
 
 
 # --- checkpoints -------------------------------------------------------------------------
@@ -785,6 +785,7 @@ def _train(
         return run.elapsed_before + time.perf_counter() - start
 
     check_every = NAN_CHECK_EVERY_CUDA if device.type == "cuda" else 1
+    eval_batch = EVAL_BATCH  # images per eval forward; the micro-batch once that ran out
     step = (first_epoch - 1) * steps_per_epoch
     gen: torch.Generator | None = None
     np_rng: np.random.Generator | None = None
@@ -896,8 +897,8 @@ def _train(
         val_acc = val_loss = None
         confusion = None
         if epoch % tc.eval_every == 0 or epoch == config.budget.max_epochs:
-            val_acc, val_loss, confusion = evaluate_fitting(
-                fwd, val_split, res, num_classes, device, amp, tc.channels_last, micro
+            (val_acc, val_loss, confusion), eval_batch = evaluate_fitting(
+                fwd, val_split, res, num_classes, device, amp, tc.channels_last, eval_batch, micro
             )
             if not math.isfinite(val_loss):
                 if not _finite_weights(model):  # the epoch's last step broke them
@@ -1008,8 +1009,8 @@ def _train(
             return
         try:
             test_split = split_of(test_src, False)
-            run.test_acc, _, _ = evaluate_fitting(
-                fwd, test_split, res, num_classes, device, amp, tc.channels_last, micro
+            (run.test_acc, _, _), _ = evaluate_fitting(
+                fwd, test_split, res, num_classes, device, amp, tc.channels_last, eval_batch, micro
             )
         except RuntimeError as exc:
             # The trained trial stands: only its test figure is missing (the test split is

@@ -611,15 +611,22 @@ def test_a_fixed_run_that_fails_late_puts_the_earlier_pair_back(
     assert (ckpt.read_bytes(), best.read_bytes()) == (b"old epochs", b"old best")
     assert (ckpt.parent / "fixed.best.pt.failed").read_bytes() == b"new best"
 
-    def succeeds(cfg: object, params: object, report: object, options: object) -> str:
+    import types
+
+    def best_not_saved(cfg: object, params: object, report: object, options: object) -> object:
+        return types.SimpleNamespace(best_val_acc=0.5, best_model_path=None)  # disk full
+
+    monkeypatch.setattr(trainer, "train", best_not_saved)
+    run_fixed(cfg, '{"lr": 0.1, "batch_size": 32}', None, None, tmp_path, "cpu", None)
+    assert (ckpt.read_bytes(), best.read_bytes()) == (b"old epochs", b"old best")
+
+    def succeeds(cfg: object, params: object, report: object, options: object) -> object:
         best.write_bytes(b"newer best")
-        return "result"
+        return types.SimpleNamespace(best_val_acc=0.5, best_model_path=best)
 
     monkeypatch.setattr(trainer, "train", succeeds)
-    assert (
-        run_fixed(cfg, '{"lr": 0.1, "batch_size": 32}', None, None, tmp_path, "cpu", None)
-        == "result"
-    )
+    result = run_fixed(cfg, '{"lr": 0.1, "batch_size": 32}', None, None, tmp_path, "cpu", None)
+    assert result.best_model_path == best
     assert not ckpt.exists() and best.read_bytes() == b"newer best"
     assert sorted(p.name for p in ckpt.parent.iterdir()) == [
         "fixed.best.pt",

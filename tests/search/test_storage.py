@@ -216,10 +216,10 @@ def test_a_sampler_that_fails_on_a_claimed_trial_fails_it_and_stops_the_worker(
 
     from hpsearch import worker as worker_module
 
+    spec = resolve_storage(pg_url, tmp_path)
+    cfg = load_config("tiny", overrides=["budget.n_trials=2"])  # its load rehearses the sampler
     for module in (study_module, worker_module):  # the worker's own, seeded for its stream
         monkeypatch.setattr(module, "make_sampler", lambda cfg, *stream: Broken(seed=0))
-    spec = resolve_storage(pg_url, tmp_path)
-    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
     opts = WorkerOptions(workdir=tmp_path, device="cpu", train_fn="dummy_trainer:train")
     error = "ValueError: bad population" if where == "before_trial" else "TypeError: '<' not"
     with pytest.raises(ConfigError, match=rf"tiny.yaml: sampler 'tpe' failed: {error}"):

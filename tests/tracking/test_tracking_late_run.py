@@ -78,6 +78,11 @@ def test_first_trial_trains_before_mlflow_is_ready(
     # One fake GPU (NVML's functions) the worker's sampler reads every 0.1 s.
     monkeypatch.setitem(sys.modules, "pynvml", FakeNVML([FakeGpu(UUIDS[0])]))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # ... as the GPU the trial trains on: on a machine without CUDA, the sampler of a trial
+    # on the CPU (--device auto there) samples none.
+    from hpsearch.tracking import gpu
+
+    monkeypatch.setattr(gpu, "trial_gpu_index", lambda device, cuda: 0)
     name = f"late-{time.time_ns()}"
     began_ms = time.time() * 1000
     journal = _two_trials(tmp_path, mlflow_server.url, name, "tracking.gpu_interval_s=0.1")

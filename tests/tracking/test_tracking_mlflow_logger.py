@@ -4,7 +4,9 @@ against real ``mlflow server`` subprocesses; everything asserted through MlflowC
 from __future__ import annotations
 
 import json
+import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -586,3 +588,59 @@ def test_a_reason_or_tag_quoting_a_url_never_holds_its_password() -> None:
         assert "S3CRET" not in tags[REASON_TAG] and "bob:***@db" in tags[REASON_TAG]
     assert _safe_tag_value("failed: http://u:S3CRET@h/x") == "failed: http://u:***@h/x"
     assert _safe_tag_value("http://u:S3CRET@h/x") == "http://u:***@h/x"
+
+
+class _SpoolClient:
+    """What replay_spool calls, recorded; `fail` raises on log_batch."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.fail = fail
+
+    def log_batch(
+        self, run_id: str, metrics: Any, params: Any, tags: Any, synchronous: bool
+    ) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append(("batch", (run_id, [(m.key, m.value, m.step) for m in metrics])))
+
+    def set_tag(self, run_id: str, key: str, value: str) -> None:
+        self.calls.append(("tag", (run_id, key, value)))
+
+    def log_text(self, run_id: str, text: str, name: str) -> None:
+        self.calls.append(("text", (run_id, name)))
+
+    def set_terminated(self, run_id: str, status: str, end_time: int | None) -> None:
+        self.calls.append(("end", (run_id, status, end_time)))
+
+
+def test_kept_runs_are_sent_once_with_their_end_time_and_a_dead_claim_is_taken_back(
+    tmp_path: Path,
+) -> None:
+    from hpsearch.tracking.mlflow_logger import _Batch, write_spool
+
+    spool = tmp_path / "spool"
+    batch = _Batch(metrics=[Metric("val_acc", math.nan, 5, 3)], tags=[RunTag("a", "b")])
+    write_spool(spool, "r1", [batch], "FINISHED", incomplete=True, traceback="tb")
+    end_ms = json.loads((spool / f"r1{SPOOL_SUFFIX}").read_text())["end_ms"]
+    # A process of this host that died while sending r2 left it claimed.
+    write_spool(spool, "r2", [], "KILLED", incomplete=False, traceback=None)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    (spool / f"r2{SPOOL_SUFFIX}").rename(
+        spool / f".r2{SPOOL_SUFFIX}.{socket.gethostname()}.{dead}.sending"
+    )
+    down = _SpoolClient(MlflowException("unreachable"))  # no HTTP status: transient
+    assert replay_spool(down, spool) == 0  # type: ignore[arg-type]
+    assert sorted(p.name for p in spool.iterdir()) == [f"r1{SPOOL_SUFFIX}", f"r2{SPOOL_SUFFIX}"]
+    up = _SpoolClient()
+    assert replay_spool(up, spool) == 2 and list(spool.iterdir()) == []  # type: ignore[arg-type]
+    r1 = [c for c in up.calls if c[1][0] == "r1"]
+    assert r1[0][0] == "batch" and math.isnan(r1[0][1][1][0][1])  # NaN survives the file
+    assert [c[0] for c in r1] == ["batch", "tag", "text", "end"]
+    assert r1[-1][1] == ("r1", "FINISHED", end_ms)  # ended then, not when sent
+    # A run the server does not have (404) is set aside, not retried forever.
+    write_spool(spool, "r3", [batch], "FINISHED", incomplete=False, traceback=None)
+    gone = _SpoolClient(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "x"}))
+    assert replay_spool(gone, spool) == 0  # type: ignore[arg-type]
+    assert [p.name for p in spool.iterdir()] == [f"r3{SPOOL_SUFFIX}.failed"]

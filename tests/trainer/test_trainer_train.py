@@ -978,9 +978,11 @@ class _EvalOutOfMemory(nn.Module):
     def __init__(self, inner: nn.Module, limit: int) -> None:
         super().__init__()
         self.inner, self.limit = inner, limit
+        self.raised = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training and x.shape[0] > self.limit:
+            self.raised += 1
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return self.inner(x)
 
@@ -993,9 +995,15 @@ def test_an_evaluation_out_of_memory_takes_the_training_batch_not_the_trial(
     cfg = synthetic(trainer={"evaluate_test": True})
     plain = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
     real_build = train_module.build_model
-    monkeypatch.setattr(train_module, "build_model",
-                        lambda c, hp, n: _EvalOutOfMemory(real_build(c, hp, n), limit=16))  # fmt: skip
+    built: list[_EvalOutOfMemory] = []
+
+    def build(c: Any, hp: Any, n: int) -> nn.Module:
+        built.append(_EvalOutOfMemory(real_build(c, hp, n), limit=16))
+        return built[-1]
+
+    monkeypatch.setattr(train_module, "build_model", build)
     fitted = train(cfg, TINY, options=TrainOptions(device="cpu", workdir=tmp_path))
+    assert built[0].raised == 1  # the later evaluations (epoch 2, test) take the batch that fit
     assert fitted.stop_reason == "finished", fitted.message
     assert [r.val_acc for r in fitted.history] == [r.val_acc for r in plain.history]
     assert [r.val_loss for r in fitted.history] == pytest.approx(
