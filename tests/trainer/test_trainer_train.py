@@ -888,6 +888,18 @@ def _scripted_evaluate(monkeypatch: pytest.MonkeyPatch, accs: list[float]) -> No
     monkeypatch.setattr(train_module, "evaluate", evaluate)
 
 
+def _disk_full_at_best_model_of(monkeypatch: pytest.MonkeyPatch, epoch: int) -> None:
+    """torch.save of the best-model file of `epoch` fails: the disk is full."""
+    real_save = torch.save
+
+    def disk_full(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(obj, dict) and obj.get("epoch") == epoch and "optimizer" not in obj:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full)
+
+
 def test_a_failed_last_best_model_write_keeps_the_trained_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -895,14 +907,7 @@ def test_a_failed_last_best_model_write_keeps_the_trained_result(
     the whole trial was lost (raised, told FAIL). Its result stands, without a best-model
     file: the one there held an earlier epoch, not the best."""
     _scripted_evaluate(monkeypatch, [0.5, 0.6])  # epoch 2 is the best
-    real_save = torch.save
-
-    def disk_full(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(obj, dict) and obj.get("epoch") == 2 and "optimizer" not in obj:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", disk_full)
+    _disk_full_at_best_model_of(monkeypatch, epoch=2)
     ckpt = tmp_path / "trial.pt"
     result = train(synthetic(), TINY,
                    options=TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt))  # fmt: skip
@@ -919,14 +924,7 @@ def test_an_interrupted_trials_failed_write_keeps_the_older_pair_it_resumes_from
     """Stopped after epoch 2, whose best model's write failed: the epoch-1 checkpoint and
     best model on disk belong together, and the retry resumes from them."""
     _scripted_evaluate(monkeypatch, [0.5, 0.6])
-    real_save = torch.save
-
-    def disk_full(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(obj, dict) and obj.get("epoch") == 2 and "optimizer" not in obj:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", disk_full)
+    _disk_full_at_best_model_of(monkeypatch, epoch=2)
     ckpt = tmp_path / "trial.pt"
     stop = itertools.chain([False] * 3, itertools.repeat(True))  # asked for after epoch 2
     result = train(synthetic(budget={"max_epochs": 3}), TINY,
