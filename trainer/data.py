@@ -375,10 +375,10 @@ def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str =
         )
     path = cache_path(src, size, workdir)
     if path.is_file():
-        return _read_cache(path)
+        return _checked(_read_cache(path), src, path, on_corrupt)
     with _file_lock(path.with_suffix(".lock")):
         if path.is_file():  # another process built it while we waited
-            return _read_cache(path)
+            return _checked(_read_cache(path), src, path, on_corrupt)
         log.info(
             "decoding %d images of %s/%s at %d px into %s",
             len(src),
@@ -401,6 +401,19 @@ def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str =
                 os.unlink(tmp)
             raise
         return dec
+
+
+def _checked(dec: Decoded, src: Source, path: Path, on_corrupt: str) -> Decoded:
+    """A cache built under on_corrupt: skip left out the files it could not decode; read
+    under fail, it silently trained without them."""
+    missing = len(src) - len(dec.labels)
+    if on_corrupt == "fail" and missing > 0:
+        raise DataError(
+            f"dataset {src.dataset}: {missing} image(s) of its {src.split} split could not be "
+            f"decoded when {path} was built (on_corrupt: skip); fix or remove them and delete "
+            "that file, or set dataset.on_corrupt: skip"
+        )
+    return dec
 
 
 # --- choosing the path -----------------------------------------------------------------

@@ -147,6 +147,9 @@ def test_corrupt_image_skip_warns_and_fail_raises(tmp_path: Path) -> None:
     assert dec.images.shape == (6, 16, 16, 3) and dec.labels.tolist() == [0, 0, 0, 1, 1, 1]
     with pytest.raises(DataError, match=r"broken\.jpg"):
         data.load_or_build_cache(src, 16, tmp_path / "w2", on_corrupt="fail")
+    # The cache the skip built, read under fail: it silently trained without the file.
+    with pytest.raises(DataError, match=r"1 image\(s\) of its train split could not be decoded"):
+        data.load_or_build_cache(src, 16, tmp_path / "w1", on_corrupt="fail")
     assert not (tmp_path / "w2" / "cache").exists() or not list(
         (tmp_path / "w2" / "cache").glob("*.npz")
     )
