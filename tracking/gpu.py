@@ -677,9 +677,10 @@ class GpuSampler:
     def _process_memory(self, dev: _DeviceStats) -> float | None:
         try:
             procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(dev.handle)
-        except Exception:
-            dev.proc_mem_supported = False
-            return None
+        except Exception as exc:
+            if nvml_error_code(exc) in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NO_PERMISSION):
+                dev.proc_mem_supported = False
+            return None  # else one failed query (a timeout): the next sample asks again
         used = [p.usedGpuMemory for p in procs if int(p.pid) == self.pid]
         if not used:
             return 0.0
@@ -750,7 +751,7 @@ class GpuSampler:
                     )
                 if dev.util_n or dev.mem_peak_mib:
                     out[f"system/gpu_memory_peak_mib{sfx}"] = dev.mem_peak_mib
-                if dev.proc_mem_supported and dev.proc_mem_peak_mib:
+                if dev.proc_mem_peak_mib:  # measured, even if the query stopped working
                     out[f"system/gpu_process_memory_peak_mib{sfx}"] = dev.proc_mem_peak_mib
                 energy = _energy_j(dev)
                 if energy is not None:

@@ -687,3 +687,23 @@ def test_a_pause_right_after_a_restart_holds() -> None:
         s.sample_once()
         clock.t += 5
     assert not s.input_bound
+
+
+def test_one_failed_process_memory_query_turns_nothing_off_and_the_peak_is_kept() -> None:
+    """Any error of the per-process memory query (a timeout once) turned it off for the
+    trial, and the summary then dropped the peak already measured."""
+    nvml = FakeNVML(fleet(1))
+    g = nvml.gpus[0]
+    g.proc_mem = {PID: 1024 * 1024 * 1024}
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=Clock())
+    assert s.open()
+    s.sample_once()
+    g.mem_error = 10  # NVML_ERROR_TIMEOUT
+    s.sample_once()
+    g.mem_error, g.proc_mem = None, {PID: 2 * 1024 * 1024 * 1024}
+    s.sample_once()
+    assert s.summary()["system/gpu_process_memory_peak_mib"] == 2048.0
+    g.mem_error = 3  # NOT_SUPPORTED: off from here, the peak measured stays
+    s.sample_once()
+    assert s.summary()["system/gpu_process_memory_peak_mib"] == 2048.0
+    s.stop()

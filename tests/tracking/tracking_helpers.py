@@ -76,6 +76,7 @@ class FakeGpu:
     proc_error: int | None = None  # nvmlDeviceGetProcessUtilization raises this code
     hang_s: float = 0.0  # nvmlDeviceGetUtilizationRates takes this long (a GPU off the bus)
     forbidden: bool = False  # kept from this process (a cgroup): NO_PERMISSION to open it
+    mem_error: int | None = None  # nvmlDeviceGetComputeRunningProcesses raises this code
 
 
 class FakeNVML:
@@ -163,4 +164,6 @@ class FakeNVML:
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
         g = self._q(h)
+        if g.mem_error is not None:
+            raise FakeNVMLError(g.mem_error)
         return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in g.proc_mem.items()]
