@@ -553,12 +553,42 @@ def _check_new_file(cfg: StudyConfig, src: str) -> None:
         for choice in spec.choices:
             if _is_number(choice) and choice < 2:  # type: ignore[operator]
                 raise ConfigError(f"{src}: search_space.batch_size.choices: {choice!r}: {one}")
+    _check_arch_sizes(cfg, src)
     if cfg.pruner.name == "hyperband":
         low, high = cfg.pruner.options.get("min_resource"), cfg.pruner.options.get("max_resource")
         if isinstance(low, int) and isinstance(high, int) and low > high:
             # Optuna then makes no bracket, and prunes nothing.
             raise ConfigError(
                 f"{src}: pruner.options.min_resource: {low}: must be <= max_resource ({high})"
+            )
+
+
+# px an architecture needs at least: ConvNeXt's stem (stride 4) and three 2x2 downsamplings
+# without padding fail on a smaller input ("Kernel size can't be greater than actual input
+# size"), in every trial that draws both.
+MIN_IMAGE_SIZE = {"convnext_tiny": 32}
+
+
+def _check_arch_sizes(cfg: StudyConfig, src: str) -> None:
+    space = cfg.search_space
+    arch = space.get("arch")
+    archs = arch.choices if isinstance(arch, CategoricalParam) else [cfg.trainer.defaults.arch]
+    size = space.get("image_size")
+    smallest: float
+    if isinstance(size, CategoricalParam):
+        smallest = min(float(c) for c in size.choices if _is_number(c))  # type: ignore[arg-type]
+        field = "search_space.image_size.choices"
+    elif isinstance(size, IntParam | FloatParam):
+        smallest, field = size.low, "search_space.image_size.low"
+    elif cfg.trainer.defaults.image_size is not None:
+        smallest, field = cfg.trainer.defaults.image_size, "trainer.defaults.image_size"
+    else:
+        smallest, field = cfg.dataset.image_size, "dataset.image_size"
+    for name in archs:
+        need = MIN_IMAGE_SIZE.get(str(name))
+        if need is not None and smallest < need:
+            raise ConfigError(
+                f"{src}: {field}: {smallest:g}: {name} needs images of at least {need} px"
             )
 
 

@@ -215,6 +215,18 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
             ["search_space.loss.choices=[ce, focal, ce]"],
             "search_space.loss.choices: 'ce': given twice",
         ),
+        # ConvNeXt's downsamplings fail on smaller images, in every trial that drew both.
+        (
+            ["dataset.image_size=16", "trainer.defaults.arch=convnext_tiny"],
+            "dataset.image_size: 16: convnext_tiny needs images of at least 32 px",
+        ),
+        (
+            [
+                "search_space.arch={type: categorical, choices: [resnet18, convnext_tiny]}",
+                "search_space.image_size={type: categorical, choices: [24, 64]}",
+            ],
+            "search_space.image_size.choices: 24: convnext_tiny needs images of at least 32 px",
+        ),
         (
             ["search_space.focal_gamma.when={loss: []}"],
             "search_space.focal_gamma.when.loss: []: needs at least one value",

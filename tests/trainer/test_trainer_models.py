@@ -32,6 +32,20 @@ def test_every_arch_builds_with_num_classes(arch: str) -> None:
         assert model(torch.randn(2, 3, 32, 32)).shape == (2, 7)
 
 
+def test_each_arch_trains_at_the_smallest_image_size_a_study_file_allows() -> None:
+    """config.MIN_IMAGE_SIZE (else 8 px, image_size's floor) is what each arch takes: a
+    study file with less is refused at load, and a trial drawing it never fails on it."""
+    from hpsearch.config import ARCHS, MIN_IMAGE_SIZE
+
+    for arch in ARCHS:
+        px = MIN_IMAGE_SIZE.get(arch, 8)
+        model = build_model(synthetic(), Hyperparams(arch=arch), 3).train()
+        model(torch.randn(2, 3, px, px)).sum().backward()
+        if arch in MIN_IMAGE_SIZE:
+            with pytest.raises(RuntimeError):
+                model(torch.randn(2, 3, px // 2, px // 2))
+
+
 def test_weights_from_local_file(tmp_path: Path) -> None:
     torch.manual_seed(1)
     source = torchvision.models.resnet18(num_classes=5)
