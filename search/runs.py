@@ -963,7 +963,13 @@ def record_dead_trial_run(
         find_study_runs,
         trial_params,
     )
+    from hpsearch.tracking.server import health_ok
 
+    # On the launcher's supervising loop: a server that does not answer would hold each
+    # call for up to 90 s (three tries), and the dead workers' trials wait on it.
+    if not health_ok(uri, any_status=True):
+        logger.warning("trial %s: no MLflow run recorded: the server does not answer", trial.number)
+        return None
     outcome = _dead_outcome(reason)
     try:
         client = _client(uri)
@@ -997,7 +1003,7 @@ def record_dead_trial_run(
             for step, value in sorted(trial.intermediate_values.items()):
                 tracker.log_epoch(step, {cfg.reported_metric: value})  # what was reported
         finally:
-            tracker.finish(outcome, None, {}, [], None, reason=reason)
+            tracker.finish(outcome, None, {}, [], None, reason=reason, timeout_s=10.0)
         return tracker.run_id
     except Exception as exc:  # best effort: the Optuna state is what counts
         logger.warning(

@@ -213,6 +213,11 @@ def test_a_dead_trial_without_a_run_gets_one_from_optuna(
     assert (
         record_dead_trial_run(cfg, mlflow_server.url, frozen, "worker died") is None
     )  # no study run
+    # A server that does not answer holds up the launcher's supervising loop for a moment,
+    # not for MLflow's three 30 s tries of each call.
+    t0 = time.monotonic()
+    assert record_dead_trial_run(cfg, "http://127.0.0.1:9", frozen, "worker died") is None
+    assert time.monotonic() - t0 < 5.0
 
     parent = open_study_run(cfg, spec, mlflow_server.url)
     run_id = record_dead_trial_run(cfg, mlflow_server.url, frozen, "worker died (signal 9)")
