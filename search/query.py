@@ -11,10 +11,15 @@ from typing import Any
 import optuna
 import pandas as pd
 from hpsearch.errors import HpsearchError, StorageError, StudyNotFoundError
-from hpsearch.storage import StorageSpec, has_optuna_tables, open_storage, resolve_storage
+from hpsearch.storage import (
+    StorageSpec,
+    has_optuna_tables,
+    open_storage,
+    resolve_storage,
+    storage_file,
+)
 from hpsearch.study import CONFIG_ATTR, rank_key
 from optuna.trial import FrozenTrial, TrialState
-from sqlalchemy.engine import make_url
 
 USER_COLUMNS = ("outcome", "worker", "host", "test_acc", "mlflow_run_id")
 
@@ -25,17 +30,6 @@ def default_workdir() -> Path:
 
 def _spec(storage: str | None, workdir: Path | None) -> StorageSpec:
     return resolve_storage(storage, workdir or default_workdir())
-
-
-def _file_missing(spec: StorageSpec) -> bool:
-    """Whether the file a journal or SQLite storage names is not there."""
-    if spec.kind == "journal":
-        return not Path(spec.url).exists()
-    url = make_url(spec.url)
-    db = url.database or ""
-    return (
-        url.get_backend_name() == "sqlite" and db not in ("", ":memory:") and not Path(db).exists()
-    )
 
 
 def load_study(name: str, storage: str | None = None, workdir: Path | None = None) -> optuna.Study:
@@ -180,7 +174,8 @@ def study_status(name: str, storage: str | None = None, workdir: Path | None = N
 def list_studies(storage: str | None = None, workdir: Path | None = None) -> list[dict[str, Any]]:
     spec = _spec(storage, workdir)
     if not has_optuna_tables(spec):
-        if (storage or os.environ.get("HPSEARCH_STORAGE")) and _file_missing(spec):
+        file = storage_file(spec)
+        if (storage or os.environ.get("HPSEARCH_STORAGE")) and file and not file.exists():
             # A mistyped path, not an empty store (the work folder's own journal is made by
             # its first launch).
             raise StorageError(f"storage {spec.display}: no such file")

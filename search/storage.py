@@ -271,17 +271,25 @@ def init_storage(storage: str | None, workdir: Path) -> StorageSpec:
     return spec
 
 
+def storage_file(spec: StorageSpec) -> Path | None:
+    """The file a journal or SQLite storage keeps its studies in; None for a database
+    server's, or SQLite in memory."""
+    if spec.kind == "journal":
+        return Path(spec.url)
+    url = make_url(spec.url)
+    db = url.database or ""
+    return Path(db) if url.get_backend_name() == "sqlite" and db not in ("", ":memory:") else None
+
+
 def has_optuna_tables(spec: StorageSpec) -> bool:
     """Whether the database holds Optuna's tables; reads only (a SQLite file that does not
     exist is not created). For readers, which must not create a schema in a database a
     URL names by mistake."""
+    file = storage_file(spec)
     if spec.kind == "journal":
-        return Path(spec.url).exists()  # a folder there: open_storage says so
-    url = make_url(spec.url)
-    if url.get_backend_name() == "sqlite":
-        db = url.database or ""
-        if db in ("", ":memory:") or not Path(db).is_file():
-            return False
+        return file is not None and file.exists()  # a folder there: open_storage says so
+    if make_url(spec.url).get_backend_name() == "sqlite" and (file is None or not file.is_file()):
+        return False
     try:
         engine = sa.create_engine(spec.url, **_one_shot_engine_kwargs(spec))
     except (SQLAlchemyError, NoSuchModuleError) as exc:

@@ -199,9 +199,8 @@ def rehearse(cfg: StudyConfig) -> None:
         _rehearse_trials(cfg, study, n_trials, len(directions))
 
 
-class _DropAll(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
+def _drop(record: logging.LogRecord) -> bool:
+    return False
 
 
 @contextlib.contextmanager
@@ -209,15 +208,12 @@ def _quiet(logger: logging.Logger) -> Iterator[None]:
     """Drop what `logger`'s own handlers (Optuna's stderr handler) would print meanwhile."""
     handlers = list(logger.handlers)
     for handler in handlers:
-        handler.addFilter(_DROP_ALL)
+        handler.addFilter(_drop)
     try:
         yield
     finally:
         for handler in handlers:
-            handler.removeFilter(_DROP_ALL)
-
-
-_DROP_ALL = _DropAll()
+            handler.removeFilter(_drop)
 
 
 def _rehearse_trials(cfg: StudyConfig, study: optuna.Study, n_trials: int, n_values: int) -> None:

@@ -238,13 +238,8 @@ def chunk_batch(
 def is_permanent_error(exc: BaseException) -> bool:
     """True for errors that retrying cannot fix (HTTP 4xx other than 408/429: bad value,
     missing run, permission); False for transport errors, timeouts and 5xx."""
-    if isinstance(exc, MlflowException):
-        try:
-            code = int(exc.get_http_status_code())
-        except (TypeError, ValueError):
-            return False
-        return 400 <= code < 500 and code not in (408, 429)
-    return False
+    code = _http_status(exc)
+    return code is not None and 400 <= code < 500 and code not in (408, 429)
 
 
 def backoff_delays(initial_s: float, factor: float, max_s: float) -> Iterator[float]:
@@ -1041,7 +1036,7 @@ def write_spool(
 
 
 def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
-    """Send the runs kept in ``spool_dir`` (`write_spool`), oldest first: their batches,
+    """Send the runs kept in ``spool_dir`` (`write_spool`), in name order: their batches,
     the incomplete tag, the traceback, then their status. A file is claimed by renaming
     it (two workers of one host share the folder) and deleted once sent; it goes back when
     the server fails again, which ends this call. The number of runs sent. Never raises."""
@@ -1090,6 +1085,7 @@ def _reclaim_abandoned(spool_dir: Path) -> None:
 
 
 def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status an MLflow error stands for; None for any other error."""
     if not isinstance(exc, MlflowException):
         return None
     try:
