@@ -124,16 +124,30 @@ def warm_cache(cfg: StudyConfig, workdir: Path) -> float:
     """Decode the study's splits into `workdir/cache` (the fast path's uint8 cache) the way its
     trials will, so that no timed launch pays the one-time decode. Returns seconds spent."""
     from hpsearch.trainer import data
-    from hpsearch.trainer.trial import cache_size
 
     t0 = time.perf_counter()
-    size = cache_size(cfg, cfg.resolve_params({}))
     splits = ["train", "val"] + (["test"] if cfg.trainer.evaluate_test else [])
     sources = [s for s in (data.get_source(cfg, split) for split in splits) if s is not None]
-    if data.use_fast_path(cfg, sources, size):
-        for src in sources:
-            data.load_or_build_cache(src, size, workdir, cfg.dataset.on_corrupt)
+    for size in cache_sizes(cfg):
+        if data.use_fast_path(cfg, sources, size):
+            for src in sources:
+                data.load_or_build_cache(src, size, workdir, cfg.dataset.on_corrupt)
     return time.perf_counter() - t0
+
+
+def cache_sizes(cfg: StudyConfig) -> list[int]:
+    """The cache sizes (px) the study's trials read: one per image_size choice when the study
+    searches it from a list and pins no dataset.cache_size, else the one its defaults give.
+    (A searched int range would need one cache per size: its trials build those.)"""
+    from hpsearch.config import CategoricalParam
+    from hpsearch.trainer.trial import cache_size
+
+    space = cfg.search_space.get("image_size")
+    if isinstance(space, CategoricalParam):
+        hps = [cfg.resolve_params({"image_size": s}) for s in space.choices]
+    else:
+        hps = [cfg.resolve_params({})]
+    return sorted({cache_size(cfg, hp) for hp in hps})
 
 
 def share_cache(shared: Path, workdir: Path) -> None:
@@ -375,10 +389,14 @@ class GpuWatch:
 
     def __enter__(self) -> GpuWatch:
         if self.device == "cuda":
+            from hpsearch.packing import gpus_through_mask
             from hpsearch.tracking.gpu import GpuSampler
 
             # The launcher sets CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA index N is NVML index N.
-            sampler = GpuSampler(self._record, interval_s=self.interval_s, visible_devices=self.gpu)
+            # `--gpu N` counts the GPUs this process sees, as the launch's `--gpus` does: under
+            # CUDA_VISIBLE_DEVICES=2 the worker's GPU is the machine's 2, not NVML's 0.
+            gpu = gpus_through_mask([self.gpu])[0]
+            sampler = GpuSampler(self._record, interval_s=self.interval_s, visible_devices=gpu)
             if sampler.start():
                 self._sampler = sampler
         return self

@@ -9,8 +9,13 @@ and `--set trainer.defaults.<param>=<value>`), pruning and early stopping off, a
 trial. The decoded data cache is built once beforehand and shared by every run, so no run pays
 the one-time decode. Per W:
 
-  trials/h      completed trials / launch wall time x 3600 (worker start-up included)
+  trials/h      completed trials / launch wall time x 3600 (worker start-up included: spread
+                over W x k trials, so a larger W pays less of it per trial)
+  window/h      completed trials / (the last trial's end - the first trial's start) x 3600:
+                the rate while trials run, start-up left out on every side
   speedup       trials/h over that of the first worker count given (normally W=1)
+  speedup win   window/h over that of the first worker count given (the issue's target is
+                judged on this one: it does not reward spreading start-up over more trials)
   img/s e2e     training images of all trials / launch wall time
   img/s steady  W x the median per-epoch training images/s of a trial (epochs after the
                 first): the throughput while all W workers train at once
@@ -40,6 +45,7 @@ import argparse
 import json
 import math
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -58,6 +64,7 @@ from common import (
     load_launched_study,
     load_study_config,
     parse_workers,
+    raise_keyboard_interrupt,
     resolve_device,
     run_launch,
     seconds_since,
@@ -259,6 +266,7 @@ def measure(
         "bench_stops": run.stops,
         "wall_s": run.wall_s,
         "trials_per_hour": len(done) / run.wall_s * 3600.0,
+        "trials_per_hour_window": window_trials_per_hour(rows),
         "epochs": epochs,
         "train_images": epochs * per_epoch,
         "images_per_second_e2e": epochs * per_epoch / run.wall_s,
@@ -294,6 +302,29 @@ def measure(
     return result
 
 
+def window_trials_per_hour(rows: list[dict[str, Any]]) -> float | None:
+    """Completed trials per hour from the first trial's start to the last completed trial's
+    end (`start_s`, `duration_s`: seconds from the launch's start); None under two trials,
+    where the window would be one trial's own duration."""
+    done = [r for r in rows if r["state"] == "COMPLETE" and r["duration_s"] is not None
+            and r["start_s"] is not None]  # fmt: skip
+    starts = [r["start_s"] for r in rows if r["start_s"] is not None]
+    if len(done) < 2 or not starts:
+        return None
+    window = max(r["start_s"] + r["duration_s"] for r in done) - min(starts)
+    return len(done) / window * 3600.0 if window > 0 else None
+
+
+def speedups(results: list[dict[str, Any]], key: str) -> None:
+    """`results[i]["speedup" | "speedup_window"]`: `key` over that of the first count whose
+    launch ran (a failed one's 0 would void the rest)."""
+    name = "speedup" if key == "trials_per_hour" else "speedup_window"
+    ran = [r for r in results if "complete" in r and r.get(key)]
+    base = ran[0][key] if ran else None
+    for r in results:
+        r[name] = r[key] / base if base and "complete" in r and r.get(key) else None
+
+
 def _states(trials: list[Any]) -> list[str]:
     return sorted({t.state.name for t in trials})
 
@@ -307,7 +338,8 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
     )
     head = (
         f"{'workers':>7} {'trials':>6} {'wall s':>7} {'trials/h':>9} {'speedup':>7} "
-        f"{'img/s e2e':>10} {'img/s steady':>12} {'s/trial':>8} {'1st trial s':>11} "
+        f"{'window/h':>9} {'speedup win':>11} {'img/s e2e':>10} {'img/s steady':>12} "
+        f"{'s/trial':>8} {'1st trial s':>11} "
         f"{'GPU util %':>10} {'GPU mem MiB':>11}"
     )
     print(head)
@@ -321,6 +353,7 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
         print(
             f"{label:>7} {r['complete']:>6} {r['wall_s']:>7.1f} "
             f"{r['trials_per_hour']:>9.1f} {fmt(r['speedup'], '.2f'):>7} "
+            f"{fmt(r.get('trials_per_hour_window')):>9} {fmt(r.get('speedup_window'), '.2f'):>11} "
             f"{r['images_per_second_e2e']:>10.1f} {fmt(r['images_per_second_steady']):>12} "
             f"{fmt(r['trial_seconds_mean']):>8} {fmt(r['first_trial_start_s']):>11} "
             f"{fmt(r['gpu_utilization_mean']):>10} {fmt(mem, '.0f'):>11}"
@@ -328,12 +361,14 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
     # Where a trial's time went (means over trials, s): the trainer's set-up; training; the
     # rest of its epochs (validation, report, checkpoint hand-off, logging: the worker's
     # epochs_s minus training); the finish (test pass, best model's write); and the rest of
-    # the trial (ask, tell, start-up outside the trainer). The bench restarts no worker
-    # (--max-restarts 0) and retries no trial (--max-retries 0), and a run with a failed trial
-    # or a dead worker is an error: every epoch in a trial's history ran in its timed call.
+    # the trial (ask, tell, start-up outside the trainer); a packed trial's wait for GPU
+    # memory (`--workers auto`'s admission) is its own column, not part of the rest. The bench
+    # restarts no worker (--max-restarts 0) and retries no trial (--max-retries 0), and a run
+    # with a failed trial or a dead worker is an error: every epoch in a trial's history ran in
+    # its timed call.
     head = (
         f"{'workers':>7} {'warm s/trial':>12} {'warm trials/h':>13} {'setup':>6} {'train':>6} "
-        f"{'epoch rest':>10} {'finish':>6} {'other':>6}"
+        f"{'epoch rest':>10} {'finish':>6} {'gpu wait':>8} {'other':>6}"
     )
     print("\n" + head)
     print("-" * len(head))
@@ -344,7 +379,8 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
         label = r["workers_arg"] if r["workers_arg"] != "auto" else f"auto:{r['workers']}"
         train, epochs = r.get("train_seconds_mean"), t.get("epochs_s_mean")
         val = epochs - train if train is not None and epochs is not None else None
-        parts = [t.get("setup_s_mean"), t.get("epochs_s_mean"), t.get("finish_s_mean")]
+        wait = t.get("admission_wait_s_mean", 0.0)
+        parts = [t.get("setup_s_mean"), t.get("epochs_s_mean"), t.get("finish_s_mean"), wait]
         other = (
             t["trial_s_mean"] - sum(p for p in parts if p is not None)
             if "trial_s_mean" in t and None not in parts
@@ -354,7 +390,7 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
             f"{label:>7} {fmt(r.get('warm_trial_seconds_mean'), '.2f'):>12} "
             f"{fmt(r.get('warm_trials_per_hour')):>13} {fmt(t.get('setup_s_mean'), '.2f'):>6} "
             f"{fmt(train, '.2f'):>6} {fmt(val, '.2f'):>10} {fmt(t.get('finish_s_mean'), '.2f'):>6} "
-            f"{fmt(other, '.2f'):>6}"
+            f"{fmt(wait, '.2f'):>8} {fmt(other, '.2f'):>6}"
         )
     for r in results:
         if r.get("auto_reason"):
@@ -365,6 +401,10 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (run.sh's `timeout`) raises KeyboardInterrupt everywhere, the cache's warm-up and
+    # the reading of a finished launch included: the rows so far stay in the JSON, and the
+    # work folder is removed (run_launch's own handler covers only its launch).
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     try:
         device = resolve_device(args.device)
         base_cfg = load_study_config(args.study, args.overrides, args.data_dir)
@@ -396,12 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data cache ready in {record['cache_warm_s']:.1f}s; {per_epoch} training images "
               "per epoch")  # fmt: skip
         for w in args.workers:
-            r = measure(args, cfg, sets, w, root, device, per_epoch)
-            # over the first count whose launch ran (a failed one's 0 would void the rest)
-            ran = [x for x in [*results, r] if "complete" in x]
-            base = ran[0]["trials_per_hour"] if ran else None
-            r["speedup"] = r["trials_per_hour"] / base if base and "complete" in r else None
-            results.append(r)
+            results.append(measure(args, cfg, sets, w, root, device, per_epoch))
+            speedups(results, "trials_per_hour")
+            speedups(results, "trials_per_hour_window")
+            r = results[-1]
             if args.json_path:  # after every run: a bench stopped later keeps what it has
                 Path(args.json_path).write_text(json.dumps(record, indent=2, default=str))
             if r.get("interrupted"):

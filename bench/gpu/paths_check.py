@@ -117,6 +117,8 @@ def check_oom(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "allocated_after_gib": torch.cuda.memory_allocated() / 2**30,
             "reserved_after_gib": torch.cuda.memory_reserved() / 2**30,
         }
+        # The small trial's own peak, not the failed one's (which pressed the cap).
+        torch.cuda.reset_peak_memory_stats(0)
         small, seconds = run_trial(args, workdir, ["budget.max_epochs=1"], PARAMS)
         out["small_after"] = {
             "stop_reason": small.stop_reason,

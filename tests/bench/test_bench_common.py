@@ -14,7 +14,8 @@ from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,45 @@ def test_gpu_watch_mean_between(common: ModuleType) -> None:
     watch._record({"system/gpu_utilization": 42.0, "system/gpu_memory_used_mb": 1.0})
     watch._record({"system/gpu_memory_used_mb": 1.0})  # no utilization: not a sample
     assert [u for _, u in watch.series[3:]] == [42.0]
+
+
+def test_gpu_watch_samples_the_masked_gpu(
+    common: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--gpu 0` under CUDA_VISIBLE_DEVICES=2 is the machine's GPU 2, the one the launch's
+    worker trains on (before, the watch sampled NVML's device 0: another GPU)."""
+    import hpsearch.tracking.gpu as gpu_mod
+
+    asked: list[str | None] = []
+
+    class FakeSampler:
+        def __init__(self, sink: object, interval_s: float, visible_devices: str | None) -> None:
+            asked.append(visible_devices)
+
+        def start(self) -> bool:
+            return False  # no NVML: the watch reports n/a
+
+    monkeypatch.setattr(gpu_mod, "GpuSampler", FakeSampler)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with common.GpuWatch("cuda", "0"):
+        pass
+    with common.GpuWatch("cuda", "1"):
+        pass
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with common.GpuWatch("cuda", None):
+        pass
+    assert asked == ["2", "3", "0"]
+
+
+def test_the_warm_up_covers_every_image_size_the_study_searches(common: ModuleType) -> None:
+    """Without dataset.cache_size each image_size choice reads its own cache (8/7 of it):
+    warming only the default's left the others to decode inside the timed budget."""
+    from hpsearch.config import load_config
+
+    study = REPO / "studies" / "flowers102.yaml"
+    cfg = load_config(study, ["dataset.cache_size=null"], data_dir="unused")
+    assert common.cache_sizes(cfg) == [110, 146]  # image_size choices 96 and 128
+    assert common.cache_sizes(load_config(study, [], data_dir="unused")) == [144]
 
 
 def test_trial_timings_means(common: ModuleType, tmp_path: Path) -> None:

@@ -52,6 +52,11 @@ def overhead() -> ModuleType:
     return _bench_module("overhead")
 
 
+@pytest.fixture(scope="module")
+def packing() -> ModuleType:
+    return _bench_module("packing")
+
+
 # --- percentiles --------------------------------------------------------------------------
 
 
@@ -83,6 +88,56 @@ def test_the_benches_use_it(overhead: ModuleType) -> None:
     s = overhead.summary([1.0, 2.0, 3.0, 4.0])
     assert s["n"] == 4 and s["p50"] == 2.5  # the keys docs and JSON readers use, kept
     assert tracking.summary_ms([0.001, 0.002])["p50"] == pytest.approx(1.5)
+
+
+def test_overhead_ratio_is_the_median_of_the_pairs(overhead: ModuleType) -> None:
+    # Machine Q's three pairs (plain, hpsearch wall s): the sides' medians (109.3, 118.1 s)
+    # came from different pairs and gave 1.080, below every pair but the first.
+    pairs = [(119.4, 114.4), (109.3, 122.2), (103.4, 118.1)]
+    ratios = [h / p for p, h in pairs]
+    assert overhead.headline_ratio(ratios) == pytest.approx(122.2 / 109.3)
+    assert overhead.headline_ratio([1.2]) == 1.2
+    assert overhead.headline_ratio([]) is None
+
+
+def test_overhead_resolves_a_relative_data_dir(
+    overhead: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sides run with their scratch folder as cwd, where "data" is another folder.
+    monkeypatch.chdir(tmp_path)
+    args = overhead.parse_args(["--data-dir", "data"])
+    assert args.data_dir == str(tmp_path / "data")
+
+
+# --- bench/packing.py ---------------------------------------------------------------------
+
+
+def _row(number: int, start_s: float, duration_s: float, state: str = "COMPLETE") -> dict:
+    return {"number": number, "state": state, "start_s": start_s, "duration_s": duration_s}
+
+
+def test_packing_rate_over_the_trial_window_leaves_start_up_out(packing: ModuleType) -> None:
+    # W=1: two 10 s trials after 12 s of start-up; W=4: eight 20 s trials, four at a time,
+    # after the same 12 s. Over the launch (32 s, 52 s) the 4 workers look 2.46x as fast;
+    # over the window from the first start to the last end (20 s, 40 s) they are 2.0x.
+    one = [_row(0, 12.0, 10.0), _row(1, 22.0, 10.0)]
+    four = [_row(i, 12.0 + 20.0 * (i // 4), 20.0) for i in range(8)]
+    assert packing.window_trials_per_hour(one) == pytest.approx(2 / 20 * 3600)
+    assert packing.window_trials_per_hour(four) == pytest.approx(8 / 40 * 3600)
+    results = [
+        {"complete": 2, "trials_per_hour": 2 / 32 * 3600,
+         "trials_per_hour_window": packing.window_trials_per_hour(one)},
+        {"complete": 8, "trials_per_hour": 8 / 52 * 3600,
+         "trials_per_hour_window": packing.window_trials_per_hour(four)},
+    ]  # fmt: skip
+    packing.speedups(results, "trials_per_hour")
+    packing.speedups(results, "trials_per_hour_window")
+    assert results[1]["speedup"] == pytest.approx(2.46, abs=0.01)
+    assert results[1]["speedup_window"] == pytest.approx(2.0)
+    # a pruned trial counts in the window's start, not among the completed
+    pruned = [_row(0, 5.0, 1.0, "PRUNED"), *one]
+    assert packing.window_trials_per_hour(pruned) == pytest.approx(2 / 27 * 3600)
+    assert packing.window_trials_per_hour(one[:1]) is None  # one trial: no window
 
 
 # --- bench/storage.py ---------------------------------------------------------------------
