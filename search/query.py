@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import optuna
 import pandas as pd
-from hpsearch.errors import HpsearchError, StorageError, StudyNotFoundError
+from hpsearch.errors import ConfigError, HpsearchError, StorageError, StudyNotFoundError
 from hpsearch.storage import (
     StorageSpec,
     has_optuna_tables,
@@ -24,26 +27,78 @@ from optuna.trial import FrozenTrial, TrialState
 USER_COLUMNS = ("outcome", "worker", "host", "test_acc", "mlflow_run_id")
 
 
+# What the API takes for `storage` and `workdir`: a notebook passes strings and paths alike.
+StorageArg = str | os.PathLike[str] | None
+WorkdirArg = str | os.PathLike[str] | None
+
+
 def default_workdir() -> Path:
-    return Path(os.environ.get("HPSEARCH_WORKDIR", ".hpsearch"))
+    # An empty HPSEARCH_WORKDIR is unset, as for the CLI (click reads it so).
+    return Path(os.environ.get("HPSEARCH_WORKDIR") or ".hpsearch")
 
 
-def _spec(storage: str | None, workdir: Path | None) -> StorageSpec:
-    return resolve_storage(storage, workdir or default_workdir())
+def _workdir(workdir: WorkdirArg) -> Path:
+    return Path(workdir) if workdir else default_workdir()
 
 
-def load_study(name: str, storage: str | None = None, workdir: Path | None = None) -> optuna.Study:
-    """The `optuna.Study` named `name` (storage: URL, else HPSEARCH_STORAGE, else the journal)."""
+def _spec(storage: StorageArg, workdir: WorkdirArg) -> StorageSpec:
+    if storage is not None and not isinstance(storage, str | os.PathLike):
+        raise StorageError(
+            f"storage: {type(storage).__name__}: expected a storage URL or a journal file's "
+            "path (an Optuna storage object: optuna.load_study(storage=...) reads it directly)"
+        )
+    return resolve_storage(os.fspath(storage) if storage else None, _workdir(workdir))
+
+
+def _missing_file(spec: StorageSpec, given: bool) -> StorageError | None:
+    """A SQLite or journal file named (storage=, HPSEARCH_STORAGE) that is not there: a
+    mistyped path, not an empty store (the work folder's own journal is made by its first
+    launch)."""
+    file = storage_file(spec)
+    if given and file is not None and not file.exists():
+        return StorageError(f"storage {spec.display}: no such file")
+    return None
+
+
+def _open(name: str, storage: StorageArg, workdir: WorkdirArg) -> tuple[optuna.Study, Any]:
+    """The study and the storage it reads, whose connections the caller disposes of."""
     spec = _spec(storage, workdir)
+    given = bool(storage or os.environ.get("HPSEARCH_STORAGE"))
+    if (missing := _missing_file(spec, given)) is not None:
+        raise missing
     if spec.kind == "journal" and not Path(spec.url).exists():
         raise StudyNotFoundError(f"study {name!r} not found: no journal at {spec.url}")
     if spec.kind == "rdb" and not has_optuna_tables(spec):  # none made in a mistyped database
         raise StudyNotFoundError(f"study {name!r} not found: no Optuna tables in {spec.display}")
     st = open_storage(spec, pool_size=1, create=False)
     try:
-        return optuna.load_study(study_name=name, storage=st)
+        return optuna.load_study(study_name=name, storage=st), st
     except KeyError as exc:
+        _dispose(st)
         raise StudyNotFoundError(f"study {name!r} not found in {spec.display}") from exc
+
+
+def _dispose(storage: Any) -> None:
+    """Close a storage's pooled connections now: each call here made its own engine, and a
+    notebook or dashboard polling `study_status` would otherwise hold a growing number of
+    PostgreSQL connections until the garbage collector ran."""
+    engine = getattr(storage, "engine", None)
+    if engine is not None:
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def _reading(name: str, storage: StorageArg, workdir: WorkdirArg) -> Iterator[optuna.Study]:
+    study, st = _open(name, storage, workdir)
+    try:
+        yield study
+    finally:
+        _dispose(st)
+
+
+def load_study(name: str, storage: StorageArg = None, workdir: WorkdirArg = None) -> optuna.Study:
+    """The `optuna.Study` named `name` (storage: URL, else HPSEARCH_STORAGE, else the journal)."""
+    return _open(name, storage, workdir)[0]
 
 
 def _ranked(study: optuna.Study) -> list[FrozenTrial]:
@@ -87,28 +142,34 @@ FIXED_COLUMNS = ("number", "value", "state", "datetime_start", "duration_s", *US
 
 
 def top_trials(
-    name: str, storage: str | None = None, k: int = 5, workdir: Path | None = None
+    name: str, storage: StorageArg = None, k: int = 5, workdir: WorkdirArg = None
 ) -> list[dict[str, Any]]:
     """`best_trials` as rows (`trial_row`), each with only its own trial's parameters."""
-    return _top_rows(load_study(name, storage, workdir), k)
+    _check_k(k)
+    with _reading(name, storage, workdir) as study:
+        return _top_rows(study, k)
+
+
+def _check_k(k: object) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"k: {k!r}: must be a whole number, at least 1")
 
 
 def _top_rows(study: optuna.Study, k: int) -> list[dict[str, Any]]:
-    if k < 1:
-        raise HpsearchError(f"k: {k}: must be at least 1")
     return [trial_row(t) for t in _ranked(study)[:k]]
 
 
 def best_trials(
-    name: str, storage: str | None = None, k: int = 5, workdir: Path | None = None
+    name: str, storage: StorageArg = None, k: int = 5, workdir: WorkdirArg = None
 ) -> pd.DataFrame:
     """The top-k completed trials, best first: number, value, state, one `params_<name>` column
     per parameter, start and duration, and user attributes including `mlflow_run_id`. Its
     columns are there when no trial has completed yet (an empty frame). A multi-objective
     study gives its Pareto front, ordered by the first objective."""
-    study = load_study(name, storage, workdir)
-    rows = _top_rows(study, k)
-    params = sorted(f"params_{p}" for p in _param_names(study))
+    _check_k(k)
+    with _reading(name, storage, workdir) as study:
+        rows = _top_rows(study, k)
+        params = sorted(f"params_{p}" for p in _param_names(study))
     return pd.DataFrame(rows, columns=[*FIXED_COLUMNS[:3], *params, *FIXED_COLUMNS[3:]])
 
 
@@ -144,9 +205,14 @@ class StudyStatus:
     pareto_size: int | None = None
 
 
-def study_status(name: str, storage: str | None = None, workdir: Path | None = None) -> StudyStatus:
+def study_status(name: str, storage: StorageArg = None, workdir: WorkdirArg = None) -> StudyStatus:
     spec = _spec(storage, workdir)
-    study = load_study(name, storage, workdir)
+    with _reading(name, storage, workdir) as study:
+        return _status(study, spec)
+
+
+def _status(study: optuna.Study, spec: StorageSpec) -> StudyStatus:
+    name = study.study_name
     trials = study.get_trials(deepcopy=False)
     counts = {s.name.lower(): 0 for s in TrialState}
     for t in trials:
@@ -163,26 +229,25 @@ def study_status(name: str, storage: str | None = None, workdir: Path | None = N
         for t in trials
         if t.state == TrialState.RUNNING
     ]
-    startups = sorted(
-        float(t.user_attrs["startup_s"]) for t in trials if "startup_s" in t.user_attrs
-    )
-    median = startups[len(startups) // 2] if startups else None
+    startups = [float(t.user_attrs["startup_s"]) for t in trials if "startup_s" in t.user_attrs]
+    median = statistics.median(startups) if startups else None
     pareto = len(ranked) if len(study.directions) > 1 else None
     return StudyStatus(name, counts, best, running, spec.display, median, pareto)
 
 
-def list_studies(storage: str | None = None, workdir: Path | None = None) -> list[dict[str, Any]]:
+def list_studies(storage: StorageArg = None, workdir: WorkdirArg = None) -> list[dict[str, Any]]:
     spec = _spec(storage, workdir)
     if not has_optuna_tables(spec):
-        file = storage_file(spec)
-        if (storage or os.environ.get("HPSEARCH_STORAGE")) and file and not file.exists():
-            # A mistyped path, not an empty store (the work folder's own journal is made by
-            # its first launch).
-            raise StorageError(f"storage {spec.display}: no such file")
+        if missing := _missing_file(spec, bool(storage or os.environ.get("HPSEARCH_STORAGE"))):
+            raise missing
         return []
     st = open_storage(spec, pool_size=1, create=False)
+    try:
+        summaries = optuna.get_all_study_summaries(st, include_best_trial=True)
+    finally:
+        _dispose(st)
     out = []
-    for s in optuna.get_all_study_summaries(st, include_best_trial=True):
+    for s in summaries:
         best = s.best_trial
         out.append(
             {
@@ -215,11 +280,11 @@ def _local_best_model(trial: FrozenTrial, workdir: Path) -> Path | None:
 
 def load_best_model(
     name: str,
-    storage: str | None = None,
+    storage: StorageArg = None,
     tracking_uri: str | None = None,
     *,
     trial: int | None = None,
-    workdir: Path | None = None,
+    workdir: WorkdirArg = None,
     device: str = "cpu",
 ) -> Any:
     """The torch model of the best trial (or of completed trial number `trial`), in eval
@@ -231,29 +296,32 @@ def load_best_model(
     from hpsearch.config import config_from_yaml
     from hpsearch.trainer import load_trained_model
 
-    study = load_study(name, storage, workdir)
+    with _reading(name, storage, workdir) as study:
+        best = _chosen(study, name, trial)
+        raw_cfg = study.user_attrs.get(CONFIG_ATTR)
+    if not raw_cfg:
+        raise HpsearchError(f"study {name!r} has no stored config; was it created by hpsearch?")
+    cfg = config_from_yaml(raw_cfg, f"study {name}")
+    path = best_model_file(best, tracking_uri, _workdir(workdir))
+    return load_trained_model(cfg, best.params, path, device=device)
+
+
+def _chosen(study: optuna.Study, name: str, trial: int | None) -> FrozenTrial:
     if trial is not None:
         done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         chosen = [t for t in done if t.number == trial]
         if not chosen:
             raise HpsearchError(f"study {name!r}: trial {trial}: no such completed trial")
-        best = chosen[0]
-    else:
-        if len(study.directions) > 1:
-            raise HpsearchError(
-                f"study {name!r} is multi-objective: no single best trial; pick one of "
-                "best_trials() and pass trial=NUMBER"
-            )
-        ranked = _ranked(study)
-        if not ranked:
-            raise HpsearchError(f"study {name!r} has no completed trial yet")
-        best = ranked[0]
-    raw_cfg = study.user_attrs.get(CONFIG_ATTR)
-    if not raw_cfg:
-        raise HpsearchError(f"study {name!r} has no stored config; was it created by hpsearch?")
-    cfg = config_from_yaml(raw_cfg, f"study {name}")
-    path = best_model_file(best, tracking_uri, workdir or default_workdir())
-    return load_trained_model(cfg, best.params, path, device=device)
+        return chosen[0]
+    if len(study.directions) > 1:
+        raise HpsearchError(
+            f"study {name!r} is multi-objective: no single best trial; pick one of "
+            "best_trials() and pass trial=NUMBER"
+        )
+    ranked = _ranked(study)
+    if not ranked:
+        raise HpsearchError(f"study {name!r} has no completed trial yet")
+    return ranked[0]
 
 
 def best_model_file(trial: FrozenTrial, tracking_uri: str | None, workdir: Path) -> Path:

@@ -6,10 +6,13 @@ import json
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpsearch.config import StudyConfig
 from hpsearch.errors import ConfigError, DataError, HpsearchError
+
+if TYPE_CHECKING:
+    from optuna.trial import FrozenTrial
 
 
 def flowers_layout_message(root: Path, problem: str = "not found or incomplete") -> str:
@@ -102,7 +105,7 @@ def fixed_params(
         matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial_number]
         if not matches:
             raise HpsearchError(f"--trial: {trial_number}: no such trial in study {cfg.name!r}")
-        return dict(matches[0].params)
+        return trial_params(matches[0], cfg)
     if params_json is None:
         return {}
     try:
@@ -115,6 +118,21 @@ def fixed_params(
     unknown = sorted(set(params) - set(cfg.fixed_params()))
     if unknown:
         raise ConfigError(f"--params: {', '.join(unknown)}: unknown hyperparameter")
+    return params
+
+
+def trial_params(trial: FrozenTrial, cfg: StudyConfig) -> dict[str, Any]:
+    """The parameters trial N trained with, or will: those it drew, over those fixed for it
+    (`study.enqueue_trial`, a retry's: Optuna keeps them in system_attrs until the trial
+    runs). A trial with none while the study searches some (failed before it drew them) is
+    an error: the study's defaults under its name would be another trial."""
+    fixed = trial.system_attrs.get("fixed_params")
+    params = {**(fixed if isinstance(fixed, dict) else {}), **trial.params}
+    if not params and cfg.search_space:
+        raise HpsearchError(
+            f"--trial: {trial.number}: trial {trial.number} of study {cfg.name!r} "
+            f"({trial.state.name}) has no parameters: it never drew them"
+        )
     return params
 
 

@@ -99,7 +99,10 @@ def resolve_storage(cli_value: str | None, workdir: Path) -> StorageSpec:
         if value.endswith((".journal", ".log")):
             path = Path(value).resolve()
             return StorageSpec("journal", str(path), f"journal:{path}")
-        raise StorageError(f"{origin}: {value!r}: not a storage URL; use {SUPPORTED}")
+        raise StorageError(
+            f"{origin}: {value!r}: not a storage URL; use {SUPPORTED} (a journal file's name "
+            "ends in .journal or .log)"
+        )
     scheme = value.split("://", 1)[0]
     if scheme.startswith("journal"):
         path = Path(value.split("://", 1)[1]).resolve()

@@ -51,7 +51,7 @@ def test_readers_create_no_schema_in_a_database_without_one(
     assert _tables(normalize_url(pg_url)) == set()
     typo = tmp_path / "typo.db"
     r = hpsearch(["status", "-s", "x", "--storage", f"sqlite:///{typo}"], subprocess_env)
-    assert r.returncode == 1 and "not found" in r.stderr
+    assert r.returncode == 1 and "typo.db: no such file" in r.stderr, r.stderr  # as `studies`
     assert not typo.exists()
 
 
@@ -236,3 +236,83 @@ def test_another_hosts_best_model_comes_from_mlflow_before_a_file_at_its_path_he
     # Not in MLflow: the file.
     shared = create_trial(value=0.5, user_attrs={"best_model": str(here_file), "host": "b"})
     assert best_model_file(shared, "http://mlflow", tmp_path) == here_file
+
+
+def test_the_api_takes_paths_as_strings_and_refuses_storage_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook passes `workdir="runs"` and `storage=Path(...)`: both were a TypeError."""
+    study = _journal_study(tmp_path, "s", direction="maximize")
+    study.add_trial(create_trial(value=0.5, params={"b": 32},
+                                 distributions={"b": IntDistribution(16, 64)}))  # fmt: skip
+    assert best_trials("s", workdir=str(tmp_path))["number"].tolist() == [0]
+    assert best_trials("s", storage=tmp_path / "optuna.journal")["number"].tolist() == [0]
+    assert hps.study_status("s", workdir=str(tmp_path)).counts["complete"] == 1
+    assert [r["name"] for r in list_studies(workdir=str(tmp_path))] == ["s"]
+    with pytest.raises(hps.StorageError, match="expected a storage URL or a journal file"):
+        best_trials("s", storage=study._storage)  # type: ignore[arg-type]
+    for k in (0, None, "3", 2.5, True):
+        with pytest.raises(hps.ConfigError, match="must be a whole number"):
+            best_trials("s", workdir=tmp_path, k=k)  # type: ignore[arg-type]
+    # An empty HPSEARCH_WORKDIR is unset, as for the CLI: ./.hpsearch, not ./
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HPSEARCH_WORKDIR", "")
+    (tmp_path / ".hpsearch").mkdir()
+    (tmp_path / "optuna.journal").rename(tmp_path / ".hpsearch" / "optuna.journal")
+    assert list(best_trials("s")["number"]) == [0]
+
+
+def test_readers_leave_no_database_connection_open(pg_url: str) -> None:
+    """Each reader made its own engine and left its pooled connection to the garbage
+    collector: a dashboard polling `study_status` held a growing number of them."""
+    import gc
+
+    from hpsearch.storage import normalize_url
+
+    url = normalize_url(pg_url)
+    made = optuna.storages.RDBStorage(url, engine_kwargs={"poolclass": sa.pool.NullPool})
+    optuna.create_study(storage=made, study_name="s", direction="maximize").add_trial(
+        create_trial(value=0.5, params={"b": 32}, distributions={"b": IntDistribution(16, 64)})
+    )
+    database = sa.make_url(url).database
+    eng = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    gc.disable()  # what a busy process may not collect for a while
+    try:
+        for _ in range(3):
+            hps.study_status("s", storage=pg_url)
+            best_trials("s", storage=pg_url)
+            list_studies(pg_url)
+        with eng.connect() as conn:
+            others = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = :d "
+                    "AND pid <> pg_backend_pid()"
+                ),
+                {"d": database},
+            ).scalar_one()
+    finally:
+        gc.enable()
+        eng.dispose()
+    assert others == 0
+
+
+def test_status_median_start_up_of_an_even_count(tmp_path: Path) -> None:
+    study = _journal_study(tmp_path, "s", direction="maximize")
+    for i, startup in enumerate((1.0, 9.0)):
+        study.add_trial(create_trial(value=float(i), user_attrs={"startup_s": startup}))
+    assert hps.study_status("s", workdir=tmp_path).startup_s_median == 5.0  # was 9.0
+
+
+def test_train_trial_n_takes_an_enqueued_trials_params_and_refuses_none(tmp_path: Path) -> None:
+    """`hpsearch train --trial N` on a waiting trial (enqueued: its params are in Optuna's
+    system attrs) trained with the study's defaults under trial N's name."""
+    from hpsearch.config import load_config
+    from hpsearch.runner import fixed_params
+
+    cfg = load_config("tiny")
+    study = _journal_study(tmp_path, cfg.name, direction="maximize")
+    study.enqueue_trial({"lr": 0.02, "batch_size": 16})
+    assert fixed_params(cfg, None, 0, None, tmp_path) == {"lr": 0.02, "batch_size": 16}
+    study.add_trial(create_trial(state=TrialState.FAIL))  # failed before it drew any
+    with pytest.raises(hps.HpsearchError, match=r"trial 1 .*FAIL.* has no parameters"):
+        fixed_params(cfg, None, 1, None, tmp_path)
