@@ -14,6 +14,7 @@ from typing import Any
 import optuna
 import pandas as pd
 from hpsearch.errors import ConfigError, HpsearchError, StorageError, StudyNotFoundError
+from hpsearch.reporting import ATTR_LAST_EPOCH
 from hpsearch.storage import (
     StorageSpec,
     has_optuna_tables,
@@ -224,7 +225,7 @@ def _status(study: optuna.Study, spec: StorageSpec) -> StudyStatus:
             "number": t.number,
             "worker": t.user_attrs.get("worker"),
             "host": t.user_attrs.get("host"),
-            "last_epoch": max(t.intermediate_values) if t.intermediate_values else None,
+            "last_epoch": _last_epoch(t),
         }
         for t in trials
         if t.state == TrialState.RUNNING
@@ -233,6 +234,15 @@ def _status(study: optuna.Study, spec: StorageSpec) -> StudyStatus:
     median = statistics.median(startups) if startups else None
     pareto = len(ranked) if len(study.directions) > 1 else None
     return StudyStatus(name, counts, best, running, spec.display, median, pareto)
+
+
+def _last_epoch(t: FrozenTrial) -> int | None:
+    """The last epoch a running trial reported: its intermediate values, or in a
+    multi-objective study (which keeps none) the attribute its reports write."""
+    if t.intermediate_values:
+        return max(t.intermediate_values)
+    reached = t.user_attrs.get(ATTR_LAST_EPOCH)
+    return int(reached) if isinstance(reached, int | float) else None
 
 
 def list_studies(storage: StorageArg = None, workdir: WorkdirArg = None) -> list[dict[str, Any]]:

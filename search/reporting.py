@@ -50,6 +50,8 @@ from hpsearch.errors import StorageError
 from hpsearch.storage import TRIALS_REFRESH_S, refresh_trials_now, relaxed_trial_reads
 from sqlalchemy.exc import SQLAlchemyError
 
+# The epoch a multi-objective trial reached (no intermediate values there); `status` reads it.
+ATTR_LAST_EPOCH = "last_epoch"
 VIEW_MAX_AGE_S = 5.0  # seconds the other trials' view may lag a pruning decision
 
 Db = Callable[[Callable[[], Any], str], Any]  # runs a storage call with the retry policy
@@ -156,11 +158,19 @@ class TrialReports:
 
     def report(self, epoch: int, value: float) -> bool:
         """Record `value` at `epoch` and return whether the study's pruner stops the trial."""
-        if self._multi:
-            return False  # Optuna keeps no intermediate values for multi-objective studies
         step, value = int(epoch), float(value)
         if step < 0:
             raise ValueError(f"report: epoch {step} must be non-negative")
+        if self._multi:
+            # Optuna keeps no intermediate values for multi-objective studies and prunes
+            # none: the epoch reached goes in a user attribute, for `hpsearch status`.
+            self._jobs.join()
+            self._raise_failure(again=True)
+            storage, tid = self._study._storage, self._trial._trial_id
+            self._submit(
+                (lambda: storage.set_trial_user_attr(tid, ATTR_LAST_EPOCH, step), "report")
+            )
+            return False
         # At most one report's writes in flight: while the database is away, training (and
         # its checkpoints) runs at most one epoch ahead of the stored values, then waits
         # here as it did when the write was made on this thread. Normally the previous

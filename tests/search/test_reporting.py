@@ -189,6 +189,24 @@ def test_a_multi_objective_trial_finishes(tmp_path: Path) -> None:
     assert run_worker(cfg, spec, opts).outcomes == {"finished": 2}
     study = optuna.load_study(study_name=cfg.name, storage=open_storage(spec))
     assert all(len(t.values) == 2 for t in study.trials)
+    # The epoch each reached, where `status` reads a running trial's (no intermediate values)
+    assert [t.user_attrs.get("last_epoch") for t in study.trials] == [2, 2]
+
+
+def test_status_shows_a_running_multi_objective_trials_epoch(tmp_path: Path) -> None:
+    """`hpsearch status` showed "last epoch -" for every running trial of a
+    multi-objective study: it read only intermediate values, which Optuna keeps for none."""
+    from hpsearch.query import study_status
+
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    study = optuna.create_study(
+        study_name="mo", storage=open_storage(spec), directions=["maximize", "minimize"]
+    )
+    trial = study.ask()
+    with TrialReports(study, trial, _db) as reports:
+        assert reports(1, 0.5) is False and reports(3, 0.6) is False
+    [running] = study_status("mo", str(spec.url)).running
+    assert running["number"] == trial.number and running["last_epoch"] == 3
 
 
 def _cut_off(url: str, seconds: float) -> threading.Thread:
