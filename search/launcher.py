@@ -1117,7 +1117,7 @@ class Launcher:
         """Fail and re-queue trials of dead workers; `interrupted`: killed by a second stop,
         which uses no crash retry (a kill past the grace does: a trial that hangs its
         worker would otherwise be retried without end)."""
-        from hpsearch.runs import mark_run_failed, record_dead_trial_run
+        from hpsearch.runs import mark_run_failed_within, record_dead_trial_run_within
 
         failed = []
         uri = self._tracking_uri if self._tracking_error is None else None
@@ -1129,7 +1129,7 @@ class Launcher:
             # A trial that died before its MLflow run was linked gets its run (found by its
             # run key, or made), linked while the trial still runs: a finished trial takes
             # no attributes.
-            run_id = record_dead_trial_run(self.cfg, uri, t, reason)
+            run_id = record_dead_trial_run_within(self.cfg, uri, t, reason)
             if run_id is not None:
                 with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
                     with_db_retry(
@@ -1143,7 +1143,7 @@ class Launcher:
                 )
             ):
                 failed.append(t.number)
-                mark_run_failed(uri, t, reason)
+                mark_run_failed_within(uri, t, reason)
         return failed
 
     def _wait_stopping(self) -> None:

@@ -945,8 +945,62 @@ def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:
     )
 
 
+# Seconds the launcher's supervising loop waits for one dead trial's MLflow calls. A server
+# that answers /health but hangs on its API holds each call for up to 30 s x 3 tries.
+DEAD_RUN_WAIT_S = 20.0
+
+
+def _bounded(fn: Callable[[threading.Event], Any], timeout_s: float, what: str) -> Any:
+    """`fn(abandoned)` on a daemon thread, waited for at most `timeout_s`; None when it did
+    not finish (then `abandoned` is set: `fn` makes nothing more it cannot hand back)."""
+    box: list[Any] = []
+    abandoned = threading.Event()
+    thread = threading.Thread(target=lambda: box.append(fn(abandoned)), daemon=True, name=what)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        abandoned.set()
+        logger.warning("%s: the MLflow server did not answer within %.0f s; going on", what,
+                       timeout_s)  # fmt: skip
+        return None
+    return box[0] if box else None
+
+
+def record_dead_trial_run_within(
+    cfg: StudyConfig, uri: str | None, trial: FrozenTrial, reason: str,
+    timeout_s: float = DEAD_RUN_WAIT_S,
+) -> str | None:  # fmt: skip
+    """`record_dead_trial_run`, given up after `timeout_s` (the launcher's loop waits on
+    it); an abandoned call makes no run, which could no longer be linked to the trial."""
+    if not uri or trial.user_attrs.get(ATTR_RUN_ID):
+        return None
+    return _bounded(
+        lambda abandoned: record_dead_trial_run(cfg, uri, trial, reason, abandoned),
+        timeout_s,
+        f"trial {trial.number}: recording its MLflow run",
+    )
+
+
+def mark_run_failed_within(
+    uri: str | None, trial: FrozenTrial, reason: str, timeout_s: float = DEAD_RUN_WAIT_S
+) -> None:
+    """`mark_run_failed`, given up after `timeout_s` (the run stays RUNNING; the launcher's
+    end-of-study sweep ends dangling runs)."""
+    if not uri or not trial.user_attrs.get(ATTR_RUN_ID):
+        return
+    _bounded(
+        lambda _: mark_run_failed(uri, trial, reason),
+        timeout_s,
+        f"trial {trial.number}: ending its MLflow run",
+    )
+
+
 def record_dead_trial_run(
-    cfg: StudyConfig, uri: str | None, trial: FrozenTrial, reason: str
+    cfg: StudyConfig,
+    uri: str | None,
+    trial: FrozenTrial,
+    reason: str,
+    abandoned: threading.Event | None = None,
 ) -> str | None:
     """The MLflow run of a trial whose worker died before it linked the run (Optuna's
     `mlflow_run_id`), ended FAILED (KILLED for "interrupted"); the caller links it. The run
@@ -980,8 +1034,8 @@ def record_dead_trial_run(
             _end_run(client, made, outcome, reason)
             return made
         runs = find_study_runs(client, experiment_id)
-        if not runs:
-            return None
+        if not runs or (abandoned is not None and abandoned.is_set()):
+            return None  # no study run; or the caller went on: a run made now stays unlinked
         started = trial.datetime_start
         host = trial.user_attrs.get(ATTR_HOST)
         tracker = TrialTracker(
