@@ -34,8 +34,8 @@ REFERENCE_FACTOR = 4  # the probe's reference batch: this many times the study's
 
 
 class AdmissionStopped(Exception):
-    """The worker was asked to stop while its trial waited for GPU memory: the trial is
-    re-queued untouched, not failed."""
+    """The worker was asked to stop while its trial waited for GPU memory, or it waited out
+    its limit: the trial is re-queued untouched, not failed."""
 
 
 @dataclass(frozen=True)
@@ -286,25 +286,35 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def process_start(pid: int) -> int | None:
-    """When a process of this machine started, in clock ticks since boot (`/proc/<pid>/stat`
-    field 22): with its PID it names the process, where a PID alone may be reused after a
-    crash or a reboot. None where /proc cannot tell (the process is gone, or not Linux)."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """`/proc/<pid>/stat` after "pid (comm) " (comm may hold spaces); None when unreadable."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
-    fields = raw[raw.rfind(b")") + 2 :].split()  # after "pid (comm) ": comm may hold spaces
+    return raw[raw.rfind(b")") + 2 :].split()
+
+
+def process_start(pid: int) -> int | None:
+    """When a process of this machine started, in clock ticks since boot (`/proc/<pid>/stat`
+    field 22): with its PID it names the process, where a PID alone may be reused after a
+    crash or a reboot. None where /proc cannot tell (the process is gone, or not Linux)."""
+    fields = _stat_fields(pid)
     try:
-        return int(fields[19])  # field 22 of the whole line, 20th after comm
+        return int(fields[19]) if fields is not None else None  # field 22, 20th after comm
     except (IndexError, ValueError):
         return None
 
 
 def holder_alive(pid: int, start: int | None) -> bool:
     """Whether the process that made a reservation (`pid`, started at `start` ticks, None
-    when unknown) still runs: a live process under the same PID started later is another."""
+    when unknown) still runs: a live process under the same PID started later is another,
+    and an exited one its parent has not reaped yet (a zombie, state Z or X) holds no
+    memory: it kept its reservation, or its first place in line, until reaped."""
     if not pid_alive(pid):
+        return False
+    fields = _stat_fields(pid)
+    if fields and fields[0] in (b"Z", b"X"):
         return False
     if start is None:
         return True
@@ -319,6 +329,12 @@ def first_in_line(pid: int, since: float | None, waiting: Mapping[int, float]) -
     that keep fitting beside each other (it waited out its limit and failed)."""
     mine = (math.inf, pid) if since is None else (since, pid)
     return all((t, p) > mine for p, t in waiting.items() if p != pid)
+
+
+def ledger_name(gpu: str) -> str:
+    """A GPU id as a file name: a MIG id of the old form (MIG-GPU-<uuid>/1/0) holds
+    slashes, which made the ledger's path a folder that does not exist (ValueError)."""
+    return gpu.replace("/", "_")
 
 
 @dataclass
@@ -337,9 +353,10 @@ class GpuLedger:
     a dead worker's."""
 
     def __init__(self, workdir: Path, gpu: str, total_bytes: int, headroom: float = HEADROOM):
-        self.path = Path(workdir) / "gpu" / f"ledger-{gpu}.json"
+        name = ledger_name(gpu)
+        self.path = Path(workdir) / "gpu" / f"ledger-{name}.json"
         # apart from the ledger: older versions read every entry of it as {pid: [bytes, ...]}
-        self.wait_path = self.path.with_name(f"waiting-{gpu}.json")
+        self.wait_path = self.path.with_name(f"waiting-{name}.json")
         self.total_bytes = total_bytes
         self.headroom = headroom
 
@@ -432,9 +449,9 @@ class GpuLedger:
 
         Waits in line while the GPU is full: trials that wait are admitted in the order they
         came, so a trial that keeps not fitting beside the others waits only for the trials
-        running when it came. Raises AdmissionStopped (the trial is handed back untouched)
-        when `should_stop` says so, and DeviceError after `max_wait_s` (a neighbour that
-        never ends must not hang the worker)."""
+        running when it came. Raises AdmissionStopped (the trial is handed back untouched,
+        to run later) when `should_stop` says so, or after `max_wait_s`: a neighbour that
+        takes hours must not hang the worker, nor fail a trial that never ran."""
         t0 = time.monotonic()
         since = time.time()
         try:
@@ -442,9 +459,10 @@ class GpuLedger:
                 if should_stop():
                     raise AdmissionStopped(f"stopped after waiting {time.monotonic() - t0:.0f} s")
                 if time.monotonic() - t0 > max_wait_s:
-                    raise DeviceError(
+                    raise AdmissionStopped(
                         f"GPU memory: a trial needing {need_bytes // MiB} MiB waited "
-                        f"{time.monotonic() - t0:.0f} s for room beside the trials packed there"
+                        f"{time.monotonic() - t0:.0f} s for room beside the trials packed "
+                        "there; handed back to run later"
                     )
                 time.sleep(poll_s)
         except BaseException:

@@ -46,13 +46,21 @@ def choices(cfg: StudyConfig, name: str) -> list[Any]:
 
 
 def probe_shapes(cfg: StudyConfig) -> tuple[list[str], int, int, int, int]:
-    """(archs, largest image size px, smallest, median and largest micro-batch)."""
+    """(archs, largest image size px, smallest, median and largest micro-batch).
+
+    The median, at which the probe judges how busy one trial keeps the GPU, is a batch
+    trials use: the lower middle of the choices (of [32, 64] it is 32: the upper one was
+    the largest, the most saturating, which packed small-batch studies too little), and
+    of a searched range its geometric middle (log-scaled ranges sample around it)."""
     archs = [str(a) for a in choices(cfg, "arch")]
     sizes = image_sizes(cfg)
     batches = sorted(int(b) for b in choices(cfg, "batch_size"))
+    spec = cfg.search_space.get("batch_size")
+    if isinstance(spec, IntParam | FloatParam):
+        batches.append(round(math.sqrt(max(spec.low, 1) * max(spec.high, 1))))
     cap = cfg.trainer.max_micro_batch
     micro = sorted({min(b, cap) if cap else b for b in batches})
-    return archs, max(sizes), micro[0], micro[len(micro) // 2], micro[-1]
+    return archs, max(sizes), micro[0], micro[(len(micro) - 1) // 2], micro[-1]
 
 
 def train_steps(

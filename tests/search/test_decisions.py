@@ -10,7 +10,14 @@ import optuna
 import pytest
 from hpsearch.config import load_config
 from hpsearch.errors import ConfigError, DeviceError, StorageError
-from hpsearch.launcher import assign_gpus, check_gpus, eta_seconds, parse_gpus, should_restart
+from hpsearch.launcher import (
+    assign_gpus,
+    check_gpus,
+    eta_seconds,
+    parse_gpus,
+    should_restart,
+    worker_device,
+)
 from hpsearch.storage import normalize_url, redact, resolve_storage
 from hpsearch.study import (
     budget_done,
@@ -373,3 +380,22 @@ def test_the_best_trial_of_tied_ones_is_the_earliest_everywhere() -> None:
     best, low = best_of(trials, StudyDirection.MAXIMIZE), best_of(trials, StudyDirection.MINIMIZE)
     assert best is not None and best.number == 2 and low is not None and low.number == 0
     assert best_of(trials[3:], StudyDirection.MAXIMIZE) is None
+
+
+def test_a_worker_placed_on_a_gpu_trains_there_or_fails() -> None:
+    """Under --device auto a worker whose GPU CUDA could not see (a mistyped UUID) trained
+    on the CPU without a word."""
+    assert worker_device("auto", "GPU-typo") == "cuda"
+    assert worker_device("auto", None) == "auto"  # no GPU placed: the worker decides
+    assert worker_device("cpu", None) == "cpu"
+    assert worker_device("cuda:0", "1") == "cuda:0"
+
+
+def test_cuda_not_available_names_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from hpsearch.trainer.trial import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-typo")
+    with pytest.raises(DeviceError, match=r"CUDA_VISIBLE_DEVICES='GPU-typo'"):
+        resolve_device("cuda")

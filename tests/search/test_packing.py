@@ -19,6 +19,7 @@ from hpsearch import launcher
 from hpsearch.config import load_config
 from hpsearch.errors import DeviceError
 from hpsearch.packing import (
+    AdmissionStopped,
     GpuLedger,
     MemoryModel,
     MiB,
@@ -402,7 +403,17 @@ def test_probe_shapes_of_the_headline_study() -> None:
     archs, size, small, mid, large = probe_shapes(cfg)
     assert archs and all(a.startswith("resnet") for a in archs)
     assert size >= cfg.dataset.image_size
-    assert small <= mid <= large
+    assert (small, mid, large) == (32, 64, 128)  # its batch_size choices
+
+
+def test_probe_judges_busy_at_a_batch_trials_use() -> None:
+    """Of two choices the lower (the upper was the largest, the most saturating: a study of
+    small batches got about one worker per GPU); of a range its geometric middle."""
+    assert probe_shapes(load_config("tiny"))[2:] == (32, 32, 64)  # choices [32, 64]
+    ranged = load_config("tiny", ["search_space.batch_size={type: int, low: 16, high: 256}"])
+    assert probe_shapes(ranged)[2:] == (16, 64, 256)
+    capped = load_config("tiny", ["trainer.max_micro_batch=48"])
+    assert probe_shapes(capped)[2:] == (32, 32, 48)
 
 
 def test_probe_training_step_runs_every_arch_of_the_study_on_cpu() -> None:
@@ -588,13 +599,42 @@ def test_a_reused_pid_does_not_hold_a_dead_workers_reservation(tmp_path: Path) -
     assert not ledger.try_reserve(4 * GiB, pid=os.getppid())
 
 
+def test_an_exited_unreaped_worker_holds_no_reservation(tmp_path: Path) -> None:
+    """A worker that exited but was not reaped yet (a zombie: its parent has not waited for
+    it) kept its reservation, and its first place in line, until reaped."""
+    ledger = GpuLedger(tmp_path, "0", total_bytes=10 * GiB)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert ledger.try_reserve(8 * GiB, pid=child.pid)
+        assert not ledger.try_reserve(4 * GiB)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert ledger.try_reserve(4 * GiB)  # the zombie's 8 GiB are free
+        assert child.pid not in ledger.reserved()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_mig_id_with_slashes_names_one_ledger_file(tmp_path: Path) -> None:
+    mig = "MIG-GPU-5d8b7b7e-6e4c-4d8b-9b0e-1b2c3d4e5f60/1/0"  # the older MIG form
+    ledger = GpuLedger(tmp_path, mig, total_bytes=10 * GiB)
+    assert ledger.try_reserve(GiB)  # was ValueError: the path named missing folders
+    assert ledger.path.parent == tmp_path / "gpu" and "/" not in ledger.path.name
+    assert GpuLedger(tmp_path, mig, 10 * GiB).reserved() == {os.getpid(): GiB}
+
+
 def test_reservation_waits_for_room_then_gives_up(tmp_path: Path) -> None:
     ledger = GpuLedger(tmp_path, "0", total_bytes=10 * GiB)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert ledger.try_reserve(8 * GiB, pid=sleeper.pid)
         waiting = ledger.reservation(4 * GiB, poll_s=0.05, max_wait_s=0.3)
-        with pytest.raises(DeviceError, match=r"waited \d+ s for room"), waiting:
+        # handed back to run later (the worker re-queues it), not a failed trial
+        with pytest.raises(AdmissionStopped, match=r"waited \d+ s for room"), waiting:
             pass
         assert ledger.waiting() == {}  # its place in line is left
         threading.Timer(0.5, lambda: ledger.release(pid=sleeper.pid)).start()
