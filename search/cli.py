@@ -504,6 +504,13 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         with store_lock(workdir):
             shared = join_server(workdir)
         uri = shared.url if shared is not None else None
+        if uri is None:  # not silently: the README says workers there use its server
+            click.echo(
+                f"note: no MLflow server runs for {workdir} and none was given "
+                "(--tracking-uri, MLFLOW_TRACKING_URI): trials are not tracked; start "
+                f"`hpsearch ui --workdir {workdir}` first, or pass --no-tracking",
+                err=True,
+            )
     opts = WorkerOptions(
         workdir=workdir,
         worker_id=worker_id,

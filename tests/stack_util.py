@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -335,3 +336,39 @@ def release_study() -> None:
         cm = _SHARED["cm"]
         _SHARED.update(count=0, cm=None, stack=None)
         cm.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def fake_mlflow(api_status: int, hang: threading.Event | None = None) -> Iterator[str]:
+    """An HTTP server that answers /health with 200 (MLflow 3 checks neither the Host
+    header nor the login there) and every API call with `api_status`, or holds it until
+    `hang` is set. Yields its URL."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            if not self.path.startswith("/health") and hang is not None:
+                hang.wait(60)
+                return
+            status = 200 if self.path.startswith("/health") else api_status
+            body = b"OK" if status == 200 else b'{"error_code": "PERMISSION_DENIED"}'
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        if hang is not None:
+            hang.set()
+        server.shutdown()
+        server.server_close()

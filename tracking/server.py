@@ -50,6 +50,42 @@ SERVER_ENV: Mapping[str, str] = {
     "PYTHONWARNINGS": "ignore::DeprecationWarning",
 }
 
+# `mlflow server` options a user's environment may set for their own server (MLflow 3):
+# inherited, MLFLOW_STATIC_PREFIX moved /health (the start waited out its time-out),
+# MLFLOW_DEFAULT_ARTIFACT_ROOT took artifacts out of the work folder, and so on. The
+# embedded server is configured by its command line alone.
+SERVER_OPTION_ENV = (
+    "MLFLOW_ARTIFACTS_DESTINATION",
+    "MLFLOW_ARTIFACTS_ONLY",
+    "MLFLOW_BACKEND_STORE_URI",
+    "MLFLOW_DEFAULT_ARTIFACT_ROOT",
+    "MLFLOW_EXPOSE_PROMETHEUS",
+    "MLFLOW_GUNICORN_OPTS",
+    "MLFLOW_HOST",
+    "MLFLOW_PORT",
+    "MLFLOW_READ_REPLICA_BACKEND_STORE_URI",
+    "MLFLOW_REGISTRY_STORE_URI",
+    "MLFLOW_SERVER_ALLOWED_HOSTS",
+    "MLFLOW_SERVER_CORS_ALLOWED_ORIGINS",
+    "MLFLOW_SERVER_DISABLE_SECURITY_MIDDLEWARE",
+    "MLFLOW_SERVER_X_FRAME_OPTIONS",
+    "MLFLOW_SERVE_ARTIFACTS",
+    "MLFLOW_STATIC_PREFIX",
+    "MLFLOW_TRACE_ARCHIVAL_CONFIG",
+    "MLFLOW_UVICORN_OPTS",
+    "MLFLOW_WORKERS",
+    "MLFLOW_WORKSPACE_STORE_URI",
+)
+
+
+def server_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The embedded server's environment: `base` without the tracking URI (the server is
+    the store's, not a client of another) and without `mlflow server` options meant for
+    the user's own servers, plus SERVER_ENV."""
+    dropped = {TRACKING_URI_ENV, *SERVER_OPTION_ENV}
+    return {**{k: v for k, v in base.items() if k not in dropped}, **SERVER_ENV}
+
+
 _SECRET_QUERY_KEYS = frozenset(
     {"password", "passwd", "pwd", "pass", "secret", "token", "access_token", "api_key", "apikey"}
 )
@@ -196,6 +232,9 @@ def allowed_hosts_for(host: str, port: int, names: tuple[str, ...] = ()) -> str 
     for name in (*names, host):
         if name and name not in ("0.0.0.0", "::"):
             pats += [name, f"{name}:{port}"]
+            if ":" in name:  # IPv6: a Host header brackets it ([fd00::5]:5000, the URL's)
+                bare = name.strip("[]")  # compared as is: MLflow globs only with a "*"
+                pats += [f"[{bare}]", f"[{bare}]:{port}"]
     return ",".join(dict.fromkeys(pats))
 
 
@@ -294,19 +333,55 @@ def health_ok(url: str, timeout_s: float = 2.0, *, any_status: bool = False) -> 
         return False
 
 
-def _health_request(url: str) -> urllib.request.Request:
-    """GET ``<url>/health``; a login in the URL (``http://user:password@host``, which MLflow's
+def _health_request(url: str, path: str = "/health") -> urllib.request.Request:
+    """GET ``<url><path>``; a login in the URL (``http://user:password@host``, which MLflow's
     client sends as basic auth) goes in an Authorization header: urllib cannot open such a
-    URL itself."""
+    URL itself. Else the credentials MLflow's client takes from the environment
+    (MLFLOW_TRACKING_USERNAME / _PASSWORD, or MLFLOW_TRACKING_TOKEN)."""
     parts = urlsplit(url.rstrip("/"))
     headers: dict[str, str] = {}
+    user, password = (
+        os.environ.get("MLFLOW_TRACKING_USERNAME"),
+        os.environ.get("MLFLOW_TRACKING_PASSWORD"),
+    )
     if "@" in parts.netloc:
         login, _, hostport = parts.netloc.rpartition("@")
-        user, _, password = login.partition(":")
-        pair = f"{unquote(user)}:{unquote(password)}".encode()
-        headers["Authorization"] = "Basic " + base64.b64encode(pair).decode("ascii")
+        name, _, secret = login.partition(":")
+        user, password = unquote(name), unquote(secret)
         parts = parts._replace(netloc=hostport)
-    return urllib.request.Request(f"{urlunsplit(parts)}/health", headers=headers)
+    if user is not None and password is not None:
+        pair = f"{user}:{password}".encode()
+        headers["Authorization"] = "Basic " + base64.b64encode(pair).decode("ascii")
+    elif token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {token}"
+    return urllib.request.Request(f"{urlunsplit(parts)}{path}", headers=headers)
+
+
+def api_refusal(url: str, timeout_s: float = 5.0) -> str | None:
+    """Why an MLflow server that answers refuses this client's API calls, or None. Its
+    /health passes without the Host check and without a login (MLflow 3), so a server that
+    answers 401 or 403 to every call looked ready; the workers then trained untracked.
+    One cheap read (experiments/search, max 1) as the workers' client would make it."""
+    request = _health_request(url, "/api/2.0/mlflow/experiments/search?max_results=1")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            return (
+                "401 unauthorized: give the server's login (MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD, or user:password@ in the URI)"
+            )
+        if exc.code == 403:
+            host = urlsplit(url).netloc.rpartition("@")[2]
+            return (
+                f"403 forbidden: the server refuses host {host!r} (its --allowed-hosts, "
+                "MLFLOW_PUBLIC_HOSTS in hpsearch's compose stack, must list it) or this "
+                "user's permission"
+            )
+        return None  # another answer (a hosted MLflow's own paths): the client will tell
+    except (urllib.error.URLError, OSError, ValueError):
+        return None  # not answering is health_ok's to say
 
 
 def _read_tail(path: Path, max_bytes: int = 8192) -> str:
@@ -760,8 +835,7 @@ def _spawn_and_wait(
         allowed_hosts=allowed_hosts,
         cors_allowed_origins=cors_allowed_origins,
     )
-    env = {**os.environ, **SERVER_ENV}
-    env.pop(TRACKING_URI_ENV, None)
+    env = server_env(os.environ)
     url = f"http://{_url_host(host)}:{port}"
     t0 = time.monotonic()
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below

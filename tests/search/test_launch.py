@@ -160,6 +160,11 @@ def test_relaunch_resumes_and_independent_worker_joins(
     assert more.returncode == 0, more.stdout + more.stderr
     study = hps.load_study("tiny", storage=pg_url)
     assert len(finished(study)) == 13 and study.user_attrs["hpsearch.n_trials"] == 13
+    # Without --no-tracking, in a work folder where no MLflow server runs: said, not silent
+    tracked = [c for c in common if c != "--no-tracking"]
+    idle = hpsearch(["worker", *tracked, "--set", "budget.n_trials=13"], subprocess_env)
+    assert idle.returncode == 0, idle.stdout + idle.stderr
+    assert "note: no MLflow server runs for" in idle.stderr and "not tracked" in idle.stderr
 
 
 def test_embedded_default_several_workers(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
@@ -449,6 +454,36 @@ def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: MLflow at notauri: The filesystem tracking backend"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_server_refusing_the_api_stops_the_launch_before_any_trial(
+    tmp_path: Path, subprocess_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow 3 answers /health without checking the Host header or the login: a server
+    that refuses every API call (403: a host its --allowed-hosts does not list; 401: no
+    login) passed the launch's check, and its workers trained untracked."""
+    from hpsearch.tracking.server import api_refusal
+    from stack_util import fake_mlflow
+
+    with fake_mlflow(200) as ok:
+        assert api_refusal(ok) is None
+    with fake_mlflow(404) as other:  # a hosted MLflow's own paths: the client will tell
+        assert api_refusal(other) is None
+    with fake_mlflow(401) as login:
+        assert "401 unauthorized: give the server's login" in (api_refusal(login) or "")
+    work = tmp_path / "w"
+    with fake_mlflow(403) as refusing:
+        host = refusing.removeprefix("http://")
+        r = hpsearch(
+            ["launch", "--study", "tiny", "--workers", "2", "--workdir", str(work),
+             "--train-fn", DUMMY, "--tracking-uri", refusing, "--set", "budget.max_epochs=1"],
+            subprocess_env,
+        )  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"Error: MLflow at {refusing}: 403 forbidden: the server refuses "
+                           f"host '{host}'"), r.stderr  # fmt: skip
+    assert not (work / "optuna.journal").exists() and not (work / "logs").exists()
 
 
 def test_hpsearch_alone_shows_its_help_not_a_one_line_error(

@@ -244,34 +244,12 @@ def test_a_server_that_hangs_on_its_api_holds_the_launcher_for_a_bounded_time(
 ) -> None:
     """A server that answers /health but hangs on every API call held the launcher's
     supervising loop for minutes per dead trial (each call up to 30 s x 3 tries)."""
-    import http.server
     import threading
 
     from hpsearch.runs import mark_run_failed_within, record_dead_trial_run_within
+    from stack_util import fake_mlflow
 
-    release = threading.Event()
-
-    class Hanging(http.server.BaseHTTPRequestHandler):
-        def _answer(self) -> None:
-            if self.path.startswith("/health"):
-                body = b"OK"
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            else:
-                release.wait(60)  # the API hangs until the test ends
-
-        do_GET = do_POST = _answer
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hanging)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    uri = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with fake_mlflow(200, hang=threading.Event()) as uri:
         cfg, _, study = _new_study(tmp_path, f"hang-{time.time_ns()}")
         trial = study.ask()
         trial.report(0.5, 1)
@@ -280,10 +258,6 @@ def test_a_server_that_hangs_on_its_api_holds_the_launcher_for_a_bounded_time(
         trial.set_user_attr("mlflow_run_id", "0" * 32)
         mark_run_failed_within(uri, study.trials[0], "worker died", 1.0)
         assert time.monotonic() - t0 < 6.0  # two waits of 1 s, not minutes
-    finally:
-        release.set()
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_dead_trial_whose_run_was_made_gets_that_run_not_a_second(

@@ -137,6 +137,29 @@ def test_server_command_uses_sqlite_store_and_proxied_artifacts(tmp_path: Path) 
     assert "--no-access-log" in cmd[cmd.index("--uvicorn-opts") + 1]
 
 
+def test_the_embedded_server_ignores_the_users_own_server_settings() -> None:
+    """`mlflow server` reads its options from the environment too: a user's
+    MLFLOW_STATIC_PREFIX moved /health (the start waited out its time-out) and
+    MLFLOW_DEFAULT_ARTIFACT_ROOT took artifacts out of the work folder."""
+    base = {
+        "MLFLOW_STATIC_PREFIX": "/mlflow",
+        "MLFLOW_DEFAULT_ARTIFACT_ROOT": "s3://bucket/x",
+        "MLFLOW_TRACKING_URI": "http://elsewhere:5000",
+        "MLFLOW_TRACKING_USERNAME": "kept",  # a client setting: harmless, kept
+        "PATH": "/usr/bin",
+    }
+    env = srv.server_env(base)
+    assert "MLFLOW_STATIC_PREFIX" not in env and "MLFLOW_DEFAULT_ARTIFACT_ROOT" not in env
+    assert "MLFLOW_TRACKING_URI" not in env
+    assert env["MLFLOW_TRACKING_USERNAME"] == "kept" and env["PATH"] == "/usr/bin"
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    # every option `mlflow server` reads from the environment, in the installed MLflow
+    import mlflow.cli
+
+    options = {str(p.envvar) for p in mlflow.cli.server.params if p.envvar}
+    assert options <= set(srv.SERVER_OPTION_ENV), options - set(srv.SERVER_OPTION_ENV)
+
+
 def test_allowed_hosts_only_for_non_loopback_binds() -> None:
     assert allowed_hosts_for("127.0.0.1", 5000) is None
     assert allowed_hosts_for("localhost", 5000) is None
@@ -147,6 +170,12 @@ def test_allowed_hosts_only_for_non_loopback_binds() -> None:
     assert "0.0.0.0" not in hosts
     ui = ui_command(Path("/w"), "0.0.0.0", 5000)
     assert "--allowed-hosts" in ui
+    # An IPv6 bind: the URL printed brackets the address, and so does the Host header
+    from mlflow.server.security_utils import is_allowed_host_header
+
+    six = (allowed_hosts_for("fd00::5", 5000) or "").split(",")
+    assert is_allowed_host_header(six, "[fd00::5]:5000")  # was refused: unbracketed only
+    assert not is_allowed_host_header(six, "[fd00::6]:5000")
 
 
 def test_running_server_url_ignores_stale_or_broken_state(tmp_path: Path) -> None:
