@@ -19,6 +19,7 @@ from typing import Any
 
 import hpsearch as hps
 import optuna
+import pytest
 from cli_util import DUMMY, hpsearch
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
@@ -343,6 +344,7 @@ def _pg_ready() -> bool:
     return subprocess.run(["pg_isready", "-h", "127.0.0.1", "-q"]).returncode == 0
 
 
+@pytest.mark.exclusive  # the other test processes' databases go down with it
 def test_postgres_restart_mid_study_loses_nothing(
     pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
