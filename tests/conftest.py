@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import sys
 import tempfile
@@ -56,25 +54,15 @@ def subprocess_env(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture(autouse=True)
 def _exclusive_or_shared(request: pytest.FixtureRequest) -> Iterator[None]:
     """Under pytest-xdist, a test marked `exclusive` (one that stops the machine's
-    PostgreSQL) runs while no other test does: a readers-writer lock on files the test
-    processes of this run share, with a gate so that it is not starved (it takes the gate,
-    which stops new tests from starting, then waits for the running ones to end).
-    Set up before the test's other function fixtures (autouse): a test's database is made
-    while it holds its share."""
+    PostgreSQL) runs while no other test does (`stack_util.turn_for_test`). Set up before the
+    test's other function fixtures (autouse): a test's database is made while it holds its
+    share."""
+    from stack_util import turn_for_test
+
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run:  # one test process: nothing runs beside a test
         yield
         return
     base = Path(tempfile.gettempdir()) / f"hpsearch-tests-{run}"
-    exclusive = request.node.get_closest_marker("exclusive") is not None
-    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        if not exclusive:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            with contextlib.suppress(OSError):
-                fcntl.flock(gate, fcntl.LOCK_UN)
+    with turn_for_test(base, request.node.get_closest_marker("exclusive") is not None):
+        yield

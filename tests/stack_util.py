@@ -372,3 +372,24 @@ def fake_mlflow(api_status: int, hang: threading.Event | None = None) -> Iterato
             hang.set()
         server.shutdown()
         server.server_close()
+
+
+@contextlib.contextmanager
+def turn_for_test(base: Path, exclusive: bool) -> Iterator[None]:
+    """A test's turn among the test processes of one run: shared, or alone (`exclusive`).
+    A readers-writer lock on `<base>.lock` with a gate, `<base>.gate`, so that the
+    exclusive one is not starved: it takes the gate, which new tests pass only briefly,
+    then waits for the running tests to end."""
+    import fcntl
+
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -36,3 +37,48 @@ def test_the_workers_onnx_export_does_not_load_matplotlib(tmp_path: Path) -> Non
         "assert 'matplotlib' not in sys.modules, 'matplotlib imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_exclusive_test_waits_for_the_running_ones_and_holds_back_new_ones(
+    tmp_path: Path,
+) -> None:
+    """The turn the test processes take (tests/conftest.py): the test that stops
+    PostgreSQL starts only when no other test runs, and none starts while it waits or
+    runs."""
+    import threading
+
+    from stack_util import turn_for_test
+
+    base = tmp_path / "run"
+    events: list[str] = []
+    running = threading.Event()
+    release = threading.Event()
+
+    def shared(name: str, hold: threading.Event | None) -> None:
+        with turn_for_test(base, exclusive=False):
+            events.append(f"{name} in")
+            if hold is not None:
+                running.set()
+                hold.wait(10)
+            events.append(f"{name} out")
+
+    def exclusive() -> None:
+        with turn_for_test(base, exclusive=True):
+            events.append("x in")
+            time.sleep(0.2)
+            events.append("x out")
+
+    first = threading.Thread(target=shared, args=("a", release))
+    first.start()
+    assert running.wait(10)
+    alone = threading.Thread(target=exclusive)
+    alone.start()
+    time.sleep(0.3)  # the exclusive one now waits at the lock, holding the gate
+    later = threading.Thread(target=shared, args=("b", None))
+    later.start()
+    time.sleep(0.3)
+    assert events == ["a in"]  # neither the exclusive one nor a new test started
+    release.set()
+    for t in (first, alone, later):
+        t.join(10)
+    assert events == ["a in", "a out", "x in", "x out", "b in", "b out"]
