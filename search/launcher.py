@@ -117,13 +117,6 @@ def assign_gpus(n_workers: int, gpus: Sequence[str] | None) -> list[str | None]:
     return [gpus[i % len(gpus)] for i in range(n_workers)]
 
 
-def worker_device(device: str, gpu: str | None) -> str:
-    """The --device a worker gets: a worker the launcher placed on a GPU trains there or
-    fails. Under "auto" one whose GPU CUDA cannot see (a mistyped UUID in --gpus, an index
-    past an invalid entry of CUDA_VISIBLE_DEVICES) silently trained on the CPU."""
-    return "cuda" if device == "auto" and gpu is not None else device
-
-
 def _child_env(base: Mapping[str, str], gpu: str | None) -> dict[str, str]:
     """`base` placed on `gpu` for a process that loads the launch's resolved study file,
     which holds the launch's data folder (--data-dir, or HPSEARCH_DATA_DIR): the variable
@@ -835,7 +828,7 @@ class Launcher:
             sys.executable, "-m", "hpsearch.cli", "worker",
             "--study", str(resolved),
             "--workdir", str(opts.workdir),
-            "--device", worker_device(opts.device, slot.gpu),
+            "--device", opts.device,
             "--worker-id", slot.worker_id,
             # Each worker and each restart draws its own parameters (study.sampler_seed).
             "--sampler-stream", str(slot.index + opts.workers * slot.restarts),

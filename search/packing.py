@@ -306,15 +306,17 @@ def process_start(pid: int) -> int | None:
         return None
 
 
-def holder_alive(pid: int, start: int | None) -> bool:
+def holder_alive(pid: int, start: int | None, zombie_alive: bool = False) -> bool:
     """Whether the process that made a reservation (`pid`, started at `start` ticks, None
     when unknown) still runs: a live process under the same PID started later is another,
     and an exited one its parent has not reaped yet (a zombie, state Z or X) holds no
-    memory: it kept its reservation, or its first place in line, until reaped."""
+    memory: it kept its reservation, or its first place in line, until reaped.
+    `zombie_alive`: a zombie counts as running (a server's leader, whose process group
+    may still serve)."""
     if not pid_alive(pid):
         return False
     fields = _stat_fields(pid)
-    if fields and fields[0] in (b"Z", b"X"):
+    if not zombie_alive and fields and fields[0] in (b"Z", b"X"):
         return False
     if start is None:
         return True
@@ -326,7 +328,8 @@ def first_in_line(pid: int, since: float | None, waiting: Mapping[int, float]) -
     """Whether `pid`, waiting since `since` (s since the epoch; None: not waiting, one
     look), may be admitted before the trials `waiting` ({pid: since}) for the same GPU: the
     earliest goes first, ties by PID. A large trial is not passed for good by small ones
-    that keep fitting beside each other (it waited out its limit and failed)."""
+    that keep fitting beside each other (until it waits out its limit: then it is handed
+    back and, asked again, goes behind the trials that came meanwhile)."""
     mine = (math.inf, pid) if since is None else (since, pid)
     return all((t, p) > mine for p, t in waiting.items() if p != pid)
 
@@ -466,6 +469,8 @@ class GpuLedger:
                     )
                 time.sleep(poll_s)
         except BaseException:
+            # A place kept would hold back every trial behind it while this worker does
+            # something else (waits for the study's last trials, say): it is left.
             try:
                 self.leave_line()
             except OSError as exc:  # the line file: what was raised matters more

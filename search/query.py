@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import socket
 import statistics
@@ -77,6 +78,9 @@ def _open(name: str, storage: StorageArg, workdir: WorkdirArg) -> tuple[optuna.S
     except KeyError as exc:
         _dispose(st)
         raise StudyNotFoundError(f"study {name!r} not found in {spec.display}") from exc
+    except BaseException:
+        _dispose(st)
+        raise
 
 
 def _dispose(storage: Any) -> None:
@@ -146,14 +150,20 @@ def top_trials(
     name: str, storage: StorageArg = None, k: int = 5, workdir: WorkdirArg = None
 ) -> list[dict[str, Any]]:
     """`best_trials` as rows (`trial_row`), each with only its own trial's parameters."""
-    _check_k(k)
+    k = _check_k(k)
     with _reading(name, storage, workdir) as study:
         return _top_rows(study, k)
 
 
-def _check_k(k: object) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+def _check_k(k: object) -> int:
+    """`k` as an int (numpy's integers too); a bool, a float or text is refused."""
+    try:
+        n = operator.index(k)  # type: ignore[arg-type]
+    except TypeError:
+        n = 0
+    if isinstance(k, bool) or n < 1:
         raise ConfigError(f"k: {k!r}: must be a whole number, at least 1")
+    return n
 
 
 def _top_rows(study: optuna.Study, k: int) -> list[dict[str, Any]]:
@@ -167,7 +177,7 @@ def best_trials(
     per parameter, start and duration, and user attributes including `mlflow_run_id`. Its
     columns are there when no trial has completed yet (an empty frame). A multi-objective
     study gives its Pareto front, ordered by the first objective."""
-    _check_k(k)
+    k = _check_k(k)
     with _reading(name, storage, workdir) as study:
         rows = _top_rows(study, k)
         params = sorted(f"params_{p}" for p in _param_names(study))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,15 +53,31 @@ def subprocess_env(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture(autouse=True)
 def _exclusive_or_shared(request: pytest.FixtureRequest) -> Iterator[None]:
     """Under pytest-xdist, a test marked `exclusive` (one that stops the machine's
-    PostgreSQL) runs while no other test does (`stack_util.turn_for_test`). Set up before the
+    PostgreSQL) runs while no other test does (`stack_util.run_turn`). Set up before the
     test's other function fixtures (autouse): a test's database is made while it holds its
     share."""
-    from stack_util import turn_for_test
+    from stack_util import run_turn
 
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:  # one test process: nothing runs beside a test
+    with run_turn(request.node.get_closest_marker("exclusive") is not None):
         yield
-        return
-    base = Path(tempfile.gettempdir()) / f"hpsearch-tests-{run}"
-    with turn_for_test(base, request.node.get_closest_marker("exclusive") is not None):
-        yield
+
+
+# The longest tests (a minute or more each on 2 cores), started first: under pytest-xdist a
+# long test handed out last runs alone at the end while the other process idles.
+LONGEST_FIRST = (
+    "tests/tracking/test_study_tracking.py::",
+    "tests/search/test_launch.py::test_embedded_default_several_workers",
+    "tests/search/test_launch.py::test_bad_inputs_one_line_nonzero_nothing_written",
+    "tests/search/test_secrets.py::test_password_never_leaks",
+    "tests/search/test_launch.py::test_two_studies_of_one_work_folder_share_its_server",
+    "tests/search/test_reliability.py::test_kill_9_worker_mid_trial_resumes_from_checkpoint",
+    "tests/trainer/test_trainer_train.py::test_resnet18_learns_flowers102",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def first(item: pytest.Item) -> int:
+        return next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)),
+                    len(LONGEST_FIRST))  # fmt: skip
+
+    items.sort(key=first)  # stable: the others keep their order

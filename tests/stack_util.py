@@ -393,3 +393,18 @@ def turn_for_test(base: Path, exclusive: bool) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
             if exclusive:
                 fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def run_turn(exclusive: bool = False) -> Iterator[None]:
+    """`turn_for_test` among this run's pytest-xdist processes; nothing without xdist. For
+    fixtures broader than one test that use PostgreSQL while they are set up (the shared
+    stack): a test's own turn (tests/conftest.py) begins only after them."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:  # one test process: nothing runs beside a test
+        yield
+        return
+    import tempfile
+
+    with turn_for_test(Path(tempfile.gettempdir()) / f"hpsearch-tests-{run}", exclusive):
+        yield

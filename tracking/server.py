@@ -229,6 +229,7 @@ def allowed_hosts_for(host: str, port: int, names: tuple[str, ...] = ()) -> str 
         return None
     pats = ["localhost", "localhost:*", "127.0.0.1", "127.0.0.1:*", "[::1]", "[[]::1]:*"]
     pats += ["10.*", "192.168.*", *[f"172.{i}.*" for i in range(16, 32)], "fc00:*", "fd00:*"]
+    pats += ["[[]fc00:*", "[[]fd00:*"]  # as a Host header brackets them ("[[]": a "[")
     for name in (*names, host):
         if name and name not in ("0.0.0.0", "::"):
             pats += [name, f"{name}:{port}"]
@@ -357,11 +358,23 @@ def _health_request(url: str, path: str = "/health") -> urllib.request.Request:
     return urllib.request.Request(f"{urlunsplit(parts)}{path}", headers=headers)
 
 
+# MLflow client settings for authentication other than a login or a token (MLflow 3).
+OTHER_AUTH_ENV = (
+    "MLFLOW_TRACKING_AUTH",
+    "MLFLOW_TRACKING_AWS_SIGV4",
+    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+)
+
+
 def api_refusal(url: str, timeout_s: float = 5.0) -> str | None:
     """Why an MLflow server that answers refuses this client's API calls, or None. Its
     /health passes without the Host check and without a login (MLflow 3), so a server that
     answers 401 or 403 to every call looked ready; the workers then trained untracked.
-    One cheap read (experiments/search, max 1) as the workers' client would make it."""
+    One cheap read (experiments/search, max 1) as the workers' client would make it; no
+    verdict where the client authenticates in a way this read cannot (an auth plugin, AWS
+    SigV4, client certificates)."""
+    if any(os.environ.get(name) for name in OTHER_AUTH_ENV):
+        return None
     request = _health_request(url, "/api/2.0/mlflow/experiments/search?max_results=1")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s):
@@ -708,7 +721,11 @@ def _server_alive(state: Mapping[str, Any], pgid: int) -> bool:
     start = state.get("start")
     if not _group_alive(pgid):
         return False
-    return holder_alive(int(state["pid"]), start if isinstance(start, int) else None)
+    # A zombie leader (its starter has not reaped it) while its group still serves: running
+    # (treated as gone, a second server was started on the same store).
+    return holder_alive(
+        int(state["pid"]), start if isinstance(start, int) else None, zombie_alive=True
+    )
 
 
 def _age_s(start_ticks: object) -> float | None:

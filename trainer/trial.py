@@ -65,7 +65,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" or name.startswith("cuda:"):
         if not torch.cuda.is_available():
             mask = os.environ.get("CUDA_VISIBLE_DEVICES")
-            shown = f" (CUDA_VISIBLE_DEVICES={mask!r}: is that GPU id right?)" if mask else ""
+            shown = f" (CUDA_VISIBLE_DEVICES={mask!r})" if mask else ""
             raise DeviceError(f"device {name}: CUDA is not available on this machine{shown}")
         dev = torch.device(name)
         if dev.index is not None and dev.index >= torch.cuda.device_count():

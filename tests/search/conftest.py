@@ -7,13 +7,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from stack_util import StackStudy, acquire_study, release_study
+from stack_util import StackStudy, acquire_study, release_study, run_turn
 
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, flowers_root: Path) -> Iterator[StackStudy]:
-    s = acquire_study(lambda: tmp_path_factory.mktemp("stack"), flowers_root)
+    with run_turn():  # its databases and workers' study, made outside any test's turn
+        s = acquire_study(lambda: tmp_path_factory.mktemp("stack"), flowers_root)
     try:
         yield s
     finally:
-        release_study()
+        with run_turn():  # its databases dropped: not while PostgreSQL is stopped
+            release_study()

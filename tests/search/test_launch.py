@@ -471,6 +471,9 @@ def test_a_server_refusing_the_api_stops_the_launch_before_any_trial(
         assert api_refusal(other) is None
     with fake_mlflow(401) as login:
         assert "401 unauthorized: give the server's login" in (api_refusal(login) or "")
+        monkeypatch.setenv("MLFLOW_TRACKING_AUTH", "my_plugin")  # a login this read lacks
+        assert api_refusal(login) is None
+        monkeypatch.delenv("MLFLOW_TRACKING_AUTH")
     work = tmp_path / "w"
     with fake_mlflow(403) as refusing:
         host = refusing.removeprefix("http://")

@@ -73,7 +73,18 @@ def test_an_exclusive_test_waits_for_the_running_ones_and_holds_back_new_ones(
     assert running.wait(10)
     alone = threading.Thread(target=exclusive)
     alone.start()
-    time.sleep(0.3)  # the exclusive one now waits at the lock, holding the gate
+    import fcntl
+
+    with open(f"{base}.gate", "a") as probe:  # until the exclusive one holds the gate
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                break
+            fcntl.flock(probe, fcntl.LOCK_UN)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
     later = threading.Thread(target=shared, args=("b", None))
     later.start()
     time.sleep(0.3)

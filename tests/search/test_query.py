@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+import time
 from pathlib import Path
 
 import hpsearch as hps
@@ -254,6 +255,9 @@ def test_the_api_takes_paths_as_strings_and_refuses_storage_objects(
     for k in (0, None, "3", 2.5, True):
         with pytest.raises(hps.ConfigError, match="must be a whole number"):
             best_trials("s", workdir=tmp_path, k=k)  # type: ignore[arg-type]
+    import numpy as np
+
+    assert len(best_trials("s", workdir=tmp_path, k=np.int64(3))) == 1  # type: ignore[arg-type]
     # An empty HPSEARCH_WORKDIR is unset, as for the CLI: ./.hpsearch, not ./
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HPSEARCH_WORKDIR", "")
@@ -282,14 +286,16 @@ def test_readers_leave_no_database_connection_open(pg_url: str) -> None:
             hps.study_status("s", storage=pg_url)
             best_trials("s", storage=pg_url)
             list_studies(pg_url)
-        with eng.connect() as conn:
-            others = conn.execute(
-                sa.text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = :d "
-                    "AND pid <> pg_backend_pid()"
-                ),
-                {"d": database},
-            ).scalar_one()
+        sql = sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = :d AND pid <> pg_backend_pid()"
+        )
+        deadline = time.monotonic() + 10  # a closed connection's backend exits soon after
+        while True:
+            with eng.connect() as conn:
+                others = conn.execute(sql, {"d": database}).scalar_one()
+            if others == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         gc.enable()
         eng.dispose()

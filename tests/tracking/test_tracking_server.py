@@ -175,7 +175,9 @@ def test_allowed_hosts_only_for_non_loopback_binds() -> None:
 
     six = (allowed_hosts_for("fd00::5", 5000) or "").split(",")
     assert is_allowed_host_header(six, "[fd00::5]:5000")  # was refused: unbracketed only
-    assert not is_allowed_host_header(six, "[fd00::6]:5000")
+    assert not is_allowed_host_header(six, "[2001:db8::6]:5000")  # a public one: no
+    every = (allowed_hosts_for("::", 5000) or "").split(",")  # private IPv6 clients of "::"
+    assert is_allowed_host_header(every, "[fd00::7]:5000")
 
 
 def test_running_server_url_ignores_stale_or_broken_state(tmp_path: Path) -> None:
