@@ -497,6 +497,14 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
         check_dataset(cfg)
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
+    if uri and uri.startswith(("http://", "https://")) and not await_study_run:
+        # A worker of its own (a launch's workers wait for the run it checked): a server
+        # that refuses every call (401, 403) would leave its trials untracked.
+        from hpsearch.errors import TrackingError
+        from hpsearch.tracking.server import api_refusal, redact_uri
+
+        if (refused := api_refusal(uri)) is not None:
+            raise TrackingError(f"MLflow at {redact_uri(uri)}: {refused}")
     shared = None
     if not no_tracking and uri is None:
         # The work folder's embedded server, when a launch or `hpsearch ui` runs it: as one

@@ -1132,7 +1132,11 @@ class Launcher:
             # A trial that died before its MLflow run was linked gets its run (found by its
             # run key, or made), linked while the trial still runs: a finished trial takes
             # no attributes.
-            run_id = record_dead_trial_run_within(self.cfg, uri, t, reason)
+            try:
+                run_id = record_dead_trial_run_within(self.cfg, uri, t, reason)
+            except TrackingError as exc:  # a server that hangs: not again for the others
+                self._event(f"{exc}; no MLflow runs for the dead workers' other trials")
+                run_id, uri = None, None
             if run_id is not None:
                 with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
                     with_db_retry(
@@ -1146,7 +1150,11 @@ class Launcher:
                 )
             ):
                 failed.append(t.number)
-                mark_run_failed_within(uri, t, reason)
+                try:
+                    mark_run_failed_within(uri, t, reason)
+                except TrackingError as exc:
+                    self._event(f"{exc}; the end-of-study sweep ends that run")
+                    uri = None
         return failed
 
     def _wait_stopping(self) -> None:

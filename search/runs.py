@@ -951,8 +951,9 @@ DEAD_RUN_WAIT_S = 20.0
 
 
 def _bounded(fn: Callable[[threading.Event], Any], timeout_s: float, what: str) -> Any:
-    """`fn(abandoned)` on a daemon thread, waited for at most `timeout_s`; None when it did
-    not finish (then `abandoned` is set: `fn` makes nothing more it cannot hand back)."""
+    """`fn(abandoned)` on a daemon thread, waited for at most `timeout_s`. Raises
+    TrackingError when it did not finish (then `abandoned` is set: `fn` makes nothing more
+    it cannot hand back), so that the caller stops calling that server for now."""
     box: list[Any] = []
     abandoned = threading.Event()
     thread = threading.Thread(target=lambda: box.append(fn(abandoned)), daemon=True, name=what)
@@ -960,9 +961,7 @@ def _bounded(fn: Callable[[threading.Event], Any], timeout_s: float, what: str) 
     thread.join(timeout_s)
     if thread.is_alive():
         abandoned.set()
-        logger.warning("%s: the MLflow server did not answer within %.0f s; going on", what,
-                       timeout_s)  # fmt: skip
-        return None
+        raise TrackingError(f"{what}: the MLflow server did not answer within {timeout_s:.0f} s")
     return box[0] if box else None
 
 
@@ -971,7 +970,8 @@ def record_dead_trial_run_within(
     timeout_s: float = DEAD_RUN_WAIT_S,
 ) -> str | None:  # fmt: skip
     """`record_dead_trial_run`, given up after `timeout_s` (the launcher's loop waits on
-    it); an abandoned call makes no run, which could no longer be linked to the trial."""
+    it) with TrackingError; an abandoned call makes no run, which could no longer be linked
+    to the trial."""
     if not uri or trial.user_attrs.get(ATTR_RUN_ID):
         return None
     return _bounded(
@@ -984,8 +984,8 @@ def record_dead_trial_run_within(
 def mark_run_failed_within(
     uri: str | None, trial: FrozenTrial, reason: str, timeout_s: float = DEAD_RUN_WAIT_S
 ) -> None:
-    """`mark_run_failed`, given up after `timeout_s` (the run stays RUNNING; the launcher's
-    end-of-study sweep ends dangling runs)."""
+    """`mark_run_failed`, given up after `timeout_s` with TrackingError (the run stays
+    RUNNING; the launcher's end-of-study sweep ends dangling runs)."""
     if not uri or not trial.user_attrs.get(ATTR_RUN_ID):
         return
     _bounded(

@@ -673,10 +673,21 @@ def leave_server(
             _remove_state(workdir, pid)
         # Only while server.json still names it, or names none (a server it no longer names
         # was replaced by another one, whose users this process does not know).
-        if not _group_alive(pgid) or (not current and state):
+        if not _group_alive(pgid) or (not current and state) or _leader_replaced(state, pid):
             return "gone"
         _stop_group(pgid, timeout_s, reap)
         return "stopped"
+
+
+def _leader_replaced(state: Mapping[str, Any], pid: int) -> bool:
+    """Whether the process now under the server leader's PID started at another time than
+    the one server.json recorded: the server is gone and its PID (and so the group id) was
+    reused, by a worker started in a session of its own, say, which must not be killed."""
+    from hpsearch.packing import process_start
+
+    start = state.get("start")
+    now = process_start(pid)
+    return isinstance(start, int) and now is not None and now != start
 
 
 @dataclass

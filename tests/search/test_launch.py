@@ -487,6 +487,15 @@ def test_a_server_refusing_the_api_stops_the_launch_before_any_trial(
     assert last.startswith(f"Error: MLflow at {refusing}: 403 forbidden: the server refuses "
                            f"host '{host}'"), r.stderr  # fmt: skip
     assert not (work / "optuna.journal").exists() and not (work / "logs").exists()
+    # A worker of its own (a remote host's): the same check, the same one line
+    with fake_mlflow(401) as login:
+        r = hpsearch(
+            ["worker", "--study", "tiny", "--workdir", str(work), "--train-fn", DUMMY,
+             "--tracking-uri", login],
+            subprocess_env,
+        )  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"Error: MLflow at {login}: 401")
 
 
 def test_hpsearch_alone_shows_its_help_not_a_one_line_error(

@@ -469,6 +469,27 @@ def test_the_last_user_stops_its_own_server_at_once(tmp_path: Path) -> None:
     assert server.release() == "gone"
 
 
+def test_leaving_a_server_whose_pid_was_reused_kills_nothing(tmp_path: Path) -> None:
+    """server.json names a leader that is gone, its PID (and so its group id) now another
+    process's in a session of its own: leaving the server signalled that group."""
+    from hpsearch.packing import process_start
+    from hpsearch.tracking.server import leave_server
+
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # the PID's new owner
+    try:
+        state_path(tmp_path).parent.mkdir(parents=True)
+        started = process_start(other.pid)
+        assert started is not None
+        state = {"url": "http://127.0.0.1:9", "pid": other.pid, "pgid": other.pid,
+                 "users": [], "start": started - 100}  # fmt: skip
+        state_path(tmp_path).write_text(json.dumps(state))
+        assert leave_server(tmp_path, other.pid, other.pid, timeout_s=1.0) == "gone"
+        assert other.poll() is None  # not signalled
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_live_server_that_does_not_answer_is_not_started_twice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
