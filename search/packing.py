@@ -315,13 +315,15 @@ def holder_alive(pid: int, start: int | None, zombie_alive: bool = False) -> boo
     may still serve)."""
     if not pid_alive(pid):
         return False
-    fields = _stat_fields(pid)
-    if not zombie_alive and fields and fields[0] in (b"Z", b"X"):
+    fields = _stat_fields(pid)  # read once: the state and the start time
+    if fields is None:
+        return True  # /proc cannot tell (not Linux): the PID alone
+    if not zombie_alive and fields[0] in (b"Z", b"X"):
         return False
-    if start is None:
+    try:
+        return start is None or int(fields[19]) == start
+    except (IndexError, ValueError):
         return True
-    now = process_start(pid)
-    return now is None or now == start
 
 
 def first_in_line(pid: int, since: float | None, waiting: Mapping[int, float]) -> bool:

@@ -52,10 +52,11 @@ def _spec(storage: StorageArg, workdir: WorkdirArg) -> StorageSpec:
     return resolve_storage(os.fspath(storage) if storage else None, _workdir(workdir))
 
 
-def _missing_file(spec: StorageSpec, given: bool) -> StorageError | None:
+def _missing_file(spec: StorageSpec, storage: StorageArg) -> StorageError | None:
     """A SQLite or journal file named (storage=, HPSEARCH_STORAGE) that is not there: a
     mistyped path, not an empty store (the work folder's own journal is made by its first
     launch)."""
+    given = bool(storage or os.environ.get("HPSEARCH_STORAGE"))
     file = storage_file(spec)
     if given and file is not None and not file.exists():
         return StorageError(f"storage {spec.display}: no such file")
@@ -65,8 +66,7 @@ def _missing_file(spec: StorageSpec, given: bool) -> StorageError | None:
 def _open(name: str, storage: StorageArg, workdir: WorkdirArg) -> tuple[optuna.Study, Any]:
     """The study and the storage it reads, whose connections the caller disposes of."""
     spec = _spec(storage, workdir)
-    given = bool(storage or os.environ.get("HPSEARCH_STORAGE"))
-    if (missing := _missing_file(spec, given)) is not None:
+    if (missing := _missing_file(spec, storage)) is not None:
         raise missing
     if spec.kind == "journal" and not Path(spec.url).exists():
         raise StudyNotFoundError(f"study {name!r} not found: no journal at {spec.url}")
@@ -258,7 +258,7 @@ def _last_epoch(t: FrozenTrial) -> int | None:
 def list_studies(storage: StorageArg = None, workdir: WorkdirArg = None) -> list[dict[str, Any]]:
     spec = _spec(storage, workdir)
     if not has_optuna_tables(spec):
-        if missing := _missing_file(spec, bool(storage or os.environ.get("HPSEARCH_STORAGE"))):
+        if missing := _missing_file(spec, storage):
             raise missing
         return []
     st = open_storage(spec, pool_size=1, create=False)

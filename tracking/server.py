@@ -326,7 +326,7 @@ def health_ok(url: str, timeout_s: float = 2.0, *, any_status: bool = False) -> 
     """True when ``<url>/health`` answers 200; with ``any_status``, when a server answers
     there at all (a hosted MLflow may have no ``/health``)."""
     try:
-        with urllib.request.urlopen(_health_request(url), timeout=timeout_s) as resp:
+        with urllib.request.urlopen(_request(url), timeout=timeout_s) as resp:
             return any_status or int(resp.status) == 200
     except urllib.error.HTTPError:  # an answer, not a 2xx one
         return any_status
@@ -334,7 +334,7 @@ def health_ok(url: str, timeout_s: float = 2.0, *, any_status: bool = False) -> 
         return False
 
 
-def _health_request(url: str, path: str = "/health") -> urllib.request.Request:
+def _request(url: str, path: str = "/health") -> urllib.request.Request:
     """GET ``<url><path>``; a login in the URL (``http://user:password@host``, which MLflow's
     client sends as basic auth) goes in an Authorization header: urllib cannot open such a
     URL itself. Else the credentials MLflow's client takes from the environment
@@ -375,7 +375,7 @@ def api_refusal(url: str, timeout_s: float = 5.0) -> str | None:
     SigV4, client certificates)."""
     if any(os.environ.get(name) for name in OTHER_AUTH_ENV):
         return None
-    request = _health_request(url, "/api/2.0/mlflow/experiments/search?max_results=1")
+    request = _request(url, "/api/2.0/mlflow/experiments/search?max_results=1")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s):
             return None

@@ -549,13 +549,13 @@ def test_a_login_in_the_tracking_uri_goes_in_the_health_checks_header() -> None:
     as basic auth): the launcher found no server behind basic auth."""
     import base64
 
-    from hpsearch.tracking.server import _health_request
+    from hpsearch.tracking.server import _request
 
-    req = _health_request("http://a%40b:p%3Aw@mlflow.example:5000/prefix/")
+    req = _request("http://a%40b:p%3Aw@mlflow.example:5000/prefix/")
     assert req.full_url == "http://mlflow.example:5000/prefix/health"
     token = req.get_header("Authorization").removeprefix("Basic ")
     assert base64.b64decode(token).decode() == "a@b:p:w"
-    plain = _health_request("http://127.0.0.1:5000")
+    plain = _request("http://127.0.0.1:5000")
     assert plain.full_url == "http://127.0.0.1:5000/health" and not plain.has_header(
         "Authorization"
     )
