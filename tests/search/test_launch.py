@@ -461,7 +461,8 @@ def test_a_server_refusing_the_api_stops_the_launch_before_any_trial(
 ) -> None:
     """MLflow 3 answers /health without checking the Host header or the login: a server
     that refuses every API call (403: a host its --allowed-hosts does not list; 401: no
-    login) passed the launch's check, and its workers trained untracked."""
+    login) passed the launch's check, and its workers trained untracked. The 403 comes from
+    a real MLflow server; the 401 and 404 answers from a stand-in (no auth app here)."""
     from hpsearch.tracking.server import api_refusal
     from stack_util import fake_mlflow
 
@@ -475,7 +476,11 @@ def test_a_server_refusing_the_api_stops_the_launch_before_any_trial(
         assert api_refusal(login) is None
         monkeypatch.delenv("MLFLOW_TRACKING_AUTH")
     work = tmp_path / "w"
-    with fake_mlflow(403) as refusing:
+    # A real MLflow server whose --allowed-hosts does not list the host the URI names
+    from hpsearch.tracking.server import start_local_server
+
+    with start_local_server(tmp_path / "mlflow", allowed_hosts="mlflow.only.example") as server:
+        refusing = server.url
         host = refusing.removeprefix("http://")
         r = hpsearch(
             ["launch", "--study", "tiny", "--workers", "2", "--workdir", str(work),
