@@ -481,7 +481,12 @@ class GpuLedger:
         try:
             yield time.monotonic() - t0
         finally:
-            self.release()
+            try:
+                self.release()
+            except OSError as exc:  # a full disk: the trial's result matters more
+                # Its hold stays until this process's next reservation replaces it, or the
+                # process ends (a dead holder's hold is dropped).
+                logger.warning("could not release the GPU memory reservation: %s", exc)
 
 
 def plan_from_probe(

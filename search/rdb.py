@@ -21,7 +21,8 @@ rows Optuna would write or read, and leaves everything else to Optuna:
 - **Heartbeats**: one upsert.
 - **Finishing a trial** (`set_trial_state_values` to COMPLETE, PRUNED or FAIL: the tell):
   one statement that locks the trial, checks it is not finished, writes its values and
-  state. Moving a waiting trial to RUNNING (a retry's claim) is Optuna's.
+  state. Moving a waiting trial to RUNNING (a retry's claim) is Optuna's, after the
+  trial's first heartbeat.
 - **An intermediate value**: one upsert, written only while the trial is not finished.
 - **A running trial's params and attributes** (`write_running_trial`, which
   `hpsearch.storage.set_trial_attrs` uses): one statement that locks the trial, checks it
@@ -440,6 +441,11 @@ class FastRDBStorage(RDBStorage):
             and _budget_lock_connection(self.engine) is not None
         )
 
+    def beats_on_claim(self) -> bool:
+        """Whether moving a queued trial to RUNNING records its heartbeat first (heartbeats
+        on): the caller need not."""
+        return self.get_heartbeat_interval() is not None
+
     def record_heartbeat(self, trial_id: int) -> None:
         if not self.fast_sql():
             super().record_heartbeat(trial_id)
@@ -451,6 +457,14 @@ class FastRDBStorage(RDBStorage):
     def set_trial_state_values(
         self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
     ) -> bool:
+        if state == TrialState.RUNNING and self.get_heartbeat_interval() is not None:
+            # A queued retry's claim (Optuna's WAITING -> RUNNING) and its first heartbeat
+            # are two commits. Beat first: a worker that dies after the claim's commit, or
+            # whose reply to it is lost (its retried ask then claims another trial), leaves
+            # a RUNNING trial that the stale check finds, not one without a heartbeat that
+            # no check ever finds. A beat on a trial still waiting, or taken by another
+            # worker meanwhile, is harmless: stale checks read RUNNING trials only.
+            self.record_heartbeat(trial_id)
         if not (self.fast_sql() and state.is_finished()):
             return super().set_trial_state_values(trial_id, state, values)
         stored = [models.TrialValueModel.value_to_stored_repr(v) for v in values or ()]

@@ -197,6 +197,11 @@ def open_storage(
         raise StorageError(f"storage {spec.display}: driver missing: {exc}") from exc
     except RuntimeError as exc:  # Optuna: the tables' schema is another Optuna version's
         raise StorageError(f"storage {spec.display}: {_one_line(exc)}") from exc
+    except optuna.exceptions.StorageInternalError as exc:  # its version table is missing
+        raise StorageError(
+            f"storage {spec.display}: not an Optuna database (a table named 'studies' is "
+            f"there, Optuna's others are not): {_one_line(exc)}"
+        ) from exc
 
 
 def _create_schema(spec: StorageSpec) -> None:

@@ -20,6 +20,14 @@ from hpsearch.config import (
     grid_space,
 )
 from hpsearch.errors import ConfigError, StudyNotFoundError
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+    check_distribution_compatibility,
+    distribution_to_json,
+)
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
@@ -279,6 +287,7 @@ def create_or_load(
             f"{cfg.source or cfg.name}: objective.direction: {list(cfg.objective.directions)}: "
             f"study {cfg.name!r} already exists with directions {existing}{hint}"
         )
+    check_space_fits(cfg, study.get_trials(deepcopy=False))
     attrs = study.user_attrs
     first = CONFIG_ATTR not in attrs
     if owner or first:
@@ -302,6 +311,53 @@ def load_existing(
             f"study {name!r} not found in the storage; "
             f"create it with `hpsearch launch --study {name}`"
         ) from exc
+
+
+def space_distributions(cfg: StudyConfig) -> dict[str, BaseDistribution]:
+    """Each search-space parameter's distribution, as `suggest` asks Optuna for it."""
+    out: dict[str, BaseDistribution] = {}
+    for name, spec in cfg.search_space.items():
+        if isinstance(spec, FloatParam):
+            out[name] = FloatDistribution(spec.low, spec.high, log=spec.log, step=spec.step)
+        elif isinstance(spec, IntParam):
+            out[name] = IntDistribution(spec.low, spec.high, log=spec.log, step=spec.step)
+        else:
+            out[name] = CategoricalDistribution(spec.choices)
+    return out
+
+
+def check_space_fits(cfg: StudyConfig, trials: Sequence[FrozenTrial]) -> None:
+    """Refuse a search space that Optuna would refuse for this study's later trials: it
+    keeps a categorical parameter's choices, and a parameter's kind and log scale, for the
+    life of a study (ranges may change). Every new trial, and every queued retry, would
+    fail at its first suggestion: the retries' checkpoints lost, the workers stopped."""
+    wanted = space_distributions(cfg)
+    seen: set[tuple[str, str]] = set()
+    for trial in trials:
+        for name, stored in trial.distributions.items():
+            dist = wanted.get(name)
+            key = (name, distribution_to_json(stored))
+            if dist is None or key in seen:
+                continue
+            seen.add(key)
+            try:
+                check_distribution_compatibility(stored, dist)
+            except ValueError:
+                raise ConfigError(
+                    f"{cfg.source or cfg.name}: search_space.{name}: {_space_text(dist)}: "
+                    f"study {cfg.name!r} has trials with {_space_text(stored)}, and Optuna "
+                    "keeps a parameter's choices, kind and log scale for the whole study: "
+                    "change it back, or start a study under another `name`"
+                ) from None
+
+
+def _space_text(dist: BaseDistribution) -> str:
+    if isinstance(dist, CategoricalDistribution):
+        return f"choices {list(dist.choices)}"
+    if isinstance(dist, FloatDistribution | IntDistribution):
+        kind = "float" if isinstance(dist, FloatDistribution) else "int"
+        return f"{kind} {dist.low}..{dist.high}" + (" log" if dist.log else "")
+    return repr(dist)
 
 
 def suggest(trial: optuna.Trial, cfg: StudyConfig) -> dict[str, Any]:

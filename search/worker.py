@@ -102,7 +102,7 @@ class WorkerOptions:
     await_study_run_s: float = 0.0  # launched: wait so long for the launcher's MLflow study run
     heartbeat_interval_s: int = 10  # PostgreSQL only; stale after 2x
     max_retries: int = 2  # retries of a trial whose worker died or was interrupted
-    max_errors: int = 3  # trials failing with an exception before the worker gives up
+    max_errors: int = 3  # trials in a row failing with an exception: the worker gives up
     db_outage_limit_s: float = 120.0
     train_fn: str = ""  # "module:function"; empty = hpsearch.trainer.train
     set_budget: bool = False  # record config.budget.n_trials on the study (worker --trials)
@@ -287,6 +287,7 @@ def retried_trials(study: optuna.Study, numbers: Sequence[int]) -> set[int]:
     gives a retry the `retry_history` of its chain; retries come after their trials)."""
     wanted = set(numbers)
     found: set[int] = set()
+    refresh_trials_now(study)  # a retry queued a moment ago, maybe by this process's own try
     for t in study.get_trials(deepcopy=False):
         # A retry's history names every earlier trial of its chain. The callback appends to
         # the failed trial's own list, which a cached storage hands out uncopied: a trial's
@@ -371,6 +372,48 @@ class _Heartbeat:
             self._thread.join(timeout=5)
 
 
+# Outcomes of a trial failed on purpose: its worker's error or hand-back, the launcher's
+# failure of a dead worker's trial. A stale-failed trial has none, or the outcome its worker
+# wrote just before a tell that never came.
+FAILED_ON_PURPOSE = frozenset({"error", "interrupted", "failed"})
+
+
+def fail_stale_trials(study: optuna.Study, pending: set[int]) -> list[int]:
+    """Optuna's `fail_stale_trials` (fail the trials whose heartbeat stopped, queue their
+    retries), resumable: the failure and the retry are two commits, and where the database
+    failed between them, Optuna's left the trial failed with no retry for good (it is no
+    longer running, so no later check finds it). `pending` holds the trials found stale
+    whose retry was not yet seen queued; the caller keeps it across checks, each under the
+    study lock. Only a trial stale now is failed; one from `pending` that was failed
+    already, not on purpose (`FAILED_ON_PURPOSE`: those have their own retries), and has
+    no retry gets its retry. Returns the trials re-queued."""
+    storage = study._storage
+    stale_ids = getattr(storage, "_get_stale_trial_ids", None)  # Optuna's internal query
+    if not callable(stale_ids):  # an Optuna without it: its own check, as it is
+        optuna.storages.fail_stale_trials(study)
+        return []
+    callback = storage.get_heartbeat_stale_trial_callback()  # type: ignore[attr-defined]
+    stale = set(stale_ids(study._study_id))
+    pending.update(stale)
+    queued = []
+    for trial_id in sorted(pending):
+        failed = False
+        if trial_id in stale:
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):  # finished
+                failed = storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+        frozen = storage.get_trial(trial_id)
+        if (
+            callback is not None
+            and frozen.state == TrialState.FAIL
+            and (failed or frozen.user_attrs.get(ATTR_OUTCOME) not in FAILED_ON_PURPOSE)
+            and not retried_trials(study, [frozen.number])
+        ):
+            callback(study, frozen)
+            queued.append(frozen.number)
+        pending.discard(trial_id)  # running again (its worker beats), finished, or queued
+    return queued
+
+
 class _StaleWatcher:
     """Fails and re-queues trials whose heartbeat stopped, even while this worker trains.
 
@@ -395,6 +438,7 @@ class _StaleWatcher:
         self._stop = threading.Event()
         self._lock = lock
         self._grace_s = grace_s
+        self._pending: set[int] = set()  # found stale, retry not yet seen queued
         self.answering_since = -math.inf  # monotonic s; reset by a check the database failed
         self._thread = threading.Thread(target=self._run, args=(study, period_s), daemon=True)
         self._thread.start()
@@ -404,7 +448,7 @@ class _StaleWatcher:
         stale_ids = getattr(study._storage, "_get_stale_trial_ids", None)
         while not self._stop.wait(period_s):
             try:
-                if callable(stale_ids) and not stale_ids(study._study_id):
+                if not self._pending and callable(stale_ids) and not stale_ids(study._study_id):
                     self._answered()
                     continue  # nothing stale: the lock, which every ask queues on, is not taken
                 if not self._answered():
@@ -412,7 +456,7 @@ class _StaleWatcher:
                 # Under the study lock: a trial's failure and its retry's queueing are two
                 # commits, and an ask between them would see a free place in the budget.
                 with HANDBACK, self._lock():  # not cut by a second Ctrl-C either
-                    optuna.storages.fail_stale_trials(study)
+                    fail_stale_trials(study, self._pending)
             except (SQLAlchemyError, optuna.exceptions.StorageInternalError, StorageError) as exc:
                 self.answering_since = math.nan  # an outage: none failed until it is over
                 warnings.warn(f"stale-trial check failed: {exc}", stacklevel=1)
@@ -517,11 +561,10 @@ def run_worker(
             summary.outcomes[outcome] = summary.outcomes.get(outcome, 0) + 1
             if on_trial is not None:
                 on_trial(trial.number, outcome)
-            if outcome == "error":
-                errors += 1
-                if errors >= opts.max_errors:
-                    summary.stopped_by = "errors"
-                    break
+            errors = errors + 1 if outcome == "error" else 0  # in a row: a broken set-up
+            if errors >= opts.max_errors:
+                summary.stopped_by = "errors"
+                break
         else:
             summary.stopped_by = "interrupted"
     finally:
@@ -634,17 +677,18 @@ def _claim_trial(
     if pop is None or not hasattr(study, "_thread_local"):
         return None
     trial_id = None
+    backend = getattr(study._storage, "_backend", study._storage)  # Optuna's cache wraps it
     if counts.get("waiting", 0) > 0:  # the fresh count says whether a retry is queued:
         refresh_trials_now(study)  # it may be newer than this process's view
         trial_id = pop()
     # else no read of the queue, which would refresh every trial's view under the lock
-    beat = True
+    beats = getattr(backend, "beats_on_claim", None)  # the claim of a retry beat first
+    beat = not (trial_id is not None and beats is not None and beats())
     if trial_id is None:
         used = counts.get("complete", 0) + counts.get("pruned", 0) + counts.get("running", 0)
         if used >= n_trials:
             return "wait"
         # A second commit under the lock, every trial, when the create wrote the beat too
-        backend = getattr(study._storage, "_backend", study._storage)  # Optuna's cache wraps it
         beats = getattr(backend, "beats_on_create", None)
         beat = not (beats is not None and beats())
         trial_id = study._storage.create_new_trial(study._study_id)
@@ -990,9 +1034,14 @@ def run_trial(
             raise  # the database stayed down past the limit: stop the worker, not the trial
         except AdmissionStopped as exc:  # never started: queue it again as it is
             run = late.wait(after_stop_s=0.0) if late is not None else None
+            message = f"waiting for GPU memory: {exc}"
+            # Said on the trial (`status`), and found by a relaunch if this worker is killed
+            # between the failure and the retry (requeue_cut_handbacks looks for it).
+            attrs = {ATTR_OUTCOME: "interrupted", ATTR_MESSAGE: message[:500]}
+            _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
             _fail_and_requeue(study, trial, db, opts.max_retries, lock)
             if run is not None:
-                run.finish_failed("interrupted", f"waiting for GPU memory: {exc}", None)
+                run.finish_failed("interrupted", message, None)
             return "interrupted"
         except HpsearchError as exc:
             run = late.wait() if late is not None else None
@@ -1006,15 +1055,18 @@ def run_trial(
         # A trial that ended before its run started (MLflow's set-up, a slow create) waits.
         run = late.wait() if late is not None else None
         if root != trial.number:  # a retry: where it picked up
-            resumed = resumed_from_epoch(first_epoch, result.history)
-            db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, resumed), "set_user_attr")
-            if len(study.directions) == 1:
-                stored = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
-                unreported = unreported_epochs(
-                    result.history, stored.intermediate_values, cfg.reported_metric
-                )
-                for step, value in unreported:
-                    db(functools.partial(trial.report, value, step), "report")
+            # Finished elsewhere meanwhile (stale-failed while this worker was cut off):
+            # the tell below finds it so and says so; this is no crash of the worker's.
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                resumed = resumed_from_epoch(first_epoch, result.history)
+                db(lambda: trial.set_user_attr(ATTR_RESUMED_FROM, resumed), "set_user_attr")
+                if len(study.directions) == 1:
+                    stored = db(lambda: study._storage.get_trial(trial._trial_id), "get_trial")
+                    unreported = unreported_epochs(
+                        result.history, stored.intermediate_values, cfg.reported_metric
+                    )
+                    for step, value in unreported:
+                        db(functools.partial(trial.report, value, step), "report")
         setup_s = float(getattr(result, "setup_seconds", 0.0) or 0.0)
         timing.startup_s = handed_over - began + setup_s
         timing.setup_s = setup_s
@@ -1044,17 +1096,26 @@ def run_trial(
 Db = Callable[[Callable[[], Any], str], Any]
 
 
-def _safe_tell(db: Db, fn: Callable[[], Any]) -> bool:
+def _safe_tell(db: Db, fn: Callable[[], Any], landed: Callable[[], bool] | None = None) -> bool:
     """tell (or write result attributes), tolerating a trial that was already finished
-    elsewhere (stale-failed while this worker was cut off): False then."""
+    elsewhere (stale-failed while this worker was cut off): False then. `landed`: whether
+    the trial now stands as this tell would leave it, read when a try found it finished:
+    a tell whose commit's reply was lost is run again by `db` and finds its own result
+    (no other process completes or prunes this worker's trial)."""
     try:
         db(fn, "tell")
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
         if not _finished_elsewhere(exc):
             raise
+        if landed is not None and db(landed, "read trial"):
+            return True
         warnings.warn(f"trial was already finished elsewhere: {exc}", stacklevel=2)
         return False
     return True
+
+
+def _finished_as(study: optuna.Study, trial: optuna.Trial, state: TrialState) -> Callable[[], bool]:
+    return lambda: study._storage.get_trial(trial._trial_id).state == state
 
 
 def _finished_elsewhere(exc: Exception) -> bool:
@@ -1126,7 +1187,11 @@ def _tell(
     if reason in ("pruned", "diverged", "out_of_memory") or values is None:
         # Pruned, diverged and OOM trials teach the sampler that region is bad; a FAIL
         # would hide it. Optuna uses the last reported value for a PRUNED trial.
-        ok = _safe_tell(db, lambda: tell(study, trial, state=TrialState.PRUNED))
+        ok = _safe_tell(
+            db,
+            lambda: tell(study, trial, state=TrialState.PRUNED),
+            _finished_as(study, trial, TrialState.PRUNED),
+        )
     elif not all(math.isfinite(v) for v in values):
         # Optuna would store a NaN as FAIL, which counts toward no budget: a trainer that
         # always returns one would make trials without end. An inf would be the best.
@@ -1134,7 +1199,9 @@ def _tell(
         return "error"
     else:
         told = values if cfg.objective.multi else values[0]
-        ok = _safe_tell(db, lambda: tell(study, trial, told))
+        ok = _safe_tell(
+            db, lambda: tell(study, trial, told), _finished_as(study, trial, TrialState.COMPLETE)
+        )
     if run is not None:
         run.finish_result(result, told=ok)
     return reason

@@ -153,3 +153,46 @@ def returns_nan(
     import dataclasses
 
     return dataclasses.replace(train(config, params, report, options), best_val_acc=math.nan)
+
+
+_CALLS = [0]
+
+
+def fails_every_other(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """A study where some trials hit an error now and then (a parameter region a layer
+    refuses), the others train."""
+    _CALLS[0] += 1
+    if _CALLS[0] % 2:
+        raise RuntimeError("Expected more than 1 value per channel when training")
+    return train(config, params, report, options)
+
+
+def waits_out_gpu_memory(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """A trial whose wait for room on its GPU ran out (the ledger's admission, which wraps
+    the train function in the worker)."""
+    from hpsearch.packing import AdmissionStopped
+
+    raise AdmissionStopped("waited 3600 s for room beside the trials packed there")
+
+
+def finished_elsewhere_meanwhile(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """Trains while another worker's stale check fails this trial (this worker cut off from
+    the database for longer than the heartbeat grace): every RUNNING trial of the study in
+    the journal that HPSEARCH_DUMMY_JOURNAL names is failed before the result returns."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    from optuna.trial import TrialState
+
+    result = train(config, params, report, options)
+    storage = JournalStorage(JournalFileBackend(os.environ["HPSEARCH_DUMMY_JOURNAL"]))
+    study = optuna.load_study(study_name=config.name, storage=storage)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+    return result

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import random
+import signal
 import threading
 import time
 import warnings
@@ -194,8 +195,19 @@ def load_split(
         persistent_workers=workers > 0,
         drop_last=train and len(src) >= batch_size,
         collate_fn=data.collate_skip,
+        worker_init_fn=_loader_worker_init,
     )
     return Split(n=len(src), loader=loader, sampler=sampler)
+
+
+def _loader_worker_init(_: int) -> None:
+    """A stop is the trial's process's to make, at an epoch's end. A SIGTERM or SIGINT sent
+    to every process of the job (systemd's control-group kill, Slurm's scancel, `kill` of a
+    process group) killed the loader's workers first, and the trial failed with "DataLoader
+    worker exited unexpectedly" instead of being handed back to resume. The loader ends
+    its workers itself, and they exit when their parent dies."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _loader_items(loader: torch.utils.data.DataLoader[Any]) -> Iterator[Any]:

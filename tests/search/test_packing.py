@@ -798,3 +798,17 @@ def test_stop_while_waiting_for_gpu_memory_requeues_the_trial(
 
     states = [t.state for t in hps.load_study("tiny", workdir=tmp_path).get_trials()]
     assert states == [TrialState.FAIL, TrialState.WAITING]
+
+
+def test_a_ledger_that_cannot_be_written_after_training_does_not_fail_the_trial(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Releasing the reservation writes the ledger; a full disk there (checkpoints fill it)
+    raised out of the finished training and failed a completed trial."""
+    ledger = GpuLedger(tmp_path, "0", total_bytes=10 * GiB)
+    trained = []
+    with ledger.reservation(1 * GiB):
+        trained.append(True)
+        ledger.path.with_suffix(".tmp").mkdir()  # its write now fails as a full disk would
+    assert trained
+    assert "could not release the GPU memory reservation" in caplog.text

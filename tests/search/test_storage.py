@@ -14,6 +14,7 @@ import pytest
 import sqlalchemy as sa
 from cli_util import DUMMY, hpsearch
 from hpsearch.config import StudyConfig, load_config
+from hpsearch.errors import ConfigError, StorageError
 from hpsearch.storage import (
     StorageSpec,
     _lock_key,
@@ -559,6 +560,81 @@ def test_a_train_function_returning_no_usable_result_fails_its_trials_and_stops(
     assert all(message in t.user_attrs[ATTR_MESSAGE] for t in trials)
 
 
+def test_a_trial_handed_back_from_the_gpu_memory_line_says_so_and_is_found_if_cut(
+    tmp_path: Path,
+) -> None:
+    """A trial whose wait for GPU memory ran out is handed back: it said nothing on the
+    trial (`status` showed a FAIL with no reason), and a worker killed between its failure
+    and its retry left it for good (a relaunch looks for hand-backs by their outcome)."""
+    from hpsearch.worker import ATTR_MESSAGE, ATTR_OUTCOME, WorkerOptions, run_worker
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=1", "budget.max_epochs=1"])
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    opts = WorkerOptions(
+        workdir=tmp_path, train_fn="dummy_trainer:waits_out_gpu_memory", max_trials=1
+    )
+    summary = run_worker(cfg, spec, opts)
+    assert summary.outcomes == {"interrupted": 1}
+    study = create_or_load(cfg, open_storage(spec))
+    failed, retry = study.get_trials(deepcopy=False)
+    assert failed.state == optuna.trial.TrialState.FAIL
+    assert failed.user_attrs[ATTR_OUTCOME] == "interrupted"
+    assert "waiting for GPU memory: waited 3600 s" in failed.user_attrs[ATTR_MESSAGE]
+    assert retry.state == optuna.trial.TrialState.WAITING
+    # What a relaunch keys on for a hand-back cut before its retry (`requeue_cut_handbacks`)
+    assert failed.user_attrs["worker"] == summary.worker_id
+
+
+def test_a_retry_finished_elsewhere_before_its_end_does_not_crash_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry's own writes at its end (where it resumed, the epochs its failed try never
+    reported) raised out of the worker when the trial had been failed elsewhere meanwhile:
+    a traceback and a restart, where the tell says "finished elsewhere" and goes on."""
+    from hpsearch.worker import ATTR_RESUMED_FROM, WorkerOptions, run_worker
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=2", "budget.max_epochs=2"])
+    journal = tmp_path / "optuna.journal"
+    spec = StorageSpec("journal", str(journal), "journal")
+    monkeypatch.setenv("HPSEARCH_DUMMY_JOURNAL", str(journal))
+    study = create_or_load(cfg, open_storage(spec))
+    first = study.ask()
+    suggest(first, cfg)
+    study.tell(first, state=optuna.trial.TrialState.FAIL)
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            params=first.params,
+            distributions=first.distributions,
+            system_attrs={"failed_trial": first.number, "retry_history": [first.number]},
+        )
+    )
+    opts = WorkerOptions(
+        workdir=tmp_path, train_fn="dummy_trainer:finished_elsewhere_meanwhile", max_trials=1
+    )
+    with pytest.warns(UserWarning, match="finished elsewhere"):
+        summary = run_worker(cfg, spec, opts)
+    assert summary.trials == [1]
+    retry = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)[1]
+    assert retry.state == optuna.trial.TrialState.FAIL and ATTR_RESUMED_FROM not in retry.user_attrs
+
+
+def test_trials_that_error_now_and_then_do_not_stop_the_worker(tmp_path: Path) -> None:
+    """The worker gives up after max_errors errors in a row (a broken set-up fails every
+    trial); it counted every error of the study, so a long study whose trials err now and
+    then lost its workers one by one, and the launch ended with its budget unspent."""
+    from hpsearch.worker import WorkerOptions, run_worker
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=6", "budget.max_epochs=1"])
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    opts = WorkerOptions(workdir=tmp_path, train_fn="dummy_trainer:fails_every_other", max_errors=2)
+    summary = run_worker(cfg, spec, opts)
+    # A failed trial spends no budget: six trained, and six erred between them.
+    assert summary.stopped_by == "budget", summary
+    assert summary.outcomes.get("error") == 6
+    assert summary.outcomes.get("finished", 0) + summary.outcomes.get("pruned", 0) == 6
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [(":train", "expected MODULE:FUNCTION"), ("dummy_trainer:_BARRIER_PASSED", "bool is not callable"),
@@ -781,3 +857,61 @@ def test_a_sqlite_study_is_locked_like_a_journal(tmp_path: Path) -> None:
     with study_lock(resolve_storage("sqlite://", tmp_path), "tiny") as held:
         assert held is None  # in memory: one process, nothing to lock
     assert set(tmp_path.iterdir()) == before
+
+
+def test_a_database_whose_studies_table_is_not_optunas_is_one_error(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """Another program's `studies` table passed the check for Optuna's tables, and Optuna's
+    missing version table then raised its internal error: a traceback, for workers and
+    readers alike."""
+    import hpsearch as hps
+
+    engine = sa.create_engine(pg_url, poolclass=sa.pool.NullPool)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE studies (id int)"))
+    engine.dispose()
+    spec = resolve_storage(pg_url, tmp_path)
+    with pytest.raises(StorageError, match="not an Optuna database") as err:
+        open_storage(spec)
+    assert "\n" not in str(err.value)
+    with pytest.raises(StorageError, match="not an Optuna database"):
+        hps.best_trials("tiny", storage=pg_url)
+
+
+def test_a_search_space_optuna_would_refuse_for_the_study_is_refused_at_its_load(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A relaunch whose file changed a categorical parameter's choices (or a parameter's
+    kind or log scale) failed every trial at its first suggestion, queued retries first:
+    their checkpoints were lost and each worker stopped with "sampler failed". It is now
+    one error before anything runs, naming the file, the parameter and both spaces; the
+    queued retry stays queued. A changed range is Optuna's to allow, and is allowed."""
+    cfg = load_config("tiny")
+    study = create_or_load(cfg, pg_url)
+    trial = study.ask()
+    suggest(trial, cfg)
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            params=trial.params,
+            distributions=trial.distributions,
+        )
+    )
+    wider = load_config(
+        "tiny", ["search_space.lr={type: float, low: 1.0e-4, high: 1.0, log: true}"]
+    )
+    create_or_load(wider, pg_url)  # a new range: allowed
+    for change, words in (
+        ("search_space.batch_size.choices=[32, 64, 128]", "batch_size: choices [32, 64, 128]"),
+        ("search_space.lr.log=false", "lr: float 0.001..0.5: study 'tiny' has trials with float"),
+        ("search_space.batch_size={type: int, low: 32, high: 64}", "batch_size: int 32..64"),
+    ):
+        changed = load_config("tiny", [change])
+        with pytest.raises(ConfigError, match="tiny") as err:
+            create_or_load(changed, pg_url)
+        assert words in str(err.value), str(err.value)
+        assert "\n" not in str(err.value)
+    states = [t.state for t in optuna.load_study(study_name="tiny", storage=pg_url).trials]
+    assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.WAITING]

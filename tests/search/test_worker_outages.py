@@ -273,3 +273,160 @@ def test_a_dead_workers_trial_keeps_its_retry_when_the_database_drops_after_its_
     assert fail_trial(study, spec, study.trials[0], "worker 0 died", 2) is True
     assert fail_trial(study, spec, study.trials[0], "another reason", 2) is False
     assert len(study.get_trials(states=(TrialState.WAITING,))) == 1
+
+
+def _running_without_heartbeat(study: optuna.Study) -> list[int]:
+    with engine_of(study).connect() as c:
+        return list(
+            c.execute(
+                sa.text(
+                    "SELECT t.number FROM trials t LEFT JOIN trial_heartbeats h "
+                    "USING (trial_id) WHERE t.state = 'RUNNING' AND h.trial_id IS NULL"
+                )
+            ).scalars()
+        )
+
+
+def test_a_retrys_claim_whose_reply_is_lost_leaves_no_trial_the_stale_check_misses(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taking a queued retry (WAITING -> RUNNING, Optuna's commit) and its first heartbeat
+    were two commits. With the claim's reply lost, the ask ran again and claimed another
+    trial; the retry stayed RUNNING with no heartbeat, which no stale check finds, and the
+    study waited for it forever. The beat now comes before the claim."""
+    cfg = load_config("tiny", overrides=["budget.n_trials=2"])
+    spec = resolve_storage(pg_url, tmp_path)
+    opts = W.WorkerOptions(workdir=tmp_path, device="cpu", heartbeat_interval_s=10)
+    study = W.connect(cfg, spec, opts)
+    study.enqueue_trial({"lr": 0.01})
+    real = optuna.storages.RDBStorage.set_trial_state_values
+    lost: list[int] = []
+
+    def claim_reply_lost(self: Any, trial_id: int, state: TrialState, values: Any = None) -> Any:
+        done = real(self, trial_id, state, values)
+        if state == TrialState.RUNNING and not lost:
+            lost.append(trial_id)
+            raise sa.exc.OperationalError("COMMIT", {}, Exception("server closed the connection"))
+        return done
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", claim_reply_lost)
+    with warnings.catch_warnings():  # with_db_retry's "connection lost, retrying"
+        warnings.simplefilter("ignore")
+        trial = with_db_retry(
+            lambda: W._next_trial(study, cfg, spec, engine_of(study), W._Budget(study, cfg)),
+            what="ask",
+        )
+    assert isinstance(trial, optuna.Trial) and lost and trial._trial_id != lost[0]
+    assert _running_without_heartbeat(study) == []
+    with engine_of(study).begin() as c:  # both workers long gone
+        c.execute(sa.text("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '1 h'"))
+    stale = study._storage._get_stale_trial_ids(study._study_id)  # type: ignore[attr-defined]
+    assert lost[0] in stale
+
+
+def test_a_stale_trials_retry_is_queued_when_the_database_drops_after_its_failure(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Optuna's stale check fails the trial and queues its retry in two commits; an error
+    between them left the trial failed with no retry, and no later check found it (it was
+    no longer running): its trained epochs were lost. The next check queues the retry."""
+    _, _, study, trial = _claimed(pg_url, tmp_path)
+    with engine_of(study).begin() as c:  # its worker died an hour ago
+        c.execute(sa.text("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '1 h'"))
+    adds = []
+    real_add = study.add_trial
+
+    def add_once_lost(frozen: Any) -> None:
+        adds.append(frozen)
+        if len(adds) == 1:
+            raise sa.exc.OperationalError("INSERT", {}, Exception("server closed the connection"))
+        real_add(frozen)
+
+    monkeypatch.setattr(study, "add_trial", add_once_lost)
+    pending: set[int] = set()
+    with pytest.raises(sa.exc.OperationalError):
+        W.fail_stale_trials(study, pending)
+    assert pending == {trial._trial_id}  # failed, retry not queued: kept for the next check
+    assert W.fail_stale_trials(study, pending) == [trial.number]
+    assert pending == set()
+    assert W.fail_stale_trials(study, {trial._trial_id}) == []  # queued once only
+    trials = study.get_trials(deepcopy=True)
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
+    assert trials[1].system_attrs["failed_trial"] == trial.number
+
+
+def test_the_stale_check_leaves_a_trial_its_worker_failed_alone(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A trial that its worker failed itself (its outcome written: a training error) is not
+    re-queued by a check that had found it stale."""
+    _, _, study, trial = _claimed(pg_url, tmp_path)
+    study._storage.set_trial_user_attr(trial._trial_id, W.ATTR_OUTCOME, "error")
+    study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+    assert W.fail_stale_trials(study, {trial._trial_id}) == []
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL]
+
+
+@pytest.mark.parametrize("told", [TrialState.COMPLETE, TrialState.PRUNED])
+def test_a_tell_whose_reply_is_lost_counts_as_told(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, told: TrialState
+) -> None:
+    """The tell's commit went through and its reply was lost: run again, the tell found the
+    trial finished and was taken for a trial finished elsewhere, so the study's best model
+    lost its ONNX export. A trial that stands as told is this tell's."""
+    from hpsearch.storage import tell
+
+    _, _, study, trial = _claimed(pg_url, tmp_path)
+    real = FastRDBStorage.set_trial_state_values
+    lost: list[int] = []
+
+    def reply_lost(self: Any, trial_id: int, state: TrialState, values: Any = None) -> Any:
+        done = real(self, trial_id, state, values)
+        if state.is_finished() and not lost:
+            lost.append(trial_id)
+            raise sa.exc.OperationalError("COMMIT", {}, Exception("server closed the connection"))
+        return done
+
+    monkeypatch.setattr(FastRDBStorage, "set_trial_state_values", reply_lost)
+
+    def db(fn: Any, what: str) -> Any:
+        return with_db_retry(fn, what=what)
+
+    value = 0.9 if told == TrialState.COMPLETE else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "finished elsewhere" warning either
+        warnings.filterwarnings("ignore", ".*connection lost")  # with_db_retry's own
+        ok = W._safe_tell(
+            db, lambda: tell(study, trial, value, state=told), W._finished_as(study, trial, told)
+        )
+    assert lost and ok
+    # A trial another process failed meanwhile is still not this tell's.
+    _, _, study2, other = _claimed(pg_url, tmp_path / "2")
+    study2._storage.set_trial_state_values(other._trial_id, TrialState.FAIL)
+    with pytest.warns(UserWarning, match="finished elsewhere"):
+        assert not W._safe_tell(
+            db, lambda: tell(study2, other, 0.5), W._finished_as(study2, other, TrialState.COMPLETE)
+        )
+
+
+def test_a_trial_left_pending_by_a_failed_check_is_not_failed_once_its_worker_beats_again(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A check found a trial stale and the database failed before the trial's failure: the
+    trial stays pending. Its worker, only cut off, beats again; a later check (another
+    trial stale by then) must not fail it: it would run twice, and its worker's result be
+    thrown away."""
+    cfg, spec, study, live = _claimed(pg_url, tmp_path)
+    dead = W._next_trial(study, cfg, spec, engine_of(study), W._Budget(study, cfg))
+    assert isinstance(dead, optuna.Trial)
+    with engine_of(study).begin() as c:  # only the dead worker's beat is old
+        c.execute(
+            sa.text(
+                "UPDATE trial_heartbeats SET heartbeat = now() - interval '1 h' WHERE trial_id = :t"
+            ),
+            {"t": dead._trial_id},
+        )
+    assert W.fail_stale_trials(study, {live._trial_id}) == [dead.number]
+    by_id = {t._trial_id: t.state for t in study.get_trials(deepcopy=False)}
+    assert by_id[live._trial_id] == TrialState.RUNNING
+    assert by_id[dead._trial_id] == TrialState.FAIL

@@ -214,3 +214,31 @@ def test_the_cache_key_follows_the_class_numbering(tmp_path: Path) -> None:
     assert data.cache_path(before, 32, tmp_path) != data.cache_path(after, 32, tmp_path)
     again = data.Source("folder", "val", list(files), np.array([0, 1]), ["b", "c"], ident="r")
     assert data.cache_path(before, 32, tmp_path) == data.cache_path(again, 32, tmp_path)
+
+
+def test_a_stop_signal_to_the_whole_job_leaves_the_loaders_workers_to_their_trial(
+    flowers_root: Path, cache_workdir: Path
+) -> None:
+    """systemd and Slurm stop a job by signalling every process in it: the loader's worker
+    processes died of the SIGTERM, and the trial failed ("DataLoader worker exited
+    unexpectedly") instead of being handed back at its epoch's end. From another process
+    (the worker's own SIGTERM is the loader's to end them with), as a group kill sends it."""
+    import signal
+    import subprocess
+
+    cfg = make_config(
+        {"name": "flowers102", "root": str(flowers_root), "eval_limit": 40},
+        trainer={"num_workers": 1},
+    )
+    src = data.get_source(cfg, "val")
+    assert src is not None
+    kw = {"train": True, "batch_size": 4, "seed": 0}  # 10 batches: 2 in flight at a time
+    split = load_split(cfg, src, 37, 32, torch.device("cpu"), False, cache_workdir, None, **kw)  # type: ignore[arg-type]
+    assert split.loader is not None
+    batches = iter(split.loader)
+    next(batches)
+    (worker,) = batches._workers  # type: ignore[attr-defined]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        subprocess.run(["kill", f"-{sig.name[3:]}", str(worker.pid)], check=True)
+    assert sum(1 for _ in batches) == 9 and worker.is_alive()  # the epoch's other batches
+    del batches
