@@ -520,3 +520,22 @@ def test_an_optuna_without_the_internals_used_takes_its_own_methods(
     assert "states ['COMPLETE'] 3" in out.stdout
     assert "lacks the internals hpsearch's fast storage path uses" in out.stderr
     assert "_create_scoped_session" in out.stderr
+
+
+def test_an_optuna_release_the_sql_was_not_checked_against_takes_its_own_methods(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The schema revision can stay while a release changes how it fills the rows (5.1
+    changed its models under the same revision): a release not in `KNOWN_OPTUNA` takes
+    Optuna's own methods, and says so."""
+    from hpsearch.rdb import optuna_known
+
+    assert optuna_known(optuna.__version__)  # the installed one is checked (pyproject caps it)
+    assert optuna_known("5.0.0") and optuna_known("5.1.2") and not optuna_known("5.10.0")
+    monkeypatch.setattr(optuna, "__version__", "5.2.0")
+    storage = open_storage(resolve_storage(pg_url, tmp_path))
+    assert isinstance(storage, FastRDBStorage) and not storage.fast_sql()
+    assert "checked against Optuna 5.0 and 5.1, not 5.2.0" in caplog.text
+    study = optuna.create_study(storage=storage)
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
