@@ -80,6 +80,7 @@ def optuna_known(version: str) -> bool:
     """Whether this SQL was checked against Optuna `version`'s own writes."""
     return ".".join(version.split(".")[:2]) in KNOWN_OPTUNA
 
+
 # One row per trial; each child table aggregated in its own ordered JSON array. Floats
 # travel as their text form, which is what the driver parses for the ORM too (so -0.0 and
 # whole numbers stay floats). The ORM orders params by `param_id` (their order in
