@@ -77,7 +77,7 @@ def test_an_epoch_checkpointed_but_not_reported_before_a_kill_is_reported_by_the
     r = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "1",
                   "--storage", pg_url, "--workdir", str(tmp_path / "w"), "--train-fn", DUMMY,
                   "--set", "budget.max_epochs=4", "--set", "pruner.name=none",
-                  "--set", "pruner.options={}"], env, timeout=240)  # fmt: skip
+                  "--set", "pruner.options={}", "--no-tracking"], env, timeout=240)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "died").exists()
     trials = hps.load_study("tiny", storage=pg_url).get_trials()
