@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from hpsearch.tracking.server import StoreLock
 
 AWAIT_STUDY_RUN_S = 240.0  # s: the embedded server's start-up limit (180 s) plus margin
+SERVER_RESTARTS = 3  # restarts of a launch's embedded MLflow server that died mid-study
 
 # --- pure decisions ---------------------------------------------------------------------
 
@@ -530,6 +531,8 @@ class Launcher:
         self._prepared = False  # _prepare_finish ran
         self._finalizer: threading.Thread | None = None  # study artifacts, once all finished
         self._tracking_thread: threading.Thread | None = None  # server start + study run
+        self._restarting: threading.Thread | None = None  # the embedded server's restart
+        self._server_restarts = 0
         # Set once the study opened (self._study) or never will: the study run is touched
         # only after the storage accepted this launch (a refused one changes nothing).
         self._study_settled = threading.Event()
@@ -662,6 +665,8 @@ class Launcher:
                     self._cleanup_running()
                 if self._tracking_thread is not None:
                     self._tracking_thread.join()
+                if self._restarting is not None:
+                    self._restarting.join()
                 if (  # a refused launch (the study never opened) leaves MLflow as it was
                     tracking_uri is not None
                     and self._tracking_error is None
@@ -887,6 +892,8 @@ class Launcher:
         while True:
             if self._tracking_ready() and self._held and (requeued := self._fail_held()):
                 self._event(self._requeued_text(requeued))
+            if self._tracking_ready():
+                self._keep_server()
             self._beat_held()
             alive = 0
             for slot in self._slots:
@@ -916,6 +923,55 @@ class Launcher:
             if alive == 0:
                 return "budget" if not self._all_crashed() else "workers_failed"
             time.sleep(0.2)
+
+    def _keep_server(self) -> None:
+        """Restart the embedded MLflow server, on its port, where it died mid-study (the
+        kernel's out-of-memory killer, a stray kill): the UI comes back, and the workers,
+        which keep on disk what they cannot send, send it once it answers. Only a server
+        this launch started; at most SERVER_RESTARTS times. On a thread: a start takes
+        seconds, and supervising goes on."""
+        from hpsearch.tracking.server import LocalServer
+
+        server = self._server
+        if (
+            not isinstance(server, LocalServer)
+            or server.is_running()
+            or (self._restarting is not None and self._restarting.is_alive())
+            or self._stop_requests
+        ):
+            return
+        code = server.proc.returncode
+        if self._server_restarts >= SERVER_RESTARTS:
+            if self._server_restarts == SERVER_RESTARTS:  # said once
+                self._server_restarts += 1
+                self._event(
+                    f"MLflow server exited (code {code}) {SERVER_RESTARTS} times: not restarted; "
+                    "runs are kept on disk and sent by the next launch"
+                )
+            return
+        self._server_restarts += 1
+        self._event(f"MLflow server exited (code {code}): restarting it on port {server.port}")
+        self._restarting = threading.Thread(
+            target=self._restart_server, args=(server,), daemon=True, name="mlflow-restart"
+        )
+        self._restarting.start()
+
+    def _restart_server(self, dead: Any) -> None:
+        from hpsearch.tracking.server import start_local_server, store_lock
+
+        dead.stop()  # what is left of its process group (a child may hold the port)
+        try:
+            with store_lock(self.opts.workdir):
+                self._server = start_local_server(self.opts.workdir, port=dead.port)
+        except (TrackingError, OSError) as exc:
+            self._server_restarts = SERVER_RESTARTS + 1  # not again
+            self._server = None
+            self._event(
+                f"MLflow server not restarted: {exc}; runs are kept on disk and sent by the "
+                "next launch"
+            )
+            return
+        self._event(f"MLflow server restarted at {self._server.url}")
 
     def _prepare_finish(self, counts: dict[str, int]) -> None:
         """Once every trial of the budget is handed out, import what the study's artifacts

@@ -606,3 +606,56 @@ def test_a_second_ctrl_c_waits_for_a_trial_being_handed_back(tmp_path: Path) -> 
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == -signal.SIGINT, r.stdout + r.stderr
     assert "handed back" in r.stdout and "not killed" not in r.stdout
+
+
+def test_an_embedded_server_that_dies_mid_study_is_restarted_and_nothing_is_missing(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """The launch's own MLflow server killed mid-study (the out-of-memory killer): the UI
+    stayed down for the rest of the study, and its runs reached MLflow only at a later
+    launch. The launch restarts it on its port; at the end every trial has its run with
+    every epoch."""
+    import json
+
+    from hpsearch.tracking.server import start_local_server, state_path
+    from mlflow import MlflowClient
+
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.4"}
+    work = tmp_path / "w"
+    proc = subprocess.Popen(
+        launch_cmd("--study", "tiny", "--workers", "1", "--trials", "4", "--storage", pg_url,
+                   "--workdir", str(work), "--train-fn", DUMMY, "--set", "budget.max_epochs=3",
+                   "--set", "pruner.name=none", "--set", "pruner.options={}"),
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+
+        def tracked() -> object:  # the server up, the trial's run made: mid-study
+            t = running_with_epochs(pg_url, "tiny", 1)
+            return t is not None and t.user_attrs.get("mlflow_run_id")
+
+        wait_for(tracked, 180, "a trial 1 epoch in, with its MLflow run")
+        state = json.loads(state_path(work).read_text())
+        os.killpg(int(state["pgid"]), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert "MLflow server exited (code -9): restarting it on port" in out, out
+    assert "MLflow server restarted at http://127.0.0.1:" in out, out
+    trials = hps.load_study("tiny", storage=pg_url).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    with start_local_server(work) as server:  # the launch stopped the one it restarted
+        client = MlflowClient(server.url)
+        exp = client.get_experiment_by_name("tiny")
+        assert exp is not None
+        runs = client.search_runs([exp.experiment_id], "tags.`hpsearch.role` = 'trial'")
+        by_number = {int(r.data.tags["optuna.trial_number"]): r for r in runs}
+        assert sorted(by_number) == [0, 1, 2, 3]
+        for t in trials:
+            run = by_number[t.number]
+            assert run.info.status == "FINISHED"
+            steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")]
+            assert steps == [1, 2, 3], (t.number, steps)
