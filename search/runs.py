@@ -301,11 +301,13 @@ class TrialRun:
             return None
         return f"runs:/{self.run_id}/{CHECKPOINT_ARTIFACT}/best.pt"
 
-    def finish_result(self, result: Any, told: bool = True) -> None:
+    def finish_result(self, result: Any, told: bool = True, pruned: bool = False) -> None:
         """Hand the run's ending to the session's finisher thread. What may change under it
         (the GPU sampler, the best-model file that a later trial's clean-up may delete) is
         taken here first. `told`: False when the tell found the trial finished elsewhere
-        (stale-failed): its model is then not held as the study's best."""
+        (stale-failed): the run ends FAILED, as its trial, and its model is neither
+        uploaded nor held as the study's best. `pruned`: told PRUNED though it trained to
+        its end (no objective value: a time limit before its first evaluation)."""
         summary = self._gpu_summary()
         if result.best_val_acc is not None:
             summary["best_val_acc"] = float(result.best_val_acc)
@@ -314,7 +316,13 @@ class TrialRun:
         summary["train_seconds"] = float(result.train_seconds)
         summary["setup_seconds"] = float(result.setup_seconds)
         outcome = outcome_for(str(result.stop_reason))
+        reason = str(result.message) or None
         best = self._best_to_upload  # a snapshot (checkpoint_uri), or None
+        if not told:  # its trial failed elsewhere meanwhile: the run says so too
+            outcome = "failed"
+            reason = "finished elsewhere before its tell (its worker was cut off from the database)"
+        elif pruned and outcome in TRAINED_TO_END:  # told PRUNED: no value to tell
+            outcome = "pruned"
         if best is not None and self._study_best and self.run_id and told:
             cfg = self.session.cfg
             values = objective_values(
@@ -322,10 +330,19 @@ class TrialRun:
             )
             if values is not None:  # the value told: see worker._tell
                 self.session.hold_for_onnx(self.trial, self.run_id, best, values[0])
-        self.session.finish_later(lambda: self._finish(result, outcome, summary, best))
+        upload = told  # no checkpoint_uri was recorded on a trial told elsewhere
+        self.session.finish_later(
+            lambda: self._finish(result, outcome, summary, best, reason, upload)
+        )
 
     def _finish(
-        self, result: Any, outcome: str, summary: dict[str, float], best: Path | None
+        self,
+        result: Any,
+        outcome: str,
+        summary: dict[str, float],
+        best: Path | None,
+        reason: str | None,
+        upload: bool = True,
     ) -> None:
         artifacts: list[Path] = []
         tmp: Path | None = None
@@ -334,7 +351,7 @@ class TrialRun:
             tmp = Path(tempfile.mkdtemp(prefix="hpsearch-artifacts-"))
             if outcome in TRAINED_TO_END:
                 artifacts += self._plots(result, tmp)
-            if best is not None:
+            if best is not None and upload:
                 folder = tmp / CHECKPOINT_ARTIFACT
                 folder.mkdir()
                 (folder / "best.pt").symlink_to(best.resolve())
@@ -349,7 +366,7 @@ class TrialRun:
                 summary,
                 artifacts,
                 None,
-                reason=str(result.message) or None,
+                reason=reason,
             )
         finally:
             if tmp is not None:

@@ -829,6 +829,12 @@ class _LateRun:
             except Exception as exc:  # telemetry never stops a trial
                 logger.warning("trial GPU sampler: %s", exc)
 
+    def started_run(self) -> Any:
+        """The run if its start is over (None if it made none); None while it starts.
+        Never waits."""
+        with self._lock:
+            return self.run if self._started else None
+
     def log_epoch(self, record: Any) -> None:
         with self._lock:
             if not self._started:
@@ -1030,8 +1036,9 @@ def run_trial(
                 result = train_fn(cfg, params, report, options)
                 returned = time.perf_counter()
                 check_result(result)
-        except StorageError:
-            raise  # the database stayed down past the limit: stop the worker, not the trial
+        except StorageError as exc:  # the database stayed down past the limit: stop the
+            _end_run_on_outage(late, exc)  # worker, not the trial
+            raise
         except AdmissionStopped as exc:  # never started: queue it again as it is
             run = late.wait(after_stop_s=0.0) if late is not None else None
             message = f"waiting for GPU memory: {exc}"
@@ -1077,7 +1084,8 @@ def run_trial(
         t0 = time.perf_counter()
         try:
             outcome = _tell(study, trial, cfg, opts, result, run, db, timing.startup_s, lock)
-        except StorageError:
+        except StorageError as exc:
+            _end_run_on_outage(late, exc)
             raise
         except Exception as exc:  # a result the study cannot take: recorded, not a crash
             _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run,
@@ -1094,6 +1102,16 @@ def run_trial(
 
 
 Db = Callable[[Callable[[], Any], str], Any]
+
+
+def _end_run_on_outage(late: _LateRun | None, exc: StorageError) -> None:
+    """The worker stops on a database down past its limit; whoever sees the trial's
+    heartbeat stop fails and re-queues it. Its run ends now, FAILED, with what it logged:
+    left RUNNING, no one ended it where no launcher runs on this host (a standalone
+    worker's). A run still starting is left to the launcher's clean-up."""
+    run = late.started_run() if late is not None else None
+    if run is not None:
+        run.finish_failed("failed", f"its worker stopped: {exc}", None)
 
 
 def _safe_tell(db: Db, fn: Callable[[], Any], landed: Callable[[], bool] | None = None) -> bool:
@@ -1184,6 +1202,7 @@ def _tell(
     constraint = {MEMORY_CONSTRAINT: infeasible}
     _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs, constraint))
     values = objective_values(cfg, result.best_val_acc, result.best_val_loss, result.train_seconds)
+    unvalued = values is None  # trained to its end with no value: told PRUNED
     if reason in ("pruned", "diverged", "out_of_memory") or values is None:
         # Pruned, diverged and OOM trials teach the sampler that region is bad; a FAIL
         # would hide it. Optuna uses the last reported value for a PRUNED trial.
@@ -1203,7 +1222,7 @@ def _tell(
             db, lambda: tell(study, trial, told), _finished_as(study, trial, TrialState.COMPLETE)
         )
     if run is not None:
-        run.finish_result(result, told=ok)
+        run.finish_result(result, told=ok, pruned=unvalued)
     return reason
 
 

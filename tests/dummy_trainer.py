@@ -196,3 +196,30 @@ def finished_elsewhere_meanwhile(
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
     return result
+
+
+def time_limit_before_eval(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """A trial whose time limit came before its first evaluation: no value to tell."""
+    import dataclasses
+
+    return dataclasses.replace(
+        train(config, params, lambda epoch, value: False, options),
+        best_val_acc=None, best_val_loss=None, final_val_acc=None, test_acc=None,
+        stop_reason="time_limit", history=[],
+    )  # fmt: skip
+
+
+def database_gone_after_an_epoch(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """The database stays down past the worker's limit during the trial's second epoch
+    (its report's write gives up), after its MLflow run started."""
+    from hpsearch.errors import StorageError
+
+    report(1, 0.5)
+    if options is not None and options.on_epoch is not None:
+        options.on_epoch(EpochRecord(1, 0.5, 0.5, 0.5, 0.5, 0.1, 0.01, 1000.0))
+    time.sleep(3.0)  # s: the run's create answered meanwhile
+    raise StorageError("report: database unreachable for 120s: connection refused")

@@ -305,3 +305,75 @@ def test_a_dead_trial_whose_run_was_made_gets_that_run_not_a_second(
     own = record_dead_trial_run(cfg, mlflow_server.url, study.trials[1], "worker died")
     assert own is not None and own != run_id
     assert client.get_run(own).data.tags["optuna.trial_number"] == "1"
+
+
+def test_a_trial_failed_elsewhere_before_its_tell_ends_its_run_failed(
+    tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its worker cut off from the database, another worker's stale check failed the trial:
+    the tell finds it finished elsewhere. Its run ended FINISHED, with its best model
+    uploaded, beside a FAIL trial; it now ends FAILED, as its trial, and uploads none."""
+    name = f"elsewhere-{time.time_ns()}"
+    cfg = load_config(
+        "tiny",
+        overrides=[f"name={name}", "budget.n_trials=1", "budget.max_epochs=2",
+                   "pruner.name=none", "pruner.options={}"],
+    )  # fmt: skip
+    journal = tmp_path / "optuna.journal"
+    monkeypatch.setenv("HPSEARCH_DUMMY_JOURNAL", str(journal))
+    spec = StorageSpec("journal", str(journal), "journal")
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:finished_elsewhere_meanwhile",
+        tracking_uri=mlflow_server.url, max_trials=1,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="finished elsewhere"):
+        run_worker(cfg, spec, opts)
+    trial = _study(journal, name).trials[0]
+    assert trial.state == optuna.trial.TrialState.FAIL
+    client = MlflowClient(mlflow_server.url)
+    (run,) = _trial_runs(client, name)
+    assert run.info.status == "FAILED"
+    assert "finished elsewhere" in str(run.data.tags)
+    assert not client.list_artifacts(run.info.run_id, "checkpoint")
+
+
+def test_a_trial_told_pruned_for_want_of_a_value_ends_its_run_killed(
+    tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """A time limit before the first evaluation: the trial is told PRUNED (no value), and
+    its run ended FINISHED beside it."""
+    name = f"unvalued-{time.time_ns()}"
+    cfg = load_config("tiny", overrides=[f"name={name}", "budget.n_trials=1"])
+    journal = tmp_path / "optuna.journal"
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:time_limit_before_eval",
+        tracking_uri=mlflow_server.url, max_trials=1,
+    )  # fmt: skip
+    run_worker(cfg, StorageSpec("journal", str(journal), "journal"), opts)
+    assert _study(journal, name).trials[0].state == optuna.trial.TrialState.PRUNED
+    (run,) = _trial_runs(MlflowClient(mlflow_server.url), name)
+    assert run.info.status == "KILLED"
+
+
+def test_a_worker_stopped_by_a_database_outage_ends_its_trials_run(
+    tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """The database down past the worker's limit stops the worker: its trial's run stayed
+    RUNNING for good where no launcher ends it (a standalone worker's). It ends FAILED,
+    with the epoch it logged."""
+    from hpsearch.errors import StorageError
+
+    name = f"outage-{time.time_ns()}"
+    cfg = load_config("tiny", overrides=[f"name={name}", "budget.n_trials=1"])
+    journal = tmp_path / "optuna.journal"
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:database_gone_after_an_epoch",
+        tracking_uri=mlflow_server.url, max_trials=1,
+    )  # fmt: skip
+    with pytest.raises(StorageError, match="database unreachable"):
+        run_worker(cfg, StorageSpec("journal", str(journal), "journal"), opts)
+    client = MlflowClient(mlflow_server.url)
+    (run,) = _trial_runs(client, name)
+    assert run.info.status == "FAILED"
+    assert "its worker stopped: report: database unreachable" in str(run.data.tags)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")] == [1]
