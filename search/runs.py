@@ -279,6 +279,12 @@ class TrialRun:
         if self.uploader is not None:
             self.uploader.close()
 
+    def flush_uploads(self, timeout_s: float = 30.0) -> None:
+        """Wait (at most `timeout_s`) for the checkpoint upload in flight and the one
+        queued; the run takes no more (`checkpoint_written` is over for the trial)."""
+        if self.uploader is not None:
+            self.uploader.close(timeout_s)
+
     def _gpu_summary(self) -> dict[str, float]:
         if self.sampler is None:
             return {}

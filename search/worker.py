@@ -1193,6 +1193,8 @@ def _tell(
         attrs[ATTR_CHECKPOINT_URI] = uri
     if reason == "interrupted":
         _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
+        if run is not None:  # its last checkpoint uploaded before its retry is queued: a
+            run.flush_uploads()  # retry on another host fetched the one before, or none
         # Checkpointed at an epoch boundary: fail now, and queue the same params to resume.
         _fail_and_requeue(study, trial, db, opts.max_retries, lock)
         if run is not None:

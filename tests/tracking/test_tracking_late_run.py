@@ -377,3 +377,48 @@ def test_a_worker_stopped_by_a_database_outage_ends_its_trials_run(
     assert run.info.status == "FAILED"
     assert "its worker stopped: report: database unreachable" in str(run.data.tags)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")] == [1]
+
+
+def test_an_interrupted_trials_last_checkpoint_is_uploaded_before_its_retry_is_queued(
+    tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With uploads (several hosts), a stopped trial's retry was queued while its last
+    checkpoint's upload was still in flight: a worker on another host took the retry and
+    fetched the checkpoint before it, or none, and trained those epochs again."""
+    import threading
+
+    import hpsearch.runs as runs
+    import hpsearch.worker as W
+
+    monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.3")  # s: the stop comes mid-trial
+    stop = threading.Event()
+    events: list[str] = []
+    real_upload = runs._CheckpointUploader._upload
+    real_requeue = W._fail_and_requeue
+
+    def slow_upload(self: Any, path: Path) -> None:
+        stop.set()  # the worker is told to stop during its first epoch's upload
+        time.sleep(2.0)  # s: a large checkpoint on a slow link
+        real_upload(self, path)
+        events.append("uploaded")
+
+    def requeue(*args: Any, **kwargs: Any) -> None:
+        events.append("requeued")
+        real_requeue(*args, **kwargs)
+
+    monkeypatch.setattr(runs._CheckpointUploader, "_upload", slow_upload)
+    monkeypatch.setattr(W, "_fail_and_requeue", requeue)
+    name = f"upload-{time.time_ns()}"
+    cfg = load_config(
+        "tiny",
+        overrides=[f"name={name}", "budget.n_trials=1", "budget.max_epochs=4",
+                   "tracking.upload_checkpoints=true"],
+    )  # fmt: skip
+    journal = tmp_path / "optuna.journal"
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train",
+        tracking_uri=mlflow_server.url, max_trials=1,
+    )  # fmt: skip
+    summary = run_worker(cfg, StorageSpec("journal", str(journal), "journal"), opts, stop)
+    assert summary.outcomes == {"interrupted": 1}
+    assert "uploaded" in events and events[-1] == "requeued", events  # none in flight
