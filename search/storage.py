@@ -197,11 +197,30 @@ def open_storage(
         raise StorageError(f"storage {spec.display}: driver missing: {exc}") from exc
     except RuntimeError as exc:  # Optuna: the tables' schema is another Optuna version's
         raise StorageError(f"storage {spec.display}: {_one_line(exc)}") from exc
-    except optuna.exceptions.StorageInternalError as exc:  # its version table is missing
+    except optuna.exceptions.StorageInternalError as exc:  # Optuna's set-up read failed
+        if _undefined_table(exc):  # its version table is missing
+            raise StorageError(
+                f"storage {spec.display}: not an Optuna database (a table named 'studies' "
+                f"is there, Optuna's others are not): {_one_line(exc)}"
+            ) from exc
         raise StorageError(
-            f"storage {spec.display}: not an Optuna database (a table named 'studies' is "
-            f"there, Optuna's others are not): {_one_line(exc)}"
+            f"storage {spec.display}: cannot read Optuna's tables: {_one_line(exc)}"
         ) from exc
+
+
+def _undefined_table(exc: BaseException) -> bool:
+    """Whether a database error, or one it was raised from, is PostgreSQL's
+    undefined_table (SQLSTATE 42P01) or SQLite's "no such table"."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the chain: Optuna's error, SQLAlchemy's, the driver's
+        if seen is None:
+            return False
+        orig = getattr(seen, "orig", None)
+        code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+        if code == "42P01" or "no such table" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _create_schema(spec: StorageSpec) -> None:

@@ -26,7 +26,6 @@ from optuna.distributions import (
     FloatDistribution,
     IntDistribution,
     check_distribution_compatibility,
-    distribution_to_json,
 )
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
@@ -316,13 +315,15 @@ def load_existing(
 def space_distributions(cfg: StudyConfig) -> dict[str, BaseDistribution]:
     """Each search-space parameter's distribution, as `suggest` asks Optuna for it."""
     out: dict[str, BaseDistribution] = {}
-    for name, spec in cfg.search_space.items():
-        if isinstance(spec, FloatParam):
-            out[name] = FloatDistribution(spec.low, spec.high, log=spec.log, step=spec.step)
-        elif isinstance(spec, IntParam):
-            out[name] = IntDistribution(spec.low, spec.high, log=spec.log, step=spec.step)
-        else:
-            out[name] = CategoricalDistribution(spec.choices)
+    with warnings.catch_warnings():  # Optuna's "range is not divisible by step": said once
+        warnings.simplefilter("ignore")  # by the trial's own suggestion, not at every load
+        for name, spec in cfg.search_space.items():
+            if isinstance(spec, FloatParam):
+                out[name] = FloatDistribution(spec.low, spec.high, log=spec.log, step=spec.step)
+            elif isinstance(spec, IntParam):
+                out[name] = IntDistribution(spec.low, spec.high, log=spec.log, step=spec.step)
+            else:
+                out[name] = CategoricalDistribution(spec.choices)
     return out
 
 
@@ -331,15 +332,20 @@ def check_space_fits(cfg: StudyConfig, trials: Sequence[FrozenTrial]) -> None:
     keeps a categorical parameter's choices, and a parameter's kind and log scale, for the
     life of a study (ranges may change). Every new trial, and every queued retry, would
     fail at its first suggestion: the retries' checkpoints lost, the workers stopped."""
+    if not trials:
+        return
     wanted = space_distributions(cfg)
-    seen: set[tuple[str, str]] = set()
+    # Optuna checks every write of a name against its first, so one stored use of each
+    # name stands for all (a study of 100k trials is not read through at every start).
+    left = set(wanted)
     for trial in trials:
+        if not left:
+            return
         for name, stored in trial.distributions.items():
-            dist = wanted.get(name)
-            key = (name, distribution_to_json(stored))
-            if dist is None or key in seen:
+            if name not in left:
                 continue
-            seen.add(key)
+            left.discard(name)
+            dist = wanted[name]
             try:
                 check_distribution_compatibility(stored, dist)
             except ValueError:

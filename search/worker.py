@@ -245,7 +245,8 @@ class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self.requeue(study, trial, interrupted=False)
 
-    def requeue(self, study: optuna.Study, trial: FrozenTrial, interrupted: bool) -> None:
+    def requeue(self, study: optuna.Study, trial: FrozenTrial, interrupted: bool) -> bool:
+        """Queue the trial's retry; False when its chain has used up its retries."""
         # The retry names no owner and no outcome until a worker takes it up: the failed
         # try's made a live retry look like the dead worker's (a crash of that worker's
         # slot failed it), and a retry failed by the stale check look handed back.
@@ -258,7 +259,7 @@ class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
         attrs[ATTR_INTERRUPTED_TRIES] = tries
         limit = self._max_retry
         if limit is not None and limit + tries < len(attrs["retry_history"]):
-            return
+            return False
         study.add_trial(
             optuna.create_trial(
                 state=TrialState.WAITING,
@@ -271,6 +272,7 @@ class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
                 ),
             )
         )
+        return True
 
 
 def retry_callback(max_retries: int) -> ChainRetryCallback:
@@ -378,15 +380,17 @@ class _Heartbeat:
 FAILED_ON_PURPOSE = frozenset({"error", "interrupted", "failed"})
 
 
-def fail_stale_trials(study: optuna.Study, pending: set[int]) -> list[int]:
+def fail_stale_trials(study: optuna.Study, pending: dict[int, bool]) -> list[int]:
     """Optuna's `fail_stale_trials` (fail the trials whose heartbeat stopped, queue their
     retries), resumable: the failure and the retry are two commits, and where the database
     failed between them, Optuna's left the trial failed with no retry for good (it is no
-    longer running, so no later check finds it). `pending` holds the trials found stale
-    whose retry was not yet seen queued; the caller keeps it across checks, each under the
-    study lock. Only a trial stale now is failed; one from `pending` that was failed
-    already, not on purpose (`FAILED_ON_PURPOSE`: those have their own retries), and has
-    no retry gets its retry. Returns the trials re-queued."""
+    longer running, so no later check finds it). `pending` ({trial id: whether this
+    watcher's FAIL of it may have committed}) holds the trials found stale whose retry was
+    not yet seen queued; the caller keeps it across checks, each under the study lock.
+    Only a trial stale now is failed. One from `pending` found failed, with no retry, gets
+    its retry when this watcher's FAIL may have been the one, or when it was not failed on
+    purpose (`FAILED_ON_PURPOSE`: those have their own retries). Returns the trials
+    re-queued."""
     storage = study._storage
     stale_ids = getattr(storage, "_get_stale_trial_ids", None)  # Optuna's internal query
     if not callable(stale_ids):  # an Optuna without it: its own check, as it is
@@ -394,24 +398,35 @@ def fail_stale_trials(study: optuna.Study, pending: set[int]) -> list[int]:
         return []
     callback = storage.get_heartbeat_stale_trial_callback()  # type: ignore[attr-defined]
     stale = set(stale_ids(study._study_id))
-    pending.update(stale)
+    for trial_id in stale:
+        pending.setdefault(trial_id, False)
     queued = []
     for trial_id in sorted(pending):
-        failed = False
         if trial_id in stale:
-            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):  # finished
-                failed = storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+            pending[trial_id] = True  # from here its FAIL may commit (its reply lost, too)
+            try:
+                storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pending[trial_id] = False  # finished elsewhere meanwhile
         frozen = storage.get_trial(trial_id)
         if (
             callback is not None
             and frozen.state == TrialState.FAIL
-            and (failed or frozen.user_attrs.get(ATTR_OUTCOME) not in FAILED_ON_PURPOSE)
+            and (pending[trial_id] or frozen.user_attrs.get(ATTR_OUTCOME) not in FAILED_ON_PURPOSE)
             and not retried_trials(study, [frozen.number])
+            and _requeued(callback, study, frozen)
         ):
-            callback(study, frozen)
             queued.append(frozen.number)
-        pending.discard(trial_id)  # running again (its worker beats), finished, or queued
+        del pending[trial_id]  # running again (its worker beats), finished, or queued
     return queued
+
+
+def _requeued(callback: Any, study: optuna.Study, trial: FrozenTrial) -> bool:
+    requeue = getattr(callback, "requeue", None)
+    if requeue is not None:  # ours: says whether the chain had a retry left
+        return bool(requeue(study, trial, interrupted=False))
+    callback(study, trial)
+    return True
 
 
 class _StaleWatcher:
@@ -438,7 +453,7 @@ class _StaleWatcher:
         self._stop = threading.Event()
         self._lock = lock
         self._grace_s = grace_s
-        self._pending: set[int] = set()  # found stale, retry not yet seen queued
+        self._pending: dict[int, bool] = {}  # found stale, retry not yet seen queued
         self.answering_since = -math.inf  # monotonic s; reset by a check the database failed
         self._thread = threading.Thread(target=self._run, args=(study, period_s), daemon=True)
         self._thread.start()

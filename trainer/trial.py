@@ -7,17 +7,20 @@ raises only hpsearch errors (DataError, ConfigError, DeviceError, CheckpointErro
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import gc
 import logging
 import math
+import multiprocessing.util  # noqa: F401 - its exit handler is registered before ours
 import os
 import random
 import signal
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,7 +200,33 @@ def load_split(
         collate_fn=data.collate_skip,
         worker_init_fn=_loader_worker_init,
     )
+    if workers > 0:
+        _LOADERS.add(loader)
     return Split(n=len(src), loader=loader, sampler=sampler)
+
+
+# The streaming loaders whose worker processes may still live: they ignore SIGTERM
+# (_loader_worker_init), which multiprocessing's exit handler sends them before it waits
+# for them without a limit; a process that exits holding one (a trial's exception kept by
+# its traceback) hung there. They are killed first (atexit runs handlers last in, first out:
+# this one, registered after torch imported multiprocessing, runs before its).
+_LOADERS: weakref.WeakSet[torch.utils.data.DataLoader[Any]] = weakref.WeakSet()
+
+
+def _kill_loader_workers() -> None:
+    for loader in list(_LOADERS):
+        iterator = getattr(loader, "_iterator", None)  # persistent workers live there
+        with contextlib.suppress(Exception):  # at exit: whatever is left goes anyway
+            # The loader's own shutdown first (no "worker killed by signal" error), which
+            # asks them to stop and waits 5 s at most
+            getattr(iterator, "_shutdown_workers", lambda: None)()
+        for proc in getattr(iterator, "_workers", None) or ():
+            with contextlib.suppress(Exception):
+                if proc.is_alive():
+                    proc.kill()
+
+
+atexit.register(_kill_loader_workers)  # after multiprocessing.util's (imported above)
 
 
 def _loader_worker_init(_: int) -> None:

@@ -331,6 +331,8 @@ def test_a_stale_trials_retry_is_queued_when_the_database_drops_after_its_failur
     between them left the trial failed with no retry, and no later check found it (it was
     no longer running): its trained epochs were lost. The next check queues the retry."""
     _, _, study, trial = _claimed(pg_url, tmp_path)
+    # Its worker wrote its outcome and died before its tell: the outcome of a hand-back.
+    study._storage.set_trial_user_attr(trial._trial_id, W.ATTR_OUTCOME, "interrupted")
     with engine_of(study).begin() as c:  # its worker died an hour ago
         c.execute(sa.text("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '1 h'"))
     adds = []
@@ -343,13 +345,13 @@ def test_a_stale_trials_retry_is_queued_when_the_database_drops_after_its_failur
         real_add(frozen)
 
     monkeypatch.setattr(study, "add_trial", add_once_lost)
-    pending: set[int] = set()
+    pending: dict[int, bool] = {}
     with pytest.raises(sa.exc.OperationalError):
         W.fail_stale_trials(study, pending)
-    assert pending == {trial._trial_id}  # failed, retry not queued: kept for the next check
+    assert pending == {trial._trial_id: True}  # failed, retry not queued: kept for the next check
     assert W.fail_stale_trials(study, pending) == [trial.number]
-    assert pending == set()
-    assert W.fail_stale_trials(study, {trial._trial_id}) == []  # queued once only
+    assert pending == {}
+    assert W.fail_stale_trials(study, {trial._trial_id: True}) == []  # queued once only
     trials = study.get_trials(deepcopy=True)
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
     assert trials[1].system_attrs["failed_trial"] == trial.number
@@ -363,7 +365,7 @@ def test_the_stale_check_leaves_a_trial_its_worker_failed_alone(
     _, _, study, trial = _claimed(pg_url, tmp_path)
     study._storage.set_trial_user_attr(trial._trial_id, W.ATTR_OUTCOME, "error")
     study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-    assert W.fail_stale_trials(study, {trial._trial_id}) == []
+    assert W.fail_stale_trials(study, {trial._trial_id: False}) == []
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL]
 
 
@@ -426,7 +428,7 @@ def test_a_trial_left_pending_by_a_failed_check_is_not_failed_once_its_worker_be
             ),
             {"t": dead._trial_id},
         )
-    assert W.fail_stale_trials(study, {live._trial_id}) == [dead.number]
+    assert W.fail_stale_trials(study, {live._trial_id: False}) == [dead.number]
     by_id = {t._trial_id: t.state for t in study.get_trials(deepcopy=False)}
     assert by_id[live._trial_id] == TrialState.RUNNING
     assert by_id[dead._trial_id] == TrialState.FAIL

@@ -242,3 +242,37 @@ def test_a_stop_signal_to_the_whole_job_leaves_the_loaders_workers_to_their_tria
         subprocess.run(["kill", f"-{sig.name[3:]}", str(worker.pid)], check=True)
     assert sum(1 for _ in batches) == 9 and worker.is_alive()  # the epoch's other batches
     del batches
+
+
+_EXIT_HOLDING_A_LOADER = """
+import sys, torch
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from hpsearch.trainer import data
+from hpsearch.trainer.trial import load_split
+from trainer_helpers import make_config
+cfg = make_config({"name": "flowers102", "root": sys.argv[1], "eval_limit": 40},
+                  trainer={"num_workers": 1})
+src = data.get_source(cfg, "val")
+split = load_split(cfg, src, 37, 32, torch.device("cpu"), False, Path(sys.argv[2]), None,
+                   train=True, batch_size=4, seed=0)
+batches = iter(split.loader)
+next(batches)
+raise RuntimeError("a trial's error, whose traceback holds the loader")
+"""
+
+
+def test_a_process_that_exits_holding_a_loader_exits(
+    flowers_root: Path, cache_workdir: Path, subprocess_env: dict[str, str]
+) -> None:
+    """The loader's workers ignore SIGTERM, which multiprocessing's exit handler sends them
+    before it waits for them without a limit: a process ending on an error that kept its
+    loader alive hung there for good."""
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_HOLDING_A_LOADER, str(flowers_root), str(cache_workdir),
+         str(Path(__file__).parent)],
+        capture_output=True, text=True, env=subprocess_env, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "a trial's error" in out.stderr
+    assert "killed by signal" not in out.stderr, out.stderr  # ended by the loader's shutdown
