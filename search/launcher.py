@@ -533,6 +533,7 @@ class Launcher:
         self._tracking_thread: threading.Thread | None = None  # server start + study run
         self._restarting: threading.Thread | None = None  # the embedded server's restart
         self._server_restarts = 0
+        self._server_gone = False  # the embedded server died and was not started again
         # Set once the study opened (self._study) or never will: the study run is touched
         # only after the storage accepted this launch (a refused one changes nothing).
         self._study_settled = threading.Event()
@@ -661,13 +662,18 @@ class Launcher:
             try:
                 self._study_settled.set()
                 self._kill_all()
+                if self._restarting is not None:  # the dead workers' runs go to it
+                    self._restarting.join()
                 if self._study is not None:
                     self._cleanup_running()
                 if self._tracking_thread is not None:
                     self._tracking_thread.join()
-                if self._restarting is not None:
-                    self._restarting.join()
-                if (  # a refused launch (the study never opened) leaves MLflow as it was
+                if self._server_gone:  # its calls would wait out a server that is not there
+                    self._event(
+                        "MLflow: the study's summary is not sent (its server is gone); "
+                        "the next launch sends the runs kept on disk"
+                    )
+                elif (  # a refused launch (the study never opened) leaves MLflow as it was
                     tracking_uri is not None
                     and self._tracking_error is None
                     and self._study is not None
@@ -890,10 +896,13 @@ class Launcher:
     def _supervise(self, resolved: Path, tracking_uri: str | None) -> str:
         last = 0.0
         while True:
-            if self._tracking_ready() and self._held and (requeued := self._fail_held()):
-                self._event(self._requeued_text(requeued))
             if self._tracking_ready():
                 self._keep_server()
+            restarting = self._restarting is not None and self._restarting.is_alive()
+            # Their runs are recorded on the server: not while it starts again
+            ready = not restarting and self._tracking_ready()
+            if ready and self._held and (requeued := self._fail_held()):
+                self._event(self._requeued_text(requeued))
             self._beat_held()
             alive = 0
             for slot in self._slots:
@@ -957,21 +966,23 @@ class Launcher:
         self._restarting.start()
 
     def _restart_server(self, dead: Any) -> None:
-        from hpsearch.tracking.server import start_local_server, store_lock
+        from hpsearch.tracking.server import restart_server
 
-        dead.stop()  # what is left of its process group (a child may hold the port)
         try:
-            with store_lock(self.opts.workdir):
-                self._server = start_local_server(self.opts.workdir, port=dead.port)
+            server = restart_server(dead, give_up=lambda: self._stop_requests > 0)
         except (TrackingError, OSError) as exc:
             self._server_restarts = SERVER_RESTARTS + 1  # not again
-            self._server = None
+            self._server, self._server_gone = None, True
             self._event(
                 f"MLflow server not restarted: {exc}; runs are kept on disk and sent by the "
                 "next launch"
             )
             return
-        self._event(f"MLflow server restarted at {self._server.url}")
+        if server is None:  # the launch is stopping: its runs are kept on disk
+            self._server, self._server_gone = None, True
+            return
+        self._server = server
+        self._event(f"MLflow server restarted at {server.url}")
 
     def _prepare_finish(self, counts: dict[str, int]) -> None:
         """Once every trial of the budget is handed out, import what the study's artifacts

@@ -242,6 +242,7 @@ class TrialRun:
         self.run_id: str | None = tracker.run_id
         self.checkpoint = checkpoint
         self.uploader: _CheckpointUploader | None = None
+        self.ended = False  # its end handed to the finisher (finish_result, finish_failed)
         self._best_to_upload: Path | None = None
         self._study_best = False  # the study's best trial so far when it was told
         if checkpoint is not None and session.cfg.tracking.upload_checkpoints and self.run_id:
@@ -314,6 +315,7 @@ class TrialRun:
         (stale-failed): the run ends FAILED, as its trial, and its model is neither
         uploaded nor held as the study's best. `pruned`: told PRUNED though it trained to
         its end (no objective value: a time limit before its first evaluation)."""
+        self.ended = True
         summary = self._gpu_summary()
         if result.best_val_acc is not None:
             summary["best_val_acc"] = float(result.best_val_acc)
@@ -395,6 +397,7 @@ class TrialRun:
             return []
 
     def finish_failed(self, outcome: str, message: str, tb: str | None) -> None:
+        self.ended = True
         summary = self._gpu_summary()
         # A snapshot `checkpoint_uri` made for a trial that then failed (its tell raised, or
         # its value was not finite) is not uploaded: its hard link goes now.

@@ -1051,9 +1051,8 @@ def run_trial(
                 result = train_fn(cfg, params, report, options)
                 returned = time.perf_counter()
                 check_result(result)
-        except StorageError as exc:  # the database stayed down past the limit: stop the
-            _end_run_on_outage(late, exc)  # worker, not the trial
-            raise
+        except StorageError:
+            raise  # the database stayed down past the limit: stop the worker, not the trial
         except AdmissionStopped as exc:  # never started: queue it again as it is
             run = late.wait(after_stop_s=0.0) if late is not None else None
             message = f"waiting for GPU memory: {exc}"
@@ -1099,8 +1098,7 @@ def run_trial(
         t0 = time.perf_counter()
         try:
             outcome = _tell(study, trial, cfg, opts, result, run, db, timing.startup_s, lock)
-        except StorageError as exc:
-            _end_run_on_outage(late, exc)
+        except StorageError:
             raise
         except Exception as exc:  # a result the study cannot take: recorded, not a crash
             _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run,
@@ -1110,6 +1108,9 @@ def run_trial(
         if outcome != "interrupted":
             _prune_checkpoints(study, cfg, opts.workdir)
         return outcome
+    except StorageError as exc:  # from any step: the worker stops, its trial's run ends
+        _end_run_on_outage(late, exc)
+        raise
     finally:
         if late is not None:
             late.cancel()  # a no-op once its run started; else (the worker stops) none will
@@ -1125,7 +1126,7 @@ def _end_run_on_outage(late: _LateRun | None, exc: StorageError) -> None:
     left RUNNING, no one ended it where no launcher runs on this host (a standalone
     worker's). A run still starting is left to the launcher's clean-up."""
     run = late.started_run() if late is not None else None
-    if run is not None:
+    if run is not None and not run.ended:  # else its end is handed over already
         run.finish_failed("failed", f"its worker stopped: {exc}", None)
 
 

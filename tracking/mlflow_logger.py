@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -677,7 +678,7 @@ class TrialTracker:
             wait = self.flush_timeout_s if timeout_s is None else timeout_s
             delivered, leftover = self._join(wait, keep=self.spool_dir is not None)
             server_down = not delivered
-            if server_down and self._spool(leftover, status, bool(artifacts), traceback):
+            if server_down and self._spool(leftover, status, artifacts, traceback):
                 return False  # no set_tag or status: each would wait out the server again
             if not server_down:
                 for path in artifacts:
@@ -950,18 +951,22 @@ class TrialTracker:
         return False, kept
 
     def _spool(
-        self, batches: list[_Batch], status: str, had_artifacts: bool, traceback: str | None
+        self, batches: list[_Batch], status: str, artifacts: Sequence[Path], traceback: str | None
     ) -> bool:
         """Keep what MLflow did not take in ``spool_dir``, with the run's end (status, the
-        traceback; artifacts are not kept: the run is tagged incomplete). False when there
-        is no spool folder or it cannot be written: then it is dropped."""
+        traceback) and copies of its artifacts (the caller deletes its own: a top-k
+        trial's best model, whose ``checkpoint_uri`` Optuna already holds). An artifact
+        that cannot be copied tags the run incomplete. False when there is no spool folder
+        or it cannot be written: then it is dropped."""
         if self.spool_dir is None or self.run_id is None:
             return False
+        kept, copied = _keep_artifacts(self.spool_dir, self.run_id, artifacts)
         try:
             path = write_spool(
                 self.spool_dir, self.run_id, batches, status,
-                incomplete=self.incomplete or had_artifacts,
+                incomplete=self.incomplete or not copied,
                 traceback=scrub(traceback) if traceback else None,
+                artifacts=kept,
             )  # fmt: skip
         except (OSError, ValueError) as exc:
             logger.warning("MLflow: cannot keep trial %d's metrics: %s", self.trial_number, exc)
@@ -1001,6 +1006,48 @@ class TrialTracker:
 SPOOL_SUFFIX = ".spool.json"
 
 
+def _artifacts_dir(spool_dir: Path, run_id: str) -> Path:
+    """Where a kept run's artifacts wait (`_keep_artifacts`)."""
+    return spool_dir / f"{run_id}.artifacts"
+
+
+def _keep_artifacts(
+    spool_dir: Path, run_id: str, artifacts: Sequence[Path]
+) -> tuple[list[str], bool]:
+    """Copies of a run's artifacts (files, or folders uploaded under their name; links
+    followed: the caller's may point at files it deletes) beside its spool file: (the
+    names kept, whether all were)."""
+    names: list[str] = []
+    folder = _artifacts_dir(spool_dir, run_id)
+    complete = True
+    for artifact in map(Path, artifacts):
+        dest = folder / artifact.name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if artifact.is_dir():
+                shutil.copytree(
+                    artifact,
+                    dest,
+                    dirs_exist_ok=True,
+                    copy_function=lambda a, b: _link_or_copy(Path(a), Path(b)),
+                )
+            else:
+                _link_or_copy(artifact, dest)
+        except OSError as exc:  # a full disk: sent without it, tagged incomplete
+            logger.warning("MLflow: cannot keep artifact %s: %s", artifact, exc)
+            complete = False
+            continue
+        names.append(artifact.name)
+    return names, complete
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src.resolve(), dest)  # a checkpoint: no second copy on the same disk
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
 def write_spool(
     spool_dir: Path,
     run_id: str,
@@ -1009,15 +1056,18 @@ def write_spool(
     *,
     incomplete: bool,
     traceback: str | None,
+    artifacts: Sequence[str] = (),
 ) -> Path:
     """``<spool_dir>/<run_id>.spool.json``: a run's undelivered batches and its end, written
-    whole (rename into place). Raises OSError."""
+    whole (rename into place); `artifacts`: the names of those kept beside it
+    (`_keep_artifacts`). Raises OSError."""
     record = {
         "run_id": run_id,
         "status": status,
         "end_ms": int(time.time() * 1000),  # the run ended now, not when it is sent
         "incomplete": incomplete,
         "traceback": traceback,
+        "artifacts": list(artifacts),
         "batches": [
             {
                 "metrics": [[m.key, m.value, m.timestamp, m.step] for m in b.metrics],
@@ -1049,7 +1099,8 @@ def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
         except OSError:  # another process took it
             continue
         try:
-            _replay_run(client, json.loads(claimed.read_text()))
+            record = json.loads(claimed.read_text())
+            _replay_run(client, record, spool_dir)
         except Exception as exc:  # telemetry: kept for the next try, or set aside
             code = _http_status(exc)
             if isinstance(exc, ValueError | KeyError | TypeError) or code == 404:
@@ -1062,6 +1113,7 @@ def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
             logger.info("MLflow: kept runs not sent yet: %s", _short(exc))
             return sent
         claimed.unlink(missing_ok=True)
+        shutil.rmtree(_artifacts_dir(spool_dir, str(record["run_id"])), ignore_errors=True)
         sent += 1
     return sent
 
@@ -1094,7 +1146,7 @@ def _http_status(exc: BaseException) -> int | None:
         return None
 
 
-def _replay_run(client: MlflowClient, record: Mapping[str, Any]) -> None:
+def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path) -> None:
     run_id = str(record["run_id"])
     incomplete = bool(record.get("incomplete"))
     for b in record["batches"]:
@@ -1111,6 +1163,15 @@ def _replay_run(client: MlflowClient, record: Mapping[str, Any]) -> None:
                     "MLflow: a kept batch of run %s was rejected: %s", run_id, _short(exc)
                 )
                 incomplete = True
+    folder = _artifacts_dir(spool_dir, run_id)
+    for name in record.get("artifacts") or ():
+        path = folder / str(name)
+        if path.is_dir():  # uploaded under its name, as `TrialTracker._upload` does
+            client.log_artifacts(run_id, str(path), artifact_path=path.name)
+        elif path.exists():
+            client.log_artifact(run_id, str(path))
+        else:
+            incomplete = True
     if incomplete:
         client.set_tag(run_id, INCOMPLETE_TAG, "true")
     if record.get("traceback"):

@@ -787,6 +787,44 @@ def join_server(workdir: Path) -> SharedServer | None:
     return SharedServer(url, pid, pgid, Path(workdir))
 
 
+def restart_server(
+    dead: LocalServer, give_up: Callable[[], bool] = lambda: False
+) -> LocalServer | SharedServer | None:
+    """Start a server of this process's that died again, on its port (the URI its users
+    were given), under the store's lock. Another user may have started one first: it is
+    joined. The dead one's other live users (another launch, `hpsearch ui`, a standalone
+    worker) stay users of the new one, so that whoever leaves last stops it. None when
+    `give_up()` says so once the lock is held (the launch is stopping)."""
+    workdir = dead.workdir
+    with store_lock(workdir):
+        if give_up():
+            return None
+        try:
+            old = json.loads(state_path(workdir).read_text())
+        except (OSError, ValueError):
+            old = {}
+        if isinstance(old, dict) and old.get("pid") != dead.pid:
+            joined = join_server(workdir)  # started again by another of its users
+            if joined is not None:
+                _LIVE.discard(dead)
+                return joined
+        others = (
+            [u for u in _live_users(old) if u[0] != os.getpid()]
+            if isinstance(old, dict) and old.get("pid") == dead.pid
+            else []
+        )
+        if dead.group_alive():  # what is left of it (a child may hold the port)
+            dead.stop()
+        else:  # nothing to signal: its group id may be another process's by now
+            _LIVE.discard(dead)
+            _remove_state(workdir, dead.pid)
+        server = start_local_server(workdir, port=dead.port)
+        if others:
+            state = json.loads(state_path(workdir).read_text())
+            _save_state(workdir, {**state, "users": [*state.get("users", []), *others]})
+        return server
+
+
 def start_local_server(
     workdir: Path,
     host: str = "127.0.0.1",

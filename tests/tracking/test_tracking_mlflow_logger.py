@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -497,16 +498,37 @@ def test_outage_mid_trial_buffers_and_delivers_after_restart(
     assert lost.finish("completed") is False
     assert time.monotonic() - t0 < 60
     assert lost.incomplete and lost.stats.batches_dropped >= 3
-    # One with a spool folder keeps them, with its end, for when the server answers.
-    assert kept.finish("completed", summary_metrics={"best_val_acc": 0.7}) is False
+    # One with a spool folder keeps them, with its end and its artifacts (a top-k trial's
+    # best model, whose checkpoint_uri Optuna already holds; the caller deletes its files),
+    # for when the server answers.
+    model = tmp_path / "snapshot" / "best.pt"
+    model.parent.mkdir()
+    model.write_bytes(b"weights" * 1000)
+    folder = tmp_path / "artifacts" / "checkpoint"
+    folder.mkdir(parents=True)
+    (folder / "best.pt").symlink_to(model)
+    plot = tmp_path / "artifacts" / "learning_curve.png"
+    plot.write_bytes(b"png")
+    assert (
+        kept.finish("completed", summary_metrics={"best_val_acc": 0.7}, artifacts=[plot, folder])
+        is False
+    )
+    shutil.rmtree(tmp_path / "artifacts")
+    shutil.rmtree(model.parent)
     assert kept.stats.batches_dropped == 0 and kept.run_id is not None
-    assert [p.name for p in spool.iterdir()] == [f"{kept.run_id}{SPOOL_SUFFIX}"]
+    assert sorted(p.name for p in spool.iterdir()) == [
+        f"{kept.run_id}.artifacts", f"{kept.run_id}{SPOOL_SUFFIX}"
+    ]  # fmt: skip
 
     restarted = start_local_server(workdir, port=port)
     try:
         assert replay_spool(client, spool) == 1 and list(spool.iterdir()) == []
         kept_run = client.get_run(kept.run_id)
         assert kept_run.info.status == "FINISHED" and INCOMPLETE_TAG not in kept_run.data.tags
+        kept_files = {a.path for a in client.list_artifacts(kept.run_id)}
+        assert kept_files == {"learning_curve.png", "checkpoint"}, kept_files
+        got = client.download_artifacts(kept.run_id, "checkpoint/best.pt", str(tmp_path))
+        assert Path(got).read_bytes() == b"weights" * 1000
         assert sorted(m.step for m in client.get_metric_history(kept.run_id, "val_acc")) == [
             0, 1, 2, 3, 4,
         ]  # fmt: skip

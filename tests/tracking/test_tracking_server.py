@@ -559,3 +559,36 @@ def test_a_login_in_the_tracking_uri_goes_in_the_health_checks_header() -> None:
     assert plain.full_url == "http://127.0.0.1:5000/health" and not plain.has_header(
         "Authorization"
     )
+
+
+def test_a_server_restarted_after_it_died_keeps_its_other_users(tmp_path: Path) -> None:
+    """A launch restarts its embedded server that died mid-study (the OOM killer): the new
+    server's record named the launch alone, so the launch, ending, stopped it under another
+    search or `hpsearch ui` still using it. Its other live users stay users, on its port."""
+    import json
+    import os
+    import signal
+
+    from hpsearch.packing import process_start
+    from hpsearch.tracking.server import restart_server
+
+    server = start_local_server(tmp_path)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        state = json.loads(state_path(tmp_path).read_text())
+        state["users"].append([other.pid, process_start(other.pid)])
+        state_path(tmp_path).write_text(json.dumps(state))
+        os.killpg(server.pgid, signal.SIGKILL)
+        server.proc.wait(10)
+        again = restart_server(server)
+        assert again is not None and again.url == server.url  # the port its users know
+        users = json.loads(state_path(tmp_path).read_text())["users"]
+        assert [other.pid, process_start(other.pid)] in users and len(users) == 2
+        assert again.release() == "in use"  # the other user keeps it
+        assert running_server_url(tmp_path) == server.url
+    finally:
+        other.kill()
+        other.wait(10)
+        with contextlib.suppress(Exception):
+            pid = json.loads(state_path(tmp_path).read_text())["pgid"]
+            os.killpg(int(pid), signal.SIGKILL)

@@ -117,7 +117,7 @@ def test_a_run_whose_artifacts_cannot_be_staged_still_ends(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(tempfile, "mkdtemp", full)
-    run._finish(_result(0.8, tmp_path / "none.pt"), "completed", {"best_val_acc": 0.8}, None)
+    run._finish(_result(0.8, tmp_path / "none.pt"), "completed", {"best_val_acc": 0.8}, None, None)
     session.close()
     done = MlflowClient(tracking_uri=mlflow_server.url).get_run(run.run_id)
     assert done.info.status == "FINISHED" and done.data.metrics["best_val_acc"] == 0.8
