@@ -662,8 +662,9 @@ class Launcher:
             try:
                 self._study_settled.set()
                 self._kill_all()
-                if self._restarting is not None:  # the dead workers' runs go to it
-                    self._restarting.join()
+                while self._restarting is not None and self._restarting.is_alive():
+                    self._restarting.join(1.0)  # the dead workers' runs go to it
+                    self._beat_held()  # seconds: theirs are not found stale meanwhile
                 if self._study is not None:
                     self._cleanup_running()
                 if self._tracking_thread is not None:
@@ -953,6 +954,7 @@ class Launcher:
         if self._server_restarts >= SERVER_RESTARTS:
             if self._server_restarts == SERVER_RESTARTS:  # said once
                 self._server_restarts += 1
+                self._server_gone = True
                 self._event(
                     f"MLflow server exited (code {code}) {SERVER_RESTARTS} times: not restarted; "
                     "runs are kept on disk and sent by the next launch"
@@ -1181,7 +1183,12 @@ class Launcher:
             thread.join()
 
     def _tracking_setting_up(self) -> bool:
-        return self._tracking_thread is not None and self._tracking_thread.is_alive()
+        """The set-up, or the embedded server's restart, is running: dead workers' trials
+        are held (and beaten for) until their runs can be recorded."""
+        restarting = self._restarting is not None and self._restarting.is_alive()
+        return restarting or (
+            self._tracking_thread is not None and self._tracking_thread.is_alive()
+        )
 
     def _fail(self, trials: list[tuple[FrozenTrial, str]], interrupted: bool = False) -> list[int]:
         """Fail and re-queue trials of dead workers; `interrupted`: killed by a second stop,

@@ -35,6 +35,7 @@ from hpsearch.tracking.server import redact_uri, scrub
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
+from requests import RequestException
 
 # MLflow's limits for one log_batch request (mlflow.utils.validation).
 MAX_METRICS_PER_BATCH = 1000
@@ -969,6 +970,7 @@ class TrialTracker:
                 artifacts=kept,
             )  # fmt: skip
         except (OSError, ValueError) as exc:
+            shutil.rmtree(_artifacts_dir(self.spool_dir, self.run_id), ignore_errors=True)
             logger.warning("MLflow: cannot keep trial %d's metrics: %s", self.trial_number, exc)
             for batch in batches:
                 self._count_dropped(batch)
@@ -1106,6 +1108,8 @@ def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
             if isinstance(exc, ValueError | KeyError | TypeError) or code == 404:
                 with contextlib.suppress(OSError):  # unreadable, or no such run there
                     os.rename(claimed, path.with_name(path.name + ".failed"))
+                run_id = path.name.removesuffix(SPOOL_SUFFIX)  # its files would pin disk
+                shutil.rmtree(_artifacts_dir(spool_dir, run_id), ignore_errors=True)
                 logger.warning("MLflow: kept run %s cannot be sent: %s", path.name, _short(exc))
                 continue
             with contextlib.suppress(OSError):  # the server is down again, or refuses us
@@ -1146,6 +1150,17 @@ def _http_status(exc: BaseException) -> int | None:
         return None
 
 
+def _refused_upload(exc: BaseException) -> bool:
+    """An artifact upload the server refuses for good: an HTTP 4xx other than 401/403 (the
+    login: every call fails alike) and 408/429 (try later). Uploads through the server's
+    artifact proxy fail with requests' HTTPError, not MlflowException."""
+    code = _http_status(exc)
+    if code is None:
+        response = getattr(exc, "response", None)
+        code = getattr(response, "status_code", None)
+    return isinstance(code, int) and 400 <= code < 500 and code not in (401, 403, 408, 429)
+
+
 def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path) -> None:
     run_id = str(record["run_id"])
     incomplete = bool(record.get("incomplete"))
@@ -1166,11 +1181,18 @@ def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path
     folder = _artifacts_dir(spool_dir, run_id)
     for name in record.get("artifacts") or ():
         path = folder / str(name)
-        if path.is_dir():  # uploaded under its name, as `TrialTracker._upload` does
-            client.log_artifacts(run_id, str(path), artifact_path=path.name)
-        elif path.exists():
-            client.log_artifact(run_id, str(path))
-        else:
+        try:
+            if path.is_dir():  # uploaded under its name, as `TrialTracker._upload` does
+                client.log_artifacts(run_id, str(path), artifact_path=path.name)
+            elif path.exists():
+                client.log_artifact(run_id, str(path))
+            else:
+                incomplete = True
+        except Exception as exc:  # one refused file (413 behind a proxy, unreadable): as live
+            local = isinstance(exc, OSError) and not isinstance(exc, RequestException)
+            if not (local or _refused_upload(exc)):
+                raise  # the server is down again: kept for the next try
+            logger.warning("MLflow: a kept artifact of run %s was refused: %s", run_id, _short(exc))
             incomplete = True
     if incomplete:
         client.set_tag(run_id, INCOMPLETE_TAG, "true")

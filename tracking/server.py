@@ -806,6 +806,12 @@ def restart_server(
         if isinstance(old, dict) and old.get("pid") != dead.pid:
             joined = join_server(workdir)  # started again by another of its users
             if joined is not None:
+                if joined.url != dead.url:  # another start, elsewhere: not the URI given out
+                    joined.release()
+                    raise TrackingError(
+                        f"another MLflow server of {workdir} started at {joined.url} while "
+                        f"{dead.url}, which this launch's workers log to, was down"
+                    )
                 _LIVE.discard(dead)
                 return joined
         others = (

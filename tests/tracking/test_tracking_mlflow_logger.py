@@ -635,6 +635,16 @@ class _SpoolClient:
     def set_terminated(self, run_id: str, status: str, end_time: int | None) -> None:
         self.calls.append(("end", (run_id, status, end_time)))
 
+    def log_artifact(self, run_id: str, path: str) -> None:
+        if self.refuse_files is not None:
+            raise self.refuse_files
+        self.calls.append(("file", (run_id, Path(path).name)))
+
+    def log_artifacts(self, run_id: str, path: str, artifact_path: str) -> None:
+        self.calls.append(("folder", (run_id, artifact_path)))
+
+    refuse_files: Exception | None = None
+
 
 def test_kept_runs_are_sent_once_with_their_end_time_and_a_dead_claim_is_taken_back(
     tmp_path: Path,
@@ -664,5 +674,48 @@ def test_kept_runs_are_sent_once_with_their_end_time_and_a_dead_claim_is_taken_b
     # A run the server does not have (404) is set aside, not retried forever.
     write_spool(spool, "r3", [batch], "FINISHED", incomplete=False, traceback=None)
     gone = _SpoolClient(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "x"}))
+    assert replay_spool(gone, spool) == 0  # type: ignore[arg-type]
+    assert [p.name for p in spool.iterdir()] == [f"r3{SPOOL_SUFFIX}.failed"]
+
+
+def test_a_kept_runs_artifacts_are_sent_and_a_refused_one_holds_up_nothing(
+    tmp_path: Path,
+) -> None:
+    """A run kept on disk keeps its artifacts beside it. One the server refuses for good
+    (413 from a proxy in front of it) is left out, the run tagged incomplete, and the runs
+    after it are sent: before, it went back to the folder and held up every later run. A
+    run set aside (404) leaves no copy of its files behind."""
+    import requests
+    from hpsearch.tracking.mlflow_logger import _Batch, _keep_artifacts, write_spool
+
+    spool = tmp_path / "spool"
+    plot = tmp_path / "learning_curve.png"
+    plot.write_bytes(b"png")
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "best.pt").write_bytes(b"w")
+    batch = _Batch(metrics=[Metric("val_acc", 0.5, 5, 1)])
+    for run in ("r1", "r2"):
+        kept, complete = _keep_artifacts(spool, run, [plot, folder])
+        assert complete and kept == ["learning_curve.png", "checkpoint"]
+        write_spool(spool, run, [batch], "FINISHED", incomplete=False, traceback=None,
+                    artifacts=kept)  # fmt: skip
+    too_large = requests.HTTPError(response=requests.Response())
+    assert too_large.response is not None
+    too_large.response.status_code = 413
+    client = _SpoolClient()
+    client.refuse_files = too_large
+    assert replay_spool(client, spool) == 2 and list(spool.iterdir()) == []  # type: ignore[arg-type]
+    assert ("folder", ("r1", "checkpoint")) in client.calls
+    assert ("tag", ("r1", INCOMPLETE_TAG, "true")) in client.calls
+    assert client.calls[-1] == ("end", ("r2", "FINISHED", client.calls[-1][1][2]))
+    # Down again mid-upload: kept, files and all, for the next try.
+    kept, _ = _keep_artifacts(spool, "r3", [plot])
+    write_spool(spool, "r3", [], "FINISHED", incomplete=False, traceback=None, artifacts=kept)
+    client.refuse_files = requests.ConnectionError("refused")
+    assert replay_spool(client, spool) == 0  # type: ignore[arg-type]
+    assert sorted(p.name for p in spool.iterdir()) == ["r3.artifacts", f"r3{SPOOL_SUFFIX}"]
+    gone = _SpoolClient(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "x"}))
+    write_spool(spool, "r3", [batch], "FINISHED", incomplete=False, traceback=None, artifacts=kept)
     assert replay_spool(gone, spool) == 0  # type: ignore[arg-type]
     assert [p.name for p in spool.iterdir()] == [f"r3{SPOOL_SUFFIX}.failed"]
