@@ -669,7 +669,7 @@ class Launcher:
                     self._cleanup_running()
                 if self._tracking_thread is not None:
                     self._tracking_thread.join()
-                if self._server_gone:  # its calls would wait out a server that is not there
+                if self._server_dead():  # its calls would wait out a server not there
                     self._event(
                         "MLflow: the study's summary is not sent (its server is gone); "
                         "the next launch sends the runs kept on disk"
@@ -966,6 +966,14 @@ class Launcher:
             target=self._restart_server, args=(server,), daemon=True, name="mlflow-restart"
         )
         self._restarting.start()
+
+    def _server_dead(self) -> bool:
+        """The embedded server died and was not started again (or died as the launch
+        stopped, when none is restarted)."""
+        from hpsearch.tracking.server import LocalServer
+
+        server = self._server
+        return self._server_gone or (isinstance(server, LocalServer) and not server.is_running())
 
     def _restart_server(self, dead: Any) -> None:
         from hpsearch.tracking.server import restart_server

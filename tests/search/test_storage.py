@@ -585,6 +585,21 @@ def test_a_trial_handed_back_from_the_gpu_memory_line_says_so_and_is_found_if_cu
     assert failed.user_attrs["worker"] == summary.worker_id
 
 
+def _failed_with_queued_retry(study: optuna.Study, cfg: StudyConfig) -> None:
+    """A trial of the study failed, and its retry queued as the retry callback queues it."""
+    first = study.ask()
+    suggest(first, cfg)
+    study.tell(first, state=optuna.trial.TrialState.FAIL)
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            params=first.params,
+            distributions=first.distributions,
+            system_attrs={"failed_trial": first.number, "retry_history": [first.number]},
+        )
+    )
+
+
 def test_a_retry_finished_elsewhere_before_its_end_does_not_crash_the_worker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -597,18 +612,7 @@ def test_a_retry_finished_elsewhere_before_its_end_does_not_crash_the_worker(
     journal = tmp_path / "optuna.journal"
     spec = StorageSpec("journal", str(journal), "journal")
     monkeypatch.setenv("HPSEARCH_DUMMY_JOURNAL", str(journal))
-    study = create_or_load(cfg, open_storage(spec))
-    first = study.ask()
-    suggest(first, cfg)
-    study.tell(first, state=optuna.trial.TrialState.FAIL)
-    study.add_trial(
-        optuna.trial.create_trial(
-            state=optuna.trial.TrialState.WAITING,
-            params=first.params,
-            distributions=first.distributions,
-            system_attrs={"failed_trial": first.number, "retry_history": [first.number]},
-        )
-    )
+    _failed_with_queued_retry(create_or_load(cfg, open_storage(spec)), cfg)
     opts = WorkerOptions(
         workdir=tmp_path, train_fn="dummy_trainer:finished_elsewhere_meanwhile", max_trials=1
     )
@@ -888,17 +892,7 @@ def test_a_search_space_optuna_would_refuse_for_the_study_is_refused_at_its_load
     one error before anything runs, naming the file, the parameter and both spaces; the
     queued retry stays queued. A changed range is Optuna's to allow, and is allowed."""
     cfg = load_config("tiny")
-    study = create_or_load(cfg, pg_url)
-    trial = study.ask()
-    suggest(trial, cfg)
-    study.tell(trial, state=optuna.trial.TrialState.FAIL)
-    study.add_trial(
-        optuna.trial.create_trial(
-            state=optuna.trial.TrialState.WAITING,
-            params=trial.params,
-            distributions=trial.distributions,
-        )
-    )
+    _failed_with_queued_retry(create_or_load(cfg, pg_url), cfg)
     wider = load_config(
         "tiny", ["search_space.lr={type: float, low: 1.0e-4, high: 1.0, log: true}"]
     )

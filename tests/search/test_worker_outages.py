@@ -245,16 +245,10 @@ def test_a_trial_made_under_the_study_lock_has_its_heartbeat_in_the_same_commit(
     assert beats == 1
 
 
-def test_a_dead_workers_trial_keeps_its_retry_when_the_database_drops_after_its_failure(
-    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The launcher failed a dead worker's trial, and the connection dropped before the
-    retry was queued: run again, the section found the trial finished and queued none, and
-    the worker's trained epochs were lost for good."""
-    from hpsearch.launcher import fail_trial
-
-    _, spec, study, trial = _claimed(pg_url, tmp_path)
-    adds = []
+def _lose_first_add(study: optuna.Study, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The study's first `add_trial` (a retry's queueing) fails as a dropped connection
+    does; the later ones go through. The trials it was given, in order."""
+    adds: list[Any] = []
     real_add = study.add_trial
 
     def add_once_lost(frozen: Any) -> None:
@@ -264,6 +258,19 @@ def test_a_dead_workers_trial_keeps_its_retry_when_the_database_drops_after_its_
         real_add(frozen)
 
     monkeypatch.setattr(study, "add_trial", add_once_lost)
+    return adds
+
+
+def test_a_dead_workers_trial_keeps_its_retry_when_the_database_drops_after_its_failure(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher failed a dead worker's trial, and the connection dropped before the
+    retry was queued: run again, the section found the trial finished and queued none, and
+    the worker's trained epochs were lost for good."""
+    from hpsearch.launcher import fail_trial
+
+    _, spec, study, trial = _claimed(pg_url, tmp_path)
+    _lose_first_add(study, monkeypatch)
     frozen = study._storage.get_trial(trial._trial_id)
     assert with_db_retry(lambda: fail_trial(study, spec, frozen, "worker 0 died", 2)) is True
     trials = study.get_trials(deepcopy=True)
@@ -335,16 +342,7 @@ def test_a_stale_trials_retry_is_queued_when_the_database_drops_after_its_failur
     study._storage.set_trial_user_attr(trial._trial_id, W.ATTR_OUTCOME, "interrupted")
     with engine_of(study).begin() as c:  # its worker died an hour ago
         c.execute(sa.text("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '1 h'"))
-    adds = []
-    real_add = study.add_trial
-
-    def add_once_lost(frozen: Any) -> None:
-        adds.append(frozen)
-        if len(adds) == 1:
-            raise sa.exc.OperationalError("INSERT", {}, Exception("server closed the connection"))
-        real_add(frozen)
-
-    monkeypatch.setattr(study, "add_trial", add_once_lost)
+    _lose_first_add(study, monkeypatch)
     pending: dict[int, bool] = {}
     with pytest.raises(sa.exc.OperationalError):
         W.fail_stale_trials(study, pending)

@@ -337,19 +337,30 @@ def test_a_trial_failed_elsewhere_before_its_tell_ends_its_run_failed(
     assert not client.list_artifacts(run.info.run_id, "checkpoint")
 
 
+def _one_tracked_trial(
+    tmp_path: Path, server: LocalServer, prefix: str, train_fn: str
+) -> tuple[str, Path, Any, StorageSpec, WorkerOptions]:
+    """A one-trial study of its own name on a journal, and a worker's options to run it
+    with `dummy_trainer.<train_fn>`, tracked on `server`."""
+    name = f"{prefix}-{time.time_ns()}"
+    cfg = load_config("tiny", overrides=[f"name={name}", "budget.n_trials=1"])
+    journal = tmp_path / "optuna.journal"
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn=f"dummy_trainer:{train_fn}",
+        tracking_uri=server.url, max_trials=1,
+    )  # fmt: skip
+    return name, journal, cfg, StorageSpec("journal", str(journal), "journal"), opts
+
+
 def test_a_trial_told_pruned_for_want_of_a_value_ends_its_run_killed(
     tmp_path: Path, mlflow_server: LocalServer
 ) -> None:
     """A time limit before the first evaluation: the trial is told PRUNED (no value), and
     its run ended FINISHED beside it."""
-    name = f"unvalued-{time.time_ns()}"
-    cfg = load_config("tiny", overrides=[f"name={name}", "budget.n_trials=1"])
-    journal = tmp_path / "optuna.journal"
-    opts = WorkerOptions(
-        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:time_limit_before_eval",
-        tracking_uri=mlflow_server.url, max_trials=1,
-    )  # fmt: skip
-    run_worker(cfg, StorageSpec("journal", str(journal), "journal"), opts)
+    name, journal, cfg, spec, opts = _one_tracked_trial(
+        tmp_path, mlflow_server, "unvalued", "time_limit_before_eval"
+    )
+    run_worker(cfg, spec, opts)
     assert _study(journal, name).trials[0].state == optuna.trial.TrialState.PRUNED
     (run,) = _trial_runs(MlflowClient(mlflow_server.url), name)
     assert run.info.status == "KILLED"
@@ -363,15 +374,11 @@ def test_a_worker_stopped_by_a_database_outage_ends_its_trials_run(
     with the epoch it logged."""
     from hpsearch.errors import StorageError
 
-    name = f"outage-{time.time_ns()}"
-    cfg = load_config("tiny", overrides=[f"name={name}", "budget.n_trials=1"])
-    journal = tmp_path / "optuna.journal"
-    opts = WorkerOptions(
-        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:database_gone_after_an_epoch",
-        tracking_uri=mlflow_server.url, max_trials=1,
-    )  # fmt: skip
+    name, _, cfg, spec, opts = _one_tracked_trial(
+        tmp_path, mlflow_server, "outage", "database_gone_after_an_epoch"
+    )
     with pytest.raises(StorageError, match="database unreachable"):
-        run_worker(cfg, StorageSpec("journal", str(journal), "journal"), opts)
+        run_worker(cfg, spec, opts)
     client = MlflowClient(mlflow_server.url)
     (run,) = _trial_runs(client, name)
     assert run.info.status == "FAILED"
