@@ -333,7 +333,9 @@ def test_a_trial_failed_elsewhere_before_its_tell_ends_its_run_failed(
     client = MlflowClient(mlflow_server.url)
     (run,) = _trial_runs(client, name)
     assert run.info.status == "FAILED"
-    assert "finished elsewhere" in str(run.data.tags)
+    # Found at the tell ("finished elsewhere"), or by an epoch's report still being written
+    # when the trial was failed (Optuna's "has already finished"): FAILED either way.
+    assert "finished" in run.data.tags["hpsearch.reason"]
     assert not client.list_artifacts(run.info.run_id, "checkpoint")
 
 
