@@ -825,9 +825,10 @@ def restart_server(
             _LIVE.discard(dead)
             _remove_state(workdir, dead.pid)
         server = start_local_server(workdir, port=dead.port)
-        if others:
-            state = json.loads(state_path(workdir).read_text())
-            _save_state(workdir, {**state, "users": [*state.get("users", []), *others]})
+        if others:  # best effort: the server runs either way, and is this process's to stop
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                state = json.loads(state_path(workdir).read_text())
+                _save_state(workdir, {**state, "users": [*state.get("users", []), *others]})
         return server
 
 
