@@ -27,6 +27,10 @@ class TrackingError(HpsearchError):
     """The MLflow server could not be started or reached when it was required."""
 
 
+class TrackingUnreachable(TrackingError):
+    """The MLflow server did not answer in time; a later try may reach it."""
+
+
 class StudyNotFoundError(HpsearchError):
     """The named study does not exist in the storage."""
 

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import optuna
 from hpsearch.background import Renderer, import_in_idle_time, lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
-from hpsearch.errors import HpsearchError, TrackingError
+from hpsearch.errors import HpsearchError, TrackingError, TrackingUnreachable
 from hpsearch.packing import holder_alive, pid_alive
 from hpsearch.storage import StorageSpec
 from hpsearch.study import best_of, dominates, objective_values
@@ -689,7 +689,8 @@ class TrackingSession:
         early_gpu: tuple[Any, Any] | None = None,
         run_key: str | None = None,
     ) -> TrialRun | None:
-        """The trial's MLflow run, its GPU sampler started; None without MLflow. The run
+        """The trial's MLflow run, its GPU sampler started; None without MLflow (raises
+        TrackingUnreachable when the server did not answer: a later try may). The run
         starts at `start_time_ms` (ms since the epoch) when given, else now. `early_gpu`
         (`early_gpu_sampler`) is a sampler already running since the trial's start: the run
         takes it and its samples so far; it stays the caller's when no run is returned.
@@ -699,7 +700,7 @@ class TrackingSession:
 
         self.wait_ready()
         if not self._connect():
-            return None
+            raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} did not answer")
         assert self.experiment_id is not None and self.parent_run_id is not None
         hp = self.cfg.resolve_params(params)
         eff_lr, eff_batch = derived_values(self.cfg, hp)
@@ -732,6 +733,8 @@ class TrackingSession:
             run_key=run_key,
             spool_dir=self.spool_dir,
         )
+        if tracker.unreachable:
+            raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} made no run in time")
         if not tracker.enabled:
             return None
         if self._spooled() and not self._replay_queued:  # the server answers again
@@ -761,6 +764,12 @@ class TrackingSession:
         except Exception as exc:  # telemetry never fails a trial
             logger.warning("GPU sampler failed to start: %s", exc)
             return None
+
+    def answers(self) -> bool:
+        """Whether the server answers now (within 1 s)."""
+        from hpsearch.tracking.server import health_ok
+
+        return health_ok(self.uri, timeout_s=1.0, any_status=True)
 
     def _spooled(self) -> bool:
         from hpsearch.tracking.mlflow_logger import SPOOL_SUFFIX

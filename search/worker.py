@@ -27,7 +27,7 @@ from typing import Any, Protocol, cast
 
 import optuna
 from hpsearch.config import StudyConfig
-from hpsearch.errors import ConfigError, HpsearchError, StorageError
+from hpsearch.errors import ConfigError, HpsearchError, StorageError, TrackingUnreachable
 from hpsearch.packing import AdmissionStopped, process_start
 from hpsearch.reporting import TrialReports
 from hpsearch.storage import (
@@ -723,6 +723,9 @@ def _first_heartbeat(study: optuna.Study, trial_id: int) -> None:
 # s a trial waits for its run's create once it sees the worker told to stop (at its epoch's
 # end): the launcher's grace (120 s) counts from the stop, then it kills workers untold
 RUN_WAIT_AFTER_STOP_S = 10.0
+# s between tries of a run's start that MLflow did not answer (each try waits up to the
+# tracker's 15 s); the trial trains meanwhile and its epochs wait for the run
+RUN_START_RETRY_S = (10.0, 20.0, 40.0, 80.0, 160.0)
 
 
 class _LateRun:
@@ -734,7 +737,9 @@ class _LateRun:
     start does not wait for it. Epoch records and the latest resume checkpoint from before
     the start are handed to the run when it starts, and the run is dated from the trial's
     start; so are its GPU samples, whose sampler starts with the trial and is handed to the
-    run. `wait` returns the run (or None) for the tell."""
+    run. A start MLflow did not answer is tried again (`RUN_START_RETRY_S`) while the trial
+    trains, and once more at its end if the server answers by then. `wait` returns the run
+    (or None) for the tell."""
 
     def __init__(
         self, tracking: Any, trial: optuna.Trial, params: Mapping[str, Any], root: int,
@@ -749,6 +754,9 @@ class _LateRun:
         self._checkpoint: Path | None = None  # the latest resume checkpoint from before it
         self._error: StorageError | None = None
         self._cancelled = False
+        self._ending = False  # `wait` was called: the trial is over, no try after the next
+        self._tries = 0  # starts MLflow did not answer
+        self._wake = threading.Event()  # ends a wait for the next try
         self._done = threading.Event()  # `_start` is over: `run` and `_error` are final
         self._args = (trial, params, root, ckpt, db, int(time.time() * 1000), run_key)
         # (sampler, relay) running from the trial's start, until the run takes it
@@ -763,22 +771,30 @@ class _LateRun:
         with self._lock:
             self._cancelled = True
             gpu, self._gpu = self._gpu, None
+        self._wake.set()
         _stop_sampler(gpu)
 
     def _start(self) -> None:  # on a thread of its own, or on the session's set-up thread
+        final = True
         try:
-            self._start_run()
+            final = self._start_run()
         finally:
-            self._done.set()
+            if final:
+                self._done.set()
 
-    def _start_run(self) -> None:
+    def _start_run(self, give_up: bool = False) -> bool:
+        """Start the run; False when MLflow did not answer and a later try is set."""
         trial, params, root, ckpt, db, start_ms, run_key = self._args
         with self._lock:
             gpu, self._gpu = self._gpu, None
-            if self._cancelled:
+            if self._cancelled or give_up:
                 self._started = True
                 _stop_sampler(gpu)
-                return
+                if give_up and self._pending:
+                    logger.warning("trial %s: MLflow did not answer before the trial ended; "
+                                   "its epochs are in Optuna only", trial.number)  # fmt: skip
+                self._pending, self._checkpoint = [], None
+                return True
         run = None
         try:
             run = self._tracking.start_trial(
@@ -793,6 +809,10 @@ class _LateRun:
                 db(lambda: trial.set_user_attr(ATTR_RUN_ID, run_id), "set_user_attr")
         except StorageError as exc:  # the database stayed down: `wait` writes the link again
             self._error = exc
+        except TrackingUnreachable as exc:  # the epochs wait for a later try
+            if self._try_later(gpu, exc):
+                return False
+            logger.warning("trial %s: no MLflow run: %s", trial.number, exc)
         except Exception as exc:  # tracking is best effort: the trial goes on untracked
             logger.warning("trial %s: no MLflow run: %s", trial.number, exc)
         _stop_sampler(gpu)  # no run took it
@@ -822,6 +842,43 @@ class _LateRun:
                     logger.warning("trial %s: checkpoint not uploaded: %s", trial.number, exc)
         if doomed is not None:  # ended, not left RUNNING
             doomed.finish_failed("interrupted", "the worker stopped before the run started", None)
+        return True
+
+    def _try_later(self, gpu: tuple[Any, Any] | None, exc: BaseException) -> bool:
+        """Set the next try of a start MLflow did not answer, the trial's GPU sampler kept
+        for it; False when the trial is over or the worker stops."""
+        with self._lock:
+            if self._cancelled or self._ending or (self._stop is not None and self._stop.is_set()):
+                return False
+            self._gpu = gpu
+            delay = RUN_START_RETRY_S[min(self._tries, len(RUN_START_RETRY_S) - 1)]
+            self._tries += 1
+        logger.warning("trial %s: no MLflow run yet (%s); its epochs are kept and the start "
+                       "tried again in %g s", self._args[0].number, exc, delay)  # fmt: skip
+        threading.Thread(
+            target=self._retry, args=(delay,), daemon=True, name="mlflow-run-retry"
+        ).start()
+        return True
+
+    def _retry(self, delay_s: float) -> None:
+        self._wake.wait(delay_s)
+        with self._lock:
+            ending = self._ending and not self._cancelled
+        # At the trial's end one more try, if the server answers: each waits out its create.
+        give_up = ending and not self._answers()
+        final = True
+        try:
+            final = self._start_run(give_up=give_up)
+        finally:
+            if final:
+                self._done.set()
+
+    def _answers(self) -> bool:
+        try:
+            return bool(self._tracking.answers())
+        except Exception as exc:  # telemetry: taken for no answer
+            logger.debug("MLflow health check failed: %s", exc)
+            return False
 
     def waiting_for_gpu(self) -> None:
         """The trial waits for GPU memory beside packed trials: its GPU sampler judges no
@@ -878,7 +935,10 @@ class _LateRun:
         killed untold by the launcher's grace; one that never started waits none."""
         # The start runs once the set-up is over (on the set-up thread, or one of its own);
         # a set-up that failed runs none. A create or a set-up that waits on a server that
-        # does not answer is given up when the worker stops.
+        # does not answer is given up when the worker stops. A try set for later runs now.
+        with self._lock:
+            self._ending = True
+        self._wake.set()
         stopped_at: float | None = None
         while not self._done.is_set():
             if self._tracking.setup_failed() is not None:  # no run for any trial (the

@@ -502,7 +502,8 @@ class TrialTracker:
 
     Creating it creates the run synchronously (``run_id`` is ready to be stored as the Optuna
     user attr ``mlflow_run_id``); if the server cannot be reached within ``start_timeout_s`` the
-    tracker is disabled (``run_id is None``, every method a no-op) and a warning is logged.
+    tracker is disabled (``run_id is None``, every method a no-op, ``unreachable`` True when
+    a later try may reach the server) and a warning is logged.
     ``start_time_ms`` (ms since the epoch) dates the run's start, when it began before the
     run could be created. No method raises because of tracking problems.
     """
@@ -543,6 +544,7 @@ class TrialTracker:
         self.incomplete = False
         self.finished = False
         self.run_id: str | None = None
+        self.unreachable = False  # no run: the server did not answer (a later try may)
         self._experiment_id = experiment_id
         self._run_key = run_key
         self._lock = threading.Lock()
@@ -782,15 +784,15 @@ class TrialTracker:
                 return str(run.info.run_id)
             except Exception as exc:  # telemetry: a dead server must not stop the trial
                 delay = next(delays)
-                if is_permanent_error(exc) or time.monotonic() + delay > deadline:
-                    if not is_permanent_error(exc) and (
-                        made := self._made_after_all(experiment_id, run_key)
-                    ):
+                permanent = is_permanent_error(exc)
+                if permanent or time.monotonic() + delay > deadline:
+                    if not permanent and (made := self._made_after_all(experiment_id, run_key)):
                         return made
+                    self.unreachable = not permanent
                     logger.warning(
-                        "MLflow: could not create the run of trial %d, tracking disabled for "
-                        "it: %s",
+                        "MLflow: could not create the run of trial %d%s: %s",
                         self.trial_number,
+                        " yet" if self.unreachable else ", tracking disabled for it",
                         _short(exc),
                     )
                     return None

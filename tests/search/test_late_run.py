@@ -320,3 +320,91 @@ def test_a_stopping_worker_does_not_wait_for_a_set_up_stuck_on_its_server(
         assert time.perf_counter() - t0 < 5.0
     finally:
         answered.set()
+
+
+class DownSession(Session):
+    """A session whose server does not answer the first `down` starts (the session's own
+    set-up went through, or failed quietly): its run starts on a later try."""
+
+    def __init__(self, run: SlowRun, down: int, answers: bool = True) -> None:
+        super().__init__(run)
+        self.down = down
+        self.tries = 0
+        self.up = answers
+        self.tried = threading.Event()
+
+    def ready(self) -> bool:
+        return True
+
+    def when_ready(self, job: Callable[[], None]) -> None:
+        threading.Thread(target=job, daemon=True).start()
+
+    def start_trial(self, *args: Any, **kwargs: Any) -> SlowRun:
+        from hpsearch.errors import TrackingUnreachable
+
+        self.tries += 1
+        self.tried.set()
+        if self.tries <= self.down:
+            raise TrackingUnreachable("MLflow at http://127.0.0.1:9 did not answer")
+        return self.run
+
+    def answers(self) -> bool:
+        return self.up
+
+
+def test_a_run_mlflow_did_not_answer_is_tried_again_while_the_trial_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server down when the trial started (past the tracker's 15 s) left it without a run
+    for good, and its epochs were dropped: the start is tried again, and every epoch
+    reaches the run once it starts, in order, and the run is linked."""
+    import hpsearch.worker as worker
+
+    monkeypatch.setattr(worker, "RUN_START_RETRY_S", (0.05, 0.1))
+    run = SlowRun()
+    run.release.set()
+    session = DownSession(run, down=2)
+    trial = Trial()
+    late = _LateRun(session, trial, {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
+    late.log_epoch(Record(1))
+    deadline = time.monotonic() + 10
+    while late.started_run() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert late.started_run() is run and session.tries == 3
+    late.log_epoch(Record(2))
+    assert late.wait() is run
+    assert run.epochs == [1, 2] and trial.user_attrs == {"mlflow_run_id": "run-0"}
+
+
+def test_a_trial_that_ends_before_mlflow_answers_tries_once_more_at_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next try is minutes away when the trial ends: the end tries at once if the
+    server answers by then (its epochs reach the run), and else gives up at once with
+    the trial told untracked, not held for the next try."""
+    import hpsearch.worker as worker
+
+    monkeypatch.setattr(worker, "RUN_START_RETRY_S", (300.0,))
+    for up in (True, False):
+        run = SlowRun()
+        run.release.set()
+        session = DownSession(run, down=1, answers=up)
+        early = Sampler()
+        stopped: list[bool] = []
+        early.stop = lambda stopped=stopped: stopped.append(True)  # type: ignore[method-assign]
+        session.early_gpu_sampler = lambda early=early: (early, None)  # type: ignore[method-assign,assignment,return-value]
+        trial = Trial()
+        late = _LateRun(session, trial, {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
+        assert session.tried.wait(10)
+        for epoch in (1, 2):
+            late.log_epoch(Record(epoch))
+        t0 = time.perf_counter()
+        got = late.wait()
+        assert time.perf_counter() - t0 < 3.0
+        if up:
+            assert got is run and session.tries == 2
+            assert run.epochs == [1, 2] and trial.user_attrs == {"mlflow_run_id": "run-0"}
+            assert not stopped  # the run took the trial's sampler
+        else:
+            assert got is None and session.tries == 1 and trial.user_attrs == {}
+            assert stopped == [True]  # no run took it

@@ -153,6 +153,57 @@ def test_a_trial_trains_while_a_slow_server_creates_its_run(
     assert second.info.start_time <= min(m.timestamp for m in epochs)
 
 
+def test_a_trial_started_while_mlflow_was_down_gets_its_run_when_it_answers(
+    tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow down when the trial starts (the session's set-up and the run's first start
+    both find no server): the trial trains on, the start is tried again, and the run it
+    gets holds every epoch, dated from the trial's start, linked to the trial. Before,
+    the trial had no run and its epochs were dropped."""
+    import hpsearch.worker as worker
+    from hpsearch.tracking import mlflow_logger
+
+    calls: list[float] = []
+    real = mlflow_logger.ensure_experiment
+
+    def down_twice(client: MlflowClient, study_name: str) -> str:
+        calls.append(time.time() * 1000)
+        if len(calls) <= 2:  # the set-up's, then the first start's
+            raise ConnectionRefusedError("[Errno 111] Connection refused")
+        return real(client, study_name)
+
+    monkeypatch.setattr(mlflow_logger, "ensure_experiment", down_twice)
+    monkeypatch.setattr(worker, "RUN_START_RETRY_S", (0.3,))
+    monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.1")
+    monkeypatch.setenv("HPSEARCH_DUMMY_FINISH_S", "3")  # the trial outlasts both tries
+    name = f"down-at-start-{time.time_ns()}"
+    began_ms = time.time() * 1000
+    cfg = load_config(
+        "tiny",
+        overrides=[f"name={name}", "budget.n_trials=1", "budget.max_epochs=3",
+                   "pruner={name: none}"],
+    )  # fmt: skip
+    journal = tmp_path / "optuna.journal"
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train",
+        tracking_uri=mlflow_server.url,
+    )  # fmt: skip
+    assert run_worker(cfg, StorageSpec("journal", str(journal), "journal"), opts).outcomes == {
+        "finished": 1
+    }
+    client = MlflowClient(mlflow_server.url)
+    (run,) = _trial_runs(client, name)
+    trial = _study(journal, name).trials[0]
+    assert len(calls) >= 3  # made on the try after the outage (a 4th: the study summary)
+    assert trial.user_attrs["mlflow_run_id"] == run.info.run_id
+    assert run.info.status == "FINISHED"
+    epochs = client.get_metric_history(run.info.run_id, "val_acc")
+    assert [m.step for m in epochs] == [1, 2, 3]
+    assert [m.value for m in epochs] == [trial.intermediate_values[s] for s in (1, 2, 3)]
+    assert min(m.timestamp for m in epochs) < calls[2]  # trained before the run existed
+    assert began_ms <= run.info.start_time <= min(m.timestamp for m in epochs)
+
+
 def test_a_trial_failing_before_mlflow_is_ready_gets_its_run(
     tmp_path: Path,
     mlflow_server: LocalServer,

@@ -365,11 +365,26 @@ def test_unreachable_server_disables_tracker_without_raising(
     t0 = time.monotonic()
     tracker = make_tracker(dead, "0", "parent", 9, start_timeout_s=1.0)
     assert tracker.run_id is None and not tracker.enabled
+    assert tracker.unreachable  # the worker tries again later (worker._LateRun)
     tracker.log_epoch(0, epoch_metrics(0))
     tracker.log_system({"system/gpu_utilization": 1.0})
     assert tracker.finish("completed") is False
     assert time.monotonic() - t0 < 30
-    assert "tracking disabled" in tracking_logs.text
+    assert "could not create the run of trial 9 yet" in tracking_logs.text
+
+
+def test_a_refused_create_disables_the_tracker_for_good(
+    tracking_logs: pytest.LogCaptureFixture,
+) -> None:
+    """A server that refuses the run (a bad request, a permission) is not tried again."""
+
+    class Refusing(MlflowClient):
+        def create_run(self, *args: Any, **kwargs: Any) -> Any:
+            raise MlflowException.invalid_parameter_value("no such experiment")
+
+    tracker = make_tracker(Refusing("http://127.0.0.1:9"), "0", "parent", 9, start_timeout_s=5.0)
+    assert tracker.run_id is None and not tracker.unreachable
+    assert "could not create the run of trial 9, tracking disabled" in tracking_logs.text
 
 
 class LostReplyClient(CountingClient):
