@@ -688,20 +688,25 @@ class TrackingSession:
         start_time_ms: int | None = None,
         early_gpu: tuple[Any, Any] | None = None,
         run_key: str | None = None,
+        offline: bool = False,
     ) -> TrialRun | None:
         """The trial's MLflow run, its GPU sampler started; None without MLflow (raises
         TrackingUnreachable when the server did not answer: a later try may). The run
         starts at `start_time_ms` (ms since the epoch) when given, else now. `early_gpu`
         (`early_gpu_sampler`) is a sampler already running since the trial's start: the run
         takes it and its samples so far; it stays the caller's when no run is returned.
-        `run_key` (the trial's `mlflow_run_key`) tags the run, to find it again unlinked."""
+        `run_key` (the trial's `mlflow_run_key`) tags the run, to find it again unlinked.
+        `offline`: a run kept whole in the spool folder and made when the server answers
+        (a trial that ended while it was down); None without a spool folder."""
         from hpsearch.tracking.gpu import sampler_for_tracker
         from hpsearch.tracking.mlflow_logger import TrialTracker, trial_params
 
         self.wait_ready()
-        if not self._connect():
+        if offline:
+            if self.spool_dir is None:
+                return None
+        elif not self._connect():
             raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} did not answer")
-        assert self.experiment_id is not None and self.parent_run_id is not None
         hp = self.cfg.resolve_params(params)
         eff_lr, eff_batch = derived_values(self.cfg, hp)
         sampled = dict(params)
@@ -713,8 +718,8 @@ class TrackingSession:
         }
         tracker = TrialTracker(
             self.client,
-            self.experiment_id,
-            self.parent_run_id,
+            self.experiment_id or "",  # offline: the run is made under them later
+            self.parent_run_id or "",
             trial_number=trial.number,
             study_name=self.cfg.name,
             params=trial_params(
@@ -732,12 +737,13 @@ class TrackingSession:
             start_time_ms=start_time_ms,
             run_key=run_key,
             spool_dir=self.spool_dir,
+            offline=offline,
         )
         if tracker.unreachable:
             raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} made no run in time")
         if not tracker.enabled:
             return None
-        if self._spooled() and not self._replay_queued:  # the server answers again
+        if not offline and self._spooled() and not self._replay_queued:  # it answers again
             self._replay_queued = True
             self._finisher.submit(self._replay)
         if early_gpu is not None:
@@ -786,7 +792,7 @@ class TrackingSession:
 
         self._replay_queued = False
         # A server that accepts but does not answer would hold each call for minutes.
-        if self.spool_dir is None or self.client is None:
+        if self.spool_dir is None or self.client is None or not self._spooled():
             return
         if not health_ok(self.uri, any_status=True):
             return
@@ -950,7 +956,7 @@ class TrackingSession:
         try:
             self._export_held_onnx()
         finally:
-            if self._spooled() and self._setup_done:  # after the runs queued before it
+            if self._setup_done:  # after the runs queued before it, which may keep theirs
                 self._finisher.submit(self._replay)
             self._finisher.close()
             self.renderer.close()

@@ -782,24 +782,23 @@ class _LateRun:
             if final:
                 self._done.set()
 
-    def _start_run(self, give_up: bool = False) -> bool:
-        """Start the run; False when MLflow did not answer and a later try is set."""
+    def _start_run(self, offline: bool = False) -> bool:
+        """Start the run (`offline`: one kept in the spool folder until the server answers,
+        the trial over and the server still down); False when MLflow did not answer and a
+        later try is set."""
         trial, params, root, ckpt, db, start_ms, run_key = self._args
         with self._lock:
             gpu, self._gpu = self._gpu, None
-            if self._cancelled or give_up:
+            if self._cancelled:
                 self._started = True
                 _stop_sampler(gpu)
-                if give_up and self._pending:
-                    logger.warning("trial %s: MLflow did not answer before the trial ended; "
-                                   "its epochs are in Optuna only", trial.number)  # fmt: skip
-                self._pending, self._checkpoint = [], None
                 return True
         run = None
         try:
             run = self._tracking.start_trial(
-                trial, params, root, ckpt, start_time_ms=start_ms, early_gpu=gpu, run_key=run_key
-            )
+                trial, params, root, ckpt, start_time_ms=start_ms, early_gpu=gpu,
+                run_key=run_key, offline=offline,
+            )  # fmt: skip
             if run is not None:
                 gpu = None  # the run's now: it stops the sampler when it ends
             with self._lock:
@@ -812,6 +811,12 @@ class _LateRun:
         except TrackingUnreachable as exc:  # the epochs wait for a later try
             if self._try_later(gpu, exc):
                 return False
+            with self._lock:
+                if self._ending and not self._cancelled and not offline:
+                    self._gpu = gpu  # the trial is over: its run is kept whole instead
+                    gpu = None
+            if gpu is None:
+                return self._start_run(offline=True)
             logger.warning("trial %s: no MLflow run: %s", trial.number, exc)
         except Exception as exc:  # tracking is best effort: the trial goes on untracked
             logger.warning("trial %s: no MLflow run: %s", trial.number, exc)
@@ -864,11 +869,12 @@ class _LateRun:
         self._wake.wait(delay_s)
         with self._lock:
             ending = self._ending and not self._cancelled
-        # At the trial's end one more try, if the server answers: each waits out its create.
-        give_up = ending and not self._answers()
+        # At the trial's end one more try if the server answers (each try waits out its
+        # create), else the run is kept whole until it does.
+        offline = ending and not self._answers()
         final = True
         try:
-            final = self._start_run(give_up=give_up)
+            final = self._start_run(offline=offline)
         finally:
             if final:
                 self._done.set()

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -505,7 +506,9 @@ class TrialTracker:
     tracker is disabled (``run_id is None``, every method a no-op, ``unreachable`` True when
     a later try may reach the server) and a warning is logged.
     ``start_time_ms`` (ms since the epoch) dates the run's start, when it began before the
-    run could be created. No method raises because of tracking problems.
+    run could be created. With ``offline`` no run is made now: everything goes to
+    ``spool_dir`` at `finish`, and `replay_spool` makes the run (a trial that ended while
+    the server was down). No method raises because of tracking problems.
     """
 
     def __init__(
@@ -529,6 +532,7 @@ class TrialTracker:
         initial_backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         spool_dir: Path | None = None,
+        offline: bool = False,
     ) -> None:
         """``spool_dir``: where `finish` keeps what MLflow, still down ``flush_timeout_s``
         after the trial, did not take (`replay_spool` sends it); None drops it."""
@@ -545,6 +549,8 @@ class TrialTracker:
         self.finished = False
         self.run_id: str | None = None
         self.unreachable = False  # no run: the server did not answer (a later try may)
+        # The run's create, kept for `replay_spool` (offline: no run made now).
+        self._offline: dict[str, Any] | None = None
         self._experiment_id = experiment_id
         self._run_key = run_key
         self._lock = threading.Lock()
@@ -563,7 +569,6 @@ class TrialTracker:
         self._thread: threading.Thread | None = None
 
         run_tags = {
-            PARENT_TAG: parent_run_id,
             ROLE_TAG: "trial",
             "optuna.trial_number": str(trial_number),
             STUDY_TAG: study_name,
@@ -572,16 +577,30 @@ class TrialTracker:
             "hpsearch.gpu": gpu if gpu is not None else _default_gpu_label(),
         }
         run_tags.update({k: _safe_tag_value(v) for k, v in (tags or {}).items()})
+        if parent_run_id:  # offline: found when the run is made (`replay_spool`)
+            run_tags[PARENT_TAG] = parent_run_id
         if run_key:
             run_tags[RUN_KEY_TAG] = run_key
-        self.run_id = self._create_run(
-            experiment_id, run_tags, start_timeout_s, start_time_ms, run_key
-        )
-        if self.run_id is None:
+        if offline and spool_dir is not None:
+            self._offline = {
+                "experiment": study_name,
+                "tags": run_tags,
+                "start_ms": start_time_ms,
+                "run_name": f"trial-{trial_number}",
+                "trial_number": trial_number,
+                "run_key": run_key,
+            }
+        else:
+            self.run_id = self._create_run(
+                experiment_id, run_tags, start_timeout_s, start_time_ms, run_key
+            )
+        if not self.enabled:
             return
         param_list = [Param(k, param_value(v)) for k, v in params.items()]
         if param_list:
             self._queue.append(_Batch(params=param_list, kind="params", enqueued=time.monotonic()))
+        if self._offline is not None:
+            return  # no sender: `finish` keeps it all
         self._thread = threading.Thread(
             target=self._sender, name=f"mlflow-trial-{trial_number}", daemon=True
         )
@@ -591,7 +610,7 @@ class TrialTracker:
 
     @property
     def enabled(self) -> bool:
-        return self.run_id is not None
+        return self.run_id is not None or self._offline is not None
 
     def log_epoch(
         self, step: int, metrics: Mapping[str, float], timestamp_ms: int | None = None
@@ -599,7 +618,7 @@ class TrialTracker:
         """Queue one epoch's metrics (step = epoch), timed now or at `timestamp_ms` (ms since
         the epoch); returns immediately. GPU samples and tags that arrived since the previous
         epoch ride along in the same request."""
-        if self.run_id is None or self.finished:
+        if not self.enabled or self.finished:
             return
         t0 = time.perf_counter()
         try:
@@ -620,7 +639,7 @@ class TrialTracker:
     def log_system(self, metrics: Mapping[str, float], timestamp_ms: int | None = None) -> None:
         """Buffer one sample of system metrics (e.g. ``system/gpu_utilization``); they are sent
         with the next epoch's request. Thread-safe (GPU sampler thread)."""
-        if self.run_id is None or self.finished:
+        if not self.enabled or self.finished:
             return
         try:
             ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
@@ -638,7 +657,7 @@ class TrialTracker:
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Tags sent with the next request (e.g. ``hpsearch.input_bound=true``). Thread-safe."""
-        if self.run_id is None or self.finished:
+        if not self.enabled or self.finished:
             return
         with self._cond:
             self._pending_tags.update({k: _safe_tag_value(v) for k, v in tags.items()})
@@ -659,7 +678,7 @@ class TrialTracker:
         last epoch's step) and the terminal tags, upload ``artifacts`` (files or folders) and
         ``traceback.txt``, then set the status from :func:`terminal_status`. Returns True when
         everything was delivered; never raises."""
-        if self.run_id is None or self.finished:
+        if not self.enabled or self.finished:
             return False
         self.finished = True
         run_id = self.run_id
@@ -678,6 +697,12 @@ class TrialTracker:
                 self._push_locked(final)
                 self._closing = True
                 self._cond.notify_all()
+            if run_id is None:  # offline: all of it kept, the run made when it is sent
+                with self._cond:
+                    leftover, self._queue = list(self._queue), deque()
+                if not self._spool(leftover, status, artifacts, traceback):
+                    logger.warning("MLflow: trial %d has no run", self.trial_number)
+                return False
             wait = self.flush_timeout_s if timeout_s is None else timeout_s
             delivered, leftover = self._join(wait, keep=self.spool_dir is not None)
             server_down = not delivered
@@ -743,7 +768,7 @@ class TrialTracker:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self.finished or self.run_id is None:
+        if self.finished or not self.enabled:
             return
         if exc is None:
             self.finish("completed")
@@ -961,18 +986,21 @@ class TrialTracker:
         trial's best model, whose ``checkpoint_uri`` Optuna already holds). An artifact
         that cannot be copied tags the run incomplete. False when there is no spool folder
         or it cannot be written: then it is dropped."""
-        if self.spool_dir is None or self.run_id is None:
+        if self.spool_dir is None or not self.enabled:
             return False
-        kept, copied = _keep_artifacts(self.spool_dir, self.run_id, artifacts)
+        # An offline run's file is named by a key of its own until the run is made.
+        name = self.run_id or f"new-{uuid.uuid4().hex}"
+        kept, copied = _keep_artifacts(self.spool_dir, name, artifacts)
         try:
             path = write_spool(
-                self.spool_dir, self.run_id, batches, status,
+                self.spool_dir, name, batches, status,
                 incomplete=self.incomplete or not copied,
                 traceback=scrub(traceback) if traceback else None,
                 artifacts=kept,
+                create=self._offline,
             )  # fmt: skip
         except (OSError, ValueError) as exc:
-            shutil.rmtree(_artifacts_dir(self.spool_dir, self.run_id), ignore_errors=True)
+            shutil.rmtree(_artifacts_dir(self.spool_dir, name), ignore_errors=True)
             logger.warning("MLflow: cannot keep trial %d's metrics: %s", self.trial_number, exc)
             for batch in batches:
                 self._count_dropped(batch)
@@ -1061,12 +1089,15 @@ def write_spool(
     incomplete: bool,
     traceback: str | None,
     artifacts: Sequence[str] = (),
+    create: Mapping[str, Any] | None = None,
 ) -> Path:
     """``<spool_dir>/<run_id>.spool.json``: a run's undelivered batches and its end, written
     whole (rename into place); `artifacts`: the names of those kept beside it
-    (`_keep_artifacts`). Raises OSError."""
+    (`_keep_artifacts`); `create`: how to make the run, for one not made yet (`run_id` is
+    then the file's own key). Raises OSError."""
     record = {
         "run_id": run_id,
+        "create": dict(create) if create is not None else None,
         "status": status,
         "end_ms": int(time.time() * 1000),  # the run ended now, not when it is sent
         "incomplete": incomplete,
@@ -1163,8 +1194,30 @@ def _refused_upload(exc: BaseException) -> bool:
     return isinstance(code, int) and 400 <= code < 500 and code not in (401, 403, 408, 429)
 
 
+def _made_run(client: MlflowClient, create: Mapping[str, Any]) -> str:
+    """The run of a kept record made offline: the one its key finds (a send cut short
+    after the create), else a new one under the study's run. Raises what MLflow raises."""
+    experiment_id = ensure_experiment(client, str(create["experiment"]))
+    key, number = create.get("run_key"), int(create["trial_number"])
+    if key and (made := claim_run_by_key(client, experiment_id, str(key), number)):
+        return made
+    tags = {str(k): str(v) for k, v in dict(create["tags"]).items()}
+    if PARENT_TAG not in tags and (parents := find_study_runs(client, experiment_id)):
+        tags[PARENT_TAG] = parents[0]
+    start_ms = create.get("start_ms")
+    run = client.create_run(
+        experiment_id,
+        start_time=int(start_ms) if start_ms else None,
+        tags=tags,
+        run_name=str(create.get("run_name") or f"trial-{number}"),
+    )
+    return str(run.info.run_id)
+
+
 def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path) -> None:
-    run_id = str(record["run_id"])
+    # An offline run's is made first; its files stay under the record's own key.
+    key = str(record["run_id"])
+    run_id = _made_run(client, record["create"]) if record.get("create") else key
     incomplete = bool(record.get("incomplete"))
     for b in record["batches"]:
         metrics = [Metric(k, float(v), int(ts), int(step)) for k, v, ts, step in b["metrics"]]
@@ -1180,7 +1233,7 @@ def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path
                     "MLflow: a kept batch of run %s was rejected: %s", run_id, _short(exc)
                 )
                 incomplete = True
-    folder = _artifacts_dir(spool_dir, run_id)
+    folder = _artifacts_dir(spool_dir, key)
     for name in record.get("artifacts") or ():
         path = folder / str(name)
         try:

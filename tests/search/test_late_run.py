@@ -342,6 +342,11 @@ class DownSession(Session):
     def start_trial(self, *args: Any, **kwargs: Any) -> SlowRun:
         from hpsearch.errors import TrackingUnreachable
 
+        if kwargs.get("offline"):  # kept in the spool folder: no run id until it is sent
+            self.offline = SlowRun()
+            self.offline.release.set()
+            self.offline.run_id = None  # type: ignore[assignment]
+            return self.offline
         self.tries += 1
         self.tried.set()
         if self.tries <= self.down:
@@ -380,8 +385,8 @@ def test_a_trial_that_ends_before_mlflow_answers_tries_once_more_at_its_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The next try is minutes away when the trial ends: the end tries at once if the
-    server answers by then (its epochs reach the run), and else gives up at once with
-    the trial told untracked, not held for the next try."""
+    server answers by then (its epochs reach the run), and else keeps the run whole in
+    the spool folder (made when the server answers), not held for the next try."""
     import hpsearch.worker as worker
 
     monkeypatch.setattr(worker, "RUN_START_RETRY_S", (300.0,))
@@ -406,5 +411,6 @@ def test_a_trial_that_ends_before_mlflow_answers_tries_once_more_at_its_end(
             assert run.epochs == [1, 2] and trial.user_attrs == {"mlflow_run_id": "run-0"}
             assert not stopped  # the run took the trial's sampler
         else:
-            assert got is None and session.tries == 1 and trial.user_attrs == {}
-            assert stopped == [True]  # no run took it
+            assert got is session.offline and session.tries == 1
+            assert got.epochs == [1, 2] and trial.user_attrs == {}  # not linked
+            assert not stopped  # the kept run took the trial's sampler

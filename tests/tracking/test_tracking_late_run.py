@@ -204,6 +204,59 @@ def test_a_trial_started_while_mlflow_was_down_gets_its_run_when_it_answers(
     assert began_ms <= run.info.start_time <= min(m.timestamp for m in epochs)
 
 
+def test_a_trial_that_ends_while_mlflow_is_down_keeps_its_run_until_it_answers(
+    tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server is still down when the trial ends: its run is kept whole in the spool
+    folder (epochs, end, plots) and made when the server answers (here at the worker's
+    end), found by the trial's run key. Before, the trial had no run at all."""
+    import hpsearch.runs as runs
+    import hpsearch.worker as worker
+    from hpsearch.tracking import mlflow_logger
+
+    calls: list[float] = []
+    real = mlflow_logger.ensure_experiment
+
+    def down_twice(client: MlflowClient, study_name: str) -> str:
+        calls.append(time.time() * 1000)
+        if len(calls) <= 2:  # the set-up's, then the first start's
+            raise ConnectionRefusedError("[Errno 111] Connection refused")
+        return real(client, study_name)
+
+    monkeypatch.setattr(mlflow_logger, "ensure_experiment", down_twice)
+    monkeypatch.setattr(worker, "RUN_START_RETRY_S", (300.0,))
+    monkeypatch.setattr(runs.TrackingSession, "answers", lambda self: False)  # at its end
+    monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.05")
+    name = f"down-at-end-{time.time_ns()}"
+    cfg = load_config(
+        "tiny",
+        overrides=[f"name={name}", "budget.n_trials=1", "budget.max_epochs=3",
+                   "pruner={name: none}"],
+    )  # fmt: skip
+    journal = tmp_path / "optuna.journal"
+    opts = WorkerOptions(
+        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train",
+        tracking_uri=mlflow_server.url,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    assert run_worker(cfg, StorageSpec("journal", str(journal), "journal"), opts).outcomes == {
+        "finished": 1
+    }
+    assert time.monotonic() - t0 < 60  # not held for the next try, 300 s away
+    client = MlflowClient(mlflow_server.url)
+    (run,) = _trial_runs(client, name)  # sent from the spool at the worker's end
+    trial = _study(journal, name).trials[0]
+    assert run.data.tags["hpsearch.run_key"] == trial.user_attrs["mlflow_run_key"]
+    assert "mlflow_run_id" not in trial.user_attrs  # a finished trial takes no attribute
+    assert run.info.status == "FINISHED"
+    epochs = client.get_metric_history(run.info.run_id, "val_acc")
+    assert [m.value for m in epochs] == [trial.intermediate_values[s] for s in (1, 2, 3)]
+    assert trial.datetime_start is not None
+    assert run.info.start_time == pytest.approx(trial.datetime_start.timestamp() * 1000, abs=2000)
+    assert "learning_curve.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert not list((tmp_path / "mlflow-spool").glob("*.json"))
+
+
 def test_a_trial_failing_before_mlflow_is_ready_gets_its_run(
     tmp_path: Path,
     mlflow_server: LocalServer,

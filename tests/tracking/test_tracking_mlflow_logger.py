@@ -387,6 +387,56 @@ def test_a_refused_create_disables_the_tracker_for_good(
     assert "could not create the run of trial 9, tracking disabled" in tracking_logs.text
 
 
+def test_an_offline_run_is_kept_whole_and_made_when_the_server_answers(
+    client: CountingClient, tmp_path: Path
+) -> None:
+    """A trial that ended while the server was down (worker._LateRun): its run is kept in
+    the spool folder, parameters, epochs, GPU samples, end and artifacts, and made on
+    replay under the study's run, dated from the trial's start, found by its key."""
+    name = f"offline-{uuid.uuid4().hex[:8]}"
+    spool = tmp_path / "spool"
+    dead = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")  # no call is made
+    started_ms = int(time.time() * 1000) - 60_000
+    tracker = TrialTracker(
+        dead, "", "", trial_number=4, study_name=name,
+        params=trial_params({"lr": 0.1}, effective_lr=0.1, arch="resnet18"),
+        worker="w0", host="node1", gpu="0", start_time_ms=started_ms,
+        run_key="k" * 32, spool_dir=spool, offline=True,
+    )  # fmt: skip
+    assert tracker.enabled and tracker.run_id is None
+    for e in (1, 2):
+        tracker.log_system({"system/gpu_utilization": 90.0})
+        tracker.log_epoch(e, epoch_metrics(e))
+    plot = tmp_path / "learning_curve.png"
+    plot.write_bytes(b"png")
+    assert tracker.finish("pruned", 2, {"best_val_acc": 0.6}, [plot]) is False
+    plot.unlink()  # the caller's temporary folder goes
+    (record,) = spool.glob(f"*{SPOOL_SUFFIX}")
+    assert record.name.startswith("new-")
+
+    exp = ensure_experiment(client, name)
+    parent = open_study_run(client, exp, name, {}, "")
+    assert replay_spool(client, spool) == 1 and list(spool.iterdir()) == []
+    (run,) = client.search_runs([exp], "tags.`hpsearch.role` = 'trial'")
+    assert run.data.tags["mlflow.parentRunId"] == parent
+    assert run.data.tags["optuna.trial_number"] == "4"
+    assert run.data.tags["hpsearch.run_key"] == "k" * 32
+    assert run.data.tags["hpsearch.pruned_at_epoch"] == "2"
+    assert run.info.status == "KILLED" and run.info.run_name == "trial-4"  # pruned
+    assert run.info.start_time == started_ms
+    assert run.data.params["lr"] == "0.1" and run.data.metrics["best_val_acc"] == 0.6
+    val = client.get_metric_history(run.info.run_id, "val_acc")
+    assert [m.step for m in val] == [1, 2]
+    assert len(client.get_metric_history(run.info.run_id, "system/gpu_utilization")) == 2
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"learning_curve.png"}
+
+    # A send cut short after the create (the server went away again) finds that run.
+    from hpsearch.tracking.mlflow_logger import _made_run
+
+    create = {"experiment": name, "tags": {}, "trial_number": 4, "run_key": "k" * 32}
+    assert _made_run(client, create) == run.info.run_id
+
+
 class LostReplyClient(CountingClient):
     """The server makes the run, and the reply to the first create is lost (a 503 from a
     proxy, a timeout): what a retry must not turn into a second run."""
