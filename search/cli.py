@@ -27,7 +27,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _edge(fn: F) -> F:
-    """Turn library errors into click errors: one line, exit code 1, no traceback."""
+    """Turn library errors into click errors: one line, exit code 1, no traceback. A
+    database error the library passed on as it came (a permission Optuna's own calls
+    lack) too."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -35,8 +37,25 @@ def _edge(fn: F) -> F:
             return fn(*args, **kwargs)
         except HpsearchError as exc:
             raise click.ClickException(str(exc)) from exc
+        except Exception as exc:
+            if not _database_error(exc):
+                raise
+            from hpsearch.storage import _one_line
+            from hpsearch.tracking.server import scrub
+
+            raise click.ClickException(f"storage: {scrub(_one_line(exc))}") from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+def _database_error(exc: BaseException) -> bool:
+    """SQLAlchemy's errors and Optuna's StorageInternalError (which wraps them), from
+    modules already imported (a command that never touched a database imports none)."""
+    kinds = [
+        getattr(sys.modules.get("sqlalchemy.exc"), "SQLAlchemyError", None),
+        getattr(sys.modules.get("optuna.exceptions"), "StorageInternalError", None),
+    ]
+    return any(isinstance(k, type) and isinstance(exc, k) for k in kinds)
 
 
 def _study_options(fn: F) -> F:
@@ -139,6 +158,14 @@ def _tracking_options(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
+def _check_tracking(tracking_uri: str | None, no_tracking: bool) -> None:
+    """Two options that contradict each other: one of them would be ignored."""
+    if no_tracking and tracking_uri:
+        from hpsearch.errors import ConfigError
+
+        raise ConfigError("--no-tracking and --tracking-uri: give one of them")
+
+
 def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
           trials: int | None = None) -> Any:  # fmt: skip
     from hpsearch.config import load_config
@@ -235,6 +262,12 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
       hpsearch launch --study flowers102 --workers auto --data-dir ../shared/datasets
     """
     started = time.monotonic()  # --timeout counts from here: loading and probing included
+    _check_tracking(tracking_uri, no_tracking)
+    source = click.get_current_context().get_parameter_source("max_per_gpu")
+    if workers != "auto" and source is not click.core.ParameterSource.DEFAULT:
+        from hpsearch.errors import ConfigError
+
+        raise ConfigError(f"--max-per-gpu {max_per_gpu}: only with --workers auto")
     from hpsearch.config import config_to_yaml, pruning_note
     from hpsearch.launcher import (
         Launcher,
@@ -311,7 +344,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             workdir=workdir,
             gpus=gpu_list,
             device=device,
-            tracking_uri=resolve_tracking_uri(tracking_uri),
+            tracking_uri=None if no_tracking else resolve_tracking_uri(tracking_uri),
             tracking=not no_tracking,
             timeout_s=timeout if timeout is not None else cfg.budget.timeout_s,
             train_fn=train_fn,
@@ -475,7 +508,8 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
            deadline: float | None, await_study_run: float, packing: Path | None,
            sampler_stream: int | None, timeout: float | None,
            max_retries: int, heartbeat: int, train_fn: str) -> None:  # fmt: skip
-    """Join an existing study from any machine and run trials until its budget is spent.
+    """Join a study (created with Optuna's tables where missing) from any machine and run
+    trials until its budget is spent.
 
     \b
     Example:
@@ -488,6 +522,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     from hpsearch.tracking.server import join_server, resolve_tracking_uri, store_lock
     from hpsearch.worker import WorkerOptions, run_worker
 
+    _check_tracking(tracking_uri, no_tracking)
     ensure_workdir(workdir)
     cfg = _load(study, overrides, data_dir, download, trials)
     _check_device(device)

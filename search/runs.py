@@ -565,6 +565,7 @@ class TrackingSession:
         self._finisher = _Finisher()
         self.renderer = Renderer()  # plots, off this process's GIL
         self._ready_lock = threading.Lock()
+        self._down_tries = 0  # run starts in a row that found the server down
         self._on_ready: list[Callable[[], None]] = []
         self._setup_error: BaseException | None = None
         self._setup_thread: threading.Thread | None = None
@@ -657,10 +658,16 @@ class TrackingSession:
         """The next trial has started training: the previous trials' runs finish now."""
         self._finisher.release()
 
-    def _connect(self) -> bool:
+    def _connect(self) -> bool | None:
+        """True once the study's experiment and run are known; False when the server did
+        not answer (a later try may), None when it refused (a login, a permission)."""
         if self.parent_run_id is not None:
             return True
-        from hpsearch.tracking.mlflow_logger import ensure_experiment, find_study_runs
+        from hpsearch.tracking.mlflow_logger import (
+            ensure_experiment,
+            find_study_runs,
+            is_permanent_error,
+        )
         from mlflow.exceptions import MlflowException
 
         try:
@@ -668,13 +675,23 @@ class TrackingSession:
             runs = find_study_runs(self.client, self.experiment_id)
             self.parent_run_id = runs[0] if runs else open_study_run(self.cfg, self.spec, self.uri)
         except (TrackingError, HpsearchError, MlflowException, OSError) as exc:
-            logger.warning(
-                "MLflow at %s unreachable, trials go on without it: %s",
-                redact_uri(self.uri),
-                scrub(str(exc)),
+            refused = is_permanent_error(exc) or (
+                isinstance(exc, HpsearchError) and not isinstance(exc, TrackingUnreachable)
             )
-            return False
+            # Once per outage: every trial's start tries again while it lasts.
+            level = logging.DEBUG if self._down_tries and not refused else logging.WARNING
+            logger.log(level, "MLflow at %s %s, trials go on without it: %s",
+                       redact_uri(self.uri), "refused" if refused else "unreachable",
+                       scrub(str(exc)))  # fmt: skip
+            return None if refused else False
         return True
+
+    def note_unreachable(self) -> int:
+        """A run's start found the server down: the starts that did so in a row, this
+        one included (their next tries back off together; `start_trial` resets it)."""
+        with self._ready_lock:
+            self._down_tries += 1
+            return self._down_tries
 
     def note_input_bound(self, number: int) -> None:
         self._input_bound.add(number)
@@ -689,6 +706,7 @@ class TrackingSession:
         early_gpu: tuple[Any, Any] | None = None,
         run_key: str | None = None,
         offline: bool = False,
+        again: bool = False,
     ) -> TrialRun | None:
         """The trial's MLflow run, its GPU sampler started; None without MLflow (raises
         TrackingUnreachable when the server did not answer: a later try may). The run
@@ -697,7 +715,8 @@ class TrackingSession:
         takes it and its samples so far; it stays the caller's when no run is returned.
         `run_key` (the trial's `mlflow_run_key`) tags the run, to find it again unlinked.
         `offline`: a run kept whole in the spool folder and made when the server answers
-        (a trial that ended while it was down); None without a spool folder."""
+        (a trial that ended while it was down); None without a spool folder. `again`: an
+        earlier start did not answer (its create may have landed: looked for first)."""
         from hpsearch.tracking.gpu import sampler_for_tracker
         from hpsearch.tracking.mlflow_logger import TrialTracker, trial_params
 
@@ -705,7 +724,9 @@ class TrackingSession:
         if offline:
             if self.spool_dir is None:
                 return None
-        elif not self._connect():
+        elif (connected := self._connect()) is None:
+            return None  # refused: no try would do better
+        elif not connected:
             raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} did not answer")
         hp = self.cfg.resolve_params(params)
         eff_lr, eff_batch = derived_values(self.cfg, hp)
@@ -738,11 +759,17 @@ class TrackingSession:
             run_key=run_key,
             spool_dir=self.spool_dir,
             offline=offline,
+            find_first=again,
+            quiet=self._down_tries > 0,
         )
         if tracker.unreachable:
             raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} made no run in time")
         if not tracker.enabled:
             return None
+        if not offline and self._down_tries:
+            logger.warning("MLflow at %s answers again", redact_uri(self.uri))
+            with self._ready_lock:
+                self._down_tries = 0
         if not offline and self._spooled() and not self._replay_queued:  # it answers again
             self._replay_queued = True
             self._finisher.submit(self._replay)
@@ -772,10 +799,11 @@ class TrackingSession:
             return None
 
     def answers(self) -> bool:
-        """Whether the server answers now (within 1 s)."""
+        """Whether the server is healthy now (its /health answers 200 within 1 s; a proxy's
+        503 while MLflow is down is no answer)."""
         from hpsearch.tracking.server import health_ok
 
-        return health_ok(self.uri, timeout_s=1.0, any_status=True)
+        return health_ok(self.uri, timeout_s=1.0)
 
     def _spooled(self) -> bool:
         from hpsearch.tracking.mlflow_logger import SPOOL_SUFFIX

@@ -103,7 +103,13 @@ def resolve_storage(cli_value: str | None, workdir: Path) -> StorageSpec:
             f"{origin}: {value!r}: not a storage URL; use {SUPPORTED} (a journal file's name "
             "ends in .journal or .log)"
         )
-    scheme = value.split("://", 1)[0]
+    scheme, rest = value.split("://", 1)
+    if rest.split("/", 1)[0].count("@") > 1:  # URL not shown: its redaction would leak
+        raise StorageError(
+            f"{origin}: a {scheme} URL whose user or password holds a raw '@' (the host "
+            "would be read from after the first one); write it as %40, e.g. "
+            "postgresql://user:p%40ss@host/db"
+        )
     if scheme.startswith("journal"):
         path = Path(value.split("://", 1)[1]).resolve()
         return StorageSpec("journal", str(path), f"journal:{path}")
@@ -232,6 +238,7 @@ def _create_schema(spec: StorageSpec) -> None:
     existence check and its CREATE. A second attempt finds it there."""
     if has_optuna_tables(spec):  # the usual case: one query, not Optuna's whole set-up
         return
+    _refuse_foreign_schema(spec)
     attempt = 1
     while True:
         try:
@@ -330,6 +337,29 @@ def has_optuna_tables(spec: StorageSpec) -> bool:
         raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
     finally:
         engine.dispose()
+
+
+def _refuse_foreign_schema(spec: StorageSpec) -> None:
+    """Raise StorageError for a database another migrated application owns (its
+    `alembic_version` table without Optuna's `studies`: MLflow's backend store named by
+    mistake, say), where Optuna would add its tables beside that application's."""
+    if spec.kind != "rdb":
+        return
+    engine = sa.create_engine(spec.url, **_one_shot_engine_kwargs(spec))
+    try:
+        with engine.connect() as conn:
+            names = sorted(sa.inspect(conn).get_table_names())
+    except SQLAlchemyError as exc:
+        raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
+    finally:
+        engine.dispose()
+    if "alembic_version" in names:
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        raise StorageError(
+            f"storage {spec.display}: not an Optuna database: it holds another "
+            f"application's tables ({shown}) and no Optuna study table; name an empty "
+            "database or one of Optuna's"
+        )
 
 
 # SQLSTATEs of a schema object that appeared between a check and a CREATE: unique_violation

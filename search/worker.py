@@ -797,7 +797,7 @@ class _LateRun:
         try:
             run = self._tracking.start_trial(
                 trial, params, root, ckpt, start_time_ms=start_ms, early_gpu=gpu,
-                run_key=run_key, offline=offline,
+                run_key=run_key, offline=offline, again=self._tries > 0,
             )  # fmt: skip
             if run is not None:
                 gpu = None  # the run's now: it stops the sampler when it ends
@@ -851,15 +851,19 @@ class _LateRun:
 
     def _try_later(self, gpu: tuple[Any, Any] | None, exc: BaseException) -> bool:
         """Set the next try of a start MLflow did not answer, the trial's GPU sampler kept
-        for it; False when the trial is over or the worker stops."""
+        for it; False when the trial is over (`wait`: a stopping worker's trial tries until
+        its own end, which `wait` bounds). The delay grows with the starts the session saw
+        fail in a row, across trials: a long outage costs each trial a few tries."""
         with self._lock:
-            if self._cancelled or self._ending or (self._stop is not None and self._stop.is_set()):
+            if self._cancelled or self._ending:
                 return False
             self._gpu = gpu
-            delay = RUN_START_RETRY_S[min(self._tries, len(RUN_START_RETRY_S) - 1)]
             self._tries += 1
-        logger.warning("trial %s: no MLflow run yet (%s); its epochs are kept and the start "
-                       "tried again in %g s", self._args[0].number, exc, delay)  # fmt: skip
+        down = self._tracking.note_unreachable()
+        delay = RUN_START_RETRY_S[min(down, len(RUN_START_RETRY_S)) - 1]
+        logger.log(logging.WARNING if down == 1 else logging.DEBUG,
+                   "trial %s: no MLflow run yet (%s); its epochs are kept and the start "
+                   "tried again in %g s", self._args[0].number, exc, delay)  # fmt: skip
         threading.Thread(
             target=self._retry, args=(delay,), daemon=True, name="mlflow-run-retry"
         ).start()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -30,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from hpsearch.errors import TrackingError
+from hpsearch.errors import TrackingError, TrackingUnreachable
 from hpsearch.tracking import logger
 from hpsearch.tracking.server import redact_uri, scrub
 from mlflow import MlflowClient
@@ -323,16 +324,18 @@ def _safe_tag_value(value: Any) -> str:
 
 
 def _call(what: str, fn: Callable[[], T]) -> T:
-    """Run an MLflow call at launch time, turning its errors into one-line TrackingErrors."""
+    """Run an MLflow call at launch time, turning its errors into one-line TrackingErrors:
+    TrackingUnreachable where a later try may go through (no answer, a 5xx)."""
     try:
         return fn()
     except MlflowException as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        kind = TrackingError if is_permanent_error(exc) else TrackingUnreachable
         # No cause attached: MLflow's error, printed in a traceback, holds the tracking URI
         # with its password.
-        raise TrackingError(f"MLflow: cannot {what}: {scrub(msg)}") from None
+        raise kind(f"MLflow: cannot {what}: {scrub(msg)}") from None
     except OSError as exc:
-        raise TrackingError(f"MLflow: cannot {what}: {scrub(str(exc))}") from None
+        raise TrackingUnreachable(f"MLflow: cannot {what}: {scrub(str(exc))}") from None
 
 
 # --------------------------------------------------------------------------- study level
@@ -533,9 +536,14 @@ class TrialTracker:
         max_backoff_s: float = 8.0,
         spool_dir: Path | None = None,
         offline: bool = False,
+        find_first: bool = False,
+        quiet: bool = False,
     ) -> None:
         """``spool_dir``: where `finish` keeps what MLflow, still down ``flush_timeout_s``
-        after the trial, did not take (`replay_spool` sends it); None drops it."""
+        after the trial, did not take (`replay_spool` sends it); None drops it.
+        ``find_first``: look for the run by ``run_key`` before creating one (an earlier
+        try's create may have landed). ``quiet``: a create that gives up is logged at debug
+        level (its outage was reported already)."""
         apply_http_policy()
         self.client = client
         self.spool_dir = spool_dir
@@ -549,6 +557,8 @@ class TrialTracker:
         self.finished = False
         self.run_id: str | None = None
         self.unreachable = False  # no run: the server did not answer (a later try may)
+        self._find_first = find_first
+        self._quiet = quiet
         # The run's create, kept for `replay_spool` (offline: no run made now).
         self._offline: dict[str, Any] | None = None
         self._experiment_id = experiment_id
@@ -793,7 +803,7 @@ class TrialTracker:
     ) -> str | None:
         deadline = time.monotonic() + timeout_s
         delays = backoff_delays(self.initial_backoff_s, 2.0, self.max_backoff_s)
-        tried = False
+        tried = self._find_first
         while True:
             try:
                 # The failed try may have made it (its reply lost, or timed out).
@@ -814,7 +824,9 @@ class TrialTracker:
                     if not permanent and (made := self._made_after_all(experiment_id, run_key)):
                         return made
                     self.unreachable = not permanent
-                    logger.warning(
+                    level = logging.DEBUG if self.unreachable and self._quiet else logging.WARNING
+                    logger.log(
+                        level,
                         "MLflow: could not create the run of trial %d%s: %s",
                         self.trial_number,
                         " yet" if self.unreachable else ", tracking disabled for it",

@@ -96,11 +96,18 @@ _SECRET_QUERY_KEYS = frozenset(
 
 def resolve_tracking_uri(cli_value: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """Precedence: ``--tracking-uri`` value, then ``$MLFLOW_TRACKING_URI``, then None (meaning
-    "start the embedded local server"). Empty strings count as unset."""
+    "start the embedded local server"). Empty strings count as unset. Raises TrackingError
+    for a value with no scheme (``127.0.0.1:5000``: MLflow would take it for a folder)."""
     if cli_value is not None and cli_value.strip():
-        return cli_value.strip()
-    environ = os.environ if env is None else env
-    value = environ.get(TRACKING_URI_ENV, "").strip()
+        value, origin = cli_value.strip(), "--tracking-uri"
+    else:
+        environ = os.environ if env is None else env
+        value, origin = environ.get(TRACKING_URI_ENV, "").strip(), TRACKING_URI_ENV
+    if value and "://" not in value and not value.startswith(("file:", "databricks")):
+        raise TrackingError(
+            f"{origin} {redact_uri(value)!r}: no scheme; give http://HOST:PORT (or "
+            "file:PATH for a local store)"
+        )
     return value or None
 
 

@@ -67,6 +67,10 @@ class Session:
     def start_trial(self, *args: Any, **kwargs: Any) -> SlowRun:
         return self.run
 
+    def note_unreachable(self) -> int:
+        self.down_in_a_row = getattr(self, "down_in_a_row", 0) + 1
+        return self.down_in_a_row
+
 
 class Trial:
     number = 0
@@ -332,6 +336,7 @@ class DownSession(Session):
         self.tries = 0
         self.up = answers
         self.tried = threading.Event()
+        self.again: list[bool | None] = []
 
     def ready(self) -> bool:
         return True
@@ -348,6 +353,7 @@ class DownSession(Session):
             self.offline.run_id = None  # type: ignore[assignment]
             return self.offline
         self.tries += 1
+        self.again.append(kwargs.get("again"))
         self.tried.set()
         if self.tries <= self.down:
             raise TrackingUnreachable("MLflow at http://127.0.0.1:9 did not answer")
@@ -376,6 +382,7 @@ def test_a_run_mlflow_did_not_answer_is_tried_again_while_the_trial_trains(
     while late.started_run() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert late.started_run() is run and session.tries == 3
+    assert session.again == [False, True, True]  # a later try looks for a create that landed
     late.log_epoch(Record(2))
     assert late.wait() is run
     assert run.epochs == [1, 2] and trial.user_attrs == {"mlflow_run_id": "run-0"}
@@ -414,3 +421,27 @@ def test_a_trial_that_ends_before_mlflow_answers_tries_once_more_at_its_end(
             assert got is session.offline and session.tries == 1
             assert got.epochs == [1, 2] and trial.user_attrs == {}  # not linked
             assert not stopped  # the kept run took the trial's sampler
+
+
+def test_a_server_that_refuses_is_not_tried_again(tmp_path: Path) -> None:
+    """A login or a permission the server refuses (403) is no outage: the trial's run is
+    not tried again every few minutes, each try with its warnings."""
+    import hpsearch.runs as runs
+    from hpsearch.config import load_config
+    from hpsearch.storage import StorageSpec
+    from stack_util import fake_mlflow
+
+    with fake_mlflow(403) as uri:
+        spec = StorageSpec("journal", str(tmp_path / "j"), "journal")
+        session = runs.TrackingSession(load_config("tiny"), spec, uri, "w0")
+        try:
+            assert session._connect() is None  # refused, not unreachable
+            assert session.start_trial(Trial(), {}, 0, tmp_path / "ckpt") is None  # type: ignore[arg-type]
+        finally:
+            session.close()
+    with fake_mlflow(503) as uri:  # a proxy while MLflow is down: a later try may do
+        session = runs.TrackingSession(load_config("tiny"), spec, uri, "w0")
+        try:
+            assert session._connect() is False
+        finally:
+            session.close()

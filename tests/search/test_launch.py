@@ -407,6 +407,36 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
             ],
             "model.weights: '/nonexistent/w.pt': no such file",
         ),
+        # Contradictory options: one of them was ignored without a word.
+        (
+            ["launch", "--study", "tiny", "--no-tracking", "--tracking-uri", "http://h:1"],
+            "--no-tracking and --tracking-uri: give one of them",
+        ),
+        (
+            ["launch", "--study", "tiny", "--max-per-gpu", "2", "--no-tracking"],
+            "--max-per-gpu 2: only with --workers auto",
+        ),
+        # MLflow takes a URI without a scheme for a folder: the worker trained untracked.
+        (
+            [
+                "worker",
+                "--study",
+                "tiny",
+                "--storage",
+                pg_url,
+                "--train-fn",
+                DUMMY,
+                "--tracking-uri",
+                "127.0.0.1:5000",
+            ],
+            "--tracking-uri '127.0.0.1:5000': no scheme; give http://HOST:PORT",
+        ),
+        # A raw '@' in the password: the host was read from after the first one, and the
+        # error showed the rest of the password as the host's name.
+        (
+            ["studies", "--storage", "postgresql://postgres:p@ss-word@127.0.0.1/test"],
+            "raw '@'",
+        ),
         # A mistyped path read as an empty store: "no studies".
         (["studies", "--storage", "sqlite:////nonexistent/dir/x.db"], "x.db: no such file"),
         (["studies", "--storage", str(tmp_path / "typo.journal")], "typo.journal: no such file"),
@@ -419,7 +449,7 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
         err = r.stderr.strip()
         assert expected in err, (args, err)
         assert len(err.splitlines()) == 1, err
-        assert "Traceback" not in err
+        assert "Traceback" not in err and "ss-word" not in err
     assert (
         hpsearch(["studies", "--storage", pg_url, "--json"], subprocess_env).stdout.strip() == "[]"
     )
@@ -452,7 +482,7 @@ def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
     )  # fmt: skip
     assert r.returncode == 1, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("Error: MLflow at notauri: The filesystem tracking backend"), r.stderr
+    assert last.startswith("Error: --tracking-uri 'notauri': no scheme"), r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -963,3 +993,32 @@ def test_two_studies_of_one_work_folder_share_its_server_until_the_last_ends(
             assert len(history) == 5
             stamps += [m.timestamp for m in history]
         assert max(stamps) > first_ended_ms  # logged after the first launch had ended
+
+
+def test_a_database_error_that_is_no_outage_is_one_line(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A role that may connect but not read Optuna's tables (a team's read-only login
+    without its grants): Optuna's StorageInternalError came out as a 40-line traceback."""
+    import uuid
+
+    import optuna
+    import sqlalchemy as sa
+
+    optuna.create_study(study_name="x", storage=pg_url)
+    role = f"hps_ro_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(pg_url, poolclass=sa.pool.NullPool)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
+    try:
+        url = pg_url.replace("postgresql://postgres@", f"postgresql://{role}@")
+        r = hpsearch(["status", "--study", "x", "--storage", url], subprocess_env)
+        assert r.returncode == 1, r.stdout + r.stderr
+        err = r.stderr.strip()
+        assert "Traceback" not in err and len(err.splitlines()) == 1, err
+        assert err.startswith("Error: ") and "permission denied" in err, err
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"DROP OWNED BY {role}"))
+            conn.execute(sa.text(f"DROP ROLE {role}"))
+        admin.dispose()

@@ -883,6 +883,22 @@ def test_a_database_whose_studies_table_is_not_optunas_is_one_error(
         hps.best_trials("tiny", storage=pg_url)
 
 
+def test_another_applications_database_gets_no_optuna_tables(pg_url: str, tmp_path: Path) -> None:
+    """MLflow's backend store (or any migrated application's) named by mistake: Optuna's
+    tables were created beside its own, and every later command said "update optuna"."""
+    engine = sa.create_engine(pg_url, poolclass=sa.pool.NullPool)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE alembic_version (version_num varchar(32))"))
+        conn.execute(sa.text("CREATE TABLE experiments (id int)"))
+    spec = resolve_storage(pg_url, tmp_path)
+    with pytest.raises(StorageError, match="not an Optuna database: it holds another") as err:
+        open_storage(spec)
+    assert "alembic_version, experiments" in str(err.value) and "\n" not in str(err.value)
+    with engine.connect() as conn:
+        assert sorted(sa.inspect(conn).get_table_names()) == ["alembic_version", "experiments"]
+    engine.dispose()
+
+
 def test_a_search_space_optuna_would_refuse_for_the_study_is_refused_at_its_load(
     pg_url: str, tmp_path: Path
 ) -> None:
