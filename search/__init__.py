@@ -26,6 +26,7 @@ from hpsearch.errors import (
     StorageError,
     StudyNotFoundError,
     TrackingError,
+    TrackingUnreachable,
 )
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ __all__ = [
     "StudyConfig",
     "StudyNotFoundError",
     "TrackingError",
+    "TrackingUnreachable",
     "__version__",
     "best_trials",
     "list_studies",

@@ -285,6 +285,8 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     from hpsearch.storage import resolve_storage
     from hpsearch.tracking.server import resolve_tracking_uri
 
+    # Before the --workers auto probe (minutes): a URI that cannot work is said at once.
+    uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
     ensure_workdir(workdir)
     cfg = _load(study, overrides, data_dir, download, trials)
     if (note := pruning_note(cfg)) is not None:
@@ -344,7 +346,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             workdir=workdir,
             gpus=gpu_list,
             device=device,
-            tracking_uri=None if no_tracking else resolve_tracking_uri(tracking_uri),
+            tracking_uri=uri,
             tracking=not no_tracking,
             timeout_s=timeout if timeout is not None else cfg.budget.timeout_s,
             train_fn=train_fn,

@@ -297,14 +297,16 @@ class TrialRun:
 
     def checkpoint_uri(self, result: Any) -> str | None:
         """Decide, before the trial is told, whether its best model goes to MLflow (top k);
-        returns the artifact URI to record on the Optuna trial."""
+        returns the artifact URI to record on the Optuna trial. A run kept offline (the
+        server down at the trial's end) keeps the model with its files but has no URI
+        to give yet."""
         outcome = outcome_for(str(result.stop_reason))
-        if outcome not in TRAINED_TO_END or not self.run_id:
+        if outcome not in TRAINED_TO_END or not self.tracker.enabled:
             return None
         # Snapshot now, before the tell: once told, another worker's clean-up may delete it.
         path, self._study_best = self.session.checkpoint_to_upload(self.trial, result)
         self._best_to_upload = _snapshot(path)
-        if self._best_to_upload is None:
+        if self._best_to_upload is None or not self.run_id:
             return None
         return f"runs:/{self.run_id}/{CHECKPOINT_ARTIFACT}/best.pt"
 
@@ -663,11 +665,7 @@ class TrackingSession:
         not answer (a later try may), None when it refused (a login, a permission)."""
         if self.parent_run_id is not None:
             return True
-        from hpsearch.tracking.mlflow_logger import (
-            ensure_experiment,
-            find_study_runs,
-            is_permanent_error,
-        )
+        from hpsearch.tracking.mlflow_logger import ensure_experiment, find_study_runs, is_refusal
         from mlflow.exceptions import MlflowException
 
         try:
@@ -675,7 +673,7 @@ class TrackingSession:
             runs = find_study_runs(self.client, self.experiment_id)
             self.parent_run_id = runs[0] if runs else open_study_run(self.cfg, self.spec, self.uri)
         except (TrackingError, HpsearchError, MlflowException, OSError) as exc:
-            refused = is_permanent_error(exc) or (
+            refused = is_refusal(exc) or (
                 isinstance(exc, HpsearchError) and not isinstance(exc, TrackingUnreachable)
             )
             # Once per outage: every trial's start tries again while it lasts.
@@ -725,6 +723,8 @@ class TrackingSession:
             if self.spool_dir is None:
                 return None
         elif (connected := self._connect()) is None:
+            with self._ready_lock:  # it answers: the next outage is a new one
+                self._down_tries = 0
             return None  # refused: no try would do better
         elif not connected:
             raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} did not answer")
@@ -799,11 +799,11 @@ class TrackingSession:
             return None
 
     def answers(self) -> bool:
-        """Whether the server is healthy now (its /health answers 200 within 1 s; a proxy's
-        503 while MLflow is down is no answer)."""
-        from hpsearch.tracking.server import health_ok
+        """Whether the server answers now (within 1 s; a proxy's 503 while MLflow is down
+        is no answer)."""
+        from hpsearch.tracking.server import server_answers
 
-        return health_ok(self.uri, timeout_s=1.0)
+        return server_answers(self.uri, timeout_s=1.0)
 
     def _spooled(self) -> bool:
         from hpsearch.tracking.mlflow_logger import SPOOL_SUFFIX

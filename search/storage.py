@@ -104,15 +104,17 @@ def resolve_storage(cli_value: str | None, workdir: Path) -> StorageSpec:
             "ends in .journal or .log)"
         )
     scheme, rest = value.split("://", 1)
-    if rest.split("/", 1)[0].count("@") > 1:  # URL not shown: its redaction would leak
+    if scheme.startswith("journal"):
+        path = Path(rest).resolve()
+        return StorageSpec("journal", str(path), f"journal:{path}")
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if "@" in authority.rpartition("@")[0].partition(":")[2]:  # the password's part
+        # Not shown: its redaction would show the password's end as the host.
         raise StorageError(
-            f"{origin}: a {scheme} URL whose user or password holds a raw '@' (the host "
-            "would be read from after the first one); write it as %40, e.g. "
+            f"{origin}: a {scheme} URL whose password holds a raw '@' (the host would be "
+            "read from after the first one); write it as %40, e.g. "
             "postgresql://user:p%40ss@host/db"
         )
-    if scheme.startswith("journal"):
-        path = Path(value.split("://", 1)[1]).resolve()
-        return StorageSpec("journal", str(path), f"journal:{path}")
     if not (scheme.startswith(("postgresql", "postgres")) or scheme.startswith("sqlite")):
         raise StorageError(
             f"{origin}: {redact(value)!r}: unsupported scheme {scheme!r}; use {SUPPORTED}"

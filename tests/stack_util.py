@@ -339,10 +339,12 @@ def release_study() -> None:
 
 
 @contextlib.contextmanager
-def fake_mlflow(api_status: int, hang: threading.Event | None = None) -> Iterator[str]:
-    """An HTTP server that answers /health with 200 (MLflow 3 checks neither the Host
-    header nor the login there) and every API call with `api_status`, or holds it until
-    `hang` is set. Yields its URL."""
+def fake_mlflow(
+    api_status: int, hang: threading.Event | None = None, health_status: int = 200
+) -> Iterator[str]:
+    """An HTTP server that answers /health with `health_status` (MLflow 3 checks neither
+    the Host header nor the login there: 200) and every API call with `api_status`, or
+    holds it until `hang` is set. Yields its URL."""
     import http.server
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -350,8 +352,12 @@ def fake_mlflow(api_status: int, hang: threading.Event | None = None) -> Iterato
             if not self.path.startswith("/health") and hang is not None:
                 hang.wait(60)
                 return
-            status = 200 if self.path.startswith("/health") else api_status
-            body = b"OK" if status == 200 else b'{"error_code": "PERMISSION_DENIED"}'
+            status = health_status if self.path.startswith("/health") else api_status
+            body = (
+                b"OK" if status == 200
+                else b'{"error_code": "PERMISSION_DENIED"}' if status in (401, 403)
+                else b"<html>Not Found</html>"  # a proxy's own page
+            )  # fmt: skip
             self.send_response(status)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

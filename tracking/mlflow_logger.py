@@ -246,6 +246,14 @@ def is_permanent_error(exc: BaseException) -> bool:
     return code is not None and 400 <= code < 500 and code not in (408, 429)
 
 
+def is_refusal(exc: BaseException) -> bool:
+    """A server that answers and refuses this client for good (a login, a permission, a
+    bad request): an HTTP 4xx other than 404 (a proxy's default page while MLflow behind
+    it is down) and 408/429 (try later)."""
+    code = _http_status(exc)
+    return code is not None and 400 <= code < 500 and code not in (404, 408, 429)
+
+
 def backoff_delays(initial_s: float, factor: float, max_s: float) -> Iterator[float]:
     """initial, initial*factor, ... capped at max_s (endless)."""
     delay = initial_s
@@ -330,7 +338,7 @@ def _call(what: str, fn: Callable[[], T]) -> T:
         return fn()
     except MlflowException as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        kind = TrackingError if is_permanent_error(exc) else TrackingUnreachable
+        kind = TrackingError if is_refusal(exc) else TrackingUnreachable
         # No cause attached: MLflow's error, printed in a traceback, holds the tracking URI
         # with its password.
         raise kind(f"MLflow: cannot {what}: {scrub(msg)}") from None
@@ -823,7 +831,7 @@ class TrialTracker:
                 if permanent or time.monotonic() + delay > deadline:
                     if not permanent and (made := self._made_after_all(experiment_id, run_key)):
                         return made
-                    self.unreachable = not permanent
+                    self.unreachable = not is_refusal(exc)  # a proxy's 404: down behind it
                     level = logging.DEBUG if self.unreachable and self._quiet else logging.WARNING
                     logger.log(
                         level,
@@ -1299,6 +1307,7 @@ __all__ = [
     "git_commit",
     "hpsearch_version",
     "is_permanent_error",
+    "is_refusal",
     "metric_entities",
     "open_study_run",
     "param_value",

@@ -97,17 +97,14 @@ _SECRET_QUERY_KEYS = frozenset(
 def resolve_tracking_uri(cli_value: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """Precedence: ``--tracking-uri`` value, then ``$MLFLOW_TRACKING_URI``, then None (meaning
     "start the embedded local server"). Empty strings count as unset. Raises TrackingError
-    for a value with no scheme (``127.0.0.1:5000``: MLflow would take it for a folder)."""
+    for ``HOST:PORT`` with no scheme (MLflow would take it for a folder)."""
     if cli_value is not None and cli_value.strip():
         value, origin = cli_value.strip(), "--tracking-uri"
     else:
         environ = os.environ if env is None else env
         value, origin = environ.get(TRACKING_URI_ENV, "").strip(), TRACKING_URI_ENV
-    if value and "://" not in value and not value.startswith(("file:", "databricks")):
-        raise TrackingError(
-            f"{origin} {redact_uri(value)!r}: no scheme; give http://HOST:PORT (or "
-            "file:PATH for a local store)"
-        )
+    if value and re.fullmatch(r"[\w.-]+:\d+(/.*)?", value):  # HOST:PORT
+        raise TrackingError(f"{origin} {redact_uri(value)!r}: no scheme; give http://{value}")
     return value or None
 
 
@@ -337,6 +334,20 @@ def health_ok(url: str, timeout_s: float = 2.0, *, any_status: bool = False) -> 
             return any_status or int(resp.status) == 200
     except urllib.error.HTTPError:  # an answer, not a 2xx one
         return any_status
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def server_answers(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether a server answers at ``url`` now: any reply to ``/health`` but a 5xx (a
+    proxy's 502/503/504 while MLflow behind it is down). A hosted MLflow may have no
+    ``/health`` (a 404 is an answer); where the client signs its calls in a way this
+    request cannot (SigV4, client certificates, a plugin), any reply at all."""
+    try:
+        with urllib.request.urlopen(_request(url), timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError as exc:
+        return exc.code < 500 or any(os.environ.get(name) for name in OTHER_AUTH_ENV)
     except (urllib.error.URLError, OSError, ValueError):
         return False
 

@@ -118,7 +118,11 @@ def test_storage_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "postgresql://u:s3/cret@h:notaport/db",
     ):
         assert "cret" not in redact(url), url
-        if "notaport" not in url:
+        if "s3@" in url:  # SQLAlchemy's host would be "cret@h": refused, not shown
+            with pytest.raises(StorageError, match="raw '@'") as err:
+                resolve_storage(url, tmp_path)
+            assert "cret" not in str(err.value)
+        elif "notaport" not in url:
             assert "cret" not in resolve_storage(url, tmp_path).display, url
     assert redact("postgresql://u@h/db?password=s3cret") == "postgresql://u@h/db?password=***"
     spec = resolve_storage(None, tmp_path)

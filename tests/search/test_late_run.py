@@ -439,9 +439,12 @@ def test_a_server_that_refuses_is_not_tried_again(tmp_path: Path) -> None:
             assert session.start_trial(Trial(), {}, 0, tmp_path / "ckpt") is None  # type: ignore[arg-type]
         finally:
             session.close()
-    with fake_mlflow(503) as uri:  # a proxy while MLflow is down: a later try may do
-        session = runs.TrackingSession(load_config("tiny"), spec, uri, "w0")
-        try:
-            assert session._connect() is False
-        finally:
-            session.close()
+    # A proxy while MLflow behind it is down (a 503, or its default page's 404): a later
+    # try may do; its /health's 503 is no answer, a 404 (no /health there) is one.
+    for status, answers in ((503, False), (404, True)):
+        with fake_mlflow(status, health_status=status) as uri:
+            session = runs.TrackingSession(load_config("tiny"), spec, uri, "w0")
+            try:
+                assert session._connect() is False and session.answers() is answers
+            finally:
+                session.close()

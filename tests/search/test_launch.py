@@ -429,7 +429,7 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
                 "--tracking-uri",
                 "127.0.0.1:5000",
             ],
-            "--tracking-uri '127.0.0.1:5000': no scheme; give http://HOST:PORT",
+            "--tracking-uri '127.0.0.1:5000': no scheme; give http://127.0.0.1:5000",
         ),
         # A raw '@' in the password: the host was read from after the first one, and the
         # error showed the rest of the password as the host's name.
@@ -482,7 +482,7 @@ def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
     )  # fmt: skip
     assert r.returncode == 1, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("Error: --tracking-uri 'notauri': no scheme"), r.stderr
+    assert last.startswith("Error: MLflow at notauri: The filesystem tracking backend"), r.stderr
     assert "Traceback" not in r.stderr
 
 

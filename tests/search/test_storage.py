@@ -925,3 +925,18 @@ def test_a_search_space_optuna_would_refuse_for_the_study_is_refused_at_its_load
         assert "\n" not in str(err.value)
     states = [t.state for t in optuna.load_study(study_name="tiny", storage=pg_url).trials]
     assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.WAITING]
+
+
+def test_an_at_sign_is_refused_only_in_a_storage_urls_password(tmp_path: Path) -> None:
+    """A raw '@' in the password sent the connection to a host named after the password's
+    end, and the error showed it; one in the user name (a cloud IAM login), the query or
+    a journal's file name is fine."""
+    with pytest.raises(StorageError, match="password holds a raw '@'") as err:
+        resolve_storage("postgresql://postgres:p@ss-word@127.0.0.1/test", tmp_path)
+    assert "ss-word" not in str(err.value)
+    for fine in (
+        "postgresql://sa@proj.iam:tok@host/db",
+        "postgresql://u:p@host?application_name=me@box",
+        "journal://runs@a.journal",
+    ):
+        resolve_storage(fine, tmp_path)

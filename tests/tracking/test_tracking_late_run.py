@@ -38,12 +38,12 @@ def slow_setup(monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
     return seen
 
 
-def _two_trials(tmp_path: Path, url: str, name: str, *overrides: str) -> Path:
-    """A worker runs two 3-epoch trials of the tiny study `name` with the dummy trainer,
+def _two_trials(tmp_path: Path, url: str, name: str, *overrides: str, n: int = 2) -> Path:
+    """A worker runs `n` 3-epoch trials of the tiny study `name` with the dummy trainer,
     tracked at `url`, on a journal it returns."""
     cfg = load_config(
         "tiny",
-        overrides=[f"name={name}", "budget.n_trials=2", "budget.max_epochs=3",
+        overrides=[f"name={name}", f"budget.n_trials={n}", "budget.max_epochs=3",
                    "pruner={name: none}", *overrides],
     )  # fmt: skip
     journal = tmp_path / "optuna.journal"
@@ -51,7 +51,7 @@ def _two_trials(tmp_path: Path, url: str, name: str, *overrides: str) -> Path:
     opts = WorkerOptions(
         workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train", tracking_uri=url
     )
-    assert run_worker(cfg, spec, opts).outcomes == {"finished": 2}
+    assert run_worker(cfg, spec, opts).outcomes == {"finished": n}
     return journal
 
 
@@ -153,13 +153,13 @@ def test_a_trial_trains_while_a_slow_server_creates_its_run(
     assert second.info.start_time <= min(m.timestamp for m in epochs)
 
 
-def test_a_trial_started_while_mlflow_was_down_gets_its_run_when_it_answers(
-    tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """MLflow down when the trial starts (the session's set-up and the run's first start
-    both find no server): the trial trains on, the start is tried again, and the run it
-    gets holds every epoch, dated from the trial's start, linked to the trial. Before,
-    the trial had no run and its epochs were dropped."""
+def _down_at_start(
+    tmp_path: Path, url: str, name: str, monkeypatch: pytest.MonkeyPatch, retry_s: float
+) -> tuple[list[float], Path]:
+    """A worker runs one 3-epoch trial of the tiny study `name` with the dummy trainer,
+    tracked at `url`, which does not answer the session's set-up and the run's first
+    start (its later tries come `retry_s` apart): the times (ms) MLflow was asked for the
+    study's experiment, and the journal."""
     import hpsearch.worker as worker
     from hpsearch.tracking import mlflow_logger
 
@@ -173,24 +173,22 @@ def test_a_trial_started_while_mlflow_was_down_gets_its_run_when_it_answers(
         return real(client, study_name)
 
     monkeypatch.setattr(mlflow_logger, "ensure_experiment", down_twice)
-    monkeypatch.setattr(worker, "RUN_START_RETRY_S", (0.3,))
+    monkeypatch.setattr(worker, "RUN_START_RETRY_S", (retry_s,))
+    return calls, _two_trials(tmp_path, url, name, n=1)
+
+
+def test_a_trial_started_while_mlflow_was_down_gets_its_run_when_it_answers(
+    tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow down when the trial starts (the session's set-up and the run's first start
+    both find no server): the trial trains on, the start is tried again, and the run it
+    gets holds every epoch, dated from the trial's start, linked to the trial. Before,
+    the trial had no run and its epochs were dropped."""
     monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.1")
     monkeypatch.setenv("HPSEARCH_DUMMY_FINISH_S", "3")  # the trial outlasts both tries
     name = f"down-at-start-{time.time_ns()}"
     began_ms = time.time() * 1000
-    cfg = load_config(
-        "tiny",
-        overrides=[f"name={name}", "budget.n_trials=1", "budget.max_epochs=3",
-                   "pruner={name: none}"],
-    )  # fmt: skip
-    journal = tmp_path / "optuna.journal"
-    opts = WorkerOptions(
-        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train",
-        tracking_uri=mlflow_server.url,
-    )  # fmt: skip
-    assert run_worker(cfg, StorageSpec("journal", str(journal), "journal"), opts).outcomes == {
-        "finished": 1
-    }
+    calls, journal = _down_at_start(tmp_path, mlflow_server.url, name, monkeypatch, 0.3)
     client = MlflowClient(mlflow_server.url)
     (run,) = _trial_runs(client, name)
     trial = _study(journal, name).trials[0]
@@ -211,37 +209,12 @@ def test_a_trial_that_ends_while_mlflow_is_down_keeps_its_run_until_it_answers(
     folder (epochs, end, plots) and made when the server answers (here at the worker's
     end), found by the trial's run key. Before, the trial had no run at all."""
     import hpsearch.runs as runs
-    import hpsearch.worker as worker
-    from hpsearch.tracking import mlflow_logger
 
-    calls: list[float] = []
-    real = mlflow_logger.ensure_experiment
-
-    def down_twice(client: MlflowClient, study_name: str) -> str:
-        calls.append(time.time() * 1000)
-        if len(calls) <= 2:  # the set-up's, then the first start's
-            raise ConnectionRefusedError("[Errno 111] Connection refused")
-        return real(client, study_name)
-
-    monkeypatch.setattr(mlflow_logger, "ensure_experiment", down_twice)
-    monkeypatch.setattr(worker, "RUN_START_RETRY_S", (300.0,))
     monkeypatch.setattr(runs.TrackingSession, "answers", lambda self: False)  # at its end
     monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.05")
     name = f"down-at-end-{time.time_ns()}"
-    cfg = load_config(
-        "tiny",
-        overrides=[f"name={name}", "budget.n_trials=1", "budget.max_epochs=3",
-                   "pruner={name: none}"],
-    )  # fmt: skip
-    journal = tmp_path / "optuna.journal"
-    opts = WorkerOptions(
-        workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train",
-        tracking_uri=mlflow_server.url,
-    )  # fmt: skip
     t0 = time.monotonic()
-    assert run_worker(cfg, StorageSpec("journal", str(journal), "journal"), opts).outcomes == {
-        "finished": 1
-    }
+    _, journal = _down_at_start(tmp_path, mlflow_server.url, name, monkeypatch, 300.0)
     assert time.monotonic() - t0 < 60  # not held for the next try, 300 s away
     client = MlflowClient(mlflow_server.url)
     (run,) = _trial_runs(client, name)  # sent from the spool at the worker's end
