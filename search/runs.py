@@ -665,7 +665,11 @@ class TrackingSession:
         not answer (a later try may), None when it refused (a login, a permission)."""
         if self.parent_run_id is not None:
             return True
-        from hpsearch.tracking.mlflow_logger import ensure_experiment, find_study_runs, is_refusal
+        from hpsearch.tracking.mlflow_logger import (
+            ensure_experiment,
+            find_study_runs,
+            is_permanent_error,
+        )
         from mlflow.exceptions import MlflowException
 
         try:
@@ -673,7 +677,7 @@ class TrackingSession:
             runs = find_study_runs(self.client, self.experiment_id)
             self.parent_run_id = runs[0] if runs else open_study_run(self.cfg, self.spec, self.uri)
         except (TrackingError, HpsearchError, MlflowException, OSError) as exc:
-            refused = is_refusal(exc) or (
+            refused = is_permanent_error(exc) or (
                 isinstance(exc, HpsearchError) and not isinstance(exc, TrackingUnreachable)
             )
             # Once per outage: every trial's start tries again while it lasts.
@@ -737,34 +741,45 @@ class TrackingSession:
             for k, v in hp.model_dump().items()
             if k not in sampled and k not in derived_names and v is not None
         }
-        tracker = TrialTracker(
-            self.client,
-            self.experiment_id or "",  # offline: the run is made under them later
-            self.parent_run_id or "",
-            trial_number=trial.number,
-            study_name=self.cfg.name,
-            params=trial_params(
-                sampled,
-                effective_lr=eff_lr,
-                effective_batch_size=eff_batch,
-                dataset=self.cfg.dataset.name,
-                arch=hp.arch,
-                image_size=hp.image_size or self.cfg.dataset.image_size,
-                extra=fixed,
-            ),
-            worker=self.worker_id,
-            host=socket.gethostname(),
-            tags={"hpsearch.root_trial": str(root)} if root != trial.number else None,
-            start_time_ms=start_time_ms,
-            run_key=run_key,
-            spool_dir=self.spool_dir,
-            offline=offline,
-            find_first=again,
-            quiet=self._down_tries > 0,
-        )
+
+        def make() -> TrialTracker:
+            return TrialTracker(
+                self.client,
+                self.experiment_id or "",  # offline: the run is made under them later
+                self.parent_run_id or "",
+                trial_number=trial.number,
+                study_name=self.cfg.name,
+                params=trial_params(
+                    sampled,
+                    effective_lr=eff_lr,
+                    effective_batch_size=eff_batch,
+                    dataset=self.cfg.dataset.name,
+                    arch=hp.arch,
+                    image_size=hp.image_size or self.cfg.dataset.image_size,
+                    extra=fixed,
+                ),
+                worker=self.worker_id,
+                host=socket.gethostname(),
+                tags={"hpsearch.root_trial": str(root)} if root != trial.number else None,
+                start_time_ms=start_time_ms,
+                run_key=run_key,
+                spool_dir=self.spool_dir,
+                offline=offline,
+                find_first=again,
+                quiet=self._down_tries > 0,
+            )
+
+        tracker = make()
+        if tracker.gone and not offline:  # its experiment was deleted for good: made anew
+            with self._ready_lock:
+                self.experiment_id = self.parent_run_id = None
+            if self._connect():
+                tracker = make()
         if tracker.unreachable:
             raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} made no run in time")
         if not tracker.enabled:
+            with self._ready_lock:  # it answered (a refusal): the next outage is a new one
+                self._down_tries = 0
             return None
         if not offline and self._down_tries:
             logger.warning("MLflow at %s answers again", redact_uri(self.uri))

@@ -108,22 +108,25 @@ def resolve_storage(cli_value: str | None, workdir: Path) -> StorageSpec:
         path = Path(rest).resolve()
         return StorageSpec("journal", str(path), f"journal:{path}")
     authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    raw_at = StorageError(  # not shown: its redaction would show the password's end as host
+        f"{origin}: a {scheme} URL whose password holds a raw '@' (the host would be "
+        "read from after the first one); write it as %40, e.g. postgresql://user:p%40ss@host/db"
+    )
     if "@" in authority.rpartition("@")[0].partition(":")[2]:  # the password's part
-        # Not shown: its redaction would show the password's end as the host.
-        raise StorageError(
-            f"{origin}: a {scheme} URL whose password holds a raw '@' (the host would be "
-            "read from after the first one); write it as %40, e.g. "
-            "postgresql://user:p%40ss@host/db"
-        )
+        raise raw_at
     if not (scheme.startswith(("postgresql", "postgres")) or scheme.startswith("sqlite")):
         raise StorageError(
             f"{origin}: {redact(value)!r}: unsupported scheme {scheme!r}; use {SUPPORTED}"
         )
     url = normalize_url(value)
     try:
-        make_url(url)
+        parsed = make_url(url)
     except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
         raise StorageError(f"{origin}: {redact(value)!r}: malformed URL: {exc}") from exc
+    # A password holding "/" before its raw "@" (u:s3/x@cret@h) splits the authority
+    # early: the "@" shows in the host or the database name that SQLAlchemy reads.
+    if parsed.password is not None and "@" in f"{parsed.host or ''}{parsed.database or ''}":
+        raise raw_at
     return StorageSpec("rdb", url, redact(url))
 
 

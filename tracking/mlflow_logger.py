@@ -240,18 +240,20 @@ def chunk_batch(
 
 
 def is_permanent_error(exc: BaseException) -> bool:
-    """True for errors that retrying cannot fix (HTTP 4xx other than 408/429: bad value,
-    missing run, permission); False for transport errors, timeouts and 5xx."""
+    """True for errors that retrying cannot fix: an HTTP 4xx (bad value, a login, a
+    permission, a run that `is_gone`); False for transport errors, timeouts, 5xx, 408/429
+    (try later) and a 404 page that is not MLflow's (a proxy's while MLflow behind it is
+    down: MLflow's client names it ENDPOINT_NOT_FOUND)."""
     code = _http_status(exc)
+    if code == 404:
+        return is_gone(exc)
     return code is not None and 400 <= code < 500 and code not in (408, 429)
 
 
-def is_refusal(exc: BaseException) -> bool:
-    """A server that answers and refuses this client for good (a login, a permission, a
-    bad request): an HTTP 4xx other than 404 (a proxy's default page while MLflow behind
-    it is down) and 408/429 (try later)."""
-    code = _http_status(exc)
-    return code is not None and 400 <= code < 500 and code not in (404, 408, 429)
+def is_gone(exc: BaseException) -> bool:
+    """MLflow's own answer that the run or experiment asked for does not exist (deleted
+    for good); not a 404 page of something in front of it."""
+    return isinstance(exc, MlflowException) and exc.error_code == "RESOURCE_DOES_NOT_EXIST"
 
 
 def backoff_delays(initial_s: float, factor: float, max_s: float) -> Iterator[float]:
@@ -338,7 +340,7 @@ def _call(what: str, fn: Callable[[], T]) -> T:
         return fn()
     except MlflowException as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        kind = TrackingError if is_refusal(exc) else TrackingUnreachable
+        kind = TrackingError if is_permanent_error(exc) else TrackingUnreachable
         # No cause attached: MLflow's error, printed in a traceback, holds the tracking URI
         # with its password.
         raise kind(f"MLflow: cannot {what}: {scrub(msg)}") from None
@@ -565,6 +567,7 @@ class TrialTracker:
         self.finished = False
         self.run_id: str | None = None
         self.unreachable = False  # no run: the server did not answer (a later try may)
+        self.gone = False  # no run: its experiment does not exist (deleted for good)
         self._find_first = find_first
         self._quiet = quiet
         # The run's create, kept for `replay_spool` (offline: no run made now).
@@ -831,7 +834,8 @@ class TrialTracker:
                 if permanent or time.monotonic() + delay > deadline:
                     if not permanent and (made := self._made_after_all(experiment_id, run_key)):
                         return made
-                    self.unreachable = not is_refusal(exc)  # a proxy's 404: down behind it
+                    self.unreachable = not permanent
+                    self.gone = is_gone(exc)  # the study's experiment, deleted for good
                     level = logging.DEBUG if self.unreachable and self._quiet else logging.WARNING
                     logger.log(
                         level,
@@ -1157,8 +1161,7 @@ def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
             record = json.loads(claimed.read_text())
             _replay_run(client, record, spool_dir)
         except Exception as exc:  # telemetry: kept for the next try, or set aside
-            code = _http_status(exc)
-            if isinstance(exc, ValueError | KeyError | TypeError) or code == 404:
+            if isinstance(exc, ValueError | KeyError | TypeError) or is_gone(exc):
                 with contextlib.suppress(OSError):  # unreadable, or no such run there
                     os.rename(claimed, path.with_name(path.name + ".failed"))
                 run_id = path.name.removesuffix(SPOOL_SUFFIX)  # its files would pin disk
@@ -1205,13 +1208,14 @@ def _http_status(exc: BaseException) -> int | None:
 
 def _refused_upload(exc: BaseException) -> bool:
     """An artifact upload the server refuses for good: an HTTP 4xx other than 401/403 (the
-    login: every call fails alike) and 408/429 (try later). Uploads through the server's
-    artifact proxy fail with requests' HTTPError, not MlflowException."""
+    login: every call fails alike), 408/429 (try later) and 404 (a proxy's page while
+    MLflow behind it is down; a run that `is_gone` fails its other calls too). Uploads
+    through the server's artifact proxy fail with requests' HTTPError, not MlflowException."""
     code = _http_status(exc)
     if code is None:
         response = getattr(exc, "response", None)
         code = getattr(response, "status_code", None)
-    return isinstance(code, int) and 400 <= code < 500 and code not in (401, 403, 408, 429)
+    return isinstance(code, int) and 400 <= code < 500 and code not in (401, 403, 404, 408, 429)
 
 
 def _made_run(client: MlflowClient, create: Mapping[str, Any]) -> str:
@@ -1306,8 +1310,8 @@ __all__ = [
     "find_study_runs",
     "git_commit",
     "hpsearch_version",
+    "is_gone",
     "is_permanent_error",
-    "is_refusal",
     "metric_entities",
     "open_study_run",
     "param_value",

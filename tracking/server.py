@@ -104,7 +104,8 @@ def resolve_tracking_uri(cli_value: str | None, env: Mapping[str, str] | None = 
         environ = os.environ if env is None else env
         value, origin = environ.get(TRACKING_URI_ENV, "").strip(), TRACKING_URI_ENV
     if value and re.fullmatch(r"[\w.-]+:\d+(/.*)?", value):  # HOST:PORT
-        raise TrackingError(f"{origin} {redact_uri(value)!r}: no scheme; give http://{value}")
+        shown = redact_uri(value)  # its path may hold a token
+        raise TrackingError(f"{origin} {shown!r}: no scheme; give http://{shown}")
     return value or None
 
 

@@ -30,6 +30,7 @@ from hpsearch.tracking.mlflow_logger import (
     claim_run_by_key,
     ensure_experiment,
     find_study_runs,
+    is_gone,
     is_permanent_error,
     open_study_run,
     param_value,
@@ -120,6 +121,19 @@ def test_is_permanent_error() -> None:
     )
     assert not is_permanent_error(MlflowException("down"))  # INTERNAL_ERROR -> 500
     assert not is_permanent_error(ConnectionError("refused"))
+    # A 404 page that is not MLflow's JSON (a proxy's while MLflow behind it is down):
+    # MLflow's client names it ENDPOINT_NOT_FOUND. Retried; a run MLflow says is gone is not.
+    assert not is_permanent_error(_proxy_404())
+    assert is_gone(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "x"}))
+    assert not is_gone(_proxy_404())
+
+
+def _proxy_404() -> MlflowException:
+    from mlflow.protos.databricks_pb2 import ENDPOINT_NOT_FOUND
+
+    error = MlflowException("404 != 200. Response body: '<html>'", error_code=ENDPOINT_NOT_FOUND)
+    assert error.get_http_status_code() == 404
+    return error
 
 
 def test_backoff_delays() -> None:
@@ -736,8 +750,11 @@ def test_kept_runs_are_sent_once_with_their_end_time_and_a_dead_claim_is_taken_b
     assert r1[0][0] == "batch" and math.isnan(r1[0][1][1][0][1])  # NaN survives the file
     assert [c[0] for c in r1] == ["batch", "tag", "text", "end"]
     assert r1[-1][1] == ("r1", "FINISHED", end_ms)  # ended then, not when sent
-    # A run the server does not have (404) is set aside, not retried forever.
+    # A run the server does not have (404) is set aside, not retried forever; a proxy's
+    # 404 page while MLflow behind it is down keeps it for the next try.
     write_spool(spool, "r3", [batch], "FINISHED", incomplete=False, traceback=None)
+    assert replay_spool(_SpoolClient(_proxy_404()), spool) == 0  # type: ignore[arg-type]
+    assert [p.name for p in spool.iterdir()] == [f"r3{SPOOL_SUFFIX}"]
     gone = _SpoolClient(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "x"}))
     assert replay_spool(gone, spool) == 0  # type: ignore[arg-type]
     assert [p.name for p in spool.iterdir()] == [f"r3{SPOOL_SUFFIX}.failed"]
@@ -778,6 +795,12 @@ def test_a_kept_runs_artifacts_are_sent_and_a_refused_one_holds_up_nothing(
     kept, _ = _keep_artifacts(spool, "r3", [plot])
     write_spool(spool, "r3", [], "FINISHED", incomplete=False, traceback=None, artifacts=kept)
     client.refuse_files = requests.ConnectionError("refused")
+    assert replay_spool(client, spool) == 0  # type: ignore[arg-type]
+    assert sorted(p.name for p in spool.iterdir()) == ["r3.artifacts", f"r3{SPOOL_SUFFIX}"]
+    proxy_page = requests.HTTPError(response=requests.Response())  # its artifact route's
+    assert proxy_page.response is not None
+    proxy_page.response.status_code = 404
+    client.refuse_files = proxy_page
     assert replay_spool(client, spool) == 0  # type: ignore[arg-type]
     assert sorted(p.name for p in spool.iterdir()) == ["r3.artifacts", f"r3{SPOOL_SUFFIX}"]
     gone = _SpoolClient(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "x"}))

@@ -53,6 +53,12 @@ def test_resolve_tracking_uri_precedence(
     assert resolve_tracking_uri(cli, env) == expected
 
 
+def test_a_tracking_uri_without_a_scheme_is_refused_with_its_token_hidden() -> None:
+    with pytest.raises(TrackingError, match=r"no scheme; give http://h:5000/x\?token=\*") as err:
+        resolve_tracking_uri("h:5000/x?token=s3cret")
+    assert "s3cret" not in str(err.value)
+
+
 def test_resolve_tracking_uri_reads_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://from-env:1")
     assert resolve_tracking_uri(None) == "http://from-env:1"

@@ -196,3 +196,96 @@ def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
     assert uploaded == ["checkpoint/best.pt"]
     incomplete = {k: client.get_run(runs[k]).data.tags.get(INCOMPLETE_TAG) for k in runs}
     assert incomplete == {k: "true" if k == "told_lost" else None for k in runs}
+
+
+def test_a_run_kept_offline_takes_its_best_model_to_the_run_made_later(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """A trial that ended while MLflow was down keeps its whole run in the spool folder:
+    its best model (top k) goes with it to the run made when the server answers, and no
+    snapshot or kept file is left behind."""
+    from hpsearch.tracking.mlflow_logger import RUN_KEY_TAG
+
+    cfg = hps.load_config("tiny", [f"name=offline-{uuid.uuid4().hex[:8]}"])
+    spool = tmp_path / "spool"
+    session = TrackingSession(cfg, resolve_storage(pg_url, tmp_path), mlflow_server.url, "w0",
+                              spool_dir=spool)  # fmt: skip
+    study = optuna.create_study(storage=normalize_url(pg_url), study_name=cfg.name,
+                                direction="maximize")  # fmt: skip
+    trial = study.ask()
+    folder = tmp_path / "checkpoints"
+    ckpt = folder / f"trial-{trial.number:05d}.pt"
+    best = ckpt.with_name(f"{ckpt.stem}.best.pt")
+    folder.mkdir()
+    best.write_bytes(b"weights")
+    key = uuid.uuid4().hex
+    run = session.start_trial(trial, suggest(trial, cfg), trial.number, ckpt, run_key=key,
+                              offline=True)  # fmt: skip
+    assert run is not None and run.run_id is None
+    result = _result(0.8, best)
+    assert run.checkpoint_uri(result) is None  # no run to name yet
+    assert len(list(folder.glob(f"{SNAPSHOT_PREFIX}*"))) == 1
+    study.tell(trial, 0.8)
+    run.finish_result(result)
+    session.close()  # the runs' ends, then the spool sent: the server answers
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    experiment = client.get_experiment_by_name(cfg.name)
+    assert experiment is not None
+    made = client.search_runs([experiment.experiment_id], f"tags.`{RUN_KEY_TAG}` = '{key}'")
+    assert len(made) == 1 and made[0].info.status == "FINISHED"
+    assert made[0].data.metrics["best_val_acc"] == 0.8
+    uploaded = [a.path for a in client.list_artifacts(made[0].info.run_id, "checkpoint")]
+    assert uploaded == ["checkpoint/best.pt"]
+    assert list(folder.glob(f"{SNAPSHOT_PREFIX}*")) == [] and best.exists()
+    assert list(spool.iterdir()) == []
+
+
+def test_a_study_whose_experiment_was_deleted_for_good_gets_it_back(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """`mlflow gc` of the study's experiment mid-study: its MLflow's answer to a create,
+    RESOURCE_DOES_NOT_EXIST, was taken for a proxy's page (an outage), and every later
+    trial ended offline under the ids the session kept. The next trial makes the
+    experiment and the study run anew."""
+    import os
+    import subprocess
+    import sys
+
+    from hpsearch.tracking.mlflow_logger import PARENT_TAG
+    from hpsearch.tracking.server import store_paths
+
+    cfg = hps.load_config("tiny", [f"name=gc-{uuid.uuid4().hex[:8]}"])
+    session = TrackingSession(cfg, resolve_storage(pg_url, tmp_path), mlflow_server.url, "w0")
+    study = optuna.create_study(storage=normalize_url(pg_url), study_name=cfg.name,
+                                direction="maximize")  # fmt: skip
+
+    def start() -> TrialRun:
+        trial = study.ask()
+        ckpt = tmp_path / f"trial-{trial.number:05d}.pt"
+        run = session.start_trial(trial, suggest(trial, cfg), trial.number, ckpt)
+        assert run is not None and run.run_id
+        return run
+
+    first = start()
+    first.finish_failed("error", "not this test's", None)
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    old = session.experiment_id
+    assert old is not None
+    made_at = client.get_experiment(old).creation_time
+    client.delete_experiment(old)
+    db = store_paths(mlflow_server.workdir)[0]
+    subprocess.run(
+        [sys.executable, "-m", "mlflow", "gc", "--backend-store-uri", f"sqlite:///{db}",
+         "--experiment-ids", old],
+        env={**os.environ, "MLFLOW_TRACKING_URI": mlflow_server.url}, check=True,
+        capture_output=True, timeout=120,
+    )  # fmt: skip
+    second = start()
+    session.close()
+    assert second.run_id is not None
+    made = client.get_run(second.run_id)
+    experiment = client.get_experiment_by_name(cfg.name)
+    assert experiment is not None and experiment.creation_time > made_at  # SQLite reuses ids
+    assert made.info.experiment_id == experiment.experiment_id
+    parent = made.data.tags[PARENT_TAG]
+    assert client.get_run(parent).info.experiment_id == experiment.experiment_id
