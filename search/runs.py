@@ -773,7 +773,9 @@ class TrackingSession:
         if tracker.gone and not offline:  # its experiment was deleted for good: made anew
             with self._ready_lock:
                 self.experiment_id = self.parent_run_id = None
-            if self._connect():
+            if (connected := self._connect()) is False:  # down meanwhile: a later try may do
+                raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} did not answer")
+            if connected:
                 tracker = make()
         if tracker.unreachable:
             raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} made no run in time")

@@ -124,8 +124,10 @@ def resolve_storage(cli_value: str | None, workdir: Path) -> StorageSpec:
     except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
         raise StorageError(f"{origin}: {redact(value)!r}: malformed URL: {exc}") from exc
     # A password holding "/" before its raw "@" (u:s3/x@cret@h) splits the authority
-    # early: the "@" shows in the host or the database name that SQLAlchemy reads.
-    if parsed.password is not None and "@" in f"{parsed.host or ''}{parsed.database or ''}":
+    # early: the "@" shows in the host, or in the path still encoded (a database name's
+    # %40 is fine; SQLAlchemy's `database` is decoded).
+    raw_path = re.split(r"[?#]", rest, maxsplit=1)[0].partition("/")[2]
+    if parsed.password is not None and "@" in f"{parsed.host or ''}{raw_path}":
         raise raw_at
     return StorageSpec("rdb", url, redact(url))
 

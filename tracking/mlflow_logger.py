@@ -1211,11 +1211,28 @@ def _refused_upload(exc: BaseException) -> bool:
     login: every call fails alike), 408/429 (try later) and 404 (a proxy's page while
     MLflow behind it is down; a run that `is_gone` fails its other calls too). Uploads
     through the server's artifact proxy fail with requests' HTTPError, not MlflowException."""
+    code = _upload_status(exc)
+    return code is not None and 400 <= code < 500 and code not in (401, 403, 404, 408, 429)
+
+
+def _upload_status(exc: BaseException) -> int | None:
     code = _http_status(exc)
     if code is None:
-        response = getattr(exc, "response", None)
-        code = getattr(response, "status_code", None)
-    return isinstance(code, int) and 400 <= code < 500 and code not in (401, 403, 404, 408, 429)
+        code = getattr(getattr(exc, "response", None), "status_code", None)
+    return code if isinstance(code, int) else None
+
+
+def _route_missing(client: MlflowClient, run_id: str, exc: BaseException) -> bool:
+    """A 404 to an upload while MLflow itself answers for the run: its artifact route is
+    not served (a server restarted without --serve-artifacts), for good; not a proxy's
+    page in an outage, which would hold up every later kept run."""
+    if _upload_status(exc) != 404:
+        return False
+    try:
+        client.get_run(run_id)
+    except Exception:  # down behind the proxy: kept for the next try
+        return False
+    return True
 
 
 def _made_run(client: MlflowClient, create: Mapping[str, Any]) -> str:
@@ -1269,7 +1286,7 @@ def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path
                 incomplete = True
         except Exception as exc:  # one refused file (413 behind a proxy, unreadable): as live
             local = isinstance(exc, OSError) and not isinstance(exc, RequestException)
-            if not (local or _refused_upload(exc)):
+            if not (local or _refused_upload(exc) or _route_missing(client, run_id, exc)):
                 raise  # the server is down again: kept for the next try
             logger.warning("MLflow: a kept artifact of run %s was refused: %s", run_id, _short(exc))
             incomplete = True

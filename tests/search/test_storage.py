@@ -939,6 +939,7 @@ def test_an_at_sign_is_refused_only_in_a_storage_urls_password(tmp_path: Path) -
     for fine in (
         "postgresql://sa@proj.iam:tok@host/db",
         "postgresql://u:p@host?application_name=me@box",
+        "postgresql://u:p@host/my%40db",  # what the refusal tells to write
         "journal://runs@a.journal",
     ):
         resolve_storage(fine, tmp_path)

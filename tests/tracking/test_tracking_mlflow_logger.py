@@ -708,6 +708,10 @@ class _SpoolClient:
     def set_tag(self, run_id: str, key: str, value: str) -> None:
         self.calls.append(("tag", (run_id, key, value)))
 
+    def get_run(self, run_id: str) -> None:
+        if self.get_fails is not None:
+            raise self.get_fails
+
     def log_text(self, run_id: str, text: str, name: str) -> None:
         self.calls.append(("text", (run_id, name)))
 
@@ -723,6 +727,7 @@ class _SpoolClient:
         self.calls.append(("folder", (run_id, artifact_path)))
 
     refuse_files: Exception | None = None
+    get_fails: Exception | None = None
 
 
 def test_kept_runs_are_sent_once_with_their_end_time_and_a_dead_claim_is_taken_back(
@@ -801,9 +806,16 @@ def test_a_kept_runs_artifacts_are_sent_and_a_refused_one_holds_up_nothing(
     assert proxy_page.response is not None
     proxy_page.response.status_code = 404
     client.refuse_files = proxy_page
+    client.get_fails = requests.ConnectionError("down behind the proxy")
     assert replay_spool(client, spool) == 0  # type: ignore[arg-type]
     assert sorted(p.name for p in spool.iterdir()) == ["r3.artifacts", f"r3{SPOOL_SUFFIX}"]
+    # MLflow answers for the run: its artifact route is not served, for good (a server
+    # without --serve-artifacts). The file is left out and the run sent, not held forever.
+    client.get_fails = None
+    assert replay_spool(client, spool) == 1 and list(spool.iterdir()) == []  # type: ignore[arg-type]
+    assert ("tag", ("r3", INCOMPLETE_TAG, "true")) in client.calls
     gone = _SpoolClient(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "x"}))
+    kept, _ = _keep_artifacts(spool, "r3", [plot])
     write_spool(spool, "r3", [batch], "FINISHED", incomplete=False, traceback=None, artifacts=kept)
     assert replay_spool(gone, spool) == 0  # type: ignore[arg-type]
     assert [p.name for p in spool.iterdir()] == [f"r3{SPOOL_SUFFIX}.failed"]

@@ -289,3 +289,28 @@ def test_a_study_whose_experiment_was_deleted_for_good_gets_it_back(
     assert made.info.experiment_id == experiment.experiment_id
     parent = made.data.tags[PARENT_TAG]
     assert client.get_run(parent).info.experiment_id == experiment.experiment_id
+
+
+def test_a_server_down_as_a_gone_experiment_is_made_anew_leaves_the_run_to_a_later_try(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The experiment deleted for good, then the server down while it is made anew: the
+    start said "refused" (no run, no later try, nothing kept) for an outage."""
+    from hpsearch.errors import TrackingUnreachable
+    from hpsearch.tracking import mlflow_logger
+
+    cfg = hps.load_config("tiny", [f"name=gone-{uuid.uuid4().hex[:8]}"])
+    session = TrackingSession(cfg, resolve_storage(pg_url, tmp_path), mlflow_server.url, "w0")
+    study = optuna.create_study(storage=normalize_url(pg_url), study_name=cfg.name,
+                                direction="maximize")  # fmt: skip
+    session.experiment_id, session.parent_run_id = "987654321", "gone"  # no such experiment
+
+    def down(*args: object) -> str:
+        raise TrackingUnreachable("MLflow: cannot get or create experiment: connection refused")
+
+    monkeypatch.setattr(mlflow_logger, "ensure_experiment", down)
+    trial = study.ask()
+    with pytest.raises(TrackingUnreachable, match="did not answer"):
+        session.start_trial(trial, suggest(trial, cfg), trial.number, tmp_path / "t.pt")
+    assert session.parent_run_id is None  # made anew by the later try
+    session.close()
