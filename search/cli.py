@@ -91,9 +91,17 @@ def _workdir_option(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
+def _not_empty(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An empty --storage (an unset shell variable: --storage "$DB") would read the journal
+    file in --workdir, another study's storage, without a word."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("empty; give a URL, or leave the option out", ctx, param)
+    return value
+
+
 def _storage_option(fn: F) -> F:
     return click.option(
-        "--storage", default=None, metavar="URL",
+        "--storage", default=None, metavar="URL", callback=_not_empty,
         help="Optuna storage URL (postgresql://user@host/db); else HPSEARCH_STORAGE, "
         "else the journal file in --workdir.",
     )(fn)  # fmt: skip
@@ -168,10 +176,14 @@ def _check_tracking(tracking_uri: str | None, no_tracking: bool) -> None:
 
 def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
           trials: int | None = None) -> Any:  # fmt: skip
-    from hpsearch.config import load_config
+    from hpsearch.config import load_config, parse_overrides
 
     sets = list(overrides)
     if trials is not None:
+        if any(key.strip() == "budget.n_trials" for key, _ in parse_overrides(overrides)):
+            from hpsearch.errors import ConfigError
+
+            raise ConfigError("--trials and --set budget.n_trials: give one of them")
         sets.append(f"budget.n_trials={trials}")
     return load_config(study, sets, data_dir=data_dir, download=download)
 

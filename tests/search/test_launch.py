@@ -439,6 +439,13 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
         ),
         # A mistyped path read as an empty store: "no studies".
         (["studies", "--storage", "sqlite:////nonexistent/dir/x.db"], "x.db: no such file"),
+        # An unset variable (--storage "$DB"): the journal in --workdir was read instead.
+        (["studies", "--storage", ""], "--storage': empty; give a URL"),
+        # One of the two was ignored without a word (--trials won).
+        (
+            ["launch", "--study", "tiny", "--trials", "3", "--set", "budget.n_trials=5"],
+            "--trials and --set budget.n_trials: give one of them",
+        ),
         (["studies", "--storage", str(tmp_path / "typo.journal")], "typo.journal: no such file"),
     ]
     for args, expected in cases:
