@@ -714,7 +714,13 @@ class Launcher:
         return launch_outcome(supervised, spent, passed)
 
     def _finish_tracking(self, uri: str, stopped_by: str) -> None:
-        from hpsearch.runs import SPOOL_FOLDER, _client, end_dangling_runs, finalize_study
+        from hpsearch.runs import (
+            SPOOL_FOLDER,
+            _client,
+            end_dangling_runs,
+            finalize_study,
+            spool_folder,
+        )
         from hpsearch.tracking.mlflow_logger import close_study_run, find_study_runs, replay_spool
 
         if self._finalizer is not None:  # started when the last trial was told
@@ -739,7 +745,11 @@ class Launcher:
             self._messages.append(f"ended {len(ended)} MLflow run(s) their gone workers left")
         # After those (a kept run ended so gets its told best model uploaded), and over them:
         # a kept run's own metrics, status and end time are its worker's.
-        if exp is not None and (sent := replay_spool(client, self.opts.workdir / SPOOL_FOLDER)):
+        # This server's folder, then the one folder that earlier versions kept for all.
+        sent = 0
+        for folder in (spool_folder(self.opts.workdir, uri), self.opts.workdir / SPOOL_FOLDER):
+            sent += replay_spool(client, folder) if exp is not None else 0
+        if sent:
             self._messages.append(f"sent {sent} MLflow run(s) kept while the server was down")
 
     def _start_tracking(self) -> str | None:

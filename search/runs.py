@@ -184,6 +184,34 @@ class _CheckpointUploader:
 # <workdir>/mlflow-spool: what trials' runs could not send while MLflow was down
 # (tracking.mlflow_logger.write_spool); sent by a later trial, the worker's end, the launch's.
 SPOOL_FOLDER = "mlflow-spool"
+EMBEDDED_SPOOL = "embedded"  # the work folder's own server, whatever its port
+
+
+def spool_folder(workdir: Path, uri: str) -> Path:
+    """Where runs tracked at `uri` keep what the server did not take: one folder per
+    server, so that a later launch on another server neither makes their runs there nor
+    sets them aside as runs it lacks. The work folder's embedded server (the URL its
+    state file names) is one server across launches and ports; any other is named by a
+    hash of its scheme, host, port and path (no login: it may change, the server not)."""
+    import hashlib
+    from urllib.parse import urlsplit
+
+    from hpsearch.tracking.server import state_path
+
+    try:
+        embedded = json.loads(state_path(workdir).read_text()).get("url")
+    except (OSError, ValueError, AttributeError):
+        embedded = None
+    if embedded == uri:
+        return workdir / SPOOL_FOLDER / EMBEDDED_SPOOL
+    parts = urlsplit(uri.strip())
+    try:
+        server = f"{parts.scheme.lower()}://{parts.hostname}:{parts.port}{parts.path.rstrip('/')}"
+    except ValueError:  # a port that is not a number: the URI as written names it
+        server = uri.strip()
+    if not parts.hostname:  # databricks, file:...
+        server = uri.strip()
+    return workdir / SPOOL_FOLDER / hashlib.sha256(server.encode()).hexdigest()[:16]
 
 
 class _Finisher:

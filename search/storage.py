@@ -89,6 +89,13 @@ def normalize_url(url: str) -> str:
     return url
 
 
+# SQLAlchemy's URL pattern after "scheme://" (user, password to its first "@", host, port):
+# the database part as written.
+_RAW_DATABASE = re.compile(
+    r"(?:[^:/]*(?::[^@]*)?@)?(?:\[[^/?]+\]|[^/:?]+)?(?::[^/?]*)?(?:/([^?]*))?"
+)
+
+
 def resolve_storage(cli_value: str | None, workdir: Path) -> StorageSpec:
     value = cli_value or os.environ.get("HPSEARCH_STORAGE") or ""
     origin = "--storage" if cli_value else "HPSEARCH_STORAGE"
@@ -124,10 +131,12 @@ def resolve_storage(cli_value: str | None, workdir: Path) -> StorageSpec:
     except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
         raise StorageError(f"{origin}: {redact(value)!r}: malformed URL: {exc}") from exc
     # A password holding "/" before its raw "@" (u:s3/x@cret@h) splits the authority
-    # early: the "@" shows in the host, or in the path still encoded (a database name's
-    # %40 is fine; SQLAlchemy's `database` is decoded).
-    raw_path = re.split(r"[?#]", rest, maxsplit=1)[0].partition("/")[2]
-    if parsed.password is not None and "@" in f"{parsed.host or ''}{raw_path}":
+    # early: the "@" shows in the host, or in the database name still encoded (read as
+    # SQLAlchemy does; its `database` is decoded, and a name's %40 is fine).
+    raw_db = _RAW_DATABASE.match(rest)
+    if parsed.password is not None and (
+        "@" in (parsed.host or "") or (raw_db is not None and "@" in (raw_db.group(1) or ""))
+    ):
         raise raw_at
     return StorageSpec("rdb", url, redact(url))
 

@@ -1436,7 +1436,7 @@ def _open_tracking(
 ) -> Any:
     if not opts.tracking_uri:
         return None
-    from hpsearch.runs import SPOOL_FOLDER, TrackingSession, remove_stale_snapshots
+    from hpsearch.runs import TrackingSession, remove_stale_snapshots, spool_folder
 
     # Best-model snapshots that a killed worker of this host left here (hard links).
     for gone in remove_stale_snapshots(opts.workdir / "checkpoints"):
@@ -1449,5 +1449,5 @@ def _open_tracking(
     return TrackingSession(
         cfg, spec, opts.tracking_uri, opts.resolved_id(), await_study_run_s=opts.await_study_run_s,
         background=not cfg.tracking.upload_checkpoints, stop=stop, device=opts.device,
-        spool_dir=opts.workdir / SPOOL_FOLDER,
+        spool_dir=spool_folder(opts.workdir, opts.tracking_uri),
     )  # fmt: skip

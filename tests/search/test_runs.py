@@ -157,3 +157,27 @@ def test_an_uploaded_checkpoint_is_never_newer_than_the_best_model_beside_it(
     uploader.submit(ckpt)
     uploader.close()
     assert sent == {"checkpoint.best.pt": "epoch 1", "checkpoint.pt": "epoch 1"}
+
+
+def test_each_mlflow_server_has_its_own_spool_folder(tmp_path: Path) -> None:
+    """One folder kept the runs of every server: a launch on another server (or on the
+    embedded one after a remote one) made them there, or set aside the runs it lacked."""
+    import json
+
+    from hpsearch.runs import EMBEDDED_SPOOL, SPOOL_FOLDER, spool_folder
+    from hpsearch.tracking.server import state_path
+
+    remote = spool_folder(tmp_path, "https://mlflow.example.com/")
+    assert remote.parent == tmp_path / SPOOL_FOLDER
+    assert spool_folder(tmp_path, "https://me:s3cret@MLflow.example.com") == remote  # a login
+    assert spool_folder(tmp_path, "https://mlflow.example.com:8443") != remote
+    assert spool_folder(tmp_path, "https://mlflow.example.com/team-b") != remote
+    local = spool_folder(tmp_path, "http://127.0.0.1:5000")
+    assert local.name != EMBEDDED_SPOOL  # someone's own server on this host
+    # The work folder's embedded server: one folder, whichever port a launch gave it.
+    state_path(tmp_path).parent.mkdir(parents=True)
+    for port in (5000, 41234):
+        state_path(tmp_path).write_text(json.dumps({"url": f"http://127.0.0.1:{port}"}))
+        assert spool_folder(tmp_path, f"http://127.0.0.1:{port}").name == EMBEDDED_SPOOL
+    assert spool_folder(tmp_path, "http://127.0.0.1:5000") == local  # not the embedded now
+    assert spool_folder(tmp_path, "databricks").parent == tmp_path / SPOOL_FOLDER

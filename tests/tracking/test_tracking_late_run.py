@@ -13,6 +13,7 @@ from typing import Any
 import optuna
 import pytest
 from hpsearch.config import load_config
+from hpsearch.runs import spool_folder
 from hpsearch.storage import StorageSpec
 from hpsearch.tracking.server import LocalServer
 from hpsearch.worker import WorkerOptions, run_worker
@@ -227,7 +228,33 @@ def test_a_trial_that_ends_while_mlflow_is_down_keeps_its_run_until_it_answers(
     assert trial.datetime_start is not None
     assert run.info.start_time == pytest.approx(trial.datetime_start.timestamp() * 1000, abs=2000)
     assert "learning_curve.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert not list((tmp_path / "mlflow-spool").glob("*.json"))
+    assert not list((tmp_path / "mlflow-spool").rglob("*.json"))
+    assert list((tmp_path / "mlflow-spool").iterdir()) == [
+        spool_folder(tmp_path, mlflow_server.url)
+    ]
+
+
+def test_runs_kept_for_another_mlflow_server_are_left_for_it(
+    tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """A worker on this server sends the runs kept for it, and leaves those kept while
+    another server was down: before, it set them aside as runs this one lacks (their
+    files deleted), or made their offline runs here."""
+    from hpsearch.tracking.mlflow_logger import SPOOL_SUFFIX, _Batch, write_spool
+    from mlflow.entities import Metric
+
+    client = MlflowClient(mlflow_server.url)
+    name = f"two-servers-{time.time_ns()}"
+    mine = client.create_run(client.create_experiment(name)).info.run_id
+    batch = _Batch(metrics=[Metric("val_acc", 0.25, int(time.time() * 1000), 1)])
+    write_spool(spool_folder(tmp_path, mlflow_server.url), mine, [batch], "FINISHED",
+                incomplete=False, traceback=None)  # fmt: skip
+    other = spool_folder(tmp_path, "https://mlflow.example.com")
+    write_spool(other, "theirs", [batch], "FINISHED", incomplete=False, traceback=None)
+    _two_trials(tmp_path, mlflow_server.url, name, n=1)
+    sent = client.get_run(mine)
+    assert sent.info.status == "FINISHED" and sent.data.metrics["val_acc"] == 0.25
+    assert [p.name for p in other.iterdir()] == [f"theirs{SPOOL_SUFFIX}"]
 
 
 def test_a_trial_failing_before_mlflow_is_ready_gets_its_run(
