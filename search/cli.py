@@ -180,10 +180,17 @@ def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download
 
     sets = list(overrides)
     if trials is not None:
-        if any(key.strip() == "budget.n_trials" for key, _ in parse_overrides(overrides)):
-            from hpsearch.errors import ConfigError
+        for key, value in parse_overrides(overrides):
+            key = key.strip()
+            budget = value if key == "budget" and isinstance(value, dict) else {}
+            given = value if key == "budget.n_trials" else budget.get("n_trials", trials)
+            if given != trials:  # one of the two would be ignored without a word
+                from hpsearch.errors import ConfigError
 
-            raise ConfigError("--trials and --set budget.n_trials: give one of them")
+                raise ConfigError(
+                    f"--trials {trials} and --set {key}: n_trials={given!r} disagree; "
+                    "give one of them"
+                )
         sets.append(f"budget.n_trials={trials}")
     return load_config(study, sets, data_dir=data_dir, download=download)
 
@@ -533,7 +540,12 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     from hpsearch.config import parse_overrides
     from hpsearch.runner import ensure_workdir
     from hpsearch.storage import resolve_storage
-    from hpsearch.tracking.server import join_server, resolve_tracking_uri, store_lock
+    from hpsearch.tracking.server import (
+        EMBEDDED_TRACKING_ENV,
+        join_server,
+        resolve_tracking_uri,
+        store_lock,
+    )
     from hpsearch.worker import WorkerOptions, run_worker
 
     _check_tracking(tracking_uri, no_tracking)
@@ -568,11 +580,16 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
                 f"`hpsearch ui --workdir {workdir}` first, or pass --no-tracking",
                 err=True,
             )
+    # Its launch's embedded server (the launch says so), or the one it joined.
+    embedded = shared is not None or (
+        not tracking_uri and os.environ.get(EMBEDDED_TRACKING_ENV) == "1"
+    )
     opts = WorkerOptions(
         workdir=workdir,
         worker_id=worker_id,
         device=device,
         tracking_uri=uri,
+        embedded_tracking=embedded and uri is not None,
         max_trials=max_trials,
         timeout_s=timeout,
         deadline=deadline,

@@ -133,15 +133,22 @@ def worker_env(
     gpu: str | None,
     cpu_threads: int | None,
     tracking_uri: str | None = None,
+    embedded_tracking: bool = False,
 ) -> dict[str, str]:
     """A worker's environment: `base` placed on `gpu` (`gpu_env`, as the probe is), the
     storage URL and the MLflow tracking URI, which may hold a password, in the environment
     rather than in argv (`ps` shows argv), and `cpu_threads` intra-op threads unless the
-    user set OMP_NUM_THREADS."""
+    user set OMP_NUM_THREADS. `embedded_tracking`: the URI is the work folder's own server
+    (its runs kept while it is down go to its spool folder, whatever its port)."""
+    from hpsearch.tracking.server import EMBEDDED_TRACKING_ENV, TRACKING_URI_ENV
+
     env = _child_env(base, gpu)
     env["HPSEARCH_STORAGE"] = storage_url
+    env.pop(EMBEDDED_TRACKING_ENV, None)
     if tracking_uri:
-        env["MLFLOW_TRACKING_URI"] = tracking_uri
+        env[TRACKING_URI_ENV] = tracking_uri
+        if embedded_tracking:
+            env[EMBEDDED_TRACKING_ENV] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     if cpu_threads is not None:
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
@@ -747,7 +754,11 @@ class Launcher:
         # a kept run's own metrics, status and end time are its worker's.
         # This server's folder, then the one folder that earlier versions kept for all.
         sent = 0
-        for folder in (spool_folder(self.opts.workdir, uri), self.opts.workdir / SPOOL_FOLDER):
+        embedded = self.opts.tracking_uri is None
+        for folder in (
+            spool_folder(self.opts.workdir, uri, embedded=embedded),
+            self.opts.workdir / SPOOL_FOLDER,
+        ):
             sent += replay_spool(client, folder) if exp is not None else 0
         if sent:
             self._messages.append(f"sent {sent} MLflow run(s) kept while the server was down")
@@ -879,7 +890,8 @@ class Launcher:
         if opts.device == "cpu" or slot.gpu is None:
             # CPU trials share the cores: one thread pool per worker oversubscribes them.
             threads = max(1, (os.cpu_count() or 1) // opts.workers)
-        env = worker_env(os.environ, self.spec.url, slot.gpu, threads, tracking_uri)
+        env = worker_env(os.environ, self.spec.url, slot.gpu, threads, tracking_uri,
+                         embedded_tracking=opts.tracking_uri is None)  # fmt: skip
         log_dir = opts.workdir / "logs"
         if slot.log is not None:
             slot.log.close()

@@ -187,30 +187,29 @@ SPOOL_FOLDER = "mlflow-spool"
 EMBEDDED_SPOOL = "embedded"  # the work folder's own server, whatever its port
 
 
-def spool_folder(workdir: Path, uri: str) -> Path:
+def spool_folder(workdir: Path, uri: str, *, embedded: bool) -> Path:
     """Where runs tracked at `uri` keep what the server did not take: one folder per
     server, so that a later launch on another server neither makes their runs there nor
-    sets them aside as runs it lacks. The work folder's embedded server (the URL its
-    state file names) is one server across launches and ports; any other is named by a
-    hash of its scheme, host, port and path (no login: it may change, the server not)."""
+    sets them aside as runs it lacks. `embedded`: `uri` is the work folder's own server,
+    one server across launches and ports. Any other is named by a hash of its scheme,
+    host, port and path (no login: it may change, the server not; this host's loopback
+    names as one)."""
     import hashlib
     from urllib.parse import urlsplit
 
-    from hpsearch.tracking.server import state_path
+    from hpsearch.tracking.server import LOOPBACK_HOSTS
 
-    try:
-        embedded = json.loads(state_path(workdir).read_text()).get("url")
-    except (OSError, ValueError, AttributeError):
-        embedded = None
-    if embedded == uri:
+    if embedded:
         return workdir / SPOOL_FOLDER / EMBEDDED_SPOOL
-    parts = urlsplit(uri.strip())
+    server = uri.strip()
     try:
-        server = f"{parts.scheme.lower()}://{parts.hostname}:{parts.port}{parts.path.rstrip('/')}"
-    except ValueError:  # a port that is not a number: the URI as written names it
-        server = uri.strip()
-    if not parts.hostname:  # databricks, file:...
-        server = uri.strip()
+        parts = urlsplit(server)
+        host = parts.hostname
+        if host:  # else databricks, file:...: the URI as written
+            host = "localhost" if host in LOOPBACK_HOSTS else host
+            server = f"{parts.scheme.lower()}://{host}:{parts.port}{parts.path.rstrip('/')}"
+    except ValueError:  # a port that is not a number, a bad IPv6 host: the URI as written
+        pass
     return workdir / SPOOL_FOLDER / hashlib.sha256(server.encode()).hexdigest()[:16]
 
 

@@ -96,6 +96,7 @@ class WorkerOptions:
     worker_id: str = ""
     device: str = "auto"
     tracking_uri: str | None = None
+    embedded_tracking: bool = False  # tracking_uri is the work folder's embedded server
     max_trials: int | None = None  # this worker stops after so many trials
     timeout_s: float | None = None  # stop asking after this many seconds
     deadline: float | None = None  # or at this time.time(): the launcher's, start-up included
@@ -1449,5 +1450,5 @@ def _open_tracking(
     return TrackingSession(
         cfg, spec, opts.tracking_uri, opts.resolved_id(), await_study_run_s=opts.await_study_run_s,
         background=not cfg.tracking.upload_checkpoints, stop=stop, device=opts.device,
-        spool_dir=spool_folder(opts.workdir, opts.tracking_uri),
+        spool_dir=spool_folder(opts.workdir, opts.tracking_uri, embedded=opts.embedded_tracking),
     )  # fmt: skip

@@ -37,6 +37,8 @@ from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, u
 from hpsearch.errors import TrackingError
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+# Set by a launch for its workers when their URI is its work folder's embedded server.
+EMBEDDED_TRACKING_ENV = "HPSEARCH_EMBEDDED_MLFLOW"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 DEFAULT_UI_PORT = 5000
 DEFAULT_START_TIMEOUT_S = 180.0  # a cold start on 2 busy cores took ~25 s; leave headroom

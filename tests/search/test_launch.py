@@ -444,7 +444,11 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
         # One of the two was ignored without a word (--trials won).
         (
             ["launch", "--study", "tiny", "--trials", "3", "--set", "budget.n_trials=5"],
-            "--trials and --set budget.n_trials: give one of them",
+            "--trials 3 and --set budget.n_trials: n_trials=5 disagree; give one of them",
+        ),
+        (
+            ["launch", "--study", "tiny", "--trials", "3", "--set", "budget={n_trials: 5}"],
+            "--trials 3 and --set budget: n_trials=5 disagree",
         ),
         (["studies", "--storage", str(tmp_path / "typo.journal")], "typo.journal: no such file"),
     ]

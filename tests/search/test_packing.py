@@ -220,6 +220,23 @@ def test_the_probe_and_the_workers_get_the_same_gpu_environment(
     assert launcher.worker_env(os.environ, "postgresql:///db", None, 2)["OMP_NUM_THREADS"] == "2"
 
 
+def test_a_launchs_workers_are_told_when_their_mlflow_is_its_embedded_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Their runs kept while it is down go to its spool folder (runs.spool_folder), which
+    the next launch sends whatever port it gives the server; a worker on another server
+    must not inherit the word from the environment of a launch's worker."""
+    from hpsearch.tracking.server import EMBEDDED_TRACKING_ENV
+
+    monkeypatch.setenv(EMBEDDED_TRACKING_ENV, "1")
+    db, remote, own = "postgresql:///db", "https://mlflow.example.com", "http://127.0.0.1:5000"
+    assert EMBEDDED_TRACKING_ENV not in launcher.worker_env(os.environ, db, None, 1, remote)
+    told = launcher.worker_env(os.environ, db, None, 1, own, embedded_tracking=True)
+    assert told[EMBEDDED_TRACKING_ENV] == "1" and told["MLFLOW_TRACKING_URI"] == own
+    untracked = launcher.worker_env(os.environ, db, None, 1, None, embedded_tracking=True)
+    assert EMBEDDED_TRACKING_ENV not in untracked
+
+
 class _ProbeNVML:
     """The NVML calls the probe's `_context_bytes` makes: two GPUs, this process on one."""
 

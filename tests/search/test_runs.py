@@ -162,22 +162,20 @@ def test_an_uploaded_checkpoint_is_never_newer_than_the_best_model_beside_it(
 def test_each_mlflow_server_has_its_own_spool_folder(tmp_path: Path) -> None:
     """One folder kept the runs of every server: a launch on another server (or on the
     embedded one after a remote one) made them there, or set aside the runs it lacked."""
-    import json
-
     from hpsearch.runs import EMBEDDED_SPOOL, SPOOL_FOLDER, spool_folder
-    from hpsearch.tracking.server import state_path
 
-    remote = spool_folder(tmp_path, "https://mlflow.example.com/")
-    assert remote.parent == tmp_path / SPOOL_FOLDER
-    assert spool_folder(tmp_path, "https://me:s3cret@MLflow.example.com") == remote  # a login
-    assert spool_folder(tmp_path, "https://mlflow.example.com:8443") != remote
-    assert spool_folder(tmp_path, "https://mlflow.example.com/team-b") != remote
-    local = spool_folder(tmp_path, "http://127.0.0.1:5000")
-    assert local.name != EMBEDDED_SPOOL  # someone's own server on this host
-    # The work folder's embedded server: one folder, whichever port a launch gave it.
-    state_path(tmp_path).parent.mkdir(parents=True)
-    for port in (5000, 41234):
-        state_path(tmp_path).write_text(json.dumps({"url": f"http://127.0.0.1:{port}"}))
-        assert spool_folder(tmp_path, f"http://127.0.0.1:{port}").name == EMBEDDED_SPOOL
-    assert spool_folder(tmp_path, "http://127.0.0.1:5000") == local  # not the embedded now
-    assert spool_folder(tmp_path, "databricks").parent == tmp_path / SPOOL_FOLDER
+    def folder(uri: str, embedded: bool = False) -> Path:
+        return spool_folder(tmp_path, uri, embedded=embedded)
+
+    remote = folder("https://mlflow.example.com/")
+    assert remote.parent == tmp_path / SPOOL_FOLDER and remote.name != EMBEDDED_SPOOL
+    assert folder("https://me:s3cret@MLflow.example.com") == remote  # a login, a spelling
+    assert folder("https://mlflow.example.com:8443") != remote
+    assert folder("https://mlflow.example.com/team-b") != remote
+    assert folder("http://localhost:5000") == folder("http://127.0.0.1:5000/")  # one host
+    assert folder("http://127.0.0.1:5000") != folder("http://127.0.0.1:5001")
+    # The work folder's own server: one folder, whichever port a launch gave it.
+    assert folder("http://127.0.0.1:5000", True) == folder("http://127.0.0.1:41234", True)
+    assert folder("http://127.0.0.1:5000", True).name == EMBEDDED_SPOOL
+    for odd in ("databricks", "http://h:notaport", "http://[::1"):
+        assert folder(odd).parent == tmp_path / SPOOL_FOLDER

@@ -230,7 +230,7 @@ def test_a_trial_that_ends_while_mlflow_is_down_keeps_its_run_until_it_answers(
     assert "learning_curve.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
     assert not list((tmp_path / "mlflow-spool").rglob("*.json"))
     assert list((tmp_path / "mlflow-spool").iterdir()) == [
-        spool_folder(tmp_path, mlflow_server.url)
+        spool_folder(tmp_path, mlflow_server.url, embedded=False)
     ]
 
 
@@ -247,9 +247,9 @@ def test_runs_kept_for_another_mlflow_server_are_left_for_it(
     name = f"two-servers-{time.time_ns()}"
     mine = client.create_run(client.create_experiment(name)).info.run_id
     batch = _Batch(metrics=[Metric("val_acc", 0.25, int(time.time() * 1000), 1)])
-    write_spool(spool_folder(tmp_path, mlflow_server.url), mine, [batch], "FINISHED",
-                incomplete=False, traceback=None)  # fmt: skip
-    other = spool_folder(tmp_path, "https://mlflow.example.com")
+    own = spool_folder(tmp_path, mlflow_server.url, embedded=False)
+    other = spool_folder(tmp_path, "https://mlflow.example.com", embedded=False)
+    write_spool(own, mine, [batch], "FINISHED", incomplete=False, traceback=None)
     write_spool(other, "theirs", [batch], "FINISHED", incomplete=False, traceback=None)
     _two_trials(tmp_path, mlflow_server.url, name, n=1)
     sent = client.get_run(mine)
