@@ -541,10 +541,10 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     from hpsearch.runner import ensure_workdir
     from hpsearch.storage import resolve_storage
     from hpsearch.tracking.server import (
-        EMBEDDED_TRACKING_ENV,
         join_server,
         resolve_tracking_uri,
         store_lock,
+        told_embedded,
     )
     from hpsearch.worker import WorkerOptions, run_worker
 
@@ -581,9 +581,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
                 err=True,
             )
     # Its launch's embedded server (the launch says so), or the one it joined.
-    embedded = shared is not None or (
-        not tracking_uri and os.environ.get(EMBEDDED_TRACKING_ENV) == "1"
-    )
+    embedded = shared is not None or told_embedded(os.environ, tracking_uri)
     opts = WorkerOptions(
         workdir=workdir,
         worker_id=worker_id,

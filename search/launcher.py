@@ -753,14 +753,9 @@ class Launcher:
         # After those (a kept run ended so gets its told best model uploaded), and over them:
         # a kept run's own metrics, status and end time are its worker's.
         # This server's folder, then the one folder that earlier versions kept for all.
-        sent = 0
-        embedded = self.opts.tracking_uri is None
-        for folder in (
-            spool_folder(self.opts.workdir, uri, embedded=embedded),
-            self.opts.workdir / SPOOL_FOLDER,
-        ):
-            sent += replay_spool(client, folder) if exp is not None else 0
-        if sent:
+        own = spool_folder(self.opts.workdir, uri, embedded=self.opts.tracking_uri is None)
+        folders = (own, self.opts.workdir / SPOOL_FOLDER) if exp is not None else ()
+        if sent := sum(replay_spool(client, folder) for folder in folders):
             self._messages.append(f"sent {sent} MLflow run(s) kept while the server was down")
 
     def _start_tracking(self) -> str | None:

@@ -111,6 +111,12 @@ def resolve_tracking_uri(cli_value: str | None, env: Mapping[str, str] | None = 
     return value or None
 
 
+def told_embedded(env: Mapping[str, str], cli_tracking_uri: str | None) -> bool:
+    """Whether a worker's launch told it (`launcher.worker_env`) that its tracking URI is
+    the work folder's embedded server; a URI on the worker's own command line is its user's."""
+    return not cli_tracking_uri and env.get(EMBEDDED_TRACKING_ENV) == "1"
+
+
 def redact_uri(uri: str) -> str:
     """``scheme://user:secret@host/db?password=x`` -> ``scheme://user:***@host/db?password=***``.
 

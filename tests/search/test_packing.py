@@ -226,7 +226,7 @@ def test_a_launchs_workers_are_told_when_their_mlflow_is_its_embedded_server(
     """Their runs kept while it is down go to its spool folder (runs.spool_folder), which
     the next launch sends whatever port it gives the server; a worker on another server
     must not inherit the word from the environment of a launch's worker."""
-    from hpsearch.tracking.server import EMBEDDED_TRACKING_ENV
+    from hpsearch.tracking.server import EMBEDDED_TRACKING_ENV, told_embedded
 
     monkeypatch.setenv(EMBEDDED_TRACKING_ENV, "1")
     db, remote, own = "postgresql:///db", "https://mlflow.example.com", "http://127.0.0.1:5000"
@@ -235,6 +235,10 @@ def test_a_launchs_workers_are_told_when_their_mlflow_is_its_embedded_server(
     assert told[EMBEDDED_TRACKING_ENV] == "1" and told["MLFLOW_TRACKING_URI"] == own
     untracked = launcher.worker_env(os.environ, db, None, 1, None, embedded_tracking=True)
     assert EMBEDDED_TRACKING_ENV not in untracked
+    # What the worker reads back: told, unless its own --tracking-uri names a server.
+    assert told_embedded(told, None)
+    assert not told_embedded(told, own)
+    assert not told_embedded(launcher.worker_env({}, db, None, 1, remote), None)
 
 
 class _ProbeNVML:
