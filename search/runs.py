@@ -1226,8 +1226,11 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
     whose workers, of this host and gone, can no longer end them: a worker killed
     while its told trial's run waited to be ended, or a trial failed by the orphan or stale
     check, which end no run. Status from the trial's outcome, as its worker would have set
-    it. One search in the study's experiment; the runs ended. Best effort."""
-    from hpsearch.tracking.mlflow_logger import ROLE_TAG
+    it. A run is the trial's by its link (`mlflow_run_id`), else by its key tag (the
+    trial's `mlflow_run_key`): a create that landed as its worker gave up waiting for it,
+    or exited, was never linked. One search in the study's experiment; the runs ended.
+    Best effort."""
+    from hpsearch.tracking.mlflow_logger import ROLE_TAG, RUN_KEY_TAG
 
     try:
         running = client.search_runs(
@@ -1238,15 +1241,18 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
         if not running:
             return []
         owners: dict[str, FrozenTrial] = {}
+        keys: dict[str, FrozenTrial] = {}
         for trial in study.get_trials(deepcopy=False):  # in number order: a retry inherits
-            if trial.user_attrs.get(ATTR_RUN_ID):  # the failed try's run id until it links
-                owners.setdefault(str(trial.user_attrs[ATTR_RUN_ID]), trial)  # its own
+            if trial.user_attrs.get(ATTR_RUN_ID):  # the failed try's run id (and key) until
+                owners.setdefault(str(trial.user_attrs[ATTR_RUN_ID]), trial)  # it sets its own
+            if trial.user_attrs.get(ATTR_RUN_KEY):
+                keys.setdefault(str(trial.user_attrs[ATTR_RUN_KEY]), trial)
     except Exception as exc:  # best effort: the Optuna state is what counts
         logger.warning("could not end the runs of gone workers: %s", scrub(str(exc)))
         return []
     host, ended = socket.gethostname(), []
     for run in running:
-        t = owners.get(run.info.run_id)
+        t = owners.get(run.info.run_id) or keys.get(run.data.tags.get(RUN_KEY_TAG) or "")
         if t is None or not t.state.is_finished() or t.user_attrs.get(ATTR_HOST) != host:
             continue
         pid, start = t.user_attrs.get(ATTR_PID), t.user_attrs.get(ATTR_PID_START)

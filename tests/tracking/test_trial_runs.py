@@ -134,7 +134,7 @@ def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
     import sys
 
     from hpsearch.runs import end_dangling_runs
-    from hpsearch.tracking.mlflow_logger import INCOMPLETE_TAG, ROLE_TAG
+    from hpsearch.tracking.mlflow_logger import INCOMPLETE_TAG, ROLE_TAG, RUN_KEY_TAG
     from optuna.trial import TrialState
 
     cfg = hps.load_config("tiny", [f"name=runs-{uuid.uuid4().hex[:8]}"])
@@ -180,17 +180,31 @@ def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
             trial.set_user_attr(key, value)  # fmt: skip
         study.tell(trial, 0.5)
         runs[name] = rid
+    # A run start whose create landed as its worker exited (or gave up waiting for it):
+    # never linked, found by its key tag.
+    for name, pid in (("unlinked", gone.pid), ("unlinked_live", os.getpid())):
+        trial = study.ask()
+        key = uuid.uuid4().hex
+        rid = client.create_run(
+            experiment.experiment_id, tags={ROLE_TAG: "trial", RUN_KEY_TAG: key}
+        ).info.run_id
+        for k, value in {"mlflow_run_key": key, "host": socket.gethostname(), "pid": pid,
+                         "outcome": "pruned"}.items():  # fmt: skip
+            trial.set_user_attr(k, value)
+        study.tell(trial, state=TrialState.PRUNED)
+        runs[name] = rid
     retry = study.ask()  # inherits the failed try's run id until it links its own
     retry.set_user_attr("mlflow_run_id", runs["stale"])
     ended = end_dangling_runs(client, experiment.experiment_id, study)
     session.close()
     assert sorted(ended) == sorted(
-        [runs[k] for k in ("told", "stale", "died_telling", "told_best", "told_lost")]
+        [runs[k] for k in ("told", "stale", "died_telling", "told_best", "told_lost", "unlinked")]
     )
     status = {k: client.get_run(v).info.status for k, v in runs.items()}
     assert status == {
         "told": "FINISHED", "stale": "FAILED", "live": "RUNNING", "died_telling": "FAILED",
-        "told_best": "FINISHED", "told_lost": "FINISHED",
+        "told_best": "FINISHED", "told_lost": "FINISHED", "unlinked": "KILLED",
+        "unlinked_live": "RUNNING",
     }  # fmt: skip
     uploaded = [a.path for a in client.list_artifacts(runs["told_best"], "checkpoint")]
     assert uploaded == ["checkpoint/best.pt"]
