@@ -171,6 +171,16 @@ def open_storage(
                 f"storage {spec.display}: cannot create folder: {exc.strerror}"
             ) from exc
         try:
+            # Optuna skips a last line without its newline (one being written), so another
+            # program's one-line file read as a journal of no studies, and its first
+            # write was appended to that line. Every journal line is a JSON object.
+            with contextlib.suppress(FileNotFoundError), open(path, "rb") as fh:
+                head = fh.read(64).lstrip()
+                if head and not head.startswith(b"{"):
+                    raise StorageError(
+                        f"storage {spec.display}: not a readable Optuna journal: its first line is "
+                        "not a JSON object"
+                    )
             backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
             return JournalStorage(backend)  # reads the whole journal
         except OSError as exc:

@@ -79,6 +79,14 @@ def test_a_damaged_journal_or_a_folder_is_a_storage_error(
     bad.write_text("1\n")  # JSON, but not an operation: a JSON-lines log named by mistake
     with pytest.raises(hps.StorageError, match="not a readable Optuna journal"):
         hps.load_study("s", storage=str(bad))
+    # Another program's one-line log: Optuna skips a last line without its newline (one
+    # being written), so this read as a journal of no studies, and a launch appended to it.
+    other = tmp_path / "server.log"
+    other.write_text("2026-12-04 started")
+    r = hpsearch(["studies", "--storage", str(other)], subprocess_env)
+    assert r.returncode == 1 and "its first line is not a JSON object" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert other.read_text() == "2026-12-04 started"
     folder = tmp_path / "dir.journal"
     folder.mkdir()
     r = hpsearch(["status", "-s", "s", "--storage", str(folder)], subprocess_env)
