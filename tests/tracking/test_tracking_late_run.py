@@ -257,6 +257,39 @@ def test_runs_kept_for_another_mlflow_server_are_left_for_it(
     assert [p.name for p in other.iterdir()] == [f"theirs{SPOOL_SUFFIX}"]
 
 
+@pytest.mark.slow
+def test_a_worker_that_joins_the_work_folders_server_sends_the_runs_kept_for_it(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A worker started by hand in a work folder whose embedded server runs (a launch's, or
+    `hpsearch ui`'s) joins that server, and its spool folder is the embedded server's,
+    whatever port it has now: the runs kept while it was down are sent at the worker's end."""
+    from cli_util import DUMMY, hpsearch
+    from hpsearch.tracking.mlflow_logger import _Batch, write_spool
+    from hpsearch.tracking.server import attach_or_start
+    from mlflow.entities import Metric
+
+    server = attach_or_start(tmp_path)  # the embedded server, as `hpsearch ui` starts it
+    try:
+        client = MlflowClient(server.url)
+        name = f"joined-{time.time_ns()}"
+        kept = client.create_run(client.create_experiment(name)).info.run_id
+        batch = _Batch(metrics=[Metric("val_acc", 0.25, int(time.time() * 1000), 1)])
+        folder = spool_folder(tmp_path, server.url, embedded=True)
+        write_spool(folder, kept, [batch], "FINISHED", incomplete=False, traceback=None)
+        env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.01"}
+        env.pop("HPSEARCH_EMBEDDED_MLFLOW", None)  # started by hand: no launch told it
+        r = hpsearch(["worker", "--study", "tiny", "--workdir", str(tmp_path), "--trials", "1",
+                      "--set", f"name={name}", "--set", "budget.max_epochs=1",
+                      "--train-fn", DUMMY], env)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        sent = client.get_run(kept)
+        assert sent.info.status == "FINISHED" and sent.data.metrics["val_acc"] == 0.25
+        assert not list(folder.glob("*.json"))
+    finally:
+        server.release()
+
+
 def test_a_trial_failing_before_mlflow_is_ready_gets_its_run(
     tmp_path: Path,
     mlflow_server: LocalServer,
