@@ -754,8 +754,8 @@ class Launcher:
         # a kept run's own metrics, status and end time are its worker's.
         # This server's folder, then the one folder that earlier versions kept for all.
         own = spool_folder(self.opts.workdir, uri, embedded=self.opts.tracking_uri is None)
-        folders = (own, self.opts.workdir / SPOOL_FOLDER) if exp is not None else ()
-        if sent := sum(replay_spool(client, folder) for folder in folders):
+        folders = ((own, False), (self.opts.workdir / SPOOL_FOLDER, True)) if exp else ()
+        if sent := sum(replay_spool(client, folder, mixed=mixed) for folder, mixed in folders):
             self._messages.append(f"sent {sent} MLflow run(s) kept while the server was down")
 
     def _start_tracking(self) -> str | None:

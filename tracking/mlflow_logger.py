@@ -1144,11 +1144,14 @@ def write_spool(
     return path
 
 
-def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
+def replay_spool(client: MlflowClient, spool_dir: Path, *, mixed: bool = False) -> int:
     """Send the runs kept in ``spool_dir`` (`write_spool`), in name order: their batches,
     the incomplete tag, the traceback, then their status. A file is claimed by renaming
     it (two workers of one host share the folder) and deleted once sent; it goes back when
-    the server fails again, which ends this call. The number of runs sent. Never raises."""
+    the server fails again, which ends this call. A run the server lacks is set aside
+    (``.failed``, its files deleted); with `mixed` (the one folder earlier versions kept
+    for every server) it is left where it is, for the server it was kept for. The number
+    of runs sent. Never raises."""
     _reclaim_abandoned(spool_dir)
     sent = 0
     for path in sorted(spool_dir.glob(f"*{SPOOL_SUFFIX}") if spool_dir.is_dir() else ()):
@@ -1161,6 +1164,10 @@ def replay_spool(client: MlflowClient, spool_dir: Path) -> int:
             record = json.loads(claimed.read_text())
             _replay_run(client, record, spool_dir)
         except Exception as exc:  # telemetry: kept for the next try, or set aside
+            if mixed and is_gone(exc):  # another server's, maybe: left for it
+                with contextlib.suppress(OSError):
+                    os.rename(claimed, path)
+                continue
             if isinstance(exc, ValueError | KeyError | TypeError) or is_gone(exc):
                 with contextlib.suppress(OSError):  # unreadable, or no such run there
                     os.rename(claimed, path.with_name(path.name + ".failed"))

@@ -765,6 +765,38 @@ def test_kept_runs_are_sent_once_with_their_end_time_and_a_dead_claim_is_taken_b
     assert [p.name for p in spool.iterdir()] == [f"r3{SPOOL_SUFFIX}.failed"]
 
 
+def test_runs_kept_in_the_folder_earlier_versions_shared_are_left_to_the_server_lacking_them(
+    tmp_path: Path,
+) -> None:
+    """Earlier versions kept one folder for every server: a run this server lacks may be
+    another's, so it stays there, files and all (it was set aside and its files deleted),
+    and the runs after it are still sent."""
+    from hpsearch.tracking.mlflow_logger import _Batch, _keep_artifacts, write_spool
+
+    spool = tmp_path / "mlflow-spool"
+    plot = tmp_path / "learning_curve.png"
+    plot.write_bytes(b"png")
+    batch = _Batch(metrics=[Metric("val_acc", 0.5, 5, 1)])
+    for run in ("other", "mine"):
+        kept, _ = _keep_artifacts(spool, run, [plot])
+        write_spool(spool, run, [batch], "FINISHED", incomplete=False, traceback=None,
+                    artifacts=kept)  # fmt: skip
+
+    class _Here(_SpoolClient):
+        def log_batch(self, run_id: str, *args: Any, **kwargs: Any) -> None:
+            if run_id == "other":
+                raise RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "x"})
+            super().log_batch(run_id, *args, **kwargs)
+
+    here = _Here()
+    assert replay_spool(here, spool, mixed=True) == 1  # type: ignore[arg-type]
+    assert sorted(p.name for p in spool.iterdir()) == ["other.artifacts", f"other{SPOOL_SUFFIX}"]
+    assert ("end", ("mine", "FINISHED", here.calls[-1][1][2])) == here.calls[-1]
+    # Its own server takes it later.
+    assert replay_spool(_SpoolClient(), spool, mixed=True) == 1  # type: ignore[arg-type]
+    assert list(spool.iterdir()) == []
+
+
 def test_a_kept_runs_artifacts_are_sent_and_a_refused_one_holds_up_nothing(
     tmp_path: Path,
 ) -> None:
