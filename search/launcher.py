@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import datetime
 import fcntl
+import functools
 import importlib
 import json
 import os
@@ -726,6 +727,7 @@ class Launcher:
             _client,
             end_dangling_runs,
             finalize_study,
+            link_late_run,
             spool_folder,
         )
         from hpsearch.tracking.mlflow_logger import close_study_run, find_study_runs, replay_spool
@@ -755,7 +757,10 @@ class Launcher:
         # This server's folder, then the one folder that earlier versions kept for all.
         own = spool_folder(self.opts.workdir, uri, embedded=self.opts.tracking_uri is None)
         folders = ((own, False), (self.opts.workdir / SPOOL_FOLDER, True)) if exp else ()
-        if sent := sum(replay_spool(client, folder, mixed=mixed) for folder, mixed in folders):
+        link = functools.partial(link_late_run, self.study._storage)
+        if sent := sum(
+            replay_spool(client, folder, mixed=mixed, on_made=link) for folder, mixed in folders
+        ):
             self._messages.append(f"sent {sent} MLflow run(s) kept while the server was down")
 
     def _start_tracking(self) -> str | None:

@@ -7,7 +7,7 @@ import operator
 import os
 import socket
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from hpsearch.storage import (
     resolve_storage,
     storage_file,
 )
-from hpsearch.study import CONFIG_ATTR, rank_key
+from hpsearch.study import CONFIG_ATTR, LATE_RUN_ATTR, rank_key
 from optuna.trial import FrozenTrial, TrialState
 
 USER_COLUMNS = ("outcome", "worker", "host", "test_acc", "mlflow_run_id")
@@ -122,7 +122,9 @@ def checkpoint_uri(trial: FrozenTrial) -> str | None:
     return str(uri) if uri else None
 
 
-def trial_row(t: FrozenTrial) -> dict[str, Any]:
+def trial_row(t: FrozenTrial, study_attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One trial's columns (`FIXED_COLUMNS` and its params). `study_attrs`: its study's user
+    attributes, which link the MLflow run made after a trial had ended (`LATE_RUN_ATTR`)."""
     row: dict[str, Any] = {
         "number": t.number,
         "value": t.value if t.values is None or len(t.values) == 1 else list(t.values),
@@ -138,6 +140,8 @@ def trial_row(t: FrozenTrial) -> dict[str, Any]:
     )
     for k in USER_COLUMNS:
         row[k] = t.user_attrs.get(k)
+    if not row["mlflow_run_id"] and study_attrs:  # a retry's is "" until it links its own
+        row["mlflow_run_id"] = study_attrs.get(LATE_RUN_ATTR.format(number=t.number)) or None
     row["checkpoint_uri"] = checkpoint_uri(t)
     return row
 
@@ -167,7 +171,8 @@ def _check_k(k: object) -> int:
 
 
 def _top_rows(study: optuna.Study, k: int) -> list[dict[str, Any]]:
-    return [trial_row(t) for t in _ranked(study)[:k]]
+    attrs = study.user_attrs
+    return [trial_row(t, attrs) for t in _ranked(study)[:k]]
 
 
 def best_trials(
@@ -229,7 +234,7 @@ def _status(study: optuna.Study, spec: StorageSpec) -> StudyStatus:
     for t in trials:
         counts[t.state.name.lower()] += 1
     ranked = _ranked(study)
-    best = trial_row(ranked[0]) if ranked else None
+    best = trial_row(ranked[0], study.user_attrs) if ranked else None
     running = [
         {
             "number": t.number,

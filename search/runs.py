@@ -28,7 +28,7 @@ from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import HpsearchError, TrackingError, TrackingUnreachable
 from hpsearch.packing import holder_alive, pid_alive
 from hpsearch.storage import StorageSpec
-from hpsearch.study import best_of, dominates, objective_values
+from hpsearch.study import LATE_RUN_ATTR, best_of, dominates, objective_values
 from hpsearch.tracking.server import redact_uri, scrub
 from hpsearch.trainer.types import best_model_path_for
 from hpsearch.worker import (
@@ -42,6 +42,7 @@ from hpsearch.worker import (
     ATTR_RUN_KEY,
     ATTR_WORKER,
 )
+from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 logger = logging.getLogger("hpsearch.tracking")
@@ -571,6 +572,7 @@ class TrackingSession:
         stop: threading.Event | None = None,
         device: str = "auto",
         spool_dir: Path | None = None,
+        on_run_made: Callable[[Mapping[str, Any], str], object] | None = None,
     ) -> None:
         """background: set up (import MLflow, wait for the study run, connect) on a thread,
         so that a worker's first trial trains meanwhile; `when_ready` runs what needs it.
@@ -578,8 +580,10 @@ class TrackingSession:
         launcher killed) waited up to `await_study_run_s` to tell its finished trials.
         `device`: the worker's --device; the GPU telemetry samples the GPU it trains on.
         `spool_dir`: where a trial's run keeps what MLflow, down past the trial's end, did
-        not take; sent at a later trial's start and at `close` (`replay_spool`)."""
+        not take; sent at a later trial's start and at `close` (`replay_spool`), with
+        `on_run_made` told of each run made then for a trial that had ended (`link_late_run`)."""
         self._stop = stop if stop is not None else threading.Event()
+        self._on_run_made = on_run_made
         self.device = device
         self.spool_dir = spool_dir
         self._replay_queued = False
@@ -868,7 +872,7 @@ class TrackingSession:
             return
         if not health_ok(self.uri, any_status=True):
             return
-        if sent := replay_spool(self.client, self.spool_dir):
+        if sent := replay_spool(self.client, self.spool_dir, on_made=self._on_run_made):
             logger.info("MLflow: sent %d run(s) kept while the server was down", sent)
 
     def _sampler_options(self) -> dict[str, Any]:
@@ -1219,6 +1223,24 @@ def _loadable(path: Path) -> bool:
         return True
     except Exception:
         return False
+
+
+def link_late_run(storage: BaseStorage, create: Mapping[str, Any], run_id: str) -> bool:
+    """Link the run made for a trial that ended while MLflow was down (a kept record's
+    create, `replay_spool`): a study attribute (`LATE_RUN_ATTR`), as Optuna takes none on a
+    finished trial, written only where the study of that name in this storage has that
+    trial with the record's run key (another storage's study of the same name has none).
+    Whether it was written. Raises what the storage raises."""
+    key, number = create.get("run_key"), int(create["trial_number"])
+    try:
+        study_id = storage.get_study_id_from_name(str(create["experiment"]))
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, number)
+    except KeyError:  # no such study or trial here
+        return False
+    if not key or storage.get_trial(trial_id).user_attrs.get(ATTR_RUN_KEY) != key:
+        return False
+    storage.set_study_user_attr(study_id, LATE_RUN_ATTR.format(number=number), run_id)
+    return True
 
 
 def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> list[str]:

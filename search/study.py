@@ -32,6 +32,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 # Study user attribute holding the resolved study YAML (for load_best_model and reproducing).
 CONFIG_ATTR = "hpsearch.config"
+# A study attribute per trial whose MLflow run was made after the trial had finished (it
+# ended while the server was down): Optuna takes no attribute on a finished trial.
+LATE_RUN_ATTR = "mlflow_run_id.{number}"
 # Optuna constraint set on every trial: > 0 (infeasible) for out-of-memory trials, so that
 # constrained samplers (TPE, NSGA-II, GP) learn the memory boundary.
 MEMORY_CONSTRAINT = "memory"

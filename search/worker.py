@@ -528,7 +528,7 @@ def run_worker(
     # Optuna's cache wrapper); a NullPool engine would connect afresh on every ask.
     lock_engine = getattr(getattr(study._storage, "_backend", study._storage), "engine", None)
     budget = _Budget(study, cfg)
-    tracking = _open_tracking(cfg, spec, opts, stop)
+    tracking = _open_tracking(cfg, spec, opts, stop, study)
     watcher = None
     if spec.kind == "rdb":
         _, grace_s, check_s = heartbeat_timing(opts.heartbeat_interval_s)
@@ -1433,11 +1433,17 @@ def _new_warm_cache() -> Any:
 
 
 def _open_tracking(
-    cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions, stop: threading.Event
-) -> Any:
+    cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions, stop: threading.Event,
+    study: optuna.Study,
+) -> Any:  # fmt: skip
     if not opts.tracking_uri:
         return None
-    from hpsearch.runs import TrackingSession, remove_stale_snapshots, spool_folder
+    from hpsearch.runs import (
+        TrackingSession,
+        link_late_run,
+        remove_stale_snapshots,
+        spool_folder,
+    )
 
     # Best-model snapshots that a killed worker of this host left here (hard links).
     for gone in remove_stale_snapshots(opts.workdir / "checkpoints"):
@@ -1451,4 +1457,5 @@ def _open_tracking(
         cfg, spec, opts.tracking_uri, opts.resolved_id(), await_study_run_s=opts.await_study_run_s,
         background=not cfg.tracking.upload_checkpoints, stop=stop, device=opts.device,
         spool_dir=spool_folder(opts.workdir, opts.tracking_uri, embedded=opts.embedded_tracking),
+        on_run_made=functools.partial(link_late_run, study._storage),
     )  # fmt: skip

@@ -1144,14 +1144,21 @@ def write_spool(
     return path
 
 
-def replay_spool(client: MlflowClient, spool_dir: Path, *, mixed: bool = False) -> int:
+def replay_spool(
+    client: MlflowClient,
+    spool_dir: Path,
+    *,
+    mixed: bool = False,
+    on_made: Callable[[Mapping[str, Any], str], object] | None = None,
+) -> int:
     """Send the runs kept in ``spool_dir`` (`write_spool`), in name order: their batches,
     the incomplete tag, the traceback, then their status. A file is claimed by renaming
     it (two workers of one host share the folder) and deleted once sent; it goes back when
     the server fails again, which ends this call. A run the server lacks is set aside
     (``.failed``, its files deleted); with `mixed` (the one folder earlier versions kept
-    for every server) it is left where it is, for the server it was kept for. The number
-    of runs sent. Never raises."""
+    for every server) it is left where it is, for the server it was kept for. `on_made`
+    is told of each run made here for a record kept offline: (its create, the run id). The
+    number of runs sent. Never raises."""
     _reclaim_abandoned(spool_dir)
     sent = 0
     for path in sorted(spool_dir.glob(f"*{SPOOL_SUFFIX}") if spool_dir.is_dir() else ()):
@@ -1162,7 +1169,7 @@ def replay_spool(client: MlflowClient, spool_dir: Path, *, mixed: bool = False) 
             continue
         try:
             record = json.loads(claimed.read_text())
-            _replay_run(client, record, spool_dir)
+            run_id = _replay_run(client, record, spool_dir)
         except Exception as exc:  # telemetry: kept for the next try, or set aside
             if mixed and is_gone(exc):  # another server's, maybe: left for it
                 with contextlib.suppress(OSError):
@@ -1182,6 +1189,11 @@ def replay_spool(client: MlflowClient, spool_dir: Path, *, mixed: bool = False) 
         claimed.unlink(missing_ok=True)
         shutil.rmtree(_artifacts_dir(spool_dir, str(record["run_id"])), ignore_errors=True)
         sent += 1
+        if on_made is not None and record.get("create"):
+            try:
+                on_made(record["create"], run_id)
+            except Exception as exc:  # telemetry: the run is in MLflow, found by its key
+                logger.warning("MLflow: kept run %s not linked: %s", run_id, _short(exc))
     return sent
 
 
@@ -1262,8 +1274,9 @@ def _made_run(client: MlflowClient, create: Mapping[str, Any]) -> str:
     return str(run.info.run_id)
 
 
-def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path) -> None:
-    # An offline run's is made first; its files stay under the record's own key.
+def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path) -> str:
+    """Send one kept record; the run's id. An offline run's is made first; its files stay
+    under the record's own key."""
     key = str(record["run_id"])
     run_id = _made_run(client, record["create"]) if record.get("create") else key
     incomplete = bool(record.get("incomplete"))
@@ -1305,6 +1318,7 @@ def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path
     client.set_terminated(
         run_id, status=str(record["status"]), end_time=int(end_ms) if end_ms else None
     )
+    return run_id
 
 
 def _default_gpu_label() -> str:

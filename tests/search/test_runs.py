@@ -179,3 +179,28 @@ def test_each_mlflow_server_has_its_own_spool_folder(tmp_path: Path) -> None:
     assert folder("http://127.0.0.1:5000", True).name == EMBEDDED_SPOOL
     for odd in ("databricks", "http://h:notaport", "http://[::1"):
         assert folder(odd).parent == tmp_path / SPOOL_FOLDER
+
+
+def test_a_run_made_after_its_trial_ended_is_linked_only_to_that_trial(tmp_path: Path) -> None:
+    """Optuna takes no attribute on a finished trial: the run made for it later (it ended
+    while MLflow was down) is linked by a study attribute, where the study of that name in
+    this storage has that trial with the kept record's run key."""
+    import optuna
+    from hpsearch.runs import link_late_run
+    from hpsearch.storage import StorageSpec, open_storage
+
+    journal = tmp_path / "optuna.journal"
+    storage = open_storage(StorageSpec("journal", str(journal), "journal"))
+    study = optuna.create_study(study_name="s", storage=storage)
+    trial = study.ask()
+    trial.set_user_attr("mlflow_run_key", "k1")
+    study.tell(trial, 1.0)
+    create = {"experiment": "s", "trial_number": 0, "run_key": "k1"}
+    assert link_late_run(storage, create, "r1")
+    assert study.user_attrs == {"mlflow_run_id.0": "r1"}
+    # Another storage's study of that name, or another try of that trial: not linked.
+    assert not link_late_run(storage, {**create, "run_key": "k2"}, "r2")
+    assert not link_late_run(storage, {**create, "trial_number": 5}, "r3")
+    assert not link_late_run(storage, {**create, "experiment": "other"}, "r4")
+    assert not link_late_run(storage, {**create, "run_key": None}, "r5")
+    assert study.user_attrs == {"mlflow_run_id.0": "r1"}

@@ -208,7 +208,9 @@ def test_a_trial_that_ends_while_mlflow_is_down_keeps_its_run_until_it_answers(
 ) -> None:
     """The server is still down when the trial ends: its run is kept whole in the spool
     folder (epochs, end, plots) and made when the server answers (here at the worker's
-    end), found by the trial's run key. Before, the trial had no run at all."""
+    end), found by the trial's run key, and linked by a study attribute that the query
+    API reads. Before, the trial had no run at all."""
+    from hpsearch.query import best_trials
     import hpsearch.runs as runs
 
     monkeypatch.setattr(runs.TrackingSession, "answers", lambda self: False)  # at its end
@@ -222,6 +224,8 @@ def test_a_trial_that_ends_while_mlflow_is_down_keeps_its_run_until_it_answers(
     trial = _study(journal, name).trials[0]
     assert run.data.tags["hpsearch.run_key"] == trial.user_attrs["mlflow_run_key"]
     assert "mlflow_run_id" not in trial.user_attrs  # a finished trial takes no attribute
+    top = best_trials(name, storage=str(journal))
+    assert list(top["mlflow_run_id"]) == [run.info.run_id]
     assert run.info.status == "FINISHED"
     epochs = client.get_metric_history(run.info.run_id, "val_acc")
     assert [m.value for m in epochs] == [trial.intermediate_values[s] for s in (1, 2, 3)]
