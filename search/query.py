@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 import pandas as pd
@@ -25,6 +25,9 @@ from hpsearch.storage import (
 )
 from hpsearch.study import CONFIG_ATTR, LATE_RUN_ATTR, rank_key
 from optuna.trial import FrozenTrial, TrialState
+
+if TYPE_CHECKING:
+    import torch
 
 USER_COLUMNS = ("outcome", "worker", "host", "test_acc", "mlflow_run_id")
 
@@ -65,6 +68,8 @@ def _missing_file(spec: StorageSpec, storage: StorageArg) -> StorageError | None
 
 def _open(name: str, storage: StorageArg, workdir: WorkdirArg) -> tuple[optuna.Study, Any]:
     """The study and the storage it reads, whose connections the caller disposes of."""
+    if not isinstance(name, str) or not name:  # Optuna loads a store's only study for None
+        raise StudyNotFoundError(f"study name: {name!r}: must be a non-empty string")
     spec = _spec(storage, workdir)
     if (missing := _missing_file(spec, storage)) is not None:
         raise missing
@@ -102,7 +107,9 @@ def _reading(name: str, storage: StorageArg, workdir: WorkdirArg) -> Iterator[op
 
 
 def load_study(name: str, storage: StorageArg = None, workdir: WorkdirArg = None) -> optuna.Study:
-    """The `optuna.Study` named `name` (storage: URL, else HPSEARCH_STORAGE, else the journal)."""
+    """The `optuna.Study` named `name` (storage: URL, else HPSEARCH_STORAGE, else the journal).
+    Its storage stays open for the study's use: a database's pooled connection closes when
+    the study is garbage-collected (the other readers close theirs before they return)."""
     return _open(name, storage, workdir)[0]
 
 
@@ -118,8 +125,18 @@ def _ranked(study: optuna.Study) -> list[FrozenTrial]:
 
 
 def checkpoint_uri(trial: FrozenTrial) -> str | None:
-    uri = trial.user_attrs.get("checkpoint_uri") or trial.user_attrs.get("best_model")
-    return str(uri) if uri else None
+    """The best model logged to MLflow, else the trial's best-model file: None once that
+    file is deleted (outside the top tracking.keep_top_k since), as seen on the host that
+    ran the trial (another host's file is not seen from here)."""
+    uri = trial.user_attrs.get("checkpoint_uri")
+    if uri:
+        return str(uri)
+    local = trial.user_attrs.get("best_model")
+    if not local:
+        return None
+    path = Path(str(local))
+    here = trial.user_attrs.get("host") in (None, socket.gethostname())
+    return None if here and path.is_absolute() and not path.exists() else str(local)
 
 
 def trial_row(t: FrozenTrial, study_attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -265,6 +282,9 @@ def list_studies(storage: StorageArg = None, workdir: WorkdirArg = None) -> list
     if not has_optuna_tables(spec):
         if missing := _missing_file(spec, storage):
             raise missing
+        folder = Path(spec.url).parent if spec.kind == "journal" else None
+        if workdir and folder is not None and folder == _workdir(workdir) and not folder.is_dir():
+            raise StorageError(f"workdir {os.fspath(workdir)}: no such folder")  # mistyped
         return []
     st = open_storage(spec, pool_size=1, create=False)
     try:
@@ -310,25 +330,34 @@ def load_best_model(
     *,
     trial: int | None = None,
     workdir: WorkdirArg = None,
-    device: str = "cpu",
-) -> Any:
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
     """The torch model of the best trial (or of completed trial number `trial`), in eval
-    mode. A multi-objective study has no single best: name the trial.
+    mode on `device` ("cpu", "cuda", "cuda:N", "auto" or a `torch.device`). A
+    multi-objective study has no single best: name the trial.
 
     Weights come from the trial's best-model file when it is on this machine, else from the
-    checkpoint logged to MLflow (`tracking_uri`, MLFLOW_TRACKING_URI).
+    checkpoint logged to MLflow (`tracking_uri`, MLFLOW_TRACKING_URI; with neither, the work
+    folder's own MLflow store), downloaded to a temporary folder that is removed after
+    loading. The file is loaded with `torch.load(weights_only=True)`: tensors and plain
+    values only, never code.
     """
+    import tempfile
+
     from hpsearch.config import config_from_yaml
     from hpsearch.trainer import load_trained_model
+    from hpsearch.trainer.trial import resolve_device
 
+    dev = resolve_device(str(device))  # before any download: a bad device fails at once
     with _reading(name, storage, workdir) as study:
         best = _chosen(study, name, trial)
         raw_cfg = study.user_attrs.get(CONFIG_ATTR)
     if not raw_cfg:
         raise HpsearchError(f"study {name!r} has no stored config; was it created by hpsearch?")
     cfg = config_from_yaml(raw_cfg, f"study {name}")
-    path = best_model_file(best, tracking_uri, _workdir(workdir))
-    return load_trained_model(cfg, best.params, path, device=device)
+    with tempfile.TemporaryDirectory(prefix="hpsearch-model-") as tmp:
+        path = best_model_file(best, tracking_uri, _workdir(workdir), Path(tmp))
+        return load_trained_model(cfg, best.params, path, device=dev)
 
 
 def _chosen(study: optuna.Study, name: str, trial: int | None) -> FrozenTrial:
@@ -349,11 +378,13 @@ def _chosen(study: optuna.Study, name: str, trial: int | None) -> FrozenTrial:
     return ranked[0]
 
 
-def best_model_file(trial: FrozenTrial, tracking_uri: str | None, workdir: Path) -> Path:
+def best_model_file(
+    trial: FrozenTrial, tracking_uri: str | None, workdir: Path, dest: Path
+) -> Path:
     """Where a trial's best model is read from: its file when this host ran it; for a trial
     another host ran, the copy its MLflow run holds first (a file at its path here may be
     an earlier try's of its chain, which this host ran), else the file (a work folder the
-    hosts share)."""
+    hosts share). A download goes into `dest`."""
     from hpsearch.runs import download_best_model
 
     local = _local_best_model(trial, workdir)
@@ -361,7 +392,7 @@ def best_model_file(trial: FrozenTrial, tracking_uri: str | None, workdir: Path)
     if local is not None and not (elsewhere and trial.user_attrs.get("checkpoint_uri")):
         return local
     try:
-        return Path(download_best_model(trial, tracking_uri, workdir))
+        return Path(download_best_model(trial, tracking_uri, workdir, dest))
     except HpsearchError:
         if local is None:
             raise

@@ -18,7 +18,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -1517,12 +1517,16 @@ def _export_best_onnx(
     return export_model_onnx(cfg, best.params, weights, out / "best_model.onnx"), best.number
 
 
-def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: Path) -> Path:
-    """The best-model checkpoint of a trial, fetched from its MLflow run."""
-    from hpsearch.tracking.server import resolve_tracking_uri
+def download_best_model(
+    trial: FrozenTrial, tracking_uri: str | None, workdir: Path, dest: Path
+) -> Path:
+    """The best-model checkpoint of a trial from its MLflow run: downloaded into `dest` (a
+    folder of the caller's), or, with no tracking URI given, read from the work folder's
+    own MLflow store, whose artifacts are files under `<workdir>/mlflow/artifacts/`."""
+    from hpsearch.tracking.server import resolve_tracking_uri, store_paths
 
     uri = resolve_tracking_uri(tracking_uri)
-    run_id = trial.user_attrs.get(ATTR_RUN_ID)
+    run_id = str(trial.user_attrs.get(ATTR_RUN_ID) or "")
     if not trial.user_attrs.get("checkpoint_uri"):
         # Not uploaded (outside the top k at its tell, or tracking.keep_top_k: 0), and its
         # file is gone (outside the top k since) or on another host.
@@ -1531,15 +1535,22 @@ def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: P
             "(kept for the top tracking.keep_top_k trials, on the host that ran it) and "
             "none was logged to MLflow"
         )
-    if not uri or not run_id:
+    if not run_id.isalnum():  # the link is written before the upload: not seen, but named
+        raise HpsearchError(f"trial {trial.number}: its model's MLflow run is not linked")
+    if not uri:
+        _, artifacts, _ = store_paths(workdir)
+        for found in sorted(artifacts.glob(f"*/{run_id}/artifacts/{CHECKPOINT_ARTIFACT}/best.pt")):
+            return found
         raise HpsearchError(
-            f"trial {trial.number}: its checkpoint is not on this machine and no MLflow run "
-            "holds it; pass tracking_uri= (or MLFLOW_TRACKING_URI)"
+            f"trial {trial.number}: its model is in MLflow run {run_id}, not on this machine, "
+            f"and no tracking URI was given (tracking_uri=, MLFLOW_TRACKING_URI); the work "
+            f"folder {workdir} holds no MLflow store with that run"
         )
-    dest = workdir / "downloads" / str(run_id)
-    dest.mkdir(parents=True, exist_ok=True)
     try:
-        local = _client(uri).download_artifacts(run_id, f"{CHECKPOINT_ARTIFACT}/best.pt", str(dest))
+        with _http_policy():
+            local = _client(uri).download_artifacts(
+                run_id, f"{CHECKPOINT_ARTIFACT}/best.pt", str(dest)
+            )
     except Exception as exc:  # MlflowException, or an HTTP error: no run, no such artifact
         shown = redact_uri(uri)  # a password in the URI is never printed
         # No cause attached: MLflow's own error, printed in a traceback, holds the URI.
@@ -1548,6 +1559,23 @@ def download_best_model(trial: FrozenTrial, tracking_uri: str | None, workdir: P
             f"{type(exc).__name__}: {scrub(str(exc).replace(uri, shown))}"
         ) from None
     return Path(local)
+
+
+@contextlib.contextmanager
+def _http_policy() -> Iterator[None]:
+    """hpsearch's short MLflow HTTP retries and timeouts (`_client` sets them for good, in
+    hpsearch's own processes) for a reader's call only: the caller's notebook keeps its own."""
+    from hpsearch.tracking.mlflow_logger import HTTP_POLICY
+
+    saved = {key: os.environ.get(key) for key in HTTP_POLICY}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _rmtree(path: Path) -> None:

@@ -15,6 +15,7 @@ import logging
 import math
 import multiprocessing.util  # noqa: F401 - its exit handler is registered before ours
 import os
+import pickle
 import random
 import signal
 import threading
@@ -1251,23 +1252,32 @@ def load_trained_model(
     config: StudyConfig,
     params: Mapping[str, Any],
     best_model_path: Path | str,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
 ) -> nn.Module:
     """The best model of a trial, in eval mode on `device` (for export or evaluation). Its
     architecture is the one the file records: a relaunch may have changed the study's
-    defaults since the trial trained."""
+    defaults since the trial trained. Loaded with `weights_only=True`: the file may come
+    from a shared MLflow server, and unpickling runs whatever code it names."""
+    from hpsearch.errors import CheckpointError, DataError
+
     hp = config.resolve_params(params)
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
     path = Path(best_model_path)
     if not path.is_file():
-        from hpsearch.errors import DataError
-
         raise DataError(f"best model {path}: file not found")
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    num_classes = int(blob["num_classes"])
-    arch = str(blob.get("arch") or hp.arch)
-    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
-    model.load_state_dict(blob["model"])
-    return model.to(resolve_device(device)).eval()
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        num_classes = int(blob["num_classes"])
+        arch = str(blob.get("arch") or hp.arch)
+        model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+        model.load_state_dict(blob["model"])
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+        # Damaged, truncated, not a model file of hpsearch's, or naming code to run.
+        first = " ".join(str(exc).split())[:200]
+        raise CheckpointError(
+            f"best model {path}: not a readable hpsearch model file: {type(exc).__name__}: {first}"
+        ) from exc
+    return model.to(dev).eval()
 
 
 def evaluate_model(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import time
 from pathlib import Path
@@ -193,14 +194,62 @@ def test_a_failed_download_never_shows_the_tracking_password(tmp_path: Path) -> 
     kept = {"mlflow_run_id": "abc123", "checkpoint_uri": "runs:/abc123/checkpoint/best.pt"}
     trial = create_trial(value=0.5, user_attrs=kept)
     with pytest.raises(hps.TrackingError) as info:
-        download_best_model(trial, "http://bob:s3cret@127.0.0.1:9", tmp_path)
+        download_best_model(trial, "http://bob:s3cret@127.0.0.1:9", tmp_path, tmp_path)
     assert "s3cret" not in str(info.value) and "bob:***@127.0.0.1:9" in str(info.value)
     # MLflow's own error, which holds the URI, is not chained to it (a traceback prints it).
     assert info.value.__cause__ is None and info.value.__suppress_context__
     # None logged to MLflow: said so, rather than to pass a tracking URI.
     unkept = create_trial(value=0.5, user_attrs={"mlflow_run_id": "abc123"})
     with pytest.raises(hps.HpsearchError, match="no model of it was kept"):
-        download_best_model(unkept, "http://127.0.0.1:9", tmp_path)
+        download_best_model(unkept, "http://127.0.0.1:9", tmp_path, tmp_path)
+
+
+def test_a_download_leaves_the_callers_mlflow_settings_and_reads_the_embedded_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader (a notebook) keeps its own MLflow HTTP retries and timeouts: hpsearch's
+    short ones were left in its environment for good. With no tracking URI, the work
+    folder's own MLflow store is read from disk (the embedded server stops with its
+    launch); the error said no run held the model."""
+    from hpsearch.runs import download_best_model
+    from hpsearch.tracking.mlflow_logger import HTTP_POLICY
+
+    for key in HTTP_POLICY:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")  # the caller's own
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    kept = {"mlflow_run_id": "abc123", "checkpoint_uri": "runs:/abc123/checkpoint/best.pt"}
+    trial = create_trial(value=0.5, user_attrs=kept)
+    with pytest.raises(hps.TrackingError):
+        download_best_model(trial, "http://127.0.0.1:9", tmp_path, tmp_path)
+    assert [k for k in HTTP_POLICY if k in os.environ] == ["MLFLOW_HTTP_REQUEST_TIMEOUT"]
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "120"
+    with pytest.raises(hps.HpsearchError, match="no tracking URI was given"):
+        download_best_model(trial, None, tmp_path, tmp_path)
+    stored = tmp_path / "mlflow" / "artifacts" / "1" / "abc123" / "artifacts" / "checkpoint"
+    stored.mkdir(parents=True)
+    (stored / "best.pt").write_bytes(b"w")
+    assert download_best_model(trial, None, tmp_path, tmp_path) == stored / "best.pt"
+
+
+def test_the_checkpoint_column_drops_a_deleted_file_and_readers_check_their_arguments(
+    tmp_path: Path,
+) -> None:
+    from hpsearch.query import checkpoint_uri
+
+    gone = str(tmp_path / "trial-00003.best.pt")  # outside the top k since: deleted
+    here = create_trial(value=0.5, user_attrs={"best_model": gone, "host": socket.gethostname()})
+    assert checkpoint_uri(here) is None
+    there = create_trial(value=0.5, user_attrs={"best_model": gone, "host": "another-host"})
+    assert checkpoint_uri(there) == gone  # not seen from here
+    Path(gone).write_bytes(b"w")
+    assert checkpoint_uri(here) == gone
+    with pytest.raises(hps.StorageError, match="no such folder"):
+        list_studies(workdir=tmp_path / "mistyped")
+    assert list_studies(workdir=tmp_path) == []  # a work folder with no study yet
+    _journal_study(tmp_path, "only")
+    with pytest.raises(hps.StudyNotFoundError, match="must be a non-empty string"):
+        hps.load_study(None, workdir=tmp_path)  # type: ignore[arg-type]
 
 
 def test_every_library_exception_is_exported() -> None:
@@ -228,7 +277,7 @@ def test_another_hosts_best_model_comes_from_mlflow_before_a_file_at_its_path_he
     fetched.write_bytes(b"the winner's")
     calls: list[int] = []
 
-    def download(trial: object, uri: object, workdir: object) -> Path:
+    def download(trial: object, uri: object, workdir: object, dest: object) -> Path:
         calls.append(1)
         if uri is None:
             raise hps.TrackingError("no server")
@@ -237,14 +286,14 @@ def test_another_hosts_best_model_comes_from_mlflow_before_a_file_at_its_path_he
     monkeypatch.setattr(hpsearch.runs, "download_best_model", download)
     kept = {"best_model": str(here_file), "checkpoint_uri": "runs:/r/checkpoint/best.pt"}
     mine = create_trial(value=0.5, user_attrs={**kept, "host": socket.gethostname()})
-    assert best_model_file(mine, "http://mlflow", tmp_path) == here_file and not calls
+    assert best_model_file(mine, "http://mlflow", tmp_path, tmp_path) == here_file and not calls
     other = create_trial(value=0.5, user_attrs={**kept, "host": "other-host"})
-    assert best_model_file(other, "http://mlflow", tmp_path) == fetched
+    assert best_model_file(other, "http://mlflow", tmp_path, tmp_path) == fetched
     # No server to ask: the file (a work folder the hosts share) rather than nothing.
-    assert best_model_file(other, None, tmp_path) == here_file
+    assert best_model_file(other, None, tmp_path, tmp_path) == here_file
     # Not in MLflow: the file.
     shared = create_trial(value=0.5, user_attrs={"best_model": str(here_file), "host": "b"})
-    assert best_model_file(shared, "http://mlflow", tmp_path) == here_file
+    assert best_model_file(shared, "http://mlflow", tmp_path, tmp_path) == here_file
 
 
 def test_the_api_takes_paths_as_strings_and_refuses_storage_objects(

@@ -210,8 +210,8 @@ def test_a_trial_that_ends_while_mlflow_is_down_keeps_its_run_until_it_answers(
     folder (epochs, end, plots) and made when the server answers (here at the worker's
     end), found by the trial's run key, and linked by a study attribute that the query
     API reads. Before, the trial had no run at all."""
-    from hpsearch.query import best_trials
     import hpsearch.runs as runs
+    from hpsearch.query import best_trials
 
     monkeypatch.setattr(runs.TrackingSession, "answers", lambda self: False)  # at its end
     monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.05")

@@ -31,6 +31,20 @@ from trainer_helpers import make_config, synthetic
 TINY = {"batch_size": 16, "lr": 0.05, "arch": "resnet18"}
 
 
+RAN: list[bool] = []
+
+
+def _run_on_load() -> None:
+    RAN.append(True)
+
+
+class _Hook:
+    """Unpickled by calling `_run_on_load`: what a crafted model file does."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_run_on_load, ())
+
+
 def numbers(history: list[EpochRecord]) -> list[tuple[Any, ...]]:
     """Everything of an epoch record except wall-clock figures."""
     return [(r.epoch, r.train_loss, r.train_acc, r.val_loss, r.val_acc, r.lr) for r in history]
@@ -77,8 +91,21 @@ def test_resnet18_learns_flowers102(flowers_root: Path, cache_workdir: Path) -> 
         update={"trainer": cfg.trainer.model_copy(update={"defaults": defaults})}
     )
     assert other.resolve_params(params).arch == "resnet34"
-    again = load_trained_model(other, params, result.best_model_path)
+    again = load_trained_model(
+        other, params, result.best_model_path, device=torch.device("cpu")
+    )  # a torch.device, as PyTorch users pass one
     assert len(list(again.parameters())) == len(list(model.parameters()))
+    # A damaged file, or one that names code to run when unpickled (from a shared MLflow
+    # server), is refused in one line and runs nothing.
+    bad = result.best_model_path.with_name("bad.best.pt")
+    for content in (b"", b"not a torch file"):
+        bad.write_bytes(content)
+        with pytest.raises(CheckpointError, match="not a readable hpsearch model file"):
+            load_trained_model(cfg, params, bad)
+    torch.save({"model": model.state_dict(), "num_classes": 102, "hook": _Hook()}, bad)
+    with pytest.raises(CheckpointError, match="UnpicklingError"):
+        load_trained_model(cfg, params, bad)
+    assert not RAN
     acc, loss = evaluate_model(cfg, params, model, "val", cache_workdir)
     assert acc == result.best_val_acc
     assert loss == pytest.approx(result.best_val_loss, rel=1e-5)
