@@ -306,8 +306,8 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
     # Before the --workers auto probe (minutes): a URI that cannot work is said at once.
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
-    ensure_workdir(workdir)
     cfg = _load(study, overrides, data_dir, download, trials)
+    ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     if (note := pruning_note(cfg)) is not None:
         click.echo(f"note: {note}", err=True)
     gpu_list = parse_gpus(gpus)
@@ -549,8 +549,8 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     from hpsearch.worker import WorkerOptions, run_worker
 
     _check_tracking(tracking_uri, no_tracking)
-    ensure_workdir(workdir)
     cfg = _load(study, overrides, data_dir, download, trials)
+    ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     _check_device(device)
     spec = resolve_storage(storage, workdir)
     if not train_fn:
@@ -808,8 +808,8 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     """
     from hpsearch.runner import ensure_workdir, run_fixed, trial_config
 
-    ensure_workdir(workdir)
     cfg = _load(study, overrides, data_dir, download)
+    ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     if trial_number is not None and params_json is None:  # run_fixed refuses both
         cfg = trial_config(cfg, storage, workdir, overrides, download)  # today's --set on top
     result = run_fixed(

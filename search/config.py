@@ -554,13 +554,76 @@ def _check_new_file(cfg: StudyConfig, src: str) -> None:
             if _is_number(choice) and choice < 2:  # type: ignore[operator]
                 raise ConfigError(f"{src}: search_space.batch_size.choices: {choice!r}: {one}")
     _check_arch_sizes(cfg, src)
+    _check_cache_size(cfg, src)
+    if len(cfg.name) > MAX_NAME_LENGTH:
+        raise ConfigError(
+            f"{src}: name: {cfg.name[:20]}... ({len(cfg.name)} characters): must be at most "
+            f"{MAX_NAME_LENGTH}: it names files (the study's lock, its checkpoints)"
+        )
+    for name, spec in cfg.search_space.items():
+        ranged = spec if isinstance(spec, FloatParam | IntParam) else None
+        step = ranged.step if ranged is not None else None
+        if ranged is not None and step is not None and 0 < ranged.high - ranged.low < step:
+            # Optuna draws low every time: a parameter searched in name only.
+            raise ConfigError(
+                f"{src}: search_space.{name}.step: {step!r}: must be <= high - low "
+                f"({ranged.high - ranged.low:g}), or every trial draws low"
+            )
+        if cfg.sampler.name == "grid" and spec.when:
+            raise ConfigError(
+                f"{src}: search_space.{name}.when: {spec.when!r}: the grid sampler's grid is "
+                "every parameter's values multiplied, so a point that differs only in a "
+                "parameter not sampled trains the same configuration again; list it without "
+                "`when`, or use another sampler"
+            )
+    for section in ("sampler", "pruner"):
+        for key, value in getattr(cfg, section).options.items():
+            if _is_number(value) and not math.isfinite(value):
+                raise ConfigError(f"{src}: {section}.options.{key}: {value!r}: must be finite")
+    sigma0 = cfg.sampler.options.get("sigma0")
+    if cfg.sampler.name == "cmaes" and isinstance(sigma0, int | float) and sigma0 <= 0:
+        # Optuna clamps it to 1e-8: every trial after the first proposes one point.
+        raise ConfigError(f"{src}: sampler.options.sigma0: {sigma0!r}: must be > 0")
     if cfg.pruner.name == "hyperband":
-        low, high = cfg.pruner.options.get("min_resource"), cfg.pruner.options.get("max_resource")
+        opts = cfg.pruner.options
+        low, high = opts.get("min_resource"), opts.get("max_resource")
+        factor = opts.get("reduction_factor")
+        # Optuna checks these only when its first bracket is made, at a trial's report.
+        if isinstance(factor, int | float) and factor < 2:
+            raise ConfigError(f"{src}: pruner.options.reduction_factor: {factor!r}: must be >= 2")
+        if isinstance(low, int | float) and low < 1:
+            raise ConfigError(f"{src}: pruner.options.min_resource: {low!r}: must be >= 1")
         if isinstance(low, int) and isinstance(high, int) and low > high:
             # Optuna then makes no bracket, and prunes nothing.
             raise ConfigError(
                 f"{src}: pruner.options.min_resource: {low}: must be <= max_resource ({high})"
             )
+
+
+MAX_NAME_LENGTH = 200  # characters: file names (255 bytes) also hold a prefix and suffix
+
+
+def _check_cache_size(cfg: StudyConfig, src: str) -> None:
+    """A stored size below a trained one scales every image up: the trials train on blur."""
+    stored = cfg.dataset.cache_size
+    if stored is None:
+        return
+    size = cfg.search_space.get("image_size")
+    largest: float
+    if isinstance(size, CategoricalParam):
+        largest = max(float(c) for c in size.choices if _is_number(c))  # type: ignore[arg-type]
+        field = "search_space.image_size.choices"
+    elif isinstance(size, IntParam | FloatParam):
+        largest, field = size.high, "search_space.image_size.high"
+    elif cfg.trainer.defaults.image_size is not None:
+        largest, field = cfg.trainer.defaults.image_size, "trainer.defaults.image_size"
+    else:
+        largest, field = cfg.dataset.image_size, "dataset.image_size"
+    if stored < largest:
+        raise ConfigError(
+            f"{src}: dataset.cache_size: {stored}: must be >= the largest image size trained "
+            f"({largest:g}, {field}): smaller stored images are scaled up"
+        )
 
 
 # px an architecture needs at least: ConvNeXt's stem (stride 4) and three 2x2 downsamplings
@@ -720,6 +783,28 @@ StudyLoader.add_implicit_resolver(
 )
 
 
+# YAML 1.2's integers (decimal, 0o, 0x; `_` between digits kept): YAML 1.1 read `010` as
+# 8 (octal), `1:30` as 90 (base 60) and `0b11` as 3.
+_INT_TAG = "tag:yaml.org,2002:int"
+StudyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _INT_TAG]
+    for first, resolvers in StudyLoader.yaml_implicit_resolvers.items()
+}
+StudyLoader.add_implicit_resolver(
+    _INT_TAG,
+    re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+
+
+def _construct_int(loader: StudyLoader, node: yaml.ScalarNode) -> int:
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    return int(text, 0) if text.startswith(("0o", "0x")) else int(text, 10)
+
+
+StudyLoader.add_constructor(_INT_TAG, _construct_int)
+
+
 def load_yaml(text: str) -> Any:
     """A study file's or a --set value's YAML, read with `StudyLoader`."""
     return yaml.load(text, Loader=StudyLoader)
@@ -762,11 +847,14 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]], s
             nxt = node.get(part) if isinstance(node, dict) else None
             if nxt is None:
                 nxt = {}
-                node[part] = nxt
             if not isinstance(nxt, dict):
                 raise ConfigError(
                     f"{src}: {'.'.join(parts[: i + 1])}: {nxt!r}: --set {key} needs a mapping here"
                 )
+            # A copy on the way down: a YAML alias (`*a`) shares one mapping between fields,
+            # and an override of one of them changed them all.
+            nxt = dict(nxt)
+            node[part] = nxt
             node = nxt
         node[parts[-1]] = value
 

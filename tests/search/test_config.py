@@ -205,7 +205,7 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         ),
         (
             ["pruner={name: hyperband, options: {reduction_factor: 1}}"],
-            "pruner.options: {'reduction_factor': 1}: Optuna refused them at a trial: ZeroDivision",
+            "pruner.options.reduction_factor: 1: must be >= 2",
         ),
         (
             ["pruner={name: hyperband, options: {min_resource: 2, max_resource: 1}}"],
@@ -273,7 +273,8 @@ def test_a_missing_section_is_named_without_the_dict_around_it(tmp_path: Path) -
         [
             "sampler.name=grid",
             "search_space.lr={type: float, low: 0.1, high: 0.3, step: 0.1}",
-            "search_space.focal_gamma.step=0.5",
+            # no `when` (refused with a grid): every point is its own configuration
+            "search_space.focal_gamma={type: float, low: 0.5, high: 3, step: 0.5}",
         ],
         [  # nested conditions that can hold: momentum with loss focal, optimizer sgd
             "search_space.optimizer={type: categorical, choices: [sgd, adamw], "
@@ -492,3 +493,89 @@ def test_shipped_studies_found_outside_the_repo(
     monkeypatch.chdir(tmp_path)
     assert {"flowers102", "cifar10", "tiny"} <= set(available_studies())
     assert load_config("tiny").name == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        # Optuna draws low every time: a parameter searched in name only.
+        (
+            ["search_space.lr={type: float, low: 0.1, high: 0.2, step: 0.5}"],
+            r"search_space.lr.step: 0.5: must be <= high - low \(0.1\)",
+        ),
+        (
+            ["search_space.batch_size={type: int, low: 16, high: 20, step: 32}"],
+            r"search_space.batch_size.step: 32: must be <= high - low \(4\)",
+        ),
+        # Grid points that differ only in a parameter not sampled train one configuration.
+        (
+            [
+                "sampler.name=grid",
+                "search_space.lr={type: float, low: 0.1, high: 0.2, step: 0.1}",
+                "search_space.focal_gamma={type: float, low: 1, high: 2, step: 1, when: {loss: focal}}",
+                "budget.n_trials=2",
+            ],
+            r"search_space.focal_gamma.when: .*the grid sampler",
+        ),
+        # Smaller stored images are scaled up: the trials train on blur.
+        (
+            ["dataset.cache_size=16"],
+            r"dataset.cache_size: 16: must be >= the largest image size trained \(32, dataset",
+        ),
+        (
+            [
+                "dataset.cache_size=40",
+                "search_space.image_size={type: categorical, choices: [32, 64]}",
+            ],
+            r"\(64, search_space.image_size.choices\)",
+        ),
+        # CMA-ES proposed NaN from its second generation on; sigma0 <= 0 froze it.
+        (
+            [
+                "sampler={name: cmaes, options: {sigma0: .inf}}",
+                "search_space.loss={type: categorical, choices: [ce]}",
+                "search_space.focal_gamma.when={loss: ce}",
+            ],
+            r"sampler.options.sigma0: inf: must be finite",
+        ),
+        (
+            ["sampler={name: cmaes, options: {sigma0: 0}}"],
+            r"sampler.options.sigma0: 0: must be > 0",
+        ),
+        # Optuna checks these at a trial's first report ("float division by zero").
+        (
+            ["pruner={name: hyperband, options: {reduction_factor: 1}}"],
+            r"pruner.options.reduction_factor: 1: must be >= 2",
+        ),
+        (
+            ["pruner={name: hyperband, options: {min_resource: 0}}"],
+            r"pruner.options.min_resource: 0: must be >= 1",
+        ),
+        # It names files: the error blamed --workdir ("File name too long").
+        ([f"name={'a' * 201}"], r"name: a{20}\.\.\. \(201 characters\): must be at most 200"),
+    ],
+)
+def test_a_search_that_would_waste_or_fail_its_trials_is_refused_at_load(
+    tmp_path: Path, sets: list[str], expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        load_with(tmp_path, *sets)
+
+
+def test_an_override_through_a_yaml_alias_changes_that_field_only_and_ints_are_yaml_12(
+    tmp_path: Path,
+) -> None:
+    """`--set` wrote into the mapping an alias shares, and so changed every field using it.
+    YAML 1.1 read `010` as 8 and `1:30` as 90; the loader follows YAML 1.2."""
+    study = tmp_path / "alias.yaml"
+    study.write_text(
+        "name: alias\ndataset: {name: flowers102, image_size: 32}\nsearch_space:\n"
+        "  mixup_alpha: &a {type: float, low: 0.0, high: 0.4}\n  cutmix_alpha: *a\n"
+    )
+    cfg = load_config(study, ["search_space.mixup_alpha.high=1.0"])
+    assert cfg.search_space["mixup_alpha"].high == 1.0  # type: ignore[union-attr]
+    assert cfg.search_space["cutmix_alpha"].high == 0.4  # type: ignore[union-attr]
+    assert load_yaml("a: 010\nb: 1:30\nc: 0b11\nd: 0o10\ne: 0x1F\nf: -5\ng: 1_000\n") == {
+        "a": 10, "b": "1:30", "c": "0b11", "d": 8, "e": 31, "f": -5, "g": 1000,
+    }  # fmt: skip
+    assert load_config(study, ["budget.max_epochs=010"]).budget.max_epochs == 10

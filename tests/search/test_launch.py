@@ -465,6 +465,15 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
         hpsearch(["studies", "--storage", pg_url, "--json"], subprocess_env).stdout.strip() == "[]"
     )
     assert not (work / "optuna.journal").exists()
+    # A refused study file leaves no work folder behind (it was made first).
+    fresh = tmp_path / "fresh"
+    for args in (
+        ["launch", "--study", "nosuch"],
+        ["worker", "--study", "tiny", "--set", "budget.max_epochs=0"],
+        ["train", "--study", "nosuch"],
+    ):
+        r = hpsearch([*args, "--workdir", str(fresh)], subprocess_env)
+        assert r.returncode != 0 and not fresh.exists(), (args, r.stderr)
 
 
 def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
