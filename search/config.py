@@ -320,7 +320,9 @@ def _format_validation(source: str, exc: ValidationError, prefix: str = "") -> s
     if isinstance(value, dict | list) and len(repr(value)) > 60:
         value = f"{type(value).__name__}"
     msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
+    if re.search(r"\.choices\.\d+$", field):  # the union's first member ("a valid string")
+        msg = "a choice must be a string, a number, true, false or null"
+    elif err["type"] == "extra_forbidden":
         msg = "unknown key"
     elif err["type"] == "literal_error":
         msg = msg.replace("Input should be", "must be one of")

@@ -551,6 +551,11 @@ def test_shipped_studies_found_outside_the_repo(
             ["pruner={name: hyperband, options: {min_resource: 0}}"],
             r"pruner.options.min_resource: 0: must be >= 1",
         ),
+        # It said "Input should be a valid string": numbers are choices too.
+        (
+            ["search_space.batch_size={type: categorical, choices: [[32], 64]}"],
+            r"choices.0: \[32\]: a choice must be a string, a number, true, false or null",
+        ),
         # It names files: the error blamed --workdir ("File name too long").
         ([f"name={'a' * 201}"], r"name: a{20}\.\.\. \(201 characters\): must be at most 200"),
     ],
