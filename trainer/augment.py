@@ -328,9 +328,12 @@ def train_batch(
     spec: AugmentSpec,
     gen: torch.Generator,
     np_rng: np.random.Generator,
+    chunks: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """uint8 (B, 3, S, S) cached crops -> normalized float (B, 3, R, R) and targets: int64
-    class ids, or soft targets (B, C) when MixUp/CutMix are on."""
+    class ids, or soft targets (B, C) when MixUp/CutMix are on. The random draws are the
+    whole batch's; the warp and colour ops, per image, run `chunks` pieces at a time (their
+    float copies are then a piece's, not the batch's): the same output for any `chunks`."""
     n, dev = x.shape[0], x.device
     kind = spec.kind
     if kind in ("none", "flip"):
@@ -353,10 +356,19 @@ def train_batch(
             ops.append(op)
             mags.append(mag)
             signs.append(sign)
-        out = warp(x.float().div_(255.0), m, spec.size)
-        for op, mag, sign in zip(ops, mags, signs, strict=True):
-            out = apply_color_ops(out, op, mag, sign)
-    out = normalize(out)
+        size = max(1, -(-n // max(1, chunks)))  # images a piece, rounded up
+        for lo in range(0, max(n, 1), size):
+            hi = min(n, lo + size)
+            piece = warp(x[lo:hi].float().div_(255.0), m[lo:hi], spec.size)
+            for op, mag, sign in zip(ops, mags, signs, strict=True):
+                piece = apply_color_ops(piece, op[lo:hi], mag[lo:hi], sign[lo:hi])
+            piece = normalize(piece)
+            if lo == 0:
+                out = piece if hi == n else piece.new_empty((n, *piece.shape[1:]))
+            if hi < n or lo > 0:
+                out[lo:hi] = piece
+    if kind in ("none", "flip"):
+        out = normalize(out)
     if spec.mixup_alpha > 0 or spec.cutmix_alpha > 0:
         return mix(out, y, spec, gen, np_rng)
     return out, y

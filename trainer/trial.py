@@ -200,6 +200,10 @@ def load_split(
         drop_last=train and len(src) >= batch_size,
         collate_fn=data.collate_skip,
         worker_init_fn=_loader_worker_init,
+        # Its workers' base seed from a generator of its own: drawn from torch's global
+        # one, it came out of the first epoch this process trains, whose dropout masks a
+        # resumed run then drew differently from the uninterrupted run.
+        generator=torch.Generator().manual_seed(seed),
     )
     if workers > 0:
         _LOADERS.add(loader)
@@ -886,11 +890,14 @@ def _train(
         cut_short = False  # the time limit stopped the epoch before its last step
         for i, (x_u8, y) in enumerate(train_batches(train_split, batch_size, seed, epoch, device)):
             schedule.apply(optimizer, step)
-            x, target = augment.train_batch(x_u8, y, spec, gen, np_rng)
-            n = x.shape[0]
+            n = x_u8.shape[0]
             # At least 2 images a chunk: BatchNorm refuses 1 (a split smaller than one batch
             # is a single short batch, which `accum` chunks would cut to 1 or 0 images).
             chunks = min(accum, max(1, n // 2))
+            # Warped and coloured a chunk at a time: the policies' float copies (about 12
+            # batches' worth for trivial/randaugment) scale with the micro-batch, not with
+            # the batch that micro-batching is there to fit.
+            x, target = augment.train_batch(x_u8, y, spec, gen, np_rng, chunks=chunks)
             for xc, tc_ in zip(x.tensor_split(chunks), target.tensor_split(chunks), strict=True):
                 xc = xc.contiguous(memory_format=memory_format)
                 with _autocast(device, amp):
@@ -978,6 +985,9 @@ def _train(
                     k: v.detach().cpu().clone() for k, v in model.state_dict().items()
                 }
                 best_unsaved = best_path is not None
+                # Until written (best_files), the file holds an older epoch's model: a trial
+                # that ends before then (pruned, diverged) names none with this best.
+                run.best_model_path = None
             else:
                 run.evals_since_best += 1
             value = reported_value(config, record)

@@ -135,3 +135,29 @@ def test_crops_keep_their_drawn_area_and_strength_0_keeps_the_whole_image(
     if strength == 0.0:
         assert bool(torch.allclose(area, torch.ones_like(area)))
         assert bool(torch.allclose(m[:, 0, 2], torch.zeros(4000)))  # centred, no shift
+
+
+@pytest.mark.parametrize("kind", ["crop_flip", "trivial", "randaugment"])
+def test_a_micro_batched_step_augments_a_chunk_at_a_time_with_the_same_output(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policies' float copies (about 12 batches' worth for trivial) scaled with the
+    whole batch, which max_micro_batch is there to fit: now with a chunk, and the images
+    and targets come out the same, MixUp/CutMix included."""
+    spec = A.AugmentSpec(kind, 1.0, size=24, num_classes=10, mixup_alpha=0.2, cutmix_alpha=1.0)
+    x = torch.randint(0, 256, (10, 3, 28, 28), dtype=torch.uint8)
+    y = torch.randint(0, 10, (10,))
+    whole = A.train_batch(x, y, spec, torch.Generator().manual_seed(1), np.random.default_rng(1))
+    seen: list[int] = []
+    real = A.warp
+
+    def warp(batch: torch.Tensor, m: torch.Tensor, size: int) -> torch.Tensor:
+        seen.append(batch.shape[0])
+        return real(batch, m, size)
+
+    monkeypatch.setattr(A, "warp", warp)
+    chunked = A.train_batch(
+        x, y, spec, torch.Generator().manual_seed(1), np.random.default_rng(1), chunks=3
+    )
+    assert seen == [4, 4, 2]
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])

@@ -139,6 +139,19 @@ def test_pruned_trial_writes_no_best_model(tmp_path: Path) -> None:
     assert finished.best_model_path is not None and finished.best_model_path.is_file()
 
 
+def test_a_pruned_trial_names_no_best_model_older_than_its_best(tmp_path: Path) -> None:
+    """Its best epoch came after the best-model file was last written: the result paired
+    that epoch's accuracy with the file of an earlier, worse one."""
+    cfg = synthetic(budget={"max_epochs": 4}, trainer={"eval_every": 2})
+    ckpt = tmp_path / "ckpt" / "t.pt"
+    opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt, seed=0)
+    pruned = train(cfg, {**TINY, "lr": 0.2}, lambda e, v: e >= 4, opts)
+    assert pruned.stop_reason == "pruned" and pruned.pruned_at_epoch == 4
+    accs = {r.epoch: r.val_acc for r in pruned.history if r.val_acc is not None}
+    assert accs[4] > accs[2] == pruned.history[1].val_acc  # the best came at the pruned epoch
+    assert pruned.best_model_path is None
+
+
 def test_on_checkpoint_sees_the_save_just_written(tmp_path: Path) -> None:
     """The hook runs once each resume checkpoint is on disk (what an upload must take), with
     the file holding that epoch, not the previous one; a stop's last save included."""
@@ -440,6 +453,32 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     a = torch.load(full.best_model_path, weights_only=False)["model"]
     b = torch.load(resumed.best_model_path, weights_only=False)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_equals_uninterrupted_on_the_streaming_path_with_loader_workers(
+    tmp_path: Path,
+) -> None:
+    """The DataLoader drew its workers' base seed from torch's global generator in the first
+    epoch a process trains: a resumed run's dropout masks differed from the uninterrupted
+    run's from the epoch it resumed at (MobileNetV3 has dropout)."""
+    cfg = synthetic(
+        dataset={"fast_path": "off"},
+        budget={"max_epochs": 2},
+        trainer={"num_workers": 1, "evaluate_test": False, "precision": "fp32"},
+    )
+    params = {**TINY, "arch": "mobilenet_v3_small", "augment": "flip", "schedule": "constant"}
+    full = train(cfg, params, options=TrainOptions(device="cpu", workdir=tmp_path, seed=7))
+    ckpt = tmp_path / "part.pt"
+    epochs: list[int] = []
+    interrupted = train(cfg, params, options=TrainOptions(
+        device="cpu", workdir=tmp_path, checkpoint_path=ckpt, seed=7,
+        on_epoch=lambda r: epochs.append(r.epoch), should_interrupt=lambda: len(epochs) >= 1,
+    ))  # fmt: skip
+    assert interrupted.stop_reason == "interrupted"
+    resumed = train(cfg, params, options=TrainOptions(
+        device="cpu", workdir=tmp_path, checkpoint_path=ckpt, seed=7,
+    ))  # fmt: skip
+    assert numbers(resumed.history) == numbers(full.history)
 
 
 def test_a_resumed_run_reports_its_last_restored_epoch_first_and_may_be_pruned_there(
