@@ -346,6 +346,7 @@ class TrialRun:
         uploaded nor held as the study's best. `pruned`: told PRUNED though it trained to
         its end (no objective value: a time limit before its first evaluation)."""
         self.ended = True
+        ended_ms = int(time.time() * 1000)  # the run's end time: not when the finisher sends it
         summary = self._gpu_summary()
         if result.best_val_acc is not None:
             summary["best_val_acc"] = float(result.best_val_acc)
@@ -370,7 +371,7 @@ class TrialRun:
                 self.session.hold_for_onnx(self.trial, self.run_id, best, values[0])
         upload = told  # no checkpoint_uri was recorded on a trial told elsewhere
         self.session.finish_later(
-            lambda: self._finish(result, outcome, summary, best, reason, upload)
+            lambda: self._finish(result, outcome, summary, best, reason, upload, ended_ms)
         )
 
     def _finish(
@@ -381,6 +382,7 @@ class TrialRun:
         best: Path | None,
         reason: str | None,
         upload: bool = True,
+        ended_ms: int | None = None,
     ) -> None:
         artifacts: list[Path] = []
         tmp: Path | None = None
@@ -405,6 +407,7 @@ class TrialRun:
                 artifacts,
                 None,
                 reason=reason,
+                end_time_ms=ended_ms,
             )
         finally:
             if tmp is not None:
@@ -428,6 +431,7 @@ class TrialRun:
 
     def finish_failed(self, outcome: str, message: str, tb: str | None) -> None:
         self.ended = True
+        ended_ms = int(time.time() * 1000)
         summary = self._gpu_summary()
         # A snapshot `checkpoint_uri` made for a trial that then failed (its tell raised, or
         # its value was not finite) is not uploaded: its hard link goes now.
@@ -437,7 +441,9 @@ class TrialRun:
 
         def finish() -> None:
             self._close_uploader()
-            self.tracker.finish(outcome_for(outcome), None, summary, [], tb, reason=message)
+            self.tracker.finish(
+                outcome_for(outcome), None, summary, [], tb, reason=message, end_time_ms=ended_ms
+            )
 
         self.session.finish_later(finish)
 
@@ -767,10 +773,16 @@ class TrackingSession:
         eff_lr, eff_batch = derived_values(self.cfg, hp)
         sampled = dict(params)
         derived_names = ("arch", "image_size")  # logged below with their resolved values
+        # The trainer's defaults, but not a searched parameter this trial did not sample
+        # (its `when` did not hold: focal_gamma under loss ce): it took no part, and a
+        # default logged under its name mixed in with sampled values in the UI's plots.
         fixed = {
             k: v
             for k, v in hp.model_dump().items()
-            if k not in sampled and k not in derived_names and v is not None
+            if k not in sampled
+            and k not in derived_names
+            and k not in self.cfg.search_space
+            and v is not None
         }
 
         def make() -> TrialTracker:
@@ -890,6 +902,9 @@ class TrackingSession:
             "threshold_pct": t.input_bound_threshold,
             "stop_when_input_bound": t.stop_input_bound,
             "trial_device": trial_gpu_index(self.device, cuda),
+            # Judged from the first epoch's end on (worker._LateRun.training_began): the
+            # set-up, a wait for GPU memory and a compiling first epoch leave the GPU idle.
+            "paused": True,
         }
 
     def checkpoint_to_upload(self, trial: Any, result: Any) -> tuple[Path | None, bool]:

@@ -891,16 +891,11 @@ class _LateRun:
             logger.debug("MLflow health check failed: %s", exc)
             return False
 
-    def waiting_for_gpu(self) -> None:
-        """The trial waits for GPU memory beside packed trials: its GPU sampler judges no
-        input-bound rule meanwhile (a wait longer than the rule's warm-up and window flagged
-        a trial that had not begun, and stopped it at its first report)."""
-        self._gpu_rule("pause_rule")
-
     def training_began(self) -> None:
-        """The trial's GPU work begins now (its admission), or runs at speed (its first
-        epoch's end: after the data set-up and torch.compile's first steps): the rule
-        starts its warm-up again; a flag raised before stays on record and stops nothing."""
+        """The trial's first epoch trained here is over: its GPU sampler, paused from the
+        trial's start (the data set-up, a wait for GPU memory beside packed trials and
+        torch.compile's first steps leave the GPU idle: they flagged trials input-bound for
+        good), judges the input-bound rule from now on, after its warm-up."""
         self._gpu_rule("restart_warmup")
 
     def _gpu_rule(self, method: str) -> None:
@@ -1109,16 +1104,11 @@ def run_trial(
             tracking.trial_training()
         handed_over = time.perf_counter()
         reports = TrialReports(study, trial, db)
-        packed = late if opts.packing is not None else None  # may wait for GPU memory
-        if packed is not None:
-            packed.waiting_for_gpu()
         try:
             # Every reported value is in the database before the trial is told, whatever
             # the outcome: the reports' close() waits for their writes.
             with reports, _gpu_reservation(cfg, params, opts, stop) as waited:
                 timing.admission_wait_s = waited
-                if packed is not None:
-                    packed.training_began()
                 result = train_fn(cfg, params, report, options)
                 returned = time.perf_counter()
                 check_result(result)

@@ -314,10 +314,13 @@ class GpuSampler:
         device_order: str | None = None,
         cuda_uuids: Callable[[], Sequence[str] | None] = torch_cuda_uuids,
         trial_device: int | None = 0,
+        paused: bool = False,
     ) -> None:
         """``trial_device``: the visible GPU the trial trains on (``cuda:N``), the only one
         the input-bound rule judges; None for a trial on the CPU, which samples nothing
-        (see `trial_gpu_index`).
+        (see `trial_gpu_index`). ``paused``: the rule judges nothing until
+        :meth:`restart_warmup` (a trial's set-up and its compiling first epoch leave the
+        GPU idle); samples are taken and logged from the start.
         ``visible_devices`` overrides ``$CUDA_VISIBLE_DEVICES``; with ``use_env=False`` and
         no value every GPU is sampled. ``device_order`` is the order its indices count in:
         ``$CUDA_DEVICE_ORDER`` for the environment's value (unset: CUDA's FASTEST_FIRST),
@@ -352,7 +355,7 @@ class GpuSampler:
         self._devices: list[_DeviceStats] = []
         self._initialized = False
         self._started_at: float | None = None
-        self._paused = False  # pause_rule: waiting for GPU memory, no rule judged
+        self._paused = paused  # no rule judged until restart_warmup
         self._restart_at: float | None = None  # restart_warmup's time, until applied
         self._history: deque[tuple[float, float]] = deque()
         self._history_start: float | None = None

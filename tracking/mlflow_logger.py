@@ -693,12 +693,14 @@ class TrialTracker:
         *,
         reason: str | None = None,
         timeout_s: float | None = None,
+        end_time_ms: int | None = None,
     ) -> bool:
         """End the run: flush queued epochs (waiting at most ``timeout_s``, default
         ``flush_timeout_s``), send the summary metrics (``best_val_acc``, ``test_acc``, ... at the
         last epoch's step) and the terminal tags, upload ``artifacts`` (files or folders) and
-        ``traceback.txt``, then set the status from :func:`terminal_status`. Returns True when
-        everything was delivered; never raises."""
+        ``traceback.txt``, then set the status from :func:`terminal_status`, dated
+        ``end_time_ms`` (ms since the epoch; default now): when the trial ended, not when its
+        uploads were done. Returns True when everything was delivered; never raises."""
         if not self.enabled or self.finished:
             return False
         self.finished = True
@@ -711,6 +713,7 @@ class TrialTracker:
                 status = "FAILED"
             tags = terminal_tags(outcome, pruned_at_epoch, reason)
             now_ms = int(time.time() * 1000)
+            end_ms = end_time_ms if end_time_ms is not None else now_ms
             with self._cond:
                 summary, _ = metric_entities(summary_metrics or {}, self._last_step, now_ms)
                 self._pending_tags.update(tags)
@@ -721,13 +724,13 @@ class TrialTracker:
             if run_id is None:  # offline: all of it kept, the run made when it is sent
                 with self._cond:
                     leftover, self._queue = list(self._queue), deque()
-                if not self._spool(leftover, status, artifacts, traceback):
+                if not self._spool(leftover, status, artifacts, traceback, end_ms):
                     logger.warning("MLflow: trial %d has no run", self.trial_number)
                 return False
             wait = self.flush_timeout_s if timeout_s is None else timeout_s
             delivered, leftover = self._join(wait, keep=self.spool_dir is not None)
             server_down = not delivered
-            if server_down and self._spool(leftover, status, artifacts, traceback):
+            if server_down and self._spool(leftover, status, artifacts, traceback, end_ms):
                 return False  # no set_tag or status: each would wait out the server again
             if not server_down:
                 for path in artifacts:
@@ -747,7 +750,7 @@ class TrialTracker:
                 )
             self._best_effort(
                 f"set status {status}",
-                lambda: self.client.set_terminated(run_id, status=status),
+                lambda: self.client.set_terminated(run_id, status=status, end_time=end_ms),
             )
             if self._run_key and not server_down:
                 self._delete_twins(run_id, self._run_key)
@@ -1003,7 +1006,12 @@ class TrialTracker:
         return False, kept
 
     def _spool(
-        self, batches: list[_Batch], status: str, artifacts: Sequence[Path], traceback: str | None
+        self,
+        batches: list[_Batch],
+        status: str,
+        artifacts: Sequence[Path],
+        traceback: str | None,
+        end_ms: int | None = None,
     ) -> bool:
         """Keep what MLflow did not take in ``spool_dir``, with the run's end (status, the
         traceback) and copies of its artifacts (the caller deletes its own: a top-k
@@ -1022,6 +1030,7 @@ class TrialTracker:
                 traceback=scrub(traceback) if traceback else None,
                 artifacts=kept,
                 create=self._offline,
+                end_ms=end_ms,
             )  # fmt: skip
         except (OSError, ValueError) as exc:
             shutil.rmtree(_artifacts_dir(self.spool_dir, name), ignore_errors=True)
@@ -1114,6 +1123,7 @@ def write_spool(
     traceback: str | None,
     artifacts: Sequence[str] = (),
     create: Mapping[str, Any] | None = None,
+    end_ms: int | None = None,
 ) -> Path:
     """``<spool_dir>/<run_id>.spool.json``: a run's undelivered batches and its end, written
     whole (rename into place); `artifacts`: the names of those kept beside it
@@ -1123,7 +1133,8 @@ def write_spool(
         "run_id": run_id,
         "create": dict(create) if create is not None else None,
         "status": status,
-        "end_ms": int(time.time() * 1000),  # the run ended now, not when it is sent
+        # the run ended then (default now), not when it is sent
+        "end_ms": end_ms if end_ms is not None else int(time.time() * 1000),
         "incomplete": incomplete,
         "traceback": traceback,
         "artifacts": list(artifacts),

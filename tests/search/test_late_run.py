@@ -143,18 +143,15 @@ class Sampler:
         pass
 
 
-def test_a_trial_waiting_for_gpu_memory_pauses_its_samplers_rule(
-    tmp_path: Path,
-) -> None:
-    """Its sampler runs from the trial's start: held early (the run not started yet) or the
-    run's own, training_began reaches it either way."""
+def test_a_trials_first_epoch_end_starts_its_samplers_rule(tmp_path: Path) -> None:
+    """Its sampler runs, paused, from the trial's start: held early (the run not started
+    yet) or the run's own, training_began reaches it either way."""
     early = Sampler()
     session = Session(SlowRun())
     session.early_gpu_sampler = lambda: (early, None)  # type: ignore[method-assign,assignment,return-value]
     late = _LateRun(session, Trial(), {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
-    late.waiting_for_gpu()
     late.training_began()
-    assert (early.pauses, early.restarts) == (1, 1)
+    assert (early.pauses, early.restarts) == (0, 1)
 
     run = SlowRun()
     run.release.set()
@@ -162,9 +159,8 @@ def test_a_trial_waiting_for_gpu_memory_pauses_its_samplers_rule(
     session = Session(run)
     late = _LateRun(session, Trial(), {}, 0, tmp_path / "ckpt", lambda fn, what: fn())  # type: ignore[arg-type]
     session.jobs[0]()  # started: the sampler is the run's
-    late.waiting_for_gpu()
     late.training_began()
-    assert (run.sampler.pauses, run.sampler.restarts) == (1, 1)  # type: ignore[attr-defined]
+    assert (run.sampler.pauses, run.sampler.restarts) == (0, 1)  # type: ignore[attr-defined]
 
 
 def test_a_link_the_outage_kept_from_its_write_is_written_before_the_tell(

@@ -72,6 +72,10 @@ def test_study_in_mlflow_and_best_model(
             assert run.info.run_name == f"trial-{t.number}"
             for name, value in t.params.items():
                 assert run.data.params[name] == str(value)
+            # A searched parameter the trial did not sample (its `when` did not hold) is
+            # not logged with the trainer's default: every trial lacks one of the two.
+            unsampled = set(hps.load_config("tiny").search_space) - set(t.params)
+            assert unsampled and not unsampled & set(run.data.params), (t.params, unsampled)
             for derived in (
                 "effective_lr",
                 "effective_batch_size",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import time
+import types
 from collections.abc import Mapping
 
 import pytest
+from hpsearch.config import load_config
 from hpsearch.tracking import gpu
 from hpsearch.tracking.gpu import (
     GpuSampler,
@@ -375,6 +377,33 @@ def test_a_flag_before_training_runs_stops_nothing_and_stopping_follows_the_wind
         s.sample_once()
         clock.t += 5
     assert s.input_bound and not s.should_stop()  # recorded, no longer stopped
+
+
+def test_a_trials_sampler_judges_from_its_first_epochs_end_not_its_start() -> None:
+    """A worker's trial sampler starts paused (TrackingSession's options): 100 s of set-up
+    or compiling at 0% flagged the trial input-bound for good (its run's tag, its Optuna
+    attribute), although it ran at speed from its first epoch on."""
+    from hpsearch.runs import TrackingSession
+
+    options = TrackingSession._sampler_options(  # type: ignore[arg-type]
+        types.SimpleNamespace(cfg=load_config("tiny"), device="cpu")
+    )
+    assert options["paused"] is True
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].util, nvml.gpus[0].proc_util = 0.0, {PID: 0.0}
+    clock = Clock()
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock, window_s=60.0,
+                   warmup_s=10.0, threshold_pct=50.0, paused=True)  # fmt: skip
+    assert s.open()
+    for _ in range(20):  # 100 s of set-up, sampled and logged
+        assert s.sample_once()
+        clock.t += 5
+    assert not s.input_bound
+    s.restart_warmup()  # the first epoch's end
+    for _ in range(16):  # starved from then on: flagged
+        s.sample_once()
+        clock.t += 5
+    assert s.input_bound
 
 
 def test_busy_gpu_is_not_input_bound_and_policy_off_never_stops() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import uuid
 from pathlib import Path
+from typing import Any
 
 import hpsearch as hps
 import optuna
@@ -328,3 +329,36 @@ def test_a_server_down_as_a_gone_experiment_is_made_anew_leaves_the_run_to_a_lat
         session.start_trial(trial, suggest(trial, cfg), trial.number, tmp_path / "t.pt")
     assert session.parent_run_id is None  # made anew by the later try
     session.close()
+
+
+def test_a_runs_end_time_is_when_its_trial_ended_not_when_its_uploads_were_done(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """The finisher holds a run's end until the next trial trains (up to 30 s), then plots
+    and uploads: MLflow's Duration counted all of it (a trial of 9 s showed 16 s)."""
+    import time
+
+    cfg = hps.load_config("tiny", [f"name=runs-{uuid.uuid4().hex[:8]}"])
+    session = TrackingSession(cfg, resolve_storage(pg_url, tmp_path), mlflow_server.url, "w0")
+    study = optuna.create_study(storage=normalize_url(pg_url), study_name=cfg.name,
+                                direction="maximize")  # fmt: skip
+    held: list[Any] = []
+    session.finish_later = held.append  # type: ignore[method-assign]
+    ended: dict[str, int] = {}
+    for kind in ("result", "failed"):
+        trial = study.ask()
+        run = session.start_trial(trial, suggest(trial, cfg), trial.number, tmp_path / f"{kind}.pt")
+        assert run is not None
+        ended[run.run_id] = int(time.time() * 1000)
+        if kind == "result":
+            run.finish_result(_result(0.8, tmp_path / "none.pt"))
+        else:
+            run.finish_failed("error", "broken", None)
+    time.sleep(2.0)  # held by the finisher
+    for job in held:
+        job()
+    session.close()
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    for run_id, at_ms in ended.items():
+        info = client.get_run(run_id).info
+        assert info.status in ("FINISHED", "FAILED") and abs(info.end_time - at_ms) < 1000
