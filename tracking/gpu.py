@@ -739,8 +739,8 @@ class GpuSampler:
     def summary(self) -> dict[str, float]:
         """``system/gpu_utilization_mean``, ``system/gpu_process_utilization_mean``,
         ``system/gpu_memory_peak_mib``, ``system/gpu_process_memory_peak_mib``,
-        ``system/gpu_energy_j`` (suffixed per device when several, plus unsuffixed totals:
-        mean of means, sum of peaks and energies). Empty without GPUs."""
+        ``system/gpu_energy_j`` (suffixed per device when several, and unsuffixed for the
+        trial's own, `trial_device`). Empty without GPUs."""
         out: dict[str, float] = {}
         with self._lock:
             devs = list(self._devices)
@@ -759,23 +759,15 @@ class GpuSampler:
                 energy = _energy_j(dev)
                 if energy is not None:
                     out[f"system/gpu_energy_j{sfx}"] = energy
-            if len(devs) > 1:
-                for name in ("gpu_utilization_mean", "gpu_process_utilization_mean"):
-                    vals = [
-                        out[f"system/{name}{d.label}"]
-                        for d in devs
-                        if f"system/{name}{d.label}" in out
-                    ]
-                    if vals:
-                        out[f"system/{name}"] = sum(vals) / len(vals)
-                for name in ("gpu_memory_peak_mib", "gpu_process_memory_peak_mib", "gpu_energy_j"):
-                    vals = [
-                        out[f"system/{name}{d.label}"]
-                        for d in devs
-                        if f"system/{name}{d.label}" in out
-                    ]
-                    if vals:
-                        out[f"system/{name}"] = sum(vals)
+            # Unsuffixed: the trial's own GPU's (cuda:N of the mask), the one it trains on;
+            # a mean or sum with a visible GPU it does not use read 45% for a GPU at 90%.
+            own = self.trial_device
+            if len(devs) > 1 and own is not None and 0 <= own < len(devs):
+                for name in ("gpu_utilization_mean", "gpu_process_utilization_mean",
+                             "gpu_memory_peak_mib", "gpu_process_memory_peak_mib",
+                             "gpu_energy_j"):  # fmt: skip
+                    if (key := f"system/{name}{devs[own].label}") in out:
+                        out[f"system/{name}"] = out[key]
         if self.input_bound_mean is not None:
             out["system/gpu_input_bound_utilization"] = self.input_bound_mean
         return out

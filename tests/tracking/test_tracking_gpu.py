@@ -253,11 +253,13 @@ def test_several_gpus_get_suffixes_and_energy_falls_back_to_power() -> None:
     summary = s.summary()
     assert summary["system/gpu_utilization_mean_3"] == 50.0
     assert summary["system/gpu_utilization_mean_1"] == 90.0
-    assert summary["system/gpu_utilization_mean"] == 70.0
+    # Unsuffixed: the trial's own GPU (cuda:0 of the mask "3,1": GPU 3), not a mean or
+    # sum with one it does not use.
+    assert summary["system/gpu_utilization_mean"] == 50.0
     assert summary["system/gpu_energy_j_3"] == pytest.approx(10 * (250 + 350) / 2)
     assert summary["system/gpu_energy_j_1"] == pytest.approx(2500.0)
-    assert summary["system/gpu_energy_j"] == pytest.approx(3000.0 + 2500.0)
-    assert summary["system/gpu_memory_peak_mib"] == 2048.0
+    assert summary["system/gpu_energy_j"] == pytest.approx(3000.0)
+    assert summary["system/gpu_memory_peak_mib"] == summary["system/gpu_memory_peak_mib_3"]
     s.stop()
 
 
