@@ -97,6 +97,9 @@ HTTP_POLICY: Mapping[str, str] = {
 
 T = TypeVar("T")
 
+# s a GPU sample waits at most for the next epoch's request, while the server keeps up
+SYSTEM_FLUSH_S = 60.0
+
 
 # --------------------------------------------------------------------------- pure helpers
 
@@ -581,6 +584,7 @@ class TrialTracker:
         self._closing = False
         self._abort = threading.Event()
         self._pending_system: list[Metric] = []
+        self._system_since = 0.0  # monotonic s: when the oldest pending sample came
         self._pending_tags: dict[str, str] = {}
         self._system_step = 0
         self._last_step = 0
@@ -659,7 +663,9 @@ class TrialTracker:
 
     def log_system(self, metrics: Mapping[str, float], timestamp_ms: int | None = None) -> None:
         """Buffer one sample of system metrics (e.g. ``system/gpu_utilization``); they are sent
-        with the next epoch's request. Thread-safe (GPU sampler thread)."""
+        with the next epoch's request, or on their own once the oldest has waited
+        `SYSTEM_FLUSH_S` while the server keeps up (an epoch of an hour showed no GPU chart
+        for an hour). Thread-safe (GPU sampler thread)."""
         if not self.enabled or self.finished:
             return
         try:
@@ -667,7 +673,14 @@ class TrialTracker:
             with self._cond:
                 entities, _ = metric_entities(metrics, self._system_step, ts)
                 self._system_step += 1
+                if not self._pending_system:
+                    self._system_since = time.monotonic()
                 self._pending_system.extend(entities)
+                idle = not self._queue and self._inflight is None  # not in an outage
+                due = time.monotonic() - self._system_since >= SYSTEM_FLUSH_S
+                if due and idle and self._thread is not None and not self._closing:
+                    self._push_locked(self._take_pending_locked([], "system"))
+                    return
                 overflow = len(self._pending_system) - self.max_buffer * 50
                 if overflow > 0:
                     del self._pending_system[:overflow]

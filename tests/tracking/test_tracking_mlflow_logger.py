@@ -240,6 +240,25 @@ def make_tracker(
     )
 
 
+def test_gpu_samples_go_out_on_their_own_during_a_long_epoch(
+    client: CountingClient, experiment_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Samples waited for the next epoch's request: an epoch of an hour showed no GPU chart
+    for an hour (and past 50,000 metrics the oldest were dropped with a healthy server)."""
+    import hpsearch.tracking.mlflow_logger as ml
+
+    parent = open_study_run(client, experiment_id, "s", {}, "x: 1\n")
+    monkeypatch.setattr(ml, "SYSTEM_FLUSH_S", 0.0)
+    tracker = make_tracker(client, experiment_id, parent, 8)
+    assert tracker.flush(10)  # its params
+    tracker.log_system({"system/gpu_utilization": 80.0})
+    assert tracker.flush(10)
+    assert tracker.run_id is not None
+    history = client.get_metric_history(tracker.run_id, "system/gpu_utilization")
+    assert [m.value for m in history] == [80.0]  # sent with no epoch logged
+    tracker.finish("completed")
+
+
 @pytest.mark.slow
 def test_trial_run_layout_metrics_and_batching(
     client: CountingClient, experiment_id: str, tmp_path: Path
