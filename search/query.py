@@ -52,7 +52,9 @@ def _spec(storage: StorageArg, workdir: WorkdirArg) -> StorageSpec:
             f"storage: {type(storage).__name__}: expected a storage URL or a journal file's "
             "path (an Optuna storage object: optuna.load_study(storage=...) reads it directly)"
         )
-    return resolve_storage(os.fspath(storage) if storage else None, _workdir(workdir))
+    return resolve_storage(
+        os.fspath(storage) if storage else None, _workdir(workdir), given_as="storage"
+    )
 
 
 def _missing_file(spec: StorageSpec, storage: StorageArg) -> StorageError | None:

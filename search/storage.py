@@ -96,9 +96,13 @@ _RAW_DATABASE = re.compile(
 )
 
 
-def resolve_storage(cli_value: str | None, workdir: Path) -> StorageSpec:
+def resolve_storage(
+    cli_value: str | None, workdir: Path, *, given_as: str = "--storage"
+) -> StorageSpec:
+    """The storage `cli_value` names, else HPSEARCH_STORAGE, else the work folder's journal.
+    `given_as`: how errors name the value (the Python API's `storage`)."""
     value = cli_value or os.environ.get("HPSEARCH_STORAGE") or ""
-    origin = "--storage" if cli_value else "HPSEARCH_STORAGE"
+    origin = given_as if cli_value else "HPSEARCH_STORAGE"
     if not value:
         path = (workdir / JOURNAL_NAME).resolve()
         return StorageSpec("journal", str(path), f"journal:{path}")
