@@ -552,7 +552,8 @@ class Launcher:
         self._study: optuna.Study | None = None  # opened in run(), after the workers start
         self._early_events: list[str] = []  # progress events from before that
         # Dead workers' trials without an MLflow run, failed once the tracking set-up is over
-        self._held: list[tuple[FrozenTrial, str]] = []
+        # (trial, reason, interrupted): dead workers' trials failed once MLflow is set up
+        self._held: list[tuple[FrozenTrial, str, bool]] = []
         self._held_ids: set[int] = set()
         self._held_beat_at = 0.0  # time.monotonic() of the launcher's last beat for them
 
@@ -1093,7 +1094,7 @@ class Launcher:
             slot.state = "stopped"
             return
         trials = with_db_retry(lambda: self.study.get_trials(deepcopy=False))
-        held_ids = {t._trial_id for t, _ in self._held}
+        held_ids = {t._trial_id for t, *_ in self._held}
         running = [t for t in trials if t.state == TrialState.RUNNING]
         still_held = [t for t in running if t._trial_id in held_ids]  # not failed elsewhere
         counts = counts_once_requeued(budget_counts(trials), len(still_held))
@@ -1143,7 +1144,7 @@ class Launcher:
         ]
         setting_up = self._tracking_setting_up()
         hold = {t._trial_id for t in mine if setting_up and not t.user_attrs.get(ATTR_RUN_ID)}
-        self._held += [(t, reason) for t in mine if t._trial_id in hold]
+        self._held += [(t, reason, interrupted) for t in mine if t._trial_id in hold]
         self._held_ids |= hold
         self._beat_held(force=bool(hold))
         failed = self._fail([(t, reason) for t in mine if t._trial_id not in hold], interrupted)
@@ -1162,7 +1163,7 @@ class Launcher:
         if not force and now - self._held_beat_at < self.opts.heartbeat_interval_s / 2:
             return
         self._held_beat_at = now
-        for t, _ in self._held:
+        for t, *_ in self._held:
             with contextlib.suppress(SQLAlchemyError, optuna.exceptions.StorageInternalError):
                 storage.record_heartbeat(t._trial_id)
 
@@ -1187,8 +1188,9 @@ class Launcher:
         while self._held and not self._tracking_setting_up():
             # Its run's creation on a server just started can take seconds: beaten all the
             # while, or the restarted worker's stale check fails it first, without its run.
-            with self._beating_held():
-                failed += self._fail(self._held[:1])
+            trial, reason, interrupted = self._held[0]
+            with self._beating_held():  # a second stop's kill uses no crash retry, held or not
+                failed += self._fail([(trial, reason)], interrupted)
             self._held.pop(0)
         return failed
 

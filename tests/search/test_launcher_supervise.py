@@ -87,6 +87,32 @@ def test_a_launch_fails_only_the_trials_of_its_own_workers(tmp_path: Path) -> No
     assert [w.trial for w in launcher._progress().workers] == [None]
 
 
+def test_a_second_stop_before_mlflow_is_up_uses_no_crash_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C twice while the embedded MLflow server started: the killed worker's trial was
+    held until the server was up, then failed as a crash, using up a retry (with
+    --max-retries 0 it was never resumed, its checkpoint left unused)."""
+    launcher = _launcher(tmp_path / "w", max_retries=0)
+    launcher._open_study()
+    study = launcher.study
+    worker_id = _Slot(0, None).worker_id
+    launcher._pids[4_000_000] = None  # this launch's worker 0, killed by the second stop
+    trial = study.ask()
+    trial.suggest_float("lr", 1e-3, 0.5, log=True)
+    for key, value in {ATTR_PID: 4_000_000, ATTR_WORKER: worker_id,
+                       ATTR_HOST: socket.gethostname()}.items():  # fmt: skip
+        trial.set_user_attr(key, value)
+    setting_up = [True]
+    monkeypatch.setattr(launcher, "_tracking_setting_up", lambda: setting_up[0])
+    failed, held = launcher._fail_trials_of(worker_id, "interrupted", interrupted=True)
+    assert (failed, held) == ([], [trial.number])
+    setting_up[0] = False
+    assert launcher._fail_held() == [trial.number]
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    assert len(waiting) == 1  # re-queued to resume, --max-retries 0 notwithstanding
+
+
 def test_a_stop_while_a_worker_is_restarted_restarts_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
