@@ -144,7 +144,8 @@ def _trial_options(fn: F) -> F:
         click.option("--max-retries", type=click.IntRange(min=0), default=2, show_default=True,
                      help="Retries (resumed from checkpoint) of a trial whose worker died; "
                      "a trial a launch stops (Ctrl-C, SIGTERM, once or twice), or a worker "
-                     "hands back on its first one, is resumed and uses none."),
+                     "hands back on its first one, is resumed and uses none (one killed when "
+                     "--grace runs out uses one, as a hung trial)."),
         click.option("--heartbeat", type=click.IntRange(min=1, max=3600), default=10,
                      show_default=True,
                      help="Trial heartbeat in seconds (PostgreSQL); a dead worker's trial is "
@@ -263,7 +264,8 @@ def cli() -> None:
     type=_Seconds(min=0),
     default=120.0,
     show_default=True,
-    help="Seconds the first Ctrl-C waits for running trials to checkpoint.",
+    help="Seconds the first Ctrl-C waits for running trials to checkpoint; a trial "
+    "still running then is killed as a hung one: its retry counts against --max-retries.",
 )
 @_edge
 def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,

@@ -1299,8 +1299,11 @@ class Launcher:
     def _cleanup_running(self) -> None:
         """After all workers are gone, none of their trials may stay RUNNING, and none they
         handed back may be left without its retry."""
+        failed: list[int] = []
         for s in self._slots:
-            self._fail_trials_of(s.worker_id, "interrupted", s.killed_on_stop)
+            failed += self._fail_trials_of(s.worker_id, "interrupted", s.killed_on_stop)[0]
+        if failed:  # said: one killed when --grace ran out may have used its last retry
+            self._event(f"stopped: {self._requeued_text(failed)}")
         ids = [s.worker_id for s in self._slots]
         if queued := with_db_retry(
             lambda: requeue_cut_handbacks(
