@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
 import threading
 import time
@@ -54,6 +55,7 @@ from hpsearch.study import (
     study_budget,
     suggest,
 )
+from hpsearch.trainer.types import best_model_path_for
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
@@ -211,6 +213,28 @@ def checkpoint_path(
     if inherited:
         return folder / Path(inherited).name
     return folder / f"trial-{root_trial:05d}-{uuid.uuid4().hex[:8]}.pt"
+
+
+def adopt_checkpoint(inherited: Path, ckpt: Path) -> bool:
+    """Move a retry chain's resume checkpoint and best model from where its failed try of
+    this host wrote them (`inherited`, absolute: another work folder) to `ckpt`, when
+    `ckpt` has none. Whether it moved. A file that cannot be moved is left where it is (the
+    retry trains from its start, as before)."""
+    if not inherited.is_absolute() or inherited == ckpt or ckpt.exists():
+        return False
+    if not inherited.is_file():
+        return False
+    try:
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        best = best_model_path_for(inherited)
+        if best.is_file():  # first: the checkpoint refers to it
+            shutil.move(best, best_model_path_for(ckpt))
+        shutil.move(inherited, ckpt)
+    except OSError as exc:
+        logger.warning("resume checkpoint %s not taken: %s", inherited, exc)
+        return False
+    logger.info("resuming from %s (its failed try's, moved here)", inherited)
+    return True
 
 
 def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
@@ -1033,6 +1057,10 @@ def run_trial(
         root = root_trial_number(trial)
         inherited = trial.user_attrs.get(ATTR_CHECKPOINT) if root != trial.number else None
         ckpt = checkpoint_path(opts.workdir, cfg.name, root, str(inherited or "") or None)
+        if inherited and trial.user_attrs.get(ATTR_HOST) == socket.gethostname():
+            # The failed try ran on this host, maybe from another work folder (a second
+            # launch of the study): its files are taken, not trained again from epoch 1.
+            adopt_checkpoint(Path(str(inherited)), ckpt)
         run_key = uuid.uuid4().hex
         attrs = {
             ATTR_WORKER: opts.resolved_id(),

@@ -943,3 +943,32 @@ def test_an_at_sign_is_refused_only_in_a_storage_urls_password(tmp_path: Path) -
         "journal://runs@a.journal",
     ):
         resolve_storage(fine, tmp_path)
+
+
+def test_a_retry_taken_by_another_work_folder_of_this_host_resumes_from_its_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two launches of one study on this host, other work folders (the refusal of a second
+    launch in one folder suggests another): a trial one hands back, the other's worker
+    trained again from epoch 1, as its folder held no checkpoint of it."""
+    import threading
+
+    from hpsearch.worker import ATTR_CHECKPOINT, WorkerOptions, run_worker
+
+    monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.2")
+    cfg = load_config("tiny", overrides=["budget.n_trials=1", "budget.max_epochs=8",
+                                         "pruner.name=none", "pruner.options={}"])  # fmt: skip
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    stop = threading.Event()
+    threading.Timer(1.0, stop.set).start()  # a few epochs in: handed back, checkpointed
+    first = run_worker(cfg, spec, WorkerOptions(workdir=tmp_path / "a", train_fn=DUMMY), stop)
+    assert first.outcomes == {"interrupted": 1}
+    study = create_or_load(cfg, open_storage(spec))
+    handed_back = Path(study.get_trials(deepcopy=False)[0].user_attrs[ATTR_CHECKPOINT])
+    assert handed_back.is_file() and handed_back.is_relative_to(tmp_path / "a")
+    second = run_worker(cfg, spec, WorkerOptions(workdir=tmp_path / "b", train_fn=DUMMY))
+    assert second.outcomes == {"finished": 1}
+    retry = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)[1]
+    assert retry.state == optuna.trial.TrialState.COMPLETE
+    assert retry.user_attrs["resumed_from_epoch"] > 1  # not trained again from epoch 1
+    assert not handed_back.exists()  # taken, not left behind
