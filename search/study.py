@@ -13,9 +13,11 @@ from typing import Any
 
 import optuna
 from hpsearch.config import (
+    HPARAM_NAMES,
     FloatParam,
     IntParam,
     StudyConfig,
+    config_from_yaml,
     config_to_yaml,
     grid_space,
 )
@@ -289,9 +291,12 @@ def create_or_load(
             f"{cfg.source or cfg.name}: objective.direction: {list(cfg.objective.directions)}: "
             f"study {cfg.name!r} already exists with directions {existing}{hint}"
         )
-    check_space_fits(cfg, study.get_trials(deepcopy=False))
+    trials = study.get_trials(deepcopy=False)
+    check_space_fits(cfg, trials)
     attrs = study.user_attrs
     first = CONFIG_ATTR not in attrs
+    if owner and not first:
+        check_retries_fit(cfg, str(attrs[CONFIG_ATTR]), trials)
     if owner or first:
         resolved = config_to_yaml(cfg)
         if attrs.get(CONFIG_ATTR) != resolved:
@@ -358,6 +363,38 @@ def check_space_fits(cfg: StudyConfig, trials: Sequence[FrozenTrial]) -> None:
                     "keeps a parameter's choices, kind and log scale for the whole study: "
                     "change it back, or start a study under another `name`"
                 ) from None
+
+
+def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTrial]) -> None:
+    """Refuse a config under which a retry waiting to resume from its checkpoint would get
+    other hyperparameters than it trained with (the stored config's: a changed
+    `trainer.defaults` or `dataset.image_size`): the trainer refuses that checkpoint, and
+    the retry failed for good, its epochs lost."""
+    waiting = [
+        t
+        for t in trials
+        if t.state == TrialState.WAITING and t.user_attrs.get("checkpoint")  # worker.ATTR_
+    ]
+    if not waiting:
+        return
+    try:
+        before_cfg = config_from_yaml(stored, f"study {cfg.name}")
+    except ConfigError:  # an older version's config: the trainer judges the checkpoint
+        return
+    for t in waiting:
+        try:
+            before, now = before_cfg.resolve_params(t.params), cfg.resolve_params(t.params)
+        except ConfigError:
+            continue
+        changed = [k for k in HPARAM_NAMES if getattr(before, k) != getattr(now, k)]
+        if changed:
+            name = changed[0]
+            raise ConfigError(
+                f"{cfg.source or cfg.name}: {name}: {getattr(now, name)!r}: trial {t.number} "
+                f"waits to resume from a checkpoint trained with {getattr(before, name)!r}, "
+                "which it would refuse: relaunch without the change until it has finished, "
+                "or start a study under another `name`"
+            )
 
 
 def _space_text(dist: BaseDistribution) -> str:

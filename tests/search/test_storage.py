@@ -972,3 +972,31 @@ def test_a_retry_taken_by_another_work_folder_of_this_host_resumes_from_its_chec
     assert retry.state == optuna.trial.TrialState.COMPLETE
     assert retry.user_attrs["resumed_from_epoch"] > 1  # not trained again from epoch 1
     assert not handed_back.exists()  # taken, not left behind
+
+
+def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A relaunch with another trainer default: the retry waiting to resume was refused its
+    checkpoint ("written for other hyperparameters") and failed for good, with no retry
+    left and its epochs lost; the launch had taken the change without a word."""
+    cfg = load_config("tiny")
+    storage = open_storage(StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal"))
+    study = create_or_load(cfg, storage)
+    first = study.ask()
+    params = suggest(first, cfg)
+    first.set_user_attr("checkpoint", str(tmp_path / "trial-00000-ab.pt"))
+    study.tell(first, state=optuna.trial.TrialState.FAIL)
+    frozen = study.get_trials(deepcopy=False)[0]
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING, params=params,
+            distributions=frozen.distributions, user_attrs=frozen.user_attrs,
+            system_attrs={"failed_trial": 0, "retry_history": [0]},
+        )
+    )  # fmt: skip
+    changed = load_config("tiny", ["trainer.defaults.warmup_epochs=3"])
+    with pytest.raises(ConfigError, match=r"warmup_epochs: 3.0: trial 1 waits to resume"):
+        create_or_load(changed, storage)
+    assert create_or_load(changed, storage, owner=False)  # a worker's --set are its own
+    create_or_load(load_config("tiny", ["budget.max_epochs=9"]), storage)  # it resumes so
