@@ -69,6 +69,17 @@ Int = Annotated[int, BeforeValidator(_number)]
 Float = Annotated[float, BeforeValidator(_number)]
 
 
+def _boolean(value: Any) -> Any:
+    """A true/false field refuses `1`, `"yes"` and `"true"`, which pydantic's lax mode
+    would take: only YAML's true and false are booleans (the README's rule)."""
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
+
+
+Bool = Annotated[bool, BeforeValidator(_boolean)]
+
+
 class Hyperparams(_Frozen):
     """Every value the trainer reads from a trial. Searched ones come from Optuna; the rest
     from `trainer.defaults`."""
@@ -101,7 +112,7 @@ class DatasetConfig(_Frozen):
     image_size: Int = Field(default=64, ge=8, le=1024)  # px, train and eval resolution
     # px stored; None = 8/7 x the trial's image size (one cache per size when it is searched)
     cache_size: Int | None = Field(default=None, ge=8, le=2048)
-    download: bool = False
+    download: Bool = False
     fast_path: Literal["auto", "on", "off"] = "auto"  # on-device cache vs DataLoader
     max_cache_mb: Int = Field(default=8192, ge=1)  # auto picks the fast path under this
     # Quick checks: a fixed (seed 0) random subset of N images per split, file order kept;
@@ -117,7 +128,7 @@ class DatasetConfig(_Frozen):
 
 
 class ModelConfig(_Frozen):
-    pretrained: bool = False
+    pretrained: Bool = False
     weights: str | None = None  # explicit weights file; else torchvision's cache (TORCH_HOME)
 
 
@@ -194,16 +205,16 @@ class TrainerConfig(_Frozen):
     patience: Int | None = Field(default=None, ge=1)  # evals without improvement
     # auto: bf16 where the GPU has it natively, else fp16; fp32 on the CPU
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    channels_last: bool = True
-    compile: bool = False
-    cudnn_benchmark: bool = True
+    channels_last: Bool = True
+    compile: Bool = False
+    cudnn_benchmark: Bool = True
     max_micro_batch: Int | None = Field(default=None, ge=1)  # larger batches accumulate
     base_batch_size: Int = Field(default=256, ge=1)  # reference batch for lr_scaling
     # per-trial seed = seed + trial number; torch takes -2**63 .. 2**64 - 1
     seed: Int = Field(default=0, ge=-(2**63), le=2**63 - 1)
-    evaluate_test: bool = True  # test accuracy of each finished trial
+    evaluate_test: Bool = True  # test accuracy of each finished trial
     num_workers: Int = Field(default=4, ge=0)  # DataLoader workers of the streaming path
-    checkpoint: bool = True
+    checkpoint: Bool = True
     # seconds between resume checkpoints; 0 = every epoch. A crash redoes at most this much.
     checkpoint_every_s: Float = Field(default=0.0, ge=0)
     defaults: Hyperparams = Field(default_factory=Hyperparams)
@@ -214,9 +225,9 @@ class TrackingConfig(_Frozen):
     gpu_interval_s: Float = Field(default=5.0, gt=0)  # NVML sampling period, seconds
     input_bound_threshold: Float = Field(default=50.0, ge=0, le=100)  # % GPU utilization
     input_bound_window_s: Float = Field(default=60.0, gt=0)  # seconds averaged
-    stop_input_bound: bool = False  # stop (prune) trials that stay input-bound
-    upload_checkpoints: bool = False  # resume checkpoints to MLflow each epoch (multi-host)
-    onnx: bool = True  # ONNX export of the best model at the end of a launch
+    stop_input_bound: Bool = False  # stop (prune) trials that stay input-bound
+    upload_checkpoints: Bool = False  # resume checkpoints to MLflow each epoch (multi-host)
+    onnx: Bool = True  # ONNX export of the best model at the end of a launch
 
 
 class _Param(_Frozen):
@@ -227,7 +238,7 @@ class FloatParam(_Param):
     type: Literal["float"]
     low: Float
     high: Float
-    log: bool = False
+    log: Bool = False
     step: Float | None = Field(default=None, gt=0)
 
 
@@ -235,7 +246,7 @@ class IntParam(_Param):
     type: Literal["int"]
     low: Int
     high: Int
-    log: bool = False
+    log: Bool = False
     step: Int = Field(default=1, ge=1)
 
 
@@ -918,6 +929,10 @@ def _build_config(
     for key in raw:
         if not isinstance(key, str):
             raise ConfigError(f"{src}: {key!r}: unknown key")
+    if "source" in raw or any(k.split(".")[0].strip() == "source" for k, _ in
+                              parse_overrides(overrides)):  # fmt: skip
+        # It is set here, to the file's path: a value given was silently replaced.
+        raise ConfigError(f"{src}: source: unknown key (hpsearch sets it to the file's path)")
     pairs = parse_overrides(overrides)
     apply_overrides(raw, pairs, src)
     # The data folder: --data-dir, then a --set of dataset.root,

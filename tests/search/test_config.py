@@ -556,6 +556,11 @@ def test_shipped_studies_found_outside_the_repo(
             ["search_space.batch_size={type: categorical, choices: [[32], 64]}"],
             r"choices.0: \[32\]: a choice must be a string, a number, true, false or null",
         ),
+        # Lax booleans: 1, "yes" and "true" were true; only true and false are booleans.
+        (["trainer.compile=1"], r"trainer.compile: 1: must be true or false"),
+        (["tracking.onnx=yes"], r"tracking.onnx: 'yes': must be true or false"),
+        # Set by hpsearch to the file's path: a value given was silently replaced.
+        (["source=/x.yaml"], r"source: unknown key \(hpsearch sets it"),
         # It names files: the error blamed --workdir ("File name too long").
         ([f"name={'a' * 201}"], r"name: a{20}\.\.\. \(201 characters\): must be at most 200"),
     ],
