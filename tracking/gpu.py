@@ -351,6 +351,9 @@ class GpuSampler:
         self._bound_now = False  # the latest judgment of the rule
         self.samples_taken = 0
         self.trial_device = trial_device
+        # The index in the sampled devices of the trial's own: its cuda:N of the mask, or
+        # the one device sampled without a mask (`_cudas_own`).
+        self._own = trial_device
         self._nvml = nvml
         self._devices: list[_DeviceStats] = []
         self._initialized = False
@@ -402,7 +405,7 @@ class GpuSampler:
             if "" in uuids and by_index:  # a GPU hidden from this process: NVML's indices
                 refs = self._through_cuda(uuids)  # are not CUDA's (UUID entries are sound)
             elif self._first_only and len(uuids) > 1:
-                refs = self._cudas_first(uuids)
+                refs = self._cudas_own(uuids)
             elif cuda_order_differs(self.visible_devices, self.device_order, len(uuids)):
                 cuda = self._cuda_uuids()
                 by_uuid = refs_by_uuid(cuda, uuids) if cuda else []
@@ -445,11 +448,15 @@ class GpuSampler:
         return True
 
     def _through_cuda(self, uuids: Sequence[str]) -> list[DeviceRef]:
-        """The GPUs CUDA shows this process (its first only, without a mask), found by their
-        UUIDs: NVML counts every GPU of the machine, a cgroup's hidden ones too (Slurm's
-        ConstrainDevices), so its indices and CUDA's differ. None without torch's UUIDs."""
+        """The GPUs CUDA shows this process (the trial's only, without a mask), found by
+        their UUIDs: NVML counts every GPU of the machine, a cgroup's hidden ones too
+        (Slurm's ConstrainDevices), so its indices and CUDA's differ. None without torch's
+        UUIDs."""
         cuda = list(self._cuda_uuids() or [])
-        refs = refs_by_uuid(cuda[:1] if self._first_only else cuda, uuids)
+        if self._first_only:
+            k = self.trial_device or 0
+            cuda, self._own = cuda[k : k + 1], 0
+        refs = refs_by_uuid(cuda, uuids)
         if not refs:
             warn_once(
                 "cuda-hidden",
@@ -458,22 +465,27 @@ class GpuSampler:
             )
         return refs
 
-    def _cudas_first(self, uuids: Sequence[str]) -> list[DeviceRef]:
-        """CUDA's device 0 among NVML's GPUs (CUDA numbers them fastest first unless
-        CUDA_DEVICE_ORDER=PCI_BUS_ID, NVML's order): found by its UUID where torch gives it."""
+    def _cudas_own(self, uuids: Sequence[str]) -> list[DeviceRef]:
+        """The trial's CUDA device (cuda:N, `trial_device`) among NVML's GPUs (CUDA numbers
+        them fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, NVML's order): found by its
+        UUID where torch gives it. It is then the one device sampled (`_own` 0)."""
+        k = self.trial_device or 0
+        self._own = 0
         if (self.device_order or "").strip().upper() == "PCI_BUS_ID":
-            return [0]
+            return [k] if k < len(uuids) else [0]
         cuda = self._cuda_uuids()
-        found = refs_by_uuid(list(cuda or [])[:1], uuids)
+        found = refs_by_uuid(list(cuda or [])[k : k + 1], uuids)
         if found:
             return found
         warn_once(
             "cuda-first",
             "GPU telemetry: CUDA_VISIBLE_DEVICES is unset on a machine of %d GPUs and CUDA's "
-            "first device is not known to NVML here; NVML's GPU 0 is sampled as the trial's",
+            "device %d is not known to NVML here; NVML's GPU %d is sampled as the trial's",
             len(uuids),
+            k,
+            k if k < len(uuids) else 0,
         )
-        return [0]
+        return [k] if k < len(uuids) else [0]
 
     def start(self) -> bool:
         """Open NVML and start the sampling thread. False (and nothing logged) without a GPU."""
@@ -577,7 +589,7 @@ class GpuSampler:
                 judged: float | None = None
                 for i, dev in enumerate(self._devices):
                     util = self._sample_device(dev, t, metrics)
-                    if i == self.trial_device:
+                    if i == self._own:
                         # Its own GPU only: beside another visible one it does not use (a
                         # mask of two, cuda:0 training), the mean of 90% and 0% was flagged.
                         judged = util
@@ -761,7 +773,7 @@ class GpuSampler:
                     out[f"system/gpu_energy_j{sfx}"] = energy
             # Unsuffixed: the trial's own GPU's (cuda:N of the mask), the one it trains on;
             # a mean or sum with a visible GPU it does not use read 45% for a GPU at 90%.
-            own = self.trial_device
+            own = self._own
             if len(devs) > 1 and own is not None and 0 <= own < len(devs):
                 for name in ("gpu_utilization_mean", "gpu_process_utilization_mean",
                              "gpu_memory_peak_mib", "gpu_process_memory_peak_mib",

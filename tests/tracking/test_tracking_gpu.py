@@ -622,6 +622,18 @@ def test_without_a_mask_only_cudas_first_gpu_is_sampled(
     s = GpuSampler(None, nvml=FakeNVML(fleet()), pid=PID, use_env=False)
     assert s.open() and s.device_refs == [0, 1, 2, 3]  # asked for all of them
     s.stop()
+    # A trial on cuda:1 (WorkerOptions.device): CUDA's device 1, judged as the trial's; it
+    # sampled device 0 and judged none.
+    nvml = FakeNVML(fleet())
+    nvml.gpus[0].util, nvml.gpus[0].proc_util = 95.0, {PID: 95.0}
+    clock = Clock()
+    s = GpuSampler(None, nvml=nvml, pid=PID, clock=clock, warmup_s=0.0, window_s=20.0,
+                   cuda_uuids=lambda: [UUIDS[2], UUIDS[0]], trial_device=1)  # fmt: skip
+    assert s.open() and s.device_refs == [0]
+    for _ in range(8):
+        s.sample_once()
+        clock.t += 5
+    assert not s.input_bound and s.stop()["system/gpu_utilization_mean"] == 95.0
 
 
 def test_the_first_query_skips_what_nvml_buffered_before_the_trial() -> None:
