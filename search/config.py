@@ -796,28 +796,6 @@ StudyLoader.add_implicit_resolver(
 )
 
 
-# YAML 1.2's integers (decimal, 0o, 0x; `_` between digits kept): YAML 1.1 read `010` as
-# 8 (octal), `1:30` as 90 (base 60) and `0b11` as 3.
-_INT_TAG = "tag:yaml.org,2002:int"
-StudyLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != _INT_TAG]
-    for first, resolvers in StudyLoader.yaml_implicit_resolvers.items()
-}
-StudyLoader.add_implicit_resolver(
-    _INT_TAG,
-    re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"),
-    list("-+0123456789"),
-)
-
-
-def _construct_int(loader: StudyLoader, node: yaml.ScalarNode) -> int:
-    text = str(loader.construct_scalar(node)).replace("_", "")
-    return int(text, 0) if text.startswith(("0o", "0x")) else int(text, 10)
-
-
-StudyLoader.add_constructor(_INT_TAG, _construct_int)
-
-
 def load_yaml(text: str) -> Any:
     """A study file's or a --set value's YAML, read with `StudyLoader`."""
     return yaml.load(text, Loader=StudyLoader)

@@ -285,7 +285,8 @@ def list_studies(storage: StorageArg = None, workdir: WorkdirArg = None) -> list
         if missing := _missing_file(spec, storage):
             raise missing
         folder = Path(spec.url).parent if spec.kind == "journal" else None
-        if workdir and folder is not None and folder == _workdir(workdir) and not folder.is_dir():
+        mine = folder is not None and folder == _workdir(workdir).resolve()
+        if workdir and mine and folder is not None and not folder.is_dir():
             raise StorageError(f"workdir {os.fspath(workdir)}: no such folder")  # mistyped
         return []
     st = open_storage(spec, pool_size=1, create=False)

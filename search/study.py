@@ -7,8 +7,10 @@ import hashlib
 import inspect
 import logging
 import math
+import socket
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -381,7 +383,13 @@ def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTria
         before_cfg = config_from_yaml(stored, f"study {cfg.name}")
     except ConfigError:  # an older version's config: the trainer judges the checkpoint
         return
+    if not before_cfg.trainer.checkpoint:  # none was written: they train from epoch 1
+        return
+    host = socket.gethostname()
     for t in waiting:
+        path = Path(str(t.user_attrs["checkpoint"]))
+        if t.user_attrs.get("host") == host and path.is_absolute() and not path.exists():
+            continue  # its try died before its first save: it trains from epoch 1
         try:
             before, now = before_cfg.resolve_params(t.params), cfg.resolve_params(t.params)
         except ConfigError:

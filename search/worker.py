@@ -1067,7 +1067,7 @@ def run_trial(
             ATTR_HOST: socket.gethostname(),
             ATTR_PID: os.getpid(),
             ATTR_PID_START: process_start(os.getpid()),
-            ATTR_CHECKPOINT: str(ckpt),
+            ATTR_CHECKPOINT: str(ckpt.absolute()),  # a retry in another folder finds it
             ATTR_RUN_KEY: run_key,
         }
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial

@@ -985,9 +985,6 @@ def _train(
                     k: v.detach().cpu().clone() for k, v in model.state_dict().items()
                 }
                 best_unsaved = best_path is not None
-                # Until written (best_files), the file holds an older epoch's model: a trial
-                # that ends before then (pruned, diverged) names none with this best.
-                run.best_model_path = None
             else:
                 run.evals_since_best += 1
             value = reported_value(config, record)

@@ -246,6 +246,10 @@ def test_the_checkpoint_column_drops_a_deleted_file_and_readers_check_their_argu
     assert checkpoint_uri(here) == gone
     with pytest.raises(hps.StorageError, match="no such folder"):
         list_studies(workdir=tmp_path / "mistyped")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        with pytest.raises(hps.StorageError, match="no such folder"):
+            list_studies(workdir="mistyped")  # relative, as typed
     assert list_studies(workdir=tmp_path) == []  # a work folder with no study yet
     _journal_study(tmp_path, "only")
     with pytest.raises(hps.StudyNotFoundError, match="must be a non-empty string"):

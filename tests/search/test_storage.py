@@ -961,12 +961,13 @@ def test_a_retry_taken_by_another_work_folder_of_this_host_resumes_from_its_chec
     spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
     stop = threading.Event()
     threading.Timer(1.0, stop.set).start()  # a few epochs in: handed back, checkpointed
-    first = run_worker(cfg, spec, WorkerOptions(workdir=tmp_path / "a", train_fn=DUMMY), stop)
+    monkeypatch.chdir(tmp_path)  # relative work folders, as the default `.hpsearch` is
+    first = run_worker(cfg, spec, WorkerOptions(workdir=Path("a"), train_fn=DUMMY), stop)
     assert first.outcomes == {"interrupted": 1}
     study = create_or_load(cfg, open_storage(spec))
     handed_back = Path(study.get_trials(deepcopy=False)[0].user_attrs[ATTR_CHECKPOINT])
     assert handed_back.is_file() and handed_back.is_relative_to(tmp_path / "a")
-    second = run_worker(cfg, spec, WorkerOptions(workdir=tmp_path / "b", train_fn=DUMMY))
+    second = run_worker(cfg, spec, WorkerOptions(workdir=Path("b"), train_fn=DUMMY))
     assert second.outcomes == {"finished": 1}
     retry = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)[1]
     assert retry.state == optuna.trial.TrialState.COMPLETE
@@ -1000,3 +1001,23 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
         create_or_load(changed, storage)
     assert create_or_load(changed, storage, owner=False)  # a worker's --set are its own
     create_or_load(load_config("tiny", ["budget.max_epochs=9"]), storage)  # it resumes so
+    # No checkpoint to refuse: none written (trainer.checkpoint off), or this host's try
+    # died before its first save. The retry then trains from epoch 1 under the change.
+    import socket
+
+    from hpsearch.config import config_to_yaml
+    from hpsearch.study import check_retries_fit
+
+    retry = study.get_trials(deepcopy=False)[1]
+    unsaved = load_config("tiny", ["trainer.checkpoint=false"])
+    check_retries_fit(changed, config_to_yaml(unsaved), [retry])
+    stored = config_to_yaml(cfg)
+    here = optuna.trial.create_trial(
+        state=optuna.trial.TrialState.WAITING, params=params,
+        distributions=frozen.distributions,
+        user_attrs={**frozen.user_attrs, "host": socket.gethostname()},
+    )  # fmt: skip
+    check_retries_fit(changed, stored, [here])  # its file was never written
+    (tmp_path / "trial-00000-ab.pt").write_bytes(b"{}")
+    with pytest.raises(ConfigError, match="waits to resume"):
+        check_retries_fit(changed, stored, [here])

@@ -139,19 +139,6 @@ def test_pruned_trial_writes_no_best_model(tmp_path: Path) -> None:
     assert finished.best_model_path is not None and finished.best_model_path.is_file()
 
 
-def test_a_pruned_trial_names_no_best_model_older_than_its_best(tmp_path: Path) -> None:
-    """Its best epoch came after the best-model file was last written: the result paired
-    that epoch's accuracy with the file of an earlier, worse one."""
-    cfg = synthetic(budget={"max_epochs": 4}, trainer={"eval_every": 2})
-    ckpt = tmp_path / "ckpt" / "t.pt"
-    opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt, seed=0)
-    pruned = train(cfg, {**TINY, "lr": 0.2}, lambda e, v: e >= 4, opts)
-    assert pruned.stop_reason == "pruned" and pruned.pruned_at_epoch == 4
-    accs = {r.epoch: r.val_acc for r in pruned.history if r.val_acc is not None}
-    assert accs[4] > accs[2] == pruned.history[1].val_acc  # the best came at the pruned epoch
-    assert pruned.best_model_path is None
-
-
 def test_on_checkpoint_sees_the_save_just_written(tmp_path: Path) -> None:
     """The hook runs once each resume checkpoint is on disk (what an upload must take), with
     the file holding that epoch, not the previous one; a stop's last save included."""
