@@ -621,22 +621,28 @@ def _check_cache_size(cfg: StudyConfig, src: str) -> None:
     stored = cfg.dataset.cache_size
     if stored is None:
         return
-    size = cfg.search_space.get("image_size")
-    largest: float
-    if isinstance(size, CategoricalParam):
-        largest = max(float(c) for c in size.choices if _is_number(c))  # type: ignore[arg-type]
-        field = "search_space.image_size.choices"
-    elif isinstance(size, IntParam | FloatParam):
-        largest, field = size.high, "search_space.image_size.high"
-    elif cfg.trainer.defaults.image_size is not None:
-        largest, field = cfg.trainer.defaults.image_size, "trainer.defaults.image_size"
-    else:
-        largest, field = cfg.dataset.image_size, "dataset.image_size"
+    largest, field = _image_size_bound(cfg, largest=True)
     if stored < largest:
         raise ConfigError(
             f"{src}: dataset.cache_size: {stored}: must be >= the largest image size trained "
             f"({largest:g}, {field}): smaller stored images are scaled up"
         )
+
+
+def _image_size_bound(cfg: StudyConfig, largest: bool) -> tuple[float, str]:
+    """The largest (or smallest) image size the study trains at, px, and the field that
+    gives it: the searched one, else trainer.defaults, else the dataset's."""
+    size = cfg.search_space.get("image_size")
+    pick = max if largest else min
+    if isinstance(size, CategoricalParam):
+        sizes = [float(c) for c in size.choices if _is_number(c)]  # type: ignore[arg-type]
+        return pick(sizes), "search_space.image_size.choices"
+    if isinstance(size, IntParam | FloatParam):
+        bound = "high" if largest else "low"
+        return float(getattr(size, bound)), f"search_space.image_size.{bound}"
+    if cfg.trainer.defaults.image_size is not None:
+        return cfg.trainer.defaults.image_size, "trainer.defaults.image_size"
+    return cfg.dataset.image_size, "dataset.image_size"
 
 
 # px an architecture needs at least: ConvNeXt's stem (stride 4) and three 2x2 downsamplings
@@ -649,17 +655,7 @@ def _check_arch_sizes(cfg: StudyConfig, src: str) -> None:
     space = cfg.search_space
     arch = space.get("arch")
     archs = arch.choices if isinstance(arch, CategoricalParam) else [cfg.trainer.defaults.arch]
-    size = space.get("image_size")
-    smallest: float
-    if isinstance(size, CategoricalParam):
-        smallest = min(float(c) for c in size.choices if _is_number(c))  # type: ignore[arg-type]
-        field = "search_space.image_size.choices"
-    elif isinstance(size, IntParam | FloatParam):
-        smallest, field = size.low, "search_space.image_size.low"
-    elif cfg.trainer.defaults.image_size is not None:
-        smallest, field = cfg.trainer.defaults.image_size, "trainer.defaults.image_size"
-    else:
-        smallest, field = cfg.dataset.image_size, "dataset.image_size"
+    smallest, field = _image_size_bound(cfg, largest=False)
     for name in archs:
         need = MIN_IMAGE_SIZE.get(str(name))
         if need is not None and smallest < need:

@@ -6,6 +6,7 @@ import os
 import time
 import types
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from hpsearch.config import load_config
@@ -353,20 +354,26 @@ def test_the_rule_waits_out_a_wait_for_gpu_memory() -> None:
     assert flagged == [True, False]
 
 
+def _idle_for_100_s(**kwargs: Any) -> tuple[FakeNVML, Clock, GpuSampler]:
+    """One GPU at 0% for 100 s (20 samples), under a 10 s warm-up and a 60 s window."""
+    nvml = FakeNVML(fleet(1))
+    nvml.gpus[0].util, nvml.gpus[0].proc_util = 0.0, {PID: 0.0}
+    clock = Clock()
+    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock, window_s=60.0,
+                   warmup_s=10.0, threshold_pct=50.0, **kwargs)  # fmt: skip
+    assert s.open()
+    for _ in range(20):
+        assert s.sample_once()
+        clock.t += 5
+    return nvml, clock, s
+
+
 def test_a_flag_before_training_runs_stops_nothing_and_stopping_follows_the_window() -> None:
     """Set-up and a compiling first epoch leave the GPU idle for minutes: the worker restarts
     the warm-up at the first epoch's end, after which a flag raised before (kept on record,
     as the run's tag is) stops nothing. A trial that was input-bound (a cold first read)
     and runs at speed since is not stopped for it."""
-    nvml = FakeNVML(fleet(1))
-    nvml.gpus[0].util, nvml.gpus[0].proc_util = 0.0, {PID: 0.0}
-    clock = Clock()
-    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock, window_s=60.0,
-                   warmup_s=10.0, threshold_pct=50.0, stop_when_input_bound=True)  # fmt: skip
-    assert s.open()
-    for _ in range(20):  # 100 s of set-up
-        s.sample_once()
-        clock.t += 5
+    nvml, clock, s = _idle_for_100_s(stop_when_input_bound=True)  # set-up
     assert s.input_bound and s.should_stop()
     s.restart_warmup()  # the first epoch's end
     assert s.input_bound and not s.should_stop()
@@ -391,16 +398,8 @@ def test_a_trials_sampler_judges_from_its_first_epochs_end_not_its_start() -> No
         types.SimpleNamespace(cfg=load_config("tiny"), device="cpu")
     )
     assert options["paused"] is True
-    nvml = FakeNVML(fleet(1))
-    nvml.gpus[0].util, nvml.gpus[0].proc_util = 0.0, {PID: 0.0}
-    clock = Clock()
-    s = GpuSampler(None, visible_devices="0", nvml=nvml, pid=PID, clock=clock, window_s=60.0,
-                   warmup_s=10.0, threshold_pct=50.0, paused=True)  # fmt: skip
-    assert s.open()
-    for _ in range(20):  # 100 s of set-up, sampled and logged
-        assert s.sample_once()
-        clock.t += 5
-    assert not s.input_bound
+    _, clock, s = _idle_for_100_s(paused=True)  # set-up, sampled and logged
+    assert s.samples_taken == 20 and not s.input_bound
     s.restart_warmup()  # the first epoch's end
     for _ in range(16):  # starved from then on: flagged
         s.sample_once()
