@@ -903,11 +903,10 @@ def _build_config(
     for key in raw:
         if not isinstance(key, str):
             raise ConfigError(f"{src}: {key!r}: unknown key")
-    if "source" in raw or any(k.split(".")[0].strip() == "source" for k, _ in
-                              parse_overrides(overrides)):  # fmt: skip
+    pairs = parse_overrides(overrides)
+    if "source" in raw or any(k.split(".")[0].strip() == "source" for k, _ in pairs):
         # It is set here, to the file's path: a value given was silently replaced.
         raise ConfigError(f"{src}: source: unknown key (hpsearch sets it to the file's path)")
-    pairs = parse_overrides(overrides)
     apply_overrides(raw, pairs, src)
     # The data folder: --data-dir, then a --set of dataset.root,
     # then HPSEARCH_DATA_DIR, then the file (the README's order).

@@ -284,10 +284,11 @@ def list_studies(storage: StorageArg = None, workdir: WorkdirArg = None) -> list
     if not has_optuna_tables(spec):
         if missing := _missing_file(spec, storage):
             raise missing
-        folder = Path(spec.url).parent if spec.kind == "journal" else None
-        mine = folder is not None and folder == _workdir(workdir).resolve()
-        if workdir and mine and folder is not None and not folder.is_dir():
-            raise StorageError(f"workdir {os.fspath(workdir)}: no such folder")  # mistyped
+        # A mistyped work folder, not one with no study yet.
+        folder = Path(spec.url).parent
+        mine = spec.kind == "journal" and folder == _workdir(workdir).resolve()
+        if workdir and mine and not folder.is_dir():
+            raise StorageError(f"workdir {os.fspath(workdir)}: no such folder")
         return []
     st = open_storage(spec, pool_size=1, create=False)
     try:

@@ -370,12 +370,10 @@ def check_space_fits(cfg: StudyConfig, trials: Sequence[FrozenTrial]) -> None:
 def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTrial]) -> None:
     """Refuse a config under which a retry waiting to resume from its checkpoint would get
     other hyperparameters than it trained with (the stored config's: a changed
-    `trainer.defaults` or `dataset.image_size`): the trainer refuses that checkpoint, and
-    the retry failed for good, its epochs lost."""
-    waiting = [
-        t
-        for t in trials
-        if t.state == TrialState.WAITING and t.user_attrs.get("checkpoint")  # worker.ATTR_
+    `trainer.defaults` value): the trainer refuses that checkpoint, and the retry failed
+    for good, its epochs lost."""
+    waiting = [  # "checkpoint": worker.ATTR_CHECKPOINT (the worker imports this module)
+        t for t in trials if t.state == TrialState.WAITING and t.user_attrs.get("checkpoint")
     ]
     if not waiting:
         return
