@@ -551,8 +551,8 @@ class Launcher:
         self._last_best: tuple[float | None, int | None] = (None, None)
         self._study: optuna.Study | None = None  # opened in run(), after the workers start
         self._early_events: list[str] = []  # progress events from before that
-        # Dead workers' trials without an MLflow run, failed once the tracking set-up is over
-        # (trial, reason, interrupted): dead workers' trials failed once MLflow is set up
+        # Dead workers' trials without an MLflow run, failed once the tracking set-up is over:
+        # (trial, reason, interrupted by a second stop)
         self._held: list[tuple[FrozenTrial, str, bool]] = []
         self._held_ids: set[int] = set()
         self._held_beat_at = 0.0  # time.monotonic() of the launcher's last beat for them

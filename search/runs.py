@@ -1554,8 +1554,9 @@ def download_best_model(
         raise HpsearchError(f"trial {trial.number}: its model's MLflow run is not linked")
     if not uri:
         _, artifacts, _ = store_paths(workdir)
-        for found in sorted(artifacts.glob(f"*/{run_id}/artifacts/{CHECKPOINT_ARTIFACT}/best.pt")):
-            return found
+        stored = sorted(artifacts.glob(f"*/{run_id}/artifacts/{CHECKPOINT_ARTIFACT}/best.pt"))
+        if stored:
+            return stored[0]
         raise HpsearchError(
             f"trial {trial.number}: its model is in MLflow run {run_id}, not on this machine, "
             f"and no tracking URI was given (tracking_uri=, MLFLOW_TRACKING_URI); the work "

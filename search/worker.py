@@ -220,10 +220,8 @@ def adopt_checkpoint(inherited: Path, ckpt: Path) -> bool:
     this host wrote them (`inherited`, absolute: another work folder) to `ckpt`, when
     `ckpt` has none. Whether it moved. A file that cannot be moved is left where it is (the
     retry trains from its start, as before)."""
-    if not inherited.is_absolute() or inherited == ckpt or ckpt.exists():
-        return False
-    if not inherited.is_file():
-        return False
+    if not inherited.is_absolute() or ckpt.exists() or not inherited.is_file():
+        return False  # a path of old, this folder's own, or a try that never saved
     try:
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         best = best_model_path_for(inherited)
