@@ -598,3 +598,30 @@ def test_a_server_restarted_after_it_died_keeps_its_other_users(tmp_path: Path) 
         with contextlib.suppress(Exception):
             pid = json.loads(state_path(tmp_path).read_text())["pgid"]
             os.killpg(int(pid), signal.SIGKILL)
+
+
+def test_a_best_model_in_the_embedded_store_is_read_from_disk_once_its_server_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded server stops with its launch: load_best_model without a tracking URI
+    reads the checkpoint from the store's artifacts folder, in the layout the real server
+    writes (`mlflow server --artifacts-destination`)."""
+    from hpsearch.runs import download_best_model
+    from mlflow.tracking import MlflowClient
+    from optuna.trial import create_trial
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # no tracking URI given
+    server = start_local_server(tmp_path)
+    try:
+        client = MlflowClient(server.url)
+        run_id = client.create_run(client.create_experiment("embedded-best")).info.run_id
+        best = tmp_path / "best.pt"
+        best.write_bytes(b"weights")
+        client.log_artifact(run_id, str(best), "checkpoint")
+    finally:
+        assert server.release() == "stopped"
+    trial = create_trial(value=0.5, user_attrs={
+        "mlflow_run_id": run_id, "checkpoint_uri": f"runs:/{run_id}/checkpoint/best.pt",
+    })  # fmt: skip
+    found = download_best_model(trial, None, tmp_path, tmp_path / "unused")
+    assert found.read_bytes() == b"weights" and not (tmp_path / "unused").exists()
