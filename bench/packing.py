@@ -30,9 +30,11 @@ Fixed params: each searched parameter takes its value from --params, else from P
 when the study's range allows it, else the first choice / the (geometric) middle of the range;
 image_size is the study's dataset.image_size.
 
-Example (CPU, about 2.5 minutes on 2 cores):
+Example (CPU, about 2.5 minutes on 2 cores; a cache_size below the study's searched image
+sizes is refused at load, so the searched sizes are shrunk too):
     python bench/packing.py --device cpu --workers 1 2 4 --trials-per-worker 2 --epochs 4 \\
         --set dataset.image_size=32 --set dataset.cache_size=36 --set dataset.eval_limit=255 \\
+        --set 'search_space.image_size={type: categorical, choices: [32]}' \\
         --set trainer.evaluate_test=false --json bench-packing.json
 
 Example (GPU):

@@ -10,6 +10,10 @@ Flowers-102 in this one process (as in a warm worker):
            memory must be released, and a small trial must then run under the same cap
   compile  compile reuse in a warm worker: two 1-epoch trials with the same (arch, size,
            batch) share a WarmCache; the second's first epoch should not compile again
+  chunks   augment.train_batch on the GPU, whole batch against `chunks` pieces (what a
+           micro-batched step does): the same images and targets, and the peak memory of each
+           (a batch of 512 uint8 images at 144 px cropped to 128 px, trivial and randaugment
+           with MixUp and CutMix)
 
 The JSON is rewritten after each check, so a check cut off by a timeout leaves the others.
 Exit status 1 when a check fails. `--device cpu` rehearses the plumbing (fp16 falls back to
@@ -52,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-dir", default=default_data_dir())
     p.add_argument("--workdir", default="/tmp/paths-check", help="data cache and checkpoints")
-    p.add_argument("--checks", nargs="+", default=["fp16", "oom", "compile"], choices=CHECKS)
+    p.add_argument("--checks", nargs="+", default=["fp16", "oom", "compile", "chunks"],
+                   choices=CHECKS)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a rehearsal")
     p.add_argument("--json", dest="json_path", default=None, help="write results here")
     return p.parse_args(argv)
@@ -164,7 +169,57 @@ def check_compile(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return out
 
 
-CHECKS = {"fp16": check_fp16, "oom": check_oom, "compile": check_compile}
+def check_chunks(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from hpsearch.trainer import augment
+
+    dev = torch.device(args.device)
+    n, cache, size, chunks = 512, 144, 128, 8
+    x = torch.randint(0, 256, (n, 3, cache, cache), dtype=torch.uint8, device=dev)
+    y = torch.randint(0, 102, (n,), device=dev)
+    out: dict[str, Any] = {"batch": n, "cache_px": cache, "px": size, "chunks": chunks}
+    ok = True
+    for kind in ("trivial", "randaugment"):
+        spec = augment.AugmentSpec(
+            kind, 0.8, size=size, num_classes=102, mixup_alpha=0.2, cutmix_alpha=1.0
+        )
+        row: dict[str, Any] = {}
+        results = []
+        for pieces in (1, chunks):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(dev)
+                base = torch.cuda.memory_allocated(dev)
+            gen = torch.Generator(device=dev).manual_seed(1)
+            images, target = augment.train_batch(
+                x, y, spec, gen, np.random.default_rng(1), chunks=pieces
+            )
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                row[f"peak_extra_mib_chunks_{pieces}"] = (
+                    torch.cuda.max_memory_allocated(dev) - base
+                ) / 2**20
+            results.append((images, target))
+        (a, ta), (b, tb) = results
+        row["max_abs_diff"] = float((a - b).abs().max())
+        row["target_max_abs_diff"] = float((ta.float() - tb.float()).abs().max())
+        row["equal"] = bool(torch.equal(a, b) and torch.equal(ta, tb))
+        ok = ok and row["max_abs_diff"] <= 1e-5 and row["target_max_abs_diff"] <= 1e-6
+        if dev.type == "cuda":  # pieces of an eighth should need well under the whole's copies
+            ok = ok and row["peak_extra_mib_chunks_8"] < row["peak_extra_mib_chunks_1"]
+        out[kind] = row
+    out["ok"] = ok
+    return out
+
+
+CHECKS = {
+    "fp16": check_fp16,
+    "oom": check_oom,
+    "compile": check_compile,
+    "chunks": check_chunks,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

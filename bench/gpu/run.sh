@@ -133,14 +133,15 @@ out.write_text(json.dumps(merged, indent=2))' "$OUT/trainer.json" "$label" "$WOR
 run_steps() {
 if [ -n "${QUICK:-}" ]; then  # the CPU rehearsal: tiny images, one epoch, short study
   SMALL=(--set dataset.image_size=32 --set dataset.cache_size=36 --set dataset.eval_limit=255)
+  # a cache_size under the study's searched sizes is refused at load: shrink those too
+  SMALL+=(--set 'search_space.image_size={type: categorical, choices: [32]}')
   PACK=(--trials-per-worker 1 --epochs 1 "${SMALL[@]}" --set trainer.evaluate_test=false)
   PACK_W=(1 2)
   TRAIN=(--steps 3 --warmup 1)
   EAGER=("r18-32-b16 resnet18 32 16")
   COMPILED=()
   STUDY=(--workers 2 --grace 20 "${SMALL[@]}" --set budget.max_epochs=2
-    --set pruner.options.min_resource=1 --set 'search_space.arch={type: categorical, choices: [resnet18]}'
-    --set 'search_space.image_size={type: categorical, choices: [32]}')
+    --set pruner.options.min_resource=1 --set 'search_space.arch={type: categorical, choices: [resnet18]}')
   STUDY_S=30
 else
   PACK=(--trials-per-worker 2 --epochs 10 --launch-timeout 90 --params '{"batch_size": 64}')
