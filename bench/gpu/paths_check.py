@@ -56,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-dir", default=default_data_dir())
     p.add_argument("--workdir", default="/tmp/paths-check", help="data cache and checkpoints")
-    p.add_argument("--checks", nargs="+", default=["fp16", "oom", "compile", "chunks"],
-                   choices=CHECKS)
+    p.add_argument(
+        "--checks", nargs="+", default=["fp16", "oom", "compile", "chunks"], choices=CHECKS
+    )
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a rehearsal")
     p.add_argument("--json", dest="json_path", default=None, help="write results here")
     return p.parse_args(argv)
@@ -172,7 +173,6 @@ def check_compile(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def check_chunks(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import numpy as np
     import torch
-
     from hpsearch.trainer import augment
 
     dev = torch.device(args.device)
