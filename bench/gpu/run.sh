@@ -10,6 +10,8 @@
 #   trainer          img/s, eager: resnet18 128px b256 and b32,      bench/trainer.py
 #                    resnet50 224px b256
 #   study            flowers102 for 200 s, 4 workers (STUDY_WORKERS) bench/study.py
+#   study-b          the same with STUDY_B_SET's --set overrides     bench/study.py
+#                    ('field=value;field=value'; not in the default STEPS)
 #   packing          trials/h, img/s, GPU util with 1, 2, 4 workers  bench/packing.py
 #                    (ResNet-18 at 112 px, batch 64: the issue's packing reference batch)
 #   paths            fp16, a real CUDA OOM and recovery, compile reuse bench/gpu/paths_check.py
@@ -153,7 +155,8 @@ else
   STUDY_S=200
 fi
 COMMON=(--device "$DEVICE" --data-dir "$DATA" --workdir "$WORK")
-local name config label arch res batch study_s
+local name config label arch res batch study_s item
+local -a sets items
 for name in ${STEPS:-nvml trainer study packing paths trainer-compile packing-auto}; do
   case $name in
     nvml)
@@ -181,16 +184,23 @@ for name in ${STEPS:-nvml trainer study packing paths trainer-compile packing-au
       [ "$DEVICE" = cuda ] && step packing-auto 90 150 packing "$OUT/packing-auto.json" -- \
         "$PY" bench/packing.py "${COMMON[@]}" --workers auto "${PACK[@]}" \
         --json "$OUT/packing-auto.json" ;;
-    study)
+    study | study-b)
       # What is left, up to STUDY_S seconds of search; the cap adds the grace (30 s), the
       # bench's stop escalation (up to 40 s), the cache build and reading back.
       # --workers auto's GPU probe counts inside --timeout (from the launch command's start)
+      # study-b: the same with STUDY_B_SET's overrides ('field=value' items split at ';'),
+      # a variant of the study file measured beside it in one lease.
+      sets=()
+      if [ "$name" = study-b ]; then
+        IFS=';' read -ra items <<<"${STUDY_B_SET:-}"
+        for item in "${items[@]}"; do [ -n "$item" ] && sets+=(--set "$item"); done
+      fi
       study_s=$(($(left) - 100))
       ((study_s > STUDY_S)) && study_s=$STUDY_S
-      step study 130 $((study_s + 90)) study "$OUT/study.json" -- \
-        "$PY" bench/study.py "${COMMON[@]}" --timeout "$study_s" "${STUDY[@]}" \
-        --json "$OUT/study.json" ;;
-    *) echo "== unknown step $name (steps: nvml trainer study packing paths trainer-compile packing-auto)" ;;
+      step "$name" 130 $((study_s + 90)) study "$OUT/$name.json" -- \
+        "$PY" bench/study.py "${COMMON[@]}" --timeout "$study_s" "${STUDY[@]}" "${sets[@]}" \
+        --json "$OUT/$name.json" ;;
+    *) echo "== unknown step $name (steps: nvml trainer study study-b packing paths trainer-compile packing-auto)" ;;
   esac
 done
 

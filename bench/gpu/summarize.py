@@ -37,6 +37,17 @@ def packing(d: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _stopped(failed: int, interrupted: int | None) -> str:
+    """Which of the failed trials the bench's stop interrupted (each re-queued)."""
+    if not interrupted:
+        return ""
+    return (
+        " (all interrupted by the stop)"
+        if interrupted == failed
+        else f" ({interrupted} interrupted by the stop)"
+    )
+
+
 def study(d: dict[str, Any]) -> str:
     r = d["result"]
     s = r["states"]
@@ -44,7 +55,8 @@ def study(d: dict[str, Any]) -> str:
     return (
         f"best {r['metric']} {_f(r['best_value'], '.4f')} test {_f(r['test_acc'], '.4f')} "
         f"at {_f(r['time_to_best_s'])}s of {_f(d['args']['timeout'])}s; by the time-out "
-        f"complete {b['complete']} pruned {b['pruned']}; failed {s['fail']}; "
+        f"complete {b['complete']} pruned {b['pruned']}; failed {s['fail']}"
+        f"{_stopped(s['fail'], r.get('interrupted'))}; "
         f"{_f(r['images_per_second_e2e'])} img/s; "
         f"util {_f(r['gpu_utilization_mean'])}% "
         f"({_f(r.get('gpu_utilization_working'))}% from the 1st trial to the time-out)"
