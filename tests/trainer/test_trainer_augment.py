@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -115,6 +118,46 @@ def test_mixup_cutmix_soft_targets() -> None:
         assert (target >= 0).all()
         lam = target[torch.arange(16), y]
         assert lam.min() < 0.999  # some samples really mixed (partner has another label)
+
+
+def test_mix_blends_each_sample_with_its_partner_in_place() -> None:
+    """MixUp samples are lam * x + (1 - lam) * partner, CutMix samples take the partner's
+    pixels inside their box and their own outside, and no batch-sized copy is made beyond
+    the partners': the products and wheres held five batches (500 MiB at 512 images of
+    128 px on an H200), which max_micro_batch is there to fit."""
+    n = 64
+    x = torch.rand(n, 3, 16, 16)
+    y = torch.arange(n) % 8
+    spec = A.AugmentSpec("crop_flip", 0.5, 16, num_classes=8, mixup_alpha=0.4, cutmix_alpha=1.0)
+    partner = x.roll(1, 0)
+    before = x.clone()
+    mixed, target = A.mix(x, y, spec, *rngs(3))
+    assert mixed.data_ptr() == x.data_ptr()  # written over the caller's fresh batch
+    lam = target[torch.arange(n), y]
+    own = (mixed == before).flatten(1).float().mean(1)
+    theirs = (mixed == partner).flatten(1).float().mean(1)
+    cut = (own + theirs) > 0.999  # every pixel either its own or its partner's
+    assert 0 < int(cut.sum()) < n  # both kinds drawn
+    torch.testing.assert_close(own[cut], lam[cut])  # the kept area is the label's weight
+    w = lam[~cut].view(-1, 1, 1, 1)
+    torch.testing.assert_close(mixed[~cut], w * before[~cut] + (1 - w) * partner[~cut])
+
+    # Peak memory of a batch of 308 MB (512 x 3 x 224 x 224 float32), in a child process
+    # so that its peak RSS is the call's: the batch, the partners' copy and small change.
+    code = """
+import resource, numpy as np, torch
+from hpsearch.trainer import augment as A
+x = torch.rand(512, 3, 224, 224); y = torch.arange(512) % 10
+spec = A.AugmentSpec('crop_flip', 0.5, 224, num_classes=10, mixup_alpha=0.4, cutmix_alpha=1.0)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+A.mix(x, y, spec, torch.Generator().manual_seed(0), np.random.default_rng(0))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024 / x.nbytes)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    extra_batches = float(out.stdout.split()[-1])
+    assert extra_batches < 1.6, extra_batches
 
 
 @pytest.mark.parametrize("strength", [0.0, 0.3, 1.0])
