@@ -160,6 +160,8 @@ def mask_entries(mask: str) -> list[str]:
     for raw in mask.split(","):
         entry = raw.strip()
         valid = entry.isdigit() or (entry.upper().startswith(("GPU-", "MIG-")) and len(entry) > 4)
+        if entry.isdigit():  # CUDA reads "00" as GPU 0 (a repeat, where it stops)
+            entry = str(int(entry))
         if not valid or entry in out:
             break
         out.append(entry)
@@ -501,8 +503,9 @@ def plan_from_probe(
     reserved_bytes: Mapping[str, int] | None = None,
 ) -> PackingPlan:
     """Workers per GPU from the probe's measurements. `free_bytes[i]` is GPU `gpus[i]`'s
-    free memory when the probe started (None or missing: unknown, `total_bytes` is used):
-    GPUs of unlike sizes, or holding other jobs' memory, get fewer workers. Each GPU's ledger
+    free memory when the probe started (None or missing: unknown, `total_bytes`, the first
+    GPU's total, is used): GPUs of unlike sizes, or holding other jobs' memory, get workers
+    by their own. Each GPU's ledger
     admits against that free memory plus `reserved_bytes[gpu]`, what other workers of the
     work folder hold in the same ledger (their memory is out of the free figure already)."""
     context = max((m.context_bytes for m in models), default=0) + data_bytes
@@ -511,9 +514,11 @@ def plan_from_probe(
     room: dict[str, int] = {}
     for i, gpu in enumerate(gpus):
         known = free_bytes[i] if i < len(free_bytes) else None
-        free[gpu] = total_bytes if known is None else min(int(known), total_bytes)
+        # A measured figure is that GPU's own (never above its own total), so it is not capped
+        # by `total_bytes`, the first GPU's: a larger second card was planned as the first.
+        free[gpu] = total_bytes if known is None else int(known)
         held = (reserved_bytes or {}).get(gpu, 0) if known is not None else 0
-        room[gpu] = min(free[gpu] + held, total_bytes)
+        room[gpu] = free[gpu] + held
     counts = {
         g: workers_per_gpu(free[g], worst_trial_bytes, context, busy, max_per_gpu) for g in gpus
     }

@@ -272,6 +272,30 @@ def data_bytes(cfg: StudyConfig) -> int:
     )
 
 
+def probe_memory(
+    cfg: StudyConfig,
+    arch: str,
+    size: int,
+    small: int,
+    large: int,
+    steps: int,
+    device_name: str = "cuda",
+) -> tuple[MemoryModel, float, float]:
+    """`arch`'s memory model at `size` px, from its peaks at the study's smallest and
+    largest batch, and the median step seconds there. A study of one batch size is probed at
+    half of it too: a line through the origin and one point would make the weights, optimizer
+    state and workspaces per-image memory, and under-reserve the smaller images' trials."""
+    low = small if large > small else max(1, small // 2)
+    peak_low, t_low = train_steps(cfg, arch, low, size, steps, device_name)
+    peak_large, t_large = train_steps(cfg, arch, large, size, steps, device_name)
+    context = _context_bytes() if device_name == "cuda" else 0
+    if large > low:
+        model = fit_memory(arch, size, (low, peak_low), (large, peak_large), context)
+    else:  # a batch of 1: no smaller one to probe
+        model = fit_memory(arch, size, (0, 0), (large, peak_large), context)
+    return model, (t_low if low == small else t_large), t_large
+
+
 def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
     """Probe the current CUDA device. Returns the measurements as plain JSON values."""
     import torch
@@ -288,26 +312,17 @@ def run_probe(cfg: StudyConfig, steps: int = 3) -> dict[str, Any]:
     models: list[MemoryModel] = []
     step_s: dict[int, float] = {}  # batch -> median step seconds, the first arch's
     for i, arch in enumerate(archs):
-        batch = small
         try:
-            peak_small, t_small = train_steps(cfg, arch, small, size, steps)
-            batch = large
-            peak_large, t_large = train_steps(cfg, arch, large, size, steps) if large > small else (
-                peak_small, t_small)  # fmt: skip
+            model, t_small, t_large = probe_memory(cfg, arch, size, small, large, steps)
         except RuntimeError as exc:  # torch.OutOfMemoryError included
             if not is_resource_error(exc, PROBE_RESOURCE_MARKERS):
                 raise
             # Packing needs the largest trial's memory; with none left to pack into, a fixed
             # --workers N still runs, and records such trials as out of memory.
             raise DeviceError(
-                f"{arch} at batch {batch}, {size} px, ran out of GPU memory alone on the GPU "
-                "(is another job using it?); give --workers N"
+                f"{arch} at batch {large}, {size} px, or less, ran out of GPU memory alone on "
+                "the GPU (is another job using it?); give --workers N"
             ) from exc
-        context = _context_bytes()
-        if large > small:
-            model = fit_memory(arch, size, (small, peak_small), (large, peak_large), context)
-        else:
-            model = fit_memory(arch, size, (0, 0), (small, peak_small), context)
         models.append(model)
         if i == 0:  # the first arch stands for the study's speed (its cheapest, as a rule)
             step_s = {small: t_small, large: t_large}

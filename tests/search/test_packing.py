@@ -132,6 +132,8 @@ def test_visible_gpus() -> None:
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,-1,1"}) == ["0"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,1,2"}) == ["1"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,00,1"}) == ["0"]  # "00" is GPU 0 again
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "01"}) == ["1"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-8f2c,MIG-ab12, 3"}) == [
         "GPU-8f2c", "MIG-ab12", "3",
     ]  # fmt: skip
@@ -417,6 +419,14 @@ def test_unlike_or_busy_gpus_get_workers_and_reservations_by_their_free_memory(
     )  # fmt: skip
     assert none.workers_on("0") == 1 and none.workers_on("1") == 1
     assert "no GPU has room for the largest trial" in none.reason
+    # The larger card second (a 40 GiB one first): planned by its own 80 GiB, not the
+    # first card's total (it got 2 workers and a 40 GiB ledger).
+    larger = plan_from_probe(
+        ["0", "1"], 40 * GiB, models, 16 * GiB, busy=0.1, max_per_gpu=8,
+        free_bytes=[40 * GiB, 80 * GiB],
+    )  # fmt: skip
+    assert larger.workers_on("0") == 2 and larger.workers_on("1") == 4
+    assert larger.bytes_on("1") == 80 * GiB
 
 
 def test_probe_shapes_of_the_headline_study() -> None:
@@ -493,6 +503,33 @@ def test_probe_halves_a_reference_batch_that_fails(monkeypatch: pytest.MonkeyPat
     times = probe.time_speed_batches(cfg, model, 64, 2048, 64, 1, {})
     assert tried == [64, 2048, 1024, 512, 256, 128]
     assert sorted(times) == [64, 128]
+
+
+def test_the_probe_keeps_the_fixed_memory_of_a_study_of_one_batch_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With one batch size the memory line went through the origin: the weights, optimizer
+    state and workspaces became per-image memory, shrinking with the image area, and a
+    smaller-image trial was under-reserved (0.49 GiB predicted for a 1.41 GiB trial)."""
+    import hpsearch.probe as probe
+
+    tried: list[int] = []
+
+    def fake_steps(cfg: object, arch: str, batch: int, size: int, steps: int,
+                   device_name: str = "cuda") -> tuple[int, float]:  # fmt: skip
+        tried.append(batch)
+        return GiB + 4 * MiB * batch, 0.009  # 1 GiB fixed, 4 MiB an image
+
+    monkeypatch.setattr(probe, "train_steps", fake_steps)
+    cfg = load_config("tiny", ["search_space.batch_size={type: categorical, choices: [64]}"])
+    model, t_small, t_large = probe.probe_memory(cfg, "resnet18", 128, 64, 64, 1, "cpu")
+    assert tried == [32, 64]
+    assert model.fixed_bytes == GiB and model.per_sample_bytes == 4 * MiB
+    assert model.trial_bytes(64, 64) == GiB + 64 * MiB  # a quarter of the pixels
+    assert t_small == t_large == 0.009
+    tried.clear()  # two batch sizes: those two, as before
+    model, *_ = probe.probe_memory(cfg, "resnet18", 128, 32, 128, 1, "cpu")
+    assert tried == [32, 128] and model.fixed_bytes == GiB
 
 
 def test_probe_raises_its_own_errors_at_the_reference_batch(
