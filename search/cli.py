@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import functools
 import json
 import math
@@ -37,6 +38,13 @@ def _edge(fn: F) -> F:
             return fn(*args, **kwargs)
         except HpsearchError as exc:
             raise click.ClickException(str(exc)) from exc
+        except OSError as exc:
+            # A full disk or a folder it may not write, met outside the library's own checks
+            # (the launcher's last writes to a journal, say): one line, not a traceback.
+            if exc.errno not in _FOLDER_ERRNOS:
+                raise
+            where = f"{exc.filename}: " if exc.filename else ""
+            raise click.ClickException(f"{where}{exc.strerror or exc}") from exc
         except Exception as exc:
             if not _database_error(exc):
                 raise
@@ -46,6 +54,11 @@ def _edge(fn: F) -> F:
             raise click.ClickException(f"storage: {scrub(_one_line(exc))}") from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+_FOLDER_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+)
 
 
 def _database_error(exc: BaseException) -> bool:
@@ -605,8 +618,8 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     stop = threading.Event()
     signals = _on_signals(stop.set, "worker", die_on_second=True)
 
-    def show(number: int, outcome: str) -> None:
-        click.echo(f"trial {number}: {outcome}")
+    def show(number: int, outcome: str, message: str) -> None:
+        click.echo(f"trial {number}: {outcome}" + (f": {message}" if message else ""))
 
     try:
         summary = run_worker(cfg, spec, opts, stop=stop, on_trial=show)
@@ -617,6 +630,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     if summary.stopped_by == "errors":
         raise click.ClickException(
             f"worker {summary.worker_id}: stopped after repeated trial errors"
+            + (f"; the last: {summary.last_error}" if summary.last_error else "")
         )
     if summary.stopped_by == "interrupted" and signals:
         # Not 0: a restart policy (Docker's on-failure, a Kubernetes Job) then starts it
@@ -824,7 +838,9 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     )  # fmt: skip
     click.echo(
         f"{result.stop_reason}: best_val_acc {result.best_val_acc} test_acc {result.test_acc} "
-        f"epochs {result.epochs_run} checkpoint {result.checkpoint_path}"
+        f"epochs {result.epochs_run} best model {result.best_model_path}"
+        # The resume checkpoint is deleted once the run finished: named only while kept.
+        + (f" checkpoint {result.checkpoint_path}" if result.checkpoint_path else "")
         + (f" ({result.message})" if result.message else "")
     )
 

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import threading
@@ -27,6 +28,7 @@ from hpsearch.rdb import FastRDBStorage, budget_lock_held
 from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+from optuna.storages.journal._file import get_lock_file
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
@@ -153,6 +155,49 @@ def _one_line(exc: BaseException) -> str:
     return text[:300]
 
 
+class WholeLineJournal(JournalFileBackend):
+    """Optuna's journal file, whose appends leave no part of a line: a write that fails (a
+    full disk) is cut back to where the file ended, and a last line left without its
+    newline (a process killed mid-write, an earlier version's failed write) is cut off
+    before the next append. Optuna's append left the part written, and the next record was
+    written onto it: one line that is not JSON, and every later read of the study failed."""
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode()
+        with get_lock_file(self._lock):
+            fd = os.open(self._file_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
+            try:
+                end = _whole_lines_end(fd)
+                try:
+                    if end < os.fstat(fd).st_size:
+                        os.ftruncate(fd, end)  # never read: Optuna skips an unterminated line
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    os.fsync(fd)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, end)
+                    raise
+            finally:
+                os.close(fd)
+
+
+def _whole_lines_end(fd: int, chunk: int = 1 << 16) -> int:
+    """The offset just past the file's last newline (0 when it has none)."""
+    pos = os.fstat(fd).st_size
+    if pos == 0 or os.pread(fd, 1, pos - 1) == b"\n":  # the rule: one byte read
+        return pos
+    while pos > 0:
+        start = max(0, pos - chunk)
+        block = os.pread(fd, pos - start, start)
+        cut = block.rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        pos = start
+    return 0
+
+
 def open_storage(
     spec: StorageSpec,
     *,
@@ -185,7 +230,7 @@ def open_storage(
                         f"storage {spec.display}: not a readable Optuna journal: its first line is "
                         "not a JSON object"
                     )
-            backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
+            backend = WholeLineJournal(str(path), lock_obj=JournalFileOpenLock(str(path)))
             return JournalStorage(backend)  # reads the whole journal
         except OSError as exc:
             raise StorageError(f"storage {spec.display}: cannot read: {exc}") from exc

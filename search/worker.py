@@ -168,6 +168,18 @@ class WorkerSummary:
     trials: list[int] = field(default_factory=list)
     outcomes: dict[str, int] = field(default_factory=dict)
     stopped_by: str = "budget"
+    last_error: str = ""  # the last failed trial's message: what "repeated errors" were
+
+
+def _error_message(study: optuna.Study, trial: optuna.Trial) -> str:
+    """A failed trial's recorded message (one line), for the worker's output: its log had
+    only "trial N: error", and a full disk's cause was in the study alone. Empty when the
+    storage cannot say."""
+    try:
+        attrs = study._storage.get_trial(trial._trial_id).user_attrs
+    except (optuna.exceptions.OptunaError, SQLAlchemyError, OSError, KeyError):
+        return ""
+    return " ".join(str(attrs.get(ATTR_MESSAGE, "")).split())[:300]
 
 
 def load_train_fn(spec: str) -> TrainFn:
@@ -538,9 +550,10 @@ def run_worker(
     spec: StorageSpec,
     opts: WorkerOptions,
     stop: threading.Event | None = None,
-    on_trial: Callable[[int, str], None] | None = None,
+    on_trial: Callable[[int, str, str], None] | None = None,
 ) -> WorkerSummary:
-    """Run trials until the study's budget is spent, `stop` is set, or limits are hit."""
+    """Run trials until the study's budget is spent, `stop` is set, or limits are hit.
+    `on_trial(number, outcome, message)` after each trial; the message is an error's."""
     stop = stop or threading.Event()
     wid = opts.resolved_id()
     summary = WorkerSummary(wid)
@@ -597,8 +610,10 @@ def run_worker(
             append_timing(opts.workdir, timing)
             summary.trials.append(trial.number)
             summary.outcomes[outcome] = summary.outcomes.get(outcome, 0) + 1
+            message = _error_message(study, trial) if outcome == "error" else ""
+            summary.last_error = message or summary.last_error
             if on_trial is not None:
-                on_trial(trial.number, outcome)
+                on_trial(trial.number, outcome, message)
             errors = errors + 1 if outcome == "error" else 0  # in a row: a broken set-up
             if errors >= opts.max_errors:
                 summary.stopped_by = "errors"

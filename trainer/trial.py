@@ -394,20 +394,27 @@ def atomic_save(obj: Any, path: Path, drop: threading.Event | None = None) -> bo
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         return True
-    except OSError as exc:
+    except BaseException as exc:
+        # A part-written temp file is never left: on a full disk it kept the disk full.
         with contextlib.suppress(OSError):
             tmp.unlink()
-        reason = exc.strerror or str(exc)
-        raise CheckpointError(
-            f"checkpoint {path}: write failed ({reason}); the previous checkpoint is intact"
-        ) from exc
-    except BaseException:
-        if drop is None or not drop.is_set():
-            raise
-        # torch.save may hand our exception back wrapped (it crossed its C++ writer)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        return False
+        if drop is not None and drop.is_set():
+            return False  # torch.save may hand our _Dropped back wrapped (C++ writer)
+        # torch.save reports a failed write (a full disk) as a RuntimeError from its C++
+        # writer ("enforce fail at inline_container.cc ... unexpected pos").
+        if isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and _write_failed(exc)):
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise CheckpointError(
+                f"checkpoint {path}: write failed ({' '.join(reason.split())[:200]}); the "
+                "previous checkpoint is intact"
+            ) from exc
+        raise
+
+
+def _write_failed(exc: RuntimeError) -> bool:
+    """torch.save's C++ writer failing to write (its messages name the file writer)."""
+    text = str(exc)
+    return "inline_container" in text or "PytorchStreamWriter" in text or "file write" in text
 
 
 def _cpu_copy(obj: Any) -> Any:

@@ -683,6 +683,10 @@ def test_train_trial_n_takes_the_config_the_trial_ran_with(
                    subprocess_env)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "finished: best_val_acc" in run.stdout and " epochs 1 " in run.stdout, run.stdout
+    # The best model it wrote is named (it printed "checkpoint None": the resume file is gone).
+    best = run.stdout.split(" best model ")[1].split()[0]
+    assert Path(best).is_file() and best.endswith(".best.pt"), run.stdout
+    assert "checkpoint None" not in run.stdout
 
 
 def test_a_fixed_run_that_fails_late_puts_the_earlier_pair_back(
@@ -1042,3 +1046,28 @@ def test_a_database_error_that_is_no_outage_is_one_line(
             conn.execute(sa.text(f"DROP OWNED BY {role}"))
             conn.execute(sa.text(f"DROP ROLE {role}"))
         admin.dispose()
+
+
+def test_a_full_disk_met_outside_the_librarys_checks_is_one_line() -> None:
+    """The launcher's last journal writes on a full disk went out as chained tracebacks:
+    the CLI's edge now says which file and why in one line; other OS errors (a bug's)
+    still show their traceback."""
+    import errno
+
+    import click
+    from hpsearch.cli import _edge
+
+    @_edge
+    def full() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", "/w/.hpsearch/optuna.journal")
+
+    with pytest.raises(click.ClickException) as info:
+        full()
+    assert info.value.message == "/w/.hpsearch/optuna.journal: No space left on device"
+
+    @_edge
+    def other() -> None:
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        other()

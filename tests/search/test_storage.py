@@ -553,11 +553,16 @@ def test_a_train_function_returning_no_usable_result_fails_its_trials_and_stops(
     cfg = load_config("tiny", overrides=["budget.n_trials=4", "budget.max_epochs=1"])
     spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
     opts = WorkerOptions(workdir=tmp_path, train_fn=f"dummy_trainer:{fn}", max_errors=2)
-    summary = run_worker(cfg, spec, opts)
+    seen: list[tuple[int, str, str]] = []
+    summary = run_worker(cfg, spec, opts, on_trial=lambda *a: seen.append(a))
     assert summary.outcomes == {"error": 2}
     trials = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)
     assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] * 2
     assert all(message in t.user_attrs[ATTR_MESSAGE] for t in trials)
+    # The worker says why (its log had "trial 0: error" alone; the cause, a full disk say,
+    # was in the study only), and so does its "repeated errors" stop.
+    assert [(n, o) for n, o, _ in seen] == [(0, "error"), (1, "error")]
+    assert all(message in m for *_, m in seen) and message in summary.last_error
 
 
 def test_a_trial_handed_back_from_the_gpu_memory_line_says_so_and_is_found_if_cut(
@@ -1021,3 +1026,44 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     (tmp_path / "trial-00000-ab.pt").write_bytes(b"{}")
     with pytest.raises(ConfigError, match="waits to resume"):
         check_retries_fit(changed, stored, [here])
+
+
+def test_a_journal_write_cut_short_leaves_the_study_readable(tmp_path: Path) -> None:
+    """A full disk cut a journal record short, and the next launch's record was written onto
+    it: one line that is not JSON, and every later read of the study failed (all its trials
+    lost). Now a failed append is cut back, and a part-line left by a killed writer is cut
+    off before the next append. The full disk here is a file size limit (RLIMIT_FSIZE) in a
+    child process: its write gets 30 bytes out, then fails (EFBIG), as at ENOSPC."""
+    import subprocess
+    import sys
+
+    spec = resolve_storage(str(tmp_path / "optuna.journal"), tmp_path)
+    study = optuna.create_study(study_name="s", storage=open_storage(spec))
+    study.tell(study.ask({"x": optuna.distributions.FloatDistribution(0, 1)}), 0.5)
+    trial = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    path = Path(spec.url)
+    whole = path.read_bytes()
+    code = f"""
+import resource, signal, optuna
+from hpsearch.storage import open_storage, resolve_storage
+from pathlib import Path
+spec = resolve_storage({str(path)!r}, Path({str(tmp_path)!r}))
+study = optuna.load_study(study_name="s", storage=open_storage(spec))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, ({len(whole) + 30}, resource.RLIM_INFINITY))
+try:
+    study.tell({trial.number}, 0.7)
+except OSError as exc:
+    print("failed:", exc.errno)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "failed: 27" in r.stdout, r.stdout + r.stderr  # EFBIG
+    assert path.read_bytes() == whole  # cut back to whole lines (30 bytes were left)
+
+    with path.open("ab") as fh:  # a writer killed mid-record (or an earlier version's)
+        fh.write(b'{"op_code":7,"worker_id":"c8b0-14013')
+    again = optuna.load_study(study_name="s", storage=open_storage(spec))
+    again.tell(trial.number, 0.9)
+    assert path.read_bytes().startswith(whole) and b"c8b0-14013" not in path.read_bytes()
+    done = optuna.load_study(study_name="s", storage=open_storage(spec)).trials
+    assert [t.value for t in done] == [0.5, 0.9]

@@ -592,6 +592,33 @@ def test_failed_checkpoint_write_keeps_previous(
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tmp") == []
 
 
+def test_a_checkpoint_write_cut_short_by_a_full_disk_leaves_no_temp_file(
+    tmp_path: Path,
+) -> None:
+    """torch.save reports a failed write as a RuntimeError of its C++ writer, not an
+    OSError: it went through as a bug, and the part-written temp file (a 45 MB best model)
+    stayed and kept the disk full. The full disk here is a file size limit in a child."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, signal, torch
+from pathlib import Path
+from hpsearch.trainer.trial import atomic_save
+from hpsearch.errors import CheckpointError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+try:
+    atomic_save({{"w": torch.zeros(1_000_000)}}, Path({str(tmp_path / "x.pt")!r}))
+except CheckpointError as exc:
+    print("CheckpointError:", exc)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "CheckpointError: checkpoint" in r.stdout and "write failed" in r.stdout, r.stderr
+    assert len(r.stdout.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_dropped_resume_checkpoint_keeps_the_previous_one_and_the_best_model(
     tmp_path: Path,
 ) -> None:
