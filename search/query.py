@@ -83,8 +83,12 @@ def _open(name: str, storage: StorageArg, workdir: WorkdirArg) -> tuple[optuna.S
     try:
         return optuna.load_study(study_name=name, storage=st), st
     except KeyError as exc:
-        _dispose(st)
-        raise StudyNotFoundError(f"study {name!r} not found in {spec.display}") from exc
+        try:  # the studies there, as `launch --study` lists the study files it knows
+            names = sorted(s.study_name for s in st.get_all_studies())
+        finally:
+            _dispose(st)
+        here = f"; studies here: {', '.join(names[:20])}" if names else "; it holds no study"
+        raise StudyNotFoundError(f"study {name!r} not found in {spec.display}{here}") from exc
     except BaseException:
         _dispose(st)
         raise

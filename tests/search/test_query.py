@@ -254,6 +254,11 @@ def test_the_checkpoint_column_drops_a_deleted_file_and_readers_check_their_argu
     _journal_study(tmp_path, "only")
     with pytest.raises(hps.StudyNotFoundError, match="must be a non-empty string"):
         hps.load_study(None, workdir=tmp_path)  # type: ignore[arg-type]
+    # A mistyped name says which studies are there (as launch lists its study files).
+    with pytest.raises(
+        hps.StudyNotFoundError, match=r"'onyl' not found in .*; studies here: only$"
+    ):
+        hps.load_study("onyl", workdir=tmp_path)
     # Named as the API's argument, not the CLI's option.
     with pytest.raises(hps.StorageError, match=r"^storage: 'mysql://u@h/db': unsupported"):
         hps.load_study("s", storage="mysql://u@h/db")
