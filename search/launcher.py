@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import optuna
 from hpsearch.background import lower_priority
@@ -784,6 +785,13 @@ class Launcher:
         if self.opts.tracking_uri:
             uri = self.opts.tracking_uri
             remote = uri.startswith(("http://", "https://"))
+            if urlsplit(uri).scheme in ("", "file"):
+                # Before any worker starts: MLflow 3 refuses a file store ("maintenance
+                # mode"), which it found only once the workers trained.
+                raise TrackingError(
+                    f"--tracking-uri {redact_uri(uri)!r}: a folder, which MLflow 3 keeps no new "
+                    "runs in; give a server's http://HOST:PORT"
+                )
             if remote and not health_ok(uri, timeout_s=5.0, any_status=True):
                 # Before any worker starts: their first trials train before the study run
                 # exists (worker._LateRun), and a launch that cannot log would stop them.

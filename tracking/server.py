@@ -419,7 +419,9 @@ def api_refusal(url: str, timeout_s: float = 5.0) -> str | None:
                 "MLFLOW_PUBLIC_HOSTS in hpsearch's compose stack, must list it) or this "
                 "user's permission"
             )
-        return None  # another answer (a hosted MLflow's own paths): the client will tell
+        if exc.code == 404:  # the client calls exactly this path under the URI
+            return "404 not found: no MLflow API under this URI (is its path right?)"
+        return None  # another answer: the client will tell
     except (urllib.error.URLError, OSError, ValueError):
         return None  # not answering is health_ok's to say
 

@@ -502,8 +502,11 @@ def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
     )  # fmt: skip
     assert r.returncode == 1, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("Error: MLflow at notauri: The filesystem tracking backend"), r.stderr
-    assert "Traceback" not in r.stderr
+    assert last == (
+        "Error: --tracking-uri 'notauri': a folder, which MLflow 3 keeps no new runs in; give "
+        "a server's http://HOST:PORT"
+    ), r.stderr
+    assert "Traceback" not in r.stderr and "running" not in r.stdout  # before any worker
 
 
 def test_a_server_refusing_the_api_stops_the_launch_before_any_trial(
@@ -518,7 +521,9 @@ def test_a_server_refusing_the_api_stops_the_launch_before_any_trial(
 
     with fake_mlflow(200) as ok:
         assert api_refusal(ok) is None
-    with fake_mlflow(404) as other:  # a hosted MLflow's own paths: the client will tell
+    with fake_mlflow(404) as other:  # a mistyped path: the client calls exactly this one
+        assert "404 not found: no MLflow API under this URI" in (api_refusal(other) or "")
+    with fake_mlflow(500) as other:  # another answer: the client will tell
         assert api_refusal(other) is None
     with fake_mlflow(401) as login:
         assert "401 unauthorized: give the server's login" in (api_refusal(login) or "")
