@@ -41,7 +41,8 @@ def _edge(fn: F) -> F:
         except OSError as exc:
             # A full disk or a folder it may not write, met outside the library's own checks
             # (the launcher's last writes to a journal, say): one line, not a traceback.
-            if exc.errno not in _FOLDER_ERRNOS:
+            # Permission errors only with their file: a signal to a foreign process is a bug.
+            if exc.errno not in _FOLDER_ERRNOS or (exc.errno in _PERM_ERRNOS and not exc.filename):
                 raise
             where = f"{exc.filename}: " if exc.filename else ""
             raise click.ClickException(f"{where}{exc.strerror or exc}") from exc
@@ -56,9 +57,8 @@ def _edge(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-_FOLDER_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
-)
+_PERM_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+_FOLDER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}) | _PERM_ERRNOS
 
 
 def _database_error(exc: BaseException) -> bool:

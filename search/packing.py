@@ -159,8 +159,9 @@ def mask_entries(mask: str) -> list[str]:
     out: list[str] = []
     for raw in mask.split(","):
         entry = raw.strip()
-        valid = entry.isdigit() or (entry.upper().startswith(("GPU-", "MIG-")) and len(entry) > 4)
-        if entry.isdigit():  # CUDA reads "00" as GPU 0 (a repeat, where it stops)
+        index = entry.isascii() and entry.isdigit()
+        valid = index or (entry.upper().startswith(("GPU-", "MIG-")) and len(entry) > 4)
+        if index:  # CUDA reads "00" as GPU 0 (a repeat, where it stops)
             entry = str(int(entry))
         if not valid or entry in out:
             break
@@ -514,11 +515,13 @@ def plan_from_probe(
     room: dict[str, int] = {}
     for i, gpu in enumerate(gpus):
         known = free_bytes[i] if i < len(free_bytes) else None
-        # A measured figure is that GPU's own (never above its own total), so it is not capped
-        # by `total_bytes`, the first GPU's: a larger second card was planned as the first.
+        # A measured figure is that GPU's own, so it is not capped by `total_bytes`, the
+        # first GPU's: a larger second card was planned as the first. What the work folder's
+        # workers hold is added back up to that bound (a reservation not yet allocated is in
+        # the free figure too: uncapped, a ledger could admit more than the card has).
         free[gpu] = total_bytes if known is None else int(known)
         held = (reserved_bytes or {}).get(gpu, 0) if known is not None else 0
-        room[gpu] = free[gpu] + held
+        room[gpu] = min(free[gpu] + held, max(total_bytes, free[gpu]))
     counts = {
         g: workers_per_gpu(free[g], worst_trial_bytes, context, busy, max_per_gpu) for g in gpus
     }

@@ -287,7 +287,9 @@ def probe_memory(
     state and workspaces per-image memory, and under-reserve the smaller images' trials."""
     low = small if large > small else max(1, small // 2)
     peak_low, t_low = train_steps(cfg, arch, low, size, steps, device_name)
-    peak_large, t_large = train_steps(cfg, arch, large, size, steps, device_name)
+    peak_large, t_large = (peak_low, t_low)  # batch 1: no smaller one to probe
+    if large > low:
+        peak_large, t_large = train_steps(cfg, arch, large, size, steps, device_name)
     context = _context_bytes() if device_name == "cuda" else 0
     if large > low:
         model = fit_memory(arch, size, (low, peak_low), (large, peak_large), context)

@@ -168,16 +168,22 @@ class WholeLineJournal(JournalFileBackend):
             fd = os.open(self._file_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
             try:
                 end = _whole_lines_end(fd)
+                written = False
                 try:
                     if end < os.fstat(fd).st_size:
                         os.ftruncate(fd, end)  # never read: Optuna skips an unterminated line
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view) :]
+                    written = True
                     os.fsync(fd)
                 except OSError:
-                    with contextlib.suppress(OSError):
-                        os.ftruncate(fd, end)
+                    # Only a part-line is cut: whole lines (an fsync that failed after them,
+                    # on NFS say) may have been read by other processes, whose offsets
+                    # would then point into later records.
+                    if not written:
+                        with contextlib.suppress(OSError):
+                            os.ftruncate(fd, end)
                     raise
             finally:
                 os.close(fd)

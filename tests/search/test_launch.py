@@ -1076,3 +1076,10 @@ def test_a_full_disk_met_outside_the_librarys_checks_is_one_line() -> None:
 
     with pytest.raises(OSError, match="Bad file descriptor"):
         other()
+
+    @_edge
+    def signal_refused() -> None:  # no file: a bug's (a signal to a foreign process, say)
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    with pytest.raises(PermissionError):
+        signal_refused()

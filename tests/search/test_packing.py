@@ -134,6 +134,7 @@ def test_visible_gpus() -> None:
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,1,2"}) == ["1"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,00,1"}) == ["0"]  # "00" is GPU 0 again
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "01"}) == ["1"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "\u00b2"}) == []  # a digit, not an index
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-8f2c,MIG-ab12, 3"}) == [
         "GPU-8f2c", "MIG-ab12", "3",
     ]  # fmt: skip
@@ -427,6 +428,13 @@ def test_unlike_or_busy_gpus_get_workers_and_reservations_by_their_free_memory(
     )  # fmt: skip
     assert larger.workers_on("0") == 2 and larger.workers_on("1") == 4
     assert larger.bytes_on("1") == 80 * GiB
+    # What the work folder's workers hold is added back, but never past the card: a
+    # reservation not yet allocated is in NVML's free figure too.
+    held = plan_from_probe(
+        ["0", "1"], 40 * GiB, models, 16 * GiB, busy=0.1, max_per_gpu=8,
+        free_bytes=[30 * GiB, 80 * GiB], reserved_bytes={"0": 20 * GiB, "1": 10 * GiB},
+    )  # fmt: skip
+    assert held.bytes_on("0") == 40 * GiB and held.bytes_on("1") == 80 * GiB
 
 
 def test_probe_shapes_of_the_headline_study() -> None:

@@ -1067,3 +1067,19 @@ except OSError as exc:
     assert path.read_bytes().startswith(whole) and b"c8b0-14013" not in path.read_bytes()
     done = optuna.load_study(study_name="s", storage=open_storage(spec)).trials
     assert [t.value for t in done] == [0.5, 0.9]
+    # An fsync that fails after whole lines (NFS reports a full disk there) keeps them:
+    # another process may have read them already, and its offsets would point amiss.
+    import errno
+    import os
+
+    size = path.stat().st_size
+
+    def fsync_fails(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fsync", fsync_fails)
+        with pytest.raises(OSError, match="No space left"):
+            again.set_user_attr("k", "v")
+    assert path.stat().st_size > size and path.read_bytes().endswith(b"\n")
+    assert optuna.load_study(study_name="s", storage=open_storage(spec)).user_attrs == {"k": "v"}
