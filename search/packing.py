@@ -506,9 +506,9 @@ def plan_from_probe(
     """Workers per GPU from the probe's measurements. `free_bytes[i]` is GPU `gpus[i]`'s
     free memory when the probe started (None or missing: unknown, `total_bytes`, the first
     GPU's total, is used): GPUs of unlike sizes, or holding other jobs' memory, get workers
-    by their own. Each GPU's ledger
-    admits against that free memory plus `reserved_bytes[gpu]`, what other workers of the
-    work folder hold in the same ledger (their memory is out of the free figure already)."""
+    by their own. Each GPU's ledger admits against that free memory plus
+    `reserved_bytes[gpu]`, what other workers of the work folder hold in the same ledger
+    (their memory is out of the free figure already)."""
     context = max((m.context_bytes for m in models), default=0) + data_bytes
     per_worker = max(1, worst_trial_bytes + context)
     free: dict[str, int] = {}

@@ -25,6 +25,7 @@ from hpsearch.storage import (
 )
 from hpsearch.study import CONFIG_ATTR, LATE_RUN_ATTR, rank_key
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.exc import SQLAlchemyError
 
 if TYPE_CHECKING:
     import torch
@@ -83,8 +84,11 @@ def _open(name: str, storage: StorageArg, workdir: WorkdirArg) -> tuple[optuna.S
     try:
         return optuna.load_study(study_name=name, storage=st), st
     except KeyError as exc:
+        names: list[str] = []
         try:  # the studies there, as `launch --study` lists the study files it knows
             names = sorted(s.study_name for s in st.get_all_studies())
+        except (optuna.exceptions.OptunaError, SQLAlchemyError, OSError):
+            pass  # the name not found is what to say
         finally:
             _dispose(st)
         here = f"; studies here: {', '.join(names[:20])}" if names else "; it holds no study"
