@@ -28,7 +28,13 @@ from typing import Any, Protocol, cast
 
 import optuna
 from hpsearch.config import StudyConfig
-from hpsearch.errors import ConfigError, HpsearchError, StorageError, TrackingUnreachable
+from hpsearch.errors import (
+    CheckpointError,
+    ConfigError,
+    HpsearchError,
+    StorageError,
+    TrackingUnreachable,
+)
 from hpsearch.packing import AdmissionStopped, process_start
 from hpsearch.reporting import TrialReports
 from hpsearch.storage import (
@@ -169,6 +175,30 @@ class WorkerSummary:
     outcomes: dict[str, int] = field(default_factory=dict)
     stopped_by: str = "budget"
     last_error: str = ""  # the last failed trial's message: what "repeated errors" were
+
+
+MIN_FREE_BYTES = 64 << 20  # a trial writes checkpoints and a best model (45 MB: ResNet-18)
+
+
+def free_disk_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged process may still write on `folder`'s file system; None when
+    it cannot be told (the trial's own writes will say)."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def disk_full(folder: Path, free: int | None, min_free: int = MIN_FREE_BYTES) -> str | None:
+    """Why no trial should start with `free` bytes left where `folder` is, or None."""
+    if free is None or free >= min_free:
+        return None
+    return (
+        f"work folder {folder}: {free / 2**20:.0f} MiB free on its disk, under the "
+        f"{min_free >> 20} MiB a trial's checkpoints need; free some and launch again "
+        "(queued trials resume)"
+    )
 
 
 def _error_message(study: optuna.Study, trial: optuna.Trial) -> str:
@@ -584,6 +614,10 @@ def run_worker(
             if deadline is not None and time.time() > deadline:
                 summary.stopped_by = "timeout"
                 break
+            if (full := disk_full(opts.workdir, free_disk_bytes(opts.workdir))) is not None:
+                # Before asking: on a full disk every trial failed fast (its checkpoints,
+                # its data cache), and the restarted workers failed a dozen more.
+                raise CheckpointError(full)
             asked_at = time.perf_counter()
             claimed: list[int] = []
             trial = with_db_retry(

@@ -565,6 +565,27 @@ def test_a_train_function_returning_no_usable_result_fails_its_trials_and_stops(
     assert all(message in m for *_, m in seen) and message in summary.last_error
 
 
+def test_a_worker_on_a_full_disk_starts_no_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a full disk every trial failed fast (its checkpoints, its data cache), a worker
+    stopped after --max-errors of them, and its restarts failed a dozen more: it now says
+    so before asking, and the study keeps no failed trial for it."""
+    import hpsearch.worker as W
+    from hpsearch.errors import CheckpointError
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=4", "budget.max_epochs=1"])
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    opts = W.WorkerOptions(workdir=tmp_path, train_fn="dummy_trainer:train")
+    monkeypatch.setattr(W, "free_disk_bytes", lambda folder: 10 << 20)
+    with pytest.raises(CheckpointError, match=r"10 MiB free on its disk, under the 64 MiB"):
+        W.run_worker(cfg, spec, opts)
+    assert create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False) == []
+    assert W.disk_full(tmp_path, None) is None and W.disk_full(tmp_path, 64 << 20) is None
+    monkeypatch.undo()
+    assert (W.free_disk_bytes(tmp_path) or 0) > 0
+
+
 def test_a_trial_handed_back_from_the_gpu_memory_line_says_so_and_is_found_if_cut(
     tmp_path: Path,
 ) -> None:
