@@ -159,6 +159,31 @@ def split_at(trials: list[Any], deadline: dt.datetime) -> tuple[list[Any], list[
     )
 
 
+def trial_rows(trials: list[Any], started: dt.datetime, own: dict[int, int]) -> list[dict]:
+    """One row per trial: what a study's figures come from (which configurations trained how
+    long, when, and to what), in launch seconds. The first lease's JSON had none, and its
+    analysis had to guess."""
+
+    def at(when: dt.datetime | None) -> float | None:
+        return None if when is None else round((when - started).total_seconds(), 2)
+
+    return [
+        {
+            "number": t.number,
+            "state": t.state.name.lower(),
+            "value": t.value if t.values is not None and len(t.values) == 1 else t.values,
+            "outcome": t.user_attrs.get("outcome"),
+            "epochs": own.get(t.number, 0),
+            "last_step": t.last_step,
+            "start_s": at(t.datetime_start),
+            "end_s": at(t.datetime_complete),
+            "worker": t.user_attrs.get("worker"),
+            "params": dict(t.params),
+        }
+        for t in sorted(trials, key=lambda t: t.number)
+    ]
+
+
 def own_epochs(trials: list[Any]) -> dict[int, int]:
     """Epochs each trial trained itself (trial number -> epochs), so that no epoch counts twice.
 
@@ -367,6 +392,7 @@ def run(
         ),
         "gpu": gpu.summary,
         "timings": trial_timings(workdir),
+        "trials": trial_rows(trials, launch.started, own_epochs(trials)),
     }
     if launch.interrupted:
         result["error"] = "interrupted (Ctrl-C or the bench's time limit): the launch was stopped"
