@@ -495,6 +495,40 @@ def is_connection_error(exc: BaseException | None) -> bool:
     return False
 
 
+# What a database that is restarting or briefly unreachable answers a new connection with
+# (not a wrong name, role or password: those are one line at once).
+TRANSIENT_CONNECT = (
+    "connection refused",
+    "server closed the connection",
+    "could not connect",
+    "the database system is starting up",
+    "the database system is shutting down",
+    "terminating connection",
+    "timeout expired",
+)
+
+
+def open_storage_when_up(
+    spec: StorageSpec, give_up_after_s: float = 120.0, **kwargs: Any
+) -> BaseStorage:
+    """`open_storage`, retried with backoff while the database is restarting or briefly
+    unreachable (a worker of a compose stack or a Kubernetes Job started beside it, or during
+    a restart, spent its restarts exiting at once); any other error at once."""
+    deadline = time.monotonic() + give_up_after_s
+    delay = 0.5
+    while True:
+        try:
+            return open_storage(spec, **kwargs)
+        except StorageError as exc:
+            text = str(exc).lower()
+            transient = "cannot connect" in text and any(m in text for m in TRANSIENT_CONNECT)
+            if not transient or time.monotonic() + delay > deadline:
+                raise
+            warnings.warn(f"{exc}; retrying in {delay:.1f}s", stacklevel=2)
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
+
+
 def with_db_retry(
     fn: Callable[[], T], *, give_up_after_s: float = 120.0, what: str = "storage"
 ) -> T:

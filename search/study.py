@@ -386,7 +386,10 @@ def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTria
     host = socket.gethostname()
     for t in waiting:
         path = Path(str(t.user_attrs["checkpoint"]))
-        if t.user_attrs.get("host") == host and path.is_absolute() and not path.exists():
+        # worker.ATTR_FAILED_HOST: where the failed try ran (a retry's own "host" is
+        # stripped at the re-queue; one of an older version may still carry it)
+        ran_on = t.system_attrs.get("hpsearch:failed_host") or t.user_attrs.get("host")
+        if ran_on == host and path.is_absolute() and not path.exists():
             continue  # its try died before its first save: it trains from epoch 1
         try:
             before, now = before_cfg.resolve_params(t.params), cfg.resolve_params(t.params)

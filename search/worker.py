@@ -43,7 +43,7 @@ from hpsearch.storage import (
     count_trials_sql,
     deferred_params,
     heartbeat_storage,
-    open_storage,
+    open_storage_when_up,
     refresh_trials_now,
     set_trial_attrs,
     study_lock,
@@ -277,6 +277,17 @@ def adopt_checkpoint(inherited: Path, ckpt: Path) -> bool:
     return True
 
 
+def _failed_host(trial: optuna.Trial) -> str | None:
+    """The host a retry's failed try ran on (None for a trial that is no retry). It was
+    read from the retry's own ATTR_HOST: stripped at the re-queue, and on a journal already
+    the claiming worker's, so a retry taken in another work folder of that host trained
+    again from epoch 1 on PostgreSQL."""
+    cached = getattr(trial, "_cached_frozen_trial", None)
+    frozen = cached if cached is not None else trial.study._storage.get_trial(trial._trial_id)
+    host = frozen.system_attrs.get(ATTR_FAILED_HOST)
+    return str(host) if host else None
+
+
 def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
     """The first trial of a retry chain (Optuna's RetryHeartbeatStaleTrialCallback records it)."""
     if isinstance(trial, optuna.Trial):
@@ -293,6 +304,9 @@ def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
 # System attr of a retry: how many tries of its chain were handed back unfinished by a stop
 # asked for (Ctrl-C, SIGTERM, a stop while waiting for GPU memory), not lost to a crash.
 ATTR_INTERRUPTED_TRIES = "hpsearch:interrupted_tries"
+# System attr of a retry: the host its failed try ran on (whose disk holds its checkpoint).
+# The try's own ATTR_HOST is not inherited: it names the retry's owner once taken.
+ATTR_FAILED_HOST = "hpsearch:failed_host"
 # A try's own attributes, which its retry does not inherit.
 # Its results too: a retry told without them (no test pass, no upload) showed the failed
 # try's test accuracy and checkpoint.
@@ -322,6 +336,7 @@ class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
         attrs["retry_history"] = [*attrs.get("retry_history", []), trial.number]
         tries = int(attrs.get(ATTR_INTERRUPTED_TRIES, 0)) + int(interrupted)
         attrs[ATTR_INTERRUPTED_TRIES] = tries
+        attrs[ATTR_FAILED_HOST] = trial.user_attrs.get(ATTR_HOST)
         limit = self._max_retry
         if limit is not None and limit + tries < len(attrs["retry_history"]):
             return False
@@ -443,6 +458,9 @@ class _Heartbeat:
 # failure of a dead worker's trial. A stale-failed trial has none, or the outcome its worker
 # wrote just before a tell that never came.
 FAILED_ON_PURPOSE = frozenset({"error", "interrupted", "failed"})
+# A trial's outcome in its worker (not stored: the trial stands as another worker failed it)
+# when the stale check failed it while it trained.
+STALE = "failed elsewhere (stale)"
 
 
 def fail_stale_trials(study: optuna.Study, pending: dict[int, bool]) -> list[int]:
@@ -558,8 +576,9 @@ class _StaleWatcher:
 def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.Study:
     rdb = spec.kind == "rdb"
     _, grace, _ = heartbeat_timing(opts.heartbeat_interval_s)
-    storage = open_storage(
+    storage = open_storage_when_up(
         spec,
+        opts.db_outage_limit_s,
         heartbeat_interval=opts.heartbeat_interval_s if rdb else None,
         grace_period=grace if rdb else None,
         failed_trial_callback=retry_callback(opts.max_retries),
@@ -1104,7 +1123,7 @@ def run_trial(
         root = root_trial_number(trial)
         inherited = trial.user_attrs.get(ATTR_CHECKPOINT) if root != trial.number else None
         ckpt = checkpoint_path(opts.workdir, cfg.name, root, str(inherited or "") or None)
-        if inherited and trial.user_attrs.get(ATTR_HOST) == socket.gethostname():
+        if inherited and _failed_host(trial) == socket.gethostname():
             # The failed try ran on this host, maybe from another work folder (a second
             # launch of the study): its files are taken, not trained again from epoch 1.
             adopt_checkpoint(Path(str(inherited)), ckpt)
@@ -1207,6 +1226,13 @@ def run_trial(
         except Exception as exc:  # a trial's bug must not kill the worker; it is recorded
             tb = traceback.format_exc()
             run = late.wait() if late is not None else None
+            if _finished_elsewhere(exc):
+                # Its report found it failed by another worker's stale check while this one
+                # was stopped or cut off: the retry queued there resumes from the checkpoint.
+                # No error of the trial's (it counted toward --max-errors).
+                if run is not None:
+                    run.finish_failed("failed", "failed by the stale check while it trained", None)
+                return STALE
             _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run, tb, db)
             return "error"
         # A trial that ended before its run started (MLflow's set-up, a slow create) waits.

@@ -223,3 +223,22 @@ def database_gone_after_an_epoch(
         options.on_epoch(EpochRecord(1, 0.5, 0.5, 0.5, 0.5, 0.1, 0.01, 1000.0))
     time.sleep(3.0)  # s: the run's create answered meanwhile
     raise StorageError("report: database unreachable for 120s: connection refused")
+
+
+def failed_elsewhere_then_reports(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """The stale check of another worker fails this trial while it trains (this worker was
+    stopped, or cut off), and its next epoch's report then finds it finished."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    from optuna.trial import TrialState
+
+    report(1, 0.1)
+    storage = JournalStorage(JournalFileBackend(os.environ["HPSEARCH_DUMMY_JOURNAL"]))
+    study = optuna.load_study(study_name=config.name, storage=storage)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+    report(2, 0.2)
+    return train(config, params, report, options)

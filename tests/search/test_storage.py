@@ -649,6 +649,27 @@ def test_a_retry_finished_elsewhere_before_its_end_does_not_crash_the_worker(
     assert retry.state == optuna.trial.TrialState.FAIL and ATTR_RESUMED_FROM not in retry.user_attrs
 
 
+def test_a_trial_failed_by_the_stale_check_while_it_trains_is_no_error_of_its_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stopped or cut off past the heartbeat grace: another's stale check fails its
+    trial and queues the retry; its next report then found the trial finished and the trial
+    counted as an error toward --max-errors (helper-108: `trial 2: error`)."""
+    from hpsearch.worker import STALE, WorkerOptions, run_worker
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=2", "budget.max_epochs=2"])
+    journal = tmp_path / "optuna.journal"
+    spec = StorageSpec("journal", str(journal), "journal")
+    monkeypatch.setenv("HPSEARCH_DUMMY_JOURNAL", str(journal))
+    opts = WorkerOptions(
+        workdir=tmp_path, train_fn="dummy_trainer:failed_elsewhere_then_reports", max_trials=1
+    )
+    summary = run_worker(cfg, spec, opts)
+    assert summary.outcomes == {STALE: 1} and summary.last_error == ""
+    (trial,) = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)
+    assert trial.state == optuna.trial.TrialState.FAIL and "outcome" not in trial.user_attrs
+
+
 def test_trials_that_error_now_and_then_do_not_stop_the_worker(tmp_path: Path) -> None:
     """The worker gives up after max_errors errors in a row (a broken set-up fails every
     trial); it counted every error of the study, so a long study whose trials err now and
@@ -971,12 +992,15 @@ def test_an_at_sign_is_refused_only_in_a_storage_urls_password(tmp_path: Path) -
         resolve_storage(fine, tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["journal", "postgres"])
 def test_a_retry_taken_by_another_work_folder_of_this_host_resumes_from_its_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, kind: str
 ) -> None:
     """Two launches of one study on this host, other work folders (the refusal of a second
     launch in one folder suggests another): a trial one hands back, the other's worker
-    trained again from epoch 1, as its folder held no checkpoint of it."""
+    trained again from epoch 1, as its folder held no checkpoint of it. On PostgreSQL it
+    still did (helper-108): the failed try's host was read from the retry's own attributes,
+    stripped at the re-queue, where the journal's claim had already written the taker's."""
     import threading
 
     from hpsearch.worker import ATTR_CHECKPOINT, WorkerOptions, run_worker
@@ -984,7 +1008,10 @@ def test_a_retry_taken_by_another_work_folder_of_this_host_resumes_from_its_chec
     monkeypatch.setenv("HPSEARCH_DUMMY_EPOCH_S", "0.2")
     cfg = load_config("tiny", overrides=["budget.n_trials=1", "budget.max_epochs=8",
                                          "pruner.name=none", "pruner.options={}"])  # fmt: skip
-    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    if kind == "journal":
+        spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    else:
+        spec = resolve_storage(request.getfixturevalue("pg_url"), tmp_path)
     stop = threading.Event()
     threading.Timer(1.0, stop.set).start()  # a few epochs in: handed back, checkpointed
     monkeypatch.chdir(tmp_path)  # relative work folders, as the default `.hpsearch` is
@@ -1047,6 +1074,19 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     (tmp_path / "trial-00000-ab.pt").write_bytes(b"{}")
     with pytest.raises(ConfigError, match="waits to resume"):
         check_retries_fit(changed, stored, [here])
+    # The same for a retry the re-queue made (it strips the try's "host": the check never
+    # matched, and such a relaunch was refused for a checkpoint that does not exist).
+    from hpsearch.worker import retry_callback
+
+    failed = study.ask()
+    suggest(failed, cfg)
+    failed.set_user_attr("checkpoint", str(tmp_path / "trial-00002-cd.pt"))
+    failed.set_user_attr("host", socket.gethostname())
+    study.tell(failed, state=optuna.trial.TrialState.FAIL)
+    assert retry_callback(3).requeue(study, study.get_trials()[-1], interrupted=False)
+    queued = study.get_trials(deepcopy=False)[-1]
+    assert queued.state == optuna.trial.TrialState.WAITING and "host" not in queued.user_attrs
+    check_retries_fit(changed, stored, [queued])  # this host's try never saved
 
 
 def test_a_journal_write_cut_short_leaves_the_study_readable(tmp_path: Path) -> None:
@@ -1104,3 +1144,36 @@ except OSError as exc:
             again.set_user_attr("k", "v")
     assert path.stat().st_size > size and path.read_bytes().endswith(b"\n")
     assert optuna.load_study(study_name="s", storage=open_storage(spec)).user_attrs == {"k": "v"}
+
+
+def test_a_worker_waits_for_a_database_that_is_restarting_but_not_for_a_wrong_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker started while PostgreSQL restarted exited at once ("cannot connect: server
+    closed the connection unexpectedly"), spending its restarts (helper-108); a wrong
+    database name still fails at once, in one line."""
+    import hpsearch.storage as S
+
+    calls: list[int] = []
+    real = S.open_storage
+
+    def restarting(spec: StorageSpec, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) < 3:
+            raise StorageError(
+                f"storage {spec.display}: cannot connect: (psycopg2.OperationalError) server "
+                "closed the connection unexpectedly"
+            )
+        return real(spec, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(S, "open_storage", restarting)
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    with pytest.warns(UserWarning, match="retrying in"):
+        assert S.open_storage_when_up(spec, 10.0) is not None
+    assert len(calls) == 3
+    monkeypatch.setattr(S, "open_storage", real)
+    wrong = resolve_storage("postgresql://postgres@127.0.0.1:5432/no_such_db_h", tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match="no_such_db_h"):
+        S.open_storage_when_up(wrong, 10.0)
+    assert time.monotonic() - t0 < 5  # at once
