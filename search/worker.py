@@ -40,6 +40,7 @@ from hpsearch.reporting import TrialReports
 from hpsearch.storage import (
     HeartbeatStorage,
     StorageSpec,
+    _one_line,
     count_trials_sql,
     deferred_params,
     heartbeat_storage,
@@ -444,7 +445,7 @@ class _Heartbeat:
             try:
                 storage.record_heartbeat(trial_id)
             except Exception as exc:  # best effort: a missed beat only risks a retry
-                warnings.warn(f"heartbeat failed: {exc}", stacklevel=1)
+                warnings.warn(f"heartbeat failed: {_one_line(exc)}", stacklevel=1)
             if self._stop.wait(period):
                 return
 
@@ -557,9 +558,9 @@ class _StaleWatcher:
                     fail_stale_trials(study, self._pending)
             except (SQLAlchemyError, optuna.exceptions.StorageInternalError, StorageError) as exc:
                 self.answering_since = math.nan  # an outage: none failed until it is over
-                warnings.warn(f"stale-trial check failed: {exc}", stacklevel=1)
+                warnings.warn(f"stale-trial check failed: {_one_line(exc)}", stacklevel=1)
             except Exception as exc:  # best effort: the next check or worker will retry
-                warnings.warn(f"stale-trial check failed: {exc}", stacklevel=1)
+                warnings.warn(f"stale-trial check failed: {_one_line(exc)}", stacklevel=1)
 
     def _answered(self) -> bool:
         """The database answered a check: whether it has for the grace period."""
