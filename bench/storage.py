@@ -179,7 +179,7 @@ def _plain_loop(
 def _hpsearch_worker(
     url: str, cfg: Any, stream: int, start_at: float, seconds: float, workdir: str, out: Any
 ) -> None:
-    from hpsearch.worker import WorkerOptions, run_worker
+    from hpsearch.worker import STALE, WorkerOptions, run_worker
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     opts = WorkerOptions(
@@ -200,7 +200,7 @@ def _hpsearch_worker(
         n = len(summary.trials)
         # failed trials ("error") and any handed back unfinished ("interrupted")
         errors = summary.outcomes.get("error", 0)
-        ok = n - errors - summary.outcomes.get("interrupted", 0)
+        ok = n - errors - summary.outcomes.get("interrupted", 0) - summary.outcomes.get(STALE, 0)
     except Exception as exc:  # reported at once to the bench, which ends the run
         crash = f"{type(exc).__name__}: {exc}"
         print(f"hpsearch worker {os.getpid()}: {crash}", file=sys.stderr, flush=True)

@@ -785,11 +785,12 @@ class Launcher:
         if self.opts.tracking_uri:
             uri = self.opts.tracking_uri
             remote = uri.startswith(("http://", "https://"))
-            if urlsplit(uri).scheme in ("", "file"):
+            allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true")
+            if urlsplit(uri).scheme in ("", "file") and not allowed:
                 # Before any worker starts: MLflow 3 refuses a file store ("maintenance
-                # mode"), which it found only once the workers trained.
+                # mode") unless MLFLOW_ALLOW_FILE_STORE is true, found once workers trained.
                 raise TrackingError(
-                    f"--tracking-uri {redact_uri(uri)!r}: a folder, which MLflow 3 keeps no new "
+                    f"tracking URI {redact_uri(uri)!r}: a folder, which MLflow 3 keeps no new "
                     "runs in; give a server's http://HOST:PORT"
                 )
             if remote and not health_ok(uri, timeout_s=5.0, any_status=True):

@@ -501,10 +501,21 @@ TRANSIENT_CONNECT = (
     "connection refused",
     "server closed the connection",
     "could not connect",
-    "the database system is starting up",
-    "the database system is shutting down",
+    "the database system is",  # starting up, shutting down, in recovery mode, not yet ...
+    "too many clients",  # many workers starting at once
     "terminating connection",
     "timeout expired",
+)
+# ... and what a wrong URL answers, which wins: libpq joins the errors of every address it
+# tried (localhost as ::1 and 127.0.0.1), so a wrong name can come with "refused" too.
+PERMANENT_CONNECT = (
+    "does not exist",
+    "authentication failed",
+    "password",
+    "no pg_hba.conf entry",
+    "could not translate host name",
+    "failed to resolve host",
+    "name or service not known",
 )
 
 
@@ -521,7 +532,11 @@ def open_storage_when_up(
             return open_storage(spec, **kwargs)
         except StorageError as exc:
             text = str(exc).lower()
-            transient = "cannot connect" in text and any(m in text for m in TRANSIENT_CONNECT)
+            transient = (
+                "cannot connect" in text
+                and any(m in text for m in TRANSIENT_CONNECT)
+                and not any(m in text for m in PERMANENT_CONNECT)
+            )
             if not transient or time.monotonic() + delay > deadline:
                 raise
             warnings.warn(f"{exc}; retrying in {delay:.1f}s", stacklevel=2)

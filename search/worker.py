@@ -337,7 +337,9 @@ class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
         attrs["retry_history"] = [*attrs.get("retry_history", []), trial.number]
         tries = int(attrs.get(ATTR_INTERRUPTED_TRIES, 0)) + int(interrupted)
         attrs[ATTR_INTERRUPTED_TRIES] = tries
-        attrs[ATTR_FAILED_HOST] = trial.user_attrs.get(ATTR_HOST)
+        # A try that died before it took the trial (no host of its own) left the checkpoint
+        # it inherited: that one's host stays.
+        attrs[ATTR_FAILED_HOST] = trial.user_attrs.get(ATTR_HOST) or attrs.get(ATTR_FAILED_HOST)
         limit = self._max_retry
         if limit is not None and limit + tries < len(attrs["retry_history"]):
             return False
@@ -634,7 +636,9 @@ def run_worker(
             if deadline is not None and time.time() > deadline:
                 summary.stopped_by = "timeout"
                 break
-            if (full := disk_full(opts.workdir, free_disk_bytes(opts.workdir))) is not None:
+            if cfg.trainer.checkpoint and (
+                full := disk_full(opts.workdir, free_disk_bytes(opts.workdir))
+            ):
                 # Before asking: on a full disk every trial failed fast (its checkpoints,
                 # its data cache), and the restarted workers failed a dozen more.
                 raise CheckpointError(full)
@@ -1227,10 +1231,14 @@ def run_trial(
         except Exception as exc:  # a trial's bug must not kill the worker; it is recorded
             tb = traceback.format_exc()
             run = late.wait() if late is not None else None
-            if _finished_elsewhere(exc):
+            if _finished_elsewhere(exc) and db(
+                lambda: study._storage.get_trial(trial._trial_id).state.is_finished(),
+                "get_trial",
+            ):
                 # Its report found it failed by another worker's stale check while this one
                 # was stopped or cut off: the retry queued there resumes from the checkpoint.
-                # No error of the trial's (it counted toward --max-errors).
+                # No error of the trial's (it counted toward --max-errors). Only when the
+                # trial stands finished: a train_fn's own such error is its bug.
                 if run is not None:
                     run.finish_failed("failed", "failed by the stale check while it trained", None)
                 return STALE

@@ -242,3 +242,10 @@ def failed_elsewhere_then_reports(
         storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
     report(2, 0.2)
     return train(config, params, report, options)
+
+
+def tells_its_own_study_twice(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """A train_fn's own bug whose error reads like a trial finished elsewhere."""
+    raise ValueError("Cannot tell a COMPLETE trial.")

@@ -503,7 +503,7 @@ def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
     assert r.returncode == 1, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last == (
-        "Error: --tracking-uri 'notauri': a folder, which MLflow 3 keeps no new runs in; give "
+        "Error: tracking URI 'notauri': a folder, which MLflow 3 keeps no new runs in; give "
         "a server's http://HOST:PORT"
     ), r.stderr
     assert "Traceback" not in r.stderr and "running" not in r.stdout  # before any worker

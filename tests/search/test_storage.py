@@ -582,6 +582,11 @@ def test_a_worker_on_a_full_disk_starts_no_trial(
         W.run_worker(cfg, spec, opts)
     assert create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False) == []
     assert W.disk_full(tmp_path, None) is None and W.disk_full(tmp_path, 64 << 20) is None
+    # Trials that write no checkpoint (trainer.checkpoint: false) are not held back.
+    light = load_config("tiny", ["budget.n_trials=1", "budget.max_epochs=1",
+                                 "trainer.checkpoint=false"])  # fmt: skip
+    one = W.WorkerOptions(workdir=tmp_path, train_fn="dummy_trainer:train", max_trials=1)
+    assert len(W.run_worker(light, spec, one).trials) == 1
     monkeypatch.undo()
     assert (W.free_disk_bytes(tmp_path) or 0) > 0
 
@@ -668,6 +673,16 @@ def test_a_trial_failed_by_the_stale_check_while_it_trains_is_no_error_of_its_wo
     assert summary.outcomes == {STALE: 1} and summary.last_error == ""
     (trial,) = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)
     assert trial.state == optuna.trial.TrialState.FAIL and "outcome" not in trial.user_attrs
+    # A train_fn's own error that reads so, its trial not finished: an error, recorded
+    # (it was left RUNNING, its cause never shown: helper-109).
+    opts = WorkerOptions(
+        workdir=tmp_path, train_fn="dummy_trainer:tells_its_own_study_twice", max_trials=1
+    )
+    summary = run_worker(cfg, spec, opts)
+    assert summary.outcomes == {"error": 1} and "Cannot tell a" in summary.last_error
+    second = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)[1]
+    assert second.state == optuna.trial.TrialState.FAIL
+    assert second.user_attrs["outcome"] == "error"
 
 
 def test_trials_that_error_now_and_then_do_not_stop_the_worker(tmp_path: Path) -> None:
@@ -1013,7 +1028,21 @@ def test_a_retry_taken_by_another_work_folder_of_this_host_resumes_from_its_chec
     else:
         spec = resolve_storage(request.getfixturevalue("pg_url"), tmp_path)
     stop = threading.Event()
-    threading.Timer(1.0, stop.set).start()  # a few epochs in: handed back, checkpointed
+
+    def stop_a_few_epochs_in() -> None:  # handed back and checkpointed (a timer from here
+        # fired before a loaded machine's worker had asked on PostgreSQL)
+        storage, deadline = open_storage(spec), time.monotonic() + 120
+        while time.monotonic() < deadline and not stop.is_set():
+            try:
+                trials = storage.get_all_trials(storage.get_study_id_from_name(cfg.name))
+            except KeyError:  # no study yet
+                trials = []
+            if any(len(t.intermediate_values) >= 2 for t in trials):
+                break
+            time.sleep(0.05)
+        stop.set()
+
+    threading.Thread(target=stop_a_few_epochs_in, daemon=True).start()
     monkeypatch.chdir(tmp_path)  # relative work folders, as the default `.hpsearch` is
     first = run_worker(cfg, spec, WorkerOptions(workdir=Path("a"), train_fn=DUMMY), stop)
     assert first.outcomes == {"interrupted": 1}
@@ -1087,6 +1116,17 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     queued = study.get_trials(deepcopy=False)[-1]
     assert queued.state == optuna.trial.TrialState.WAITING and "host" not in queued.user_attrs
     check_retries_fit(changed, stored, [queued])  # this host's try never saved
+    # A retry that died before it took the trial (no host of its own) leaves the host of
+    # the checkpoint it inherited to its own retry.
+    from hpsearch.worker import ATTR_FAILED_HOST
+
+    middle = study.ask()
+    study.tell(middle, state=optuna.trial.TrialState.FAIL)
+    frozen_middle = study.get_trials(deepcopy=False)[-1]
+    frozen_middle.system_attrs.update(queued.system_attrs)  # as the retry it was
+    assert retry_callback(3).requeue(study, frozen_middle, interrupted=False)
+    again = study.get_trials(deepcopy=False)[-1]
+    assert again.system_attrs[ATTR_FAILED_HOST] == socket.gethostname()
 
 
 def test_a_journal_write_cut_short_leaves_the_study_readable(tmp_path: Path) -> None:
@@ -1171,6 +1211,31 @@ def test_a_worker_waits_for_a_database_that_is_restarting_but_not_for_a_wrong_on
     with pytest.warns(UserWarning, match="retrying in"):
         assert S.open_storage_when_up(spec, 10.0) is not None
     assert len(calls) == 3
+    # Crash recovery retries too; a wrong name does not, even beside an address that
+    # refused (libpq joins the errors of every address it tried).
+    for text, retried in [
+        ("FATAL: the database system is in recovery mode", True),
+        ("FATAL: sorry, too many clients already", True),
+        ('connection to server at "::1", port 5432 failed: Connection refused ... '
+         'FATAL: database "no_such" does not exist', False),
+        ("FATAL: password authentication failed for user", False),
+    ]:  # fmt: skip
+        calls.clear()
+
+        def answers(spec: StorageSpec, text: str = text, **kwargs: object) -> object:
+            calls.append(1)
+            if len(calls) < 2:
+                raise StorageError(f"storage x: cannot connect: (psycopg2.OperationalError) {text}")
+            return real(spec, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(S, "open_storage", answers)
+        if retried:
+            with pytest.warns(UserWarning, match="retrying in"):
+                S.open_storage_when_up(spec, 10.0)
+        else:
+            with pytest.raises(StorageError, match="cannot connect"):
+                S.open_storage_when_up(spec, 10.0)
+        assert len(calls) == (2 if retried else 1), text
     monkeypatch.setattr(S, "open_storage", real)
     wrong = resolve_storage("postgresql://postgres@127.0.0.1:5432/no_such_db_h", tmp_path)
     t0 = time.monotonic()
