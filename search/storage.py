@@ -519,43 +519,54 @@ PERMANENT_CONNECT = (
 )
 
 
+def transient_connect_error(exc: BaseException) -> bool:
+    """Whether `open_storage` failed as a database that is restarting or briefly unreachable
+    fails (not as a wrong name, role, password or host does)."""
+    text = str(exc).lower()
+    return (
+        isinstance(exc, StorageError)
+        and "cannot connect" in text
+        and any(m in text for m in TRANSIENT_CONNECT)
+        and not any(m in text for m in PERMANENT_CONNECT)
+    )
+
+
 def open_storage_when_up(
     spec: StorageSpec, give_up_after_s: float = 120.0, **kwargs: Any
 ) -> BaseStorage:
-    """`open_storage`, retried with backoff while the database is restarting or briefly
-    unreachable (a worker of a compose stack or a Kubernetes Job started beside it, or during
-    a restart, spent its restarts exiting at once); any other error at once."""
-    deadline = time.monotonic() + give_up_after_s
-    delay = 0.5
-    while True:
-        try:
-            return open_storage(spec, **kwargs)
-        except StorageError as exc:
-            text = str(exc).lower()
-            transient = (
-                "cannot connect" in text
-                and any(m in text for m in TRANSIENT_CONNECT)
-                and not any(m in text for m in PERMANENT_CONNECT)
-            )
-            if not transient or time.monotonic() + delay > deadline:
-                raise
-            warnings.warn(f"{exc}; retrying in {delay:.1f}s", stacklevel=2)
-            time.sleep(delay)
-            delay = min(delay * 2, 8.0)
+    """`open_storage`, retried while the database is restarting or briefly unreachable (a
+    worker of a compose stack or a Kubernetes Job started beside it, or during a restart,
+    spent its restarts exiting at once); any other error at once."""
+    return with_db_retry(
+        lambda: open_storage(spec, **kwargs),
+        give_up_after_s=give_up_after_s,
+        what=f"storage {spec.display}",
+        transient=transient_connect_error,
+    )
 
 
 def with_db_retry(
-    fn: Callable[[], T], *, give_up_after_s: float = 120.0, what: str = "storage"
+    fn: Callable[[], T],
+    *,
+    give_up_after_s: float = 120.0,
+    what: str = "storage",
+    transient: Callable[[Exception], bool] | None = None,
 ) -> T:
-    """Run `fn`, retrying connection errors with backoff (0.5 s doubling to 8 s) for up to
-    `give_up_after_s` seconds, then StorageError. Other errors pass through."""
+    """Run `fn`, retrying connection errors (or those `transient` names) with backoff
+    (0.5 s doubling to 8 s) for up to `give_up_after_s` seconds, then StorageError. Other
+    errors pass through."""
     deadline = time.monotonic() + give_up_after_s
     delay = 0.5
     while True:
         try:
             return fn()
-        except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
-            if not is_connection_error(exc):
+        except Exception as exc:
+            if transient is not None:
+                retry = transient(exc)
+            else:
+                db_error = (SQLAlchemyError, optuna.exceptions.StorageInternalError)
+                retry = isinstance(exc, db_error) and is_connection_error(exc)
+            if not retry:
                 raise
             if time.monotonic() + delay > deadline:
                 raise StorageError(

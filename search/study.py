@@ -367,6 +367,11 @@ def check_space_fits(cfg: StudyConfig, trials: Sequence[FrozenTrial]) -> None:
                 ) from None
 
 
+# System attr of a retry: the host its failed try ran on (whose disk holds its checkpoint).
+# The try's own "host" user attr is not inherited: it names the retry's owner once taken.
+ATTR_FAILED_HOST = "hpsearch:failed_host"
+
+
 def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTrial]) -> None:
     """Refuse a config under which a retry waiting to resume from its checkpoint would get
     other hyperparameters than it trained with (the stored config's: a changed
@@ -386,9 +391,8 @@ def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTria
     host = socket.gethostname()
     for t in waiting:
         path = Path(str(t.user_attrs["checkpoint"]))
-        # worker.ATTR_FAILED_HOST: where the failed try ran (a retry's own "host" is
-        # stripped at the re-queue; one of an older version may still carry it)
-        ran_on = t.system_attrs.get("hpsearch:failed_host") or t.user_attrs.get("host")
+        # Where the failed try ran (a retry of an older version may carry its "host")
+        ran_on = t.system_attrs.get(ATTR_FAILED_HOST) or t.user_attrs.get("host")
         if ran_on == host and path.is_absolute() and not path.exists():
             continue  # its try died before its first save: it trains from epoch 1
         try:

@@ -53,6 +53,7 @@ from hpsearch.storage import (
     with_db_retry,
 )
 from hpsearch.study import (
+    ATTR_FAILED_HOST,
     MEMORY_CONSTRAINT,
     budget_counts,
     create_or_load,
@@ -305,9 +306,6 @@ def root_trial_number(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
 # System attr of a retry: how many tries of its chain were handed back unfinished by a stop
 # asked for (Ctrl-C, SIGTERM, a stop while waiting for GPU memory), not lost to a crash.
 ATTR_INTERRUPTED_TRIES = "hpsearch:interrupted_tries"
-# System attr of a retry: the host its failed try ran on (whose disk holds its checkpoint).
-# The try's own ATTR_HOST is not inherited: it names the retry's owner once taken.
-ATTR_FAILED_HOST = "hpsearch:failed_host"
 # A try's own attributes, which its retry does not inherit.
 # Its results too: a retry told without them (no test pass, no upload) showed the failed
 # try's test accuracy and checkpoint.
