@@ -3,6 +3,7 @@ batched trial attributes must agree with what Optuna's own API reports."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import threading
@@ -30,6 +31,7 @@ from hpsearch.storage import (
 )
 from hpsearch.study import budget_counts, create_or_load, suggest
 from optuna.storages import BaseStorage
+from sqlalchemy.engine import make_url
 
 
 def _tiny_study(
@@ -1187,57 +1189,58 @@ except OSError as exc:
 
 
 def test_a_worker_waits_for_a_database_that_is_restarting_but_not_for_a_wrong_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pg_url: str, tmp_path: Path
 ) -> None:
     """A worker started while PostgreSQL restarted exited at once ("cannot connect: server
     closed the connection unexpectedly"), spending its restarts (helper-108); a wrong
-    database name still fails at once, in one line."""
+    database name still fails at once, in one line. The restart here is real: the study's
+    database behind a port where nothing listens (connection refused) until, 1.5 s later,
+    a forwarder to the real server starts there."""
+    import socket
+    import threading
+
     import hpsearch.storage as S
 
-    calls: list[int] = []
-    real = S.open_storage
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    real = make_url(pg_url)
+    later = real.set(port=port).render_as_string(hide_password=False)
 
-    def restarting(spec: StorageSpec, **kwargs: object) -> object:
-        calls.append(1)
-        if len(calls) < 3:
-            raise StorageError(
-                f"storage {spec.display}: cannot connect: (psycopg2.OperationalError) server "
-                "closed the connection unexpectedly"
-            )
-        return real(spec, **kwargs)  # type: ignore[arg-type]
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
 
-    monkeypatch.setattr(S, "open_storage", restarting)
-    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    def forward_later() -> None:
+        time.sleep(1.5)
+        server = socket.create_server(("127.0.0.1", port))
+        while True:
+            client, _ = server.accept()
+            upstream = socket.create_connection((real.host or "127.0.0.1", real.port or 5432))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=forward_later, daemon=True).start()
+    t0 = time.monotonic()
     with pytest.warns(UserWarning, match="retrying in"):
-        assert S.open_storage_when_up(spec, 10.0) is not None
-    assert len(calls) == 3
-    # Crash recovery retries too; a wrong name does not, even beside an address that
-    # refused (libpq joins the errors of every address it tried).
-    for text, retried in [
+        storage = S.open_storage_when_up(resolve_storage(later, tmp_path), 30.0)
+    assert storage is not None and time.monotonic() - t0 >= 1.0
+    # The messages a restart or a wrong URL can answer with, which this machine cannot make
+    # its shared server give: crash recovery and a full server are waited for; a wrong name
+    # is not, even beside an address that refused (libpq joins every address's error).
+    for text, transient in [
         ("FATAL: the database system is in recovery mode", True),
         ("FATAL: sorry, too many clients already", True),
         ('connection to server at "::1", port 5432 failed: Connection refused ... '
          'FATAL: database "no_such" does not exist', False),
         ("FATAL: password authentication failed for user", False),
     ]:  # fmt: skip
-        calls.clear()
-
-        def answers(spec: StorageSpec, text: str = text, **kwargs: object) -> object:
-            calls.append(1)
-            if len(calls) < 2:
-                raise StorageError(f"storage x: cannot connect: (psycopg2.OperationalError) {text}")
-            return real(spec, **kwargs)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(S, "open_storage", answers)
-        if retried:
-            with pytest.warns(UserWarning, match="retrying in"):
-                S.open_storage_when_up(spec, 10.0)
-        else:
-            with pytest.raises(StorageError, match="cannot connect"):
-                S.open_storage_when_up(spec, 10.0)
-        assert len(calls) == (2 if retried else 1), text
-    monkeypatch.setattr(S, "open_storage", real)
-    wrong = resolve_storage("postgresql://postgres@127.0.0.1:5432/no_such_db_h", tmp_path)
+        error = StorageError(f"storage x: cannot connect: (psycopg2.OperationalError) {text}")
+        assert S.transient_connect_error(error) is transient, text
+    wrong = resolve_storage(real.set(database="no_such_db_h").render_as_string(False), tmp_path)
     t0 = time.monotonic()
     with pytest.raises(StorageError, match="no_such_db_h"):
         S.open_storage_when_up(wrong, 10.0)
