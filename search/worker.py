@@ -1237,8 +1237,9 @@ def run_trial(
                 # was stopped or cut off: the retry queued there resumes from the checkpoint.
                 # No error of the trial's (it counted toward --max-errors). Only when the
                 # trial stands finished: a train_fn's own such error is its bug.
+                warnings.warn(f"trial was already finished elsewhere: {exc}", stacklevel=2)
                 if run is not None:
-                    run.finish_failed("failed", "failed by the stale check while it trained", None)
+                    run.finish_failed("failed", f"finished elsewhere while it trained: {exc}", None)
                 return STALE
             _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run, tb, db)
             return "error"

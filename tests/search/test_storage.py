@@ -671,7 +671,8 @@ def test_a_trial_failed_by_the_stale_check_while_it_trains_is_no_error_of_its_wo
     opts = WorkerOptions(
         workdir=tmp_path, train_fn="dummy_trainer:failed_elsewhere_then_reports", max_trials=1
     )
-    summary = run_worker(cfg, spec, opts)
+    with pytest.warns(UserWarning, match="finished elsewhere"):  # as a tell that finds it so
+        summary = run_worker(cfg, spec, opts)
     assert summary.outcomes == {STALE: 1} and summary.last_error == ""
     (trial,) = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)
     assert trial.state == optuna.trial.TrialState.FAIL and "outcome" not in trial.user_attrs
