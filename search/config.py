@@ -213,6 +213,12 @@ class TrainerConfig(_Frozen):
     # per-trial seed = seed + trial number; torch takes -2**63 .. 2**64 - 1
     seed: Int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     evaluate_test: Bool = True  # test accuracy of each finished trial
+    # Evaluation (val and test alike): the image size is the trial's times eval_scale (a
+    # random-resized-crop model sees objects larger than a center crop shows them at the
+    # same size: FixRes, Touvron et al. 2019); eval_flip averages the logits of each image
+    # and its mirror. Both cost eval time only.
+    eval_scale: Float = Field(default=1.0, ge=0.25, le=4.0)
+    eval_flip: Bool = False
     num_workers: Int = Field(default=4, ge=0)  # DataLoader workers of the streaming path
     checkpoint: Bool = True
     # seconds between resume checkpoints; 0 = every epoch. A crash redoes at most this much.
@@ -617,15 +623,28 @@ MAX_NAME_LENGTH = 200  # characters: file names (255 bytes) also hold a prefix a
 
 
 def _check_cache_size(cfg: StudyConfig, src: str) -> None:
-    """A stored size below a trained one scales every image up: the trials train on blur."""
+    """A stored size below a trained (or evaluated) one scales every image up: the trials
+    train on blur."""
     stored = cfg.dataset.cache_size
-    if stored is None:
-        return
     largest, field = _image_size_bound(cfg, largest=True)
+    scale = cfg.trainer.eval_scale
+    if stored is None:  # each trial stores 8/7 of its own size
+        if scale > 8 / 7:
+            raise ConfigError(
+                f"{src}: trainer.eval_scale: {scale:g}: must be <= 8/7 without a "
+                "dataset.cache_size (trials store 8/7 of their image size): larger scales up"
+            )
+        return
     if stored < largest:
         raise ConfigError(
             f"{src}: dataset.cache_size: {stored}: must be >= the largest image size trained "
             f"({largest:g}, {field}): smaller stored images are scaled up"
+        )
+    if stored < round(largest * scale):
+        raise ConfigError(
+            f"{src}: trainer.eval_scale: {scale:g}: evaluates the largest image size trained "
+            f"({largest:g}, {field}) at {round(largest * scale)} px, above dataset.cache_size "
+            f"({stored}): stored images would be scaled up"
         )
 
 

@@ -1432,10 +1432,10 @@ def export_model_onnx(cfg: StudyConfig, params: Mapping[str, Any], weights: Path
     import torch
     from hpsearch.tracking.onnx_export import export_onnx
     from hpsearch.trainer import load_trained_model
+    from hpsearch.trainer.trial import eval_size
 
     model = load_trained_model(cfg, dict(params), weights, device="cpu")
-    hp = cfg.resolve_params(dict(params))
-    size = hp.image_size or cfg.dataset.image_size
+    size = eval_size(cfg, cfg.resolve_params(dict(params)))  # the size its accuracy was taken at
     return Path(export_onnx(model, torch.randn(2, 3, size, size), out))
 
 

@@ -115,6 +115,11 @@ def image_size(config: StudyConfig, hp: Hyperparams) -> int:
     return hp.image_size or config.dataset.image_size
 
 
+def eval_size(config: StudyConfig, hp: Hyperparams) -> int:
+    """px at which val and test are evaluated: the trial's size times trainer.eval_scale."""
+    return max(1, round(image_size(config, hp) * config.trainer.eval_scale))
+
+
 def cache_size(config: StudyConfig, hp: Hyperparams) -> int:
     """Stored px: dataset.cache_size, else 8/7 of the trial's image size (room to crop)."""
     return config.dataset.cache_size or round(image_size(config, hp) * 8 / 7)
@@ -304,8 +309,10 @@ def evaluate(
     amp: torch.dtype | None,
     channels_last: bool,
     batch: int = EVAL_BATCH,
+    flip: bool = False,
 ) -> tuple[float, float, Tensor]:
-    """(accuracy, mean cross-entropy, confusion (C, C) rows=true) over the split."""
+    """(accuracy, mean cross-entropy, confusion (C, C) rows=true) over the split. `flip`:
+    of the mean logits of each image and its horizontal mirror."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -317,8 +324,9 @@ def evaluate(
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
             with _autocast(device, amp):
-                logits = model(x)
-            logits = logits.float()
+                logits = model(x).float()
+                if flip:
+                    logits = (logits + model(x.flip(3)).float()) / 2
             loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
             pred = logits.argmax(1)
             correct += (pred == y).sum()
@@ -340,6 +348,7 @@ def evaluate_fitting(
     channels_last: bool,
     batch: int,
     micro: int,
+    flip: bool = False,
 ) -> tuple[tuple[float, float, Tensor], int]:
     """`evaluate` in batches of `batch` images, or, when those run out of memory, of the
     trial's training micro-batch: that fits (it trained), with gradients besides. A small
@@ -348,7 +357,10 @@ def evaluate_fitting(
     Returns the result and the batch it took, for the next evaluation. (Smaller batches sum
     the loss in another order: equal to ~1e-15.)"""
     try:
-        return evaluate(model, split, res, num_classes, device, amp, channels_last, batch), batch
+        return (
+            evaluate(model, split, res, num_classes, device, amp, channels_last, batch, flip),
+            batch,
+        )
     except RuntimeError as exc:
         if micro >= batch or not _out_of_memory(exc, device):
             raise
@@ -356,7 +368,10 @@ def evaluate_fitting(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     log.warning("evaluation out of memory in batches of %d images: batches of %d", batch, micro)
-    return evaluate(model, split, res, num_classes, device, amp, channels_last, micro), micro
+    return (
+        evaluate(model, split, res, num_classes, device, amp, channels_last, micro, flip),
+        micro,
+    )
 
 
 # --- checkpoints -------------------------------------------------------------------------
@@ -683,6 +698,7 @@ def _train(
         torch.backends.cudnn.benchmark = tc.cudnn_benchmark
     amp = resolve_precision(tc.precision, device)
     res, size = image_size(config, hp), cache_size(config, hp)
+    eval_res = eval_size(config, hp)  # px of val and test; res trains
     workdir = Path(options.workdir)
 
     # --- data ---------------------------------------------------------------------------
@@ -705,11 +721,12 @@ def _train(
         nonlocal fast
 
         def load(on_device: bool) -> Split:
-            split = load_split(config, src, size, res, device, on_device, workdir, options.warm,
-                               train=is_train, batch_size=batch_size, seed=seed)  # fmt: skip
+            split = load_split(config, src, size, eval_res, device, on_device, workdir,
+                               options.warm, train=is_train, batch_size=batch_size,
+                               seed=seed)  # fmt: skip
             if on_device:
                 key = _data_key(config, src, size, device)
-                in_use.update([key] if is_train else [key, (*key, "eval", res)])
+                in_use.update([key] if is_train else [key, (*key, "eval", eval_res)])
             return split
 
         if not (fast and config.dataset.fast_path == "auto"):
@@ -728,7 +745,7 @@ def _train(
             # (in use whatever the cache holds): other splits, sizes, compiled models.
             warm = options.warm
             mine = _data_key(config, src, size, device)  # this split's own, partly made
-            own = {*in_use, mine, (*mine, "eval", res)}
+            own = {*in_use, mine, (*mine, "eval", eval_res)}
             held = warm is not None and (
                 any(k not in own for k in warm.data) or any(k != own_model for k in warm.models)
             )
@@ -956,8 +973,9 @@ def _train(
         confusion = None
         if epoch % tc.eval_every == 0 or epoch == config.budget.max_epochs:
             (val_acc, val_loss, confusion), eval_batch = evaluate_fitting(
-                fwd, val_split, res, num_classes, device, amp, tc.channels_last, eval_batch, micro
-            )
+                fwd, val_split, eval_res, num_classes, device, amp, tc.channels_last,
+                eval_batch, micro, tc.eval_flip,
+            )  # fmt: skip
             if not math.isfinite(val_loss):
                 if not _finite_weights(model):  # the epoch's last step broke them
                     run.stop_reason = "diverged"
@@ -1068,8 +1086,9 @@ def _train(
         try:
             test_split = split_of(test_src, False)
             (run.test_acc, _, _), _ = evaluate_fitting(
-                fwd, test_split, res, num_classes, device, amp, tc.channels_last, eval_batch, micro
-            )
+                fwd, test_split, eval_res, num_classes, device, amp, tc.channels_last,
+                eval_batch, micro, tc.eval_flip,
+            )  # fmt: skip
         except RuntimeError as exc:
             # The trained trial stands: only its test figure is missing (the test split is
             # loaded onto the device after training, 6149 images for Flowers-102).
@@ -1311,7 +1330,7 @@ def evaluate_model(
         from hpsearch.errors import DataError
 
         raise DataError(f"dataset {config.dataset.name}: has no {split} split")
-    res, size = image_size(config, hp), cache_size(config, hp)
+    res, size = eval_size(config, hp), cache_size(config, hp)
     fast = data.use_fast_path(config, [src], size)
     s = load_split(
         config,
@@ -1336,5 +1355,6 @@ def evaluate_model(
         dev,
         resolve_precision(config.trainer.precision, dev),
         config.trainer.channels_last,
+        flip=config.trainer.eval_flip,
     )
     return acc, loss

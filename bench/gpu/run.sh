@@ -17,6 +17,9 @@
 #   paths            fp16, a real CUDA OOM and recovery, compile reuse bench/gpu/paths_check.py
 #   trainer-compile  resnet18 128px b256 and resnet50 224px b256     bench/trainer.py --compile
 #   packing-auto     --workers auto, as many trials as W=4 had       bench/packing.py
+#   recipes          fixed flowers102 configurations side by side    bench/gpu/recipes.py
+#                    (RECIPES_S s each), eval variants of each best
+#                    (not in the default STEPS)
 # With the default budget the last steps run only as far as time is left (BUDGET_S=570 gives
 # them 30 s more). Results: $OUT/{nvml,trainer,packing,study,paths,packing-auto}.json and
 # $OUT/run.log (8 files at most come back from the machine).
@@ -145,6 +148,8 @@ if [ -n "${QUICK:-}" ]; then  # the CPU rehearsal: tiny images, one epoch, short
   STUDY=(--workers 2 --grace 20 "${SMALL[@]}" --set budget.max_epochs=2
     --set pruner.options.min_resource=1 --set 'search_space.arch={type: categorical, choices: [resnet18]}')
   STUDY_S=30
+  RECIPE=(--epochs-scale 0.02 --size 32 --only e150 e300-cutmix "${SMALL[@]}")
+  RECIPE_S=60
 else
   PACK=(--trials-per-worker 2 --epochs 10 --launch-timeout 90 --params '{"batch_size": 64}')
   PACK_W=(1 2 4)
@@ -153,6 +158,8 @@ else
   COMPILED=("r18-128-b256-compile resnet18 128 256" "r50-224-b256-compile resnet50 224 256")
   STUDY=(--workers "${STUDY_WORKERS:-4}" --grace 30 --target 0.2 0.3 0.4 0.5)
   STUDY_S=200
+  RECIPE=()
+  RECIPE_S=${RECIPES_S:-200}
 fi
 COMMON=(--device "$DEVICE" --data-dir "$DATA" --workdir "$WORK")
 local name config label arch res batch study_s item
@@ -200,7 +207,12 @@ for name in ${STEPS:-nvml trainer study packing paths trainer-compile packing-au
       step "$name" 130 $((study_s + 90)) study "$OUT/$name.json" -- \
         "$PY" bench/study.py "${COMMON[@]}" --timeout "$study_s" "${STUDY[@]}" "${sets[@]}" \
         --json "$OUT/$name.json" ;;
-    *) echo "== unknown step $name (steps: nvml trainer study study-b packing paths trainer-compile packing-auto)" ;;
+    recipes)  # fixed configurations side by side, then each best model's eval variants
+      step recipes 120 $((RECIPE_S + 60)) recipes "$OUT/recipes.json" -- \
+        "$PY" bench/gpu/recipes.py --device "$DEVICE" --data-dir "$DATA" \
+        --workdir "$WORK/recipes" --trial-timeout "$RECIPE_S" "${RECIPE[@]}" \
+        --json "$OUT/recipes.json" ;;
+    *) echo "== unknown step $name (steps: nvml trainer study study-b packing paths trainer-compile packing-auto recipes)" ;;
   esac
 done
 

@@ -88,7 +88,29 @@ def paths(d: dict[str, Any]) -> str:
     return "; ".join(parts) or "no checks ran"
 
 
-KINDS = {"trainer": trainer, "packing": packing, "study": study, "nvml": nvml, "paths": paths}
+def recipes(d: dict[str, Any]) -> str:
+    parts = []
+    for r in d["recipes"]:
+        if "failed" in r:
+            parts.append(f"{r['name']} FAILED")
+            continue
+        own = r["variants"].get("own", {})
+        best = max(r["variants"].values(), key=lambda v: v["val"], default={})
+        parts.append(
+            f"{r['name']} {r['epochs_run']}ep val {_f(own.get('val'), '.3f')} "
+            f"test {_f(own.get('test'), '.3f')} (best eval {_f(best.get('test'), '.3f')})"
+        )
+    return "; ".join(parts) or "no recipes ran"
+
+
+KINDS = {
+    "trainer": trainer,
+    "packing": packing,
+    "study": study,
+    "nvml": nvml,
+    "paths": paths,
+    "recipes": recipes,
+}
 
 
 def main(argv: list[str]) -> int:
