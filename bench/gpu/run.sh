@@ -156,7 +156,7 @@ else
   TRAIN=(--steps 15 --warmup 3 --workers 16)  # 16 DataLoader workers, as the 1,900 img/s
   EAGER=("r18-128-b256 resnet18 128 256" "r18-128-b32 resnet18 128 32" "r50-224-b256 resnet50 224 256")
   COMPILED=("r18-128-b256-compile resnet18 128 256" "r50-224-b256-compile resnet50 224 256")
-  STUDY=(--workers "${STUDY_WORKERS:-4}" --grace 30 --target 0.2 0.3 0.4 0.5)
+  STUDY=(--workers "${STUDY_WORKERS:-4}" --grace 30 --target 0.4 0.5 0.6 0.65 0.7)
   STUDY_S=200
   RECIPE=()
   RECIPE_S=${RECIPES_S:-200}
