@@ -51,7 +51,7 @@ def test_shipped_studies_load() -> None:
     space = flowers.search_space
     assert space["lr"].log and space["label_smoothing"].when == {"loss": "label_smoothing"}
     assert set(space["loss"].choices) == {"ce", "label_smoothing"}
-    assert {"arch", "image_size", "augment", "cutmix_alpha"} <= set(space)  # a real search
+    assert {"arch", "image_size", "augment", "mixup_alpha"} <= set(space)  # a real search
     assert all(b & (b - 1) == 0 for b in space["batch_size"].choices)  # powers of two
     assert flowers.sampler.options["constant_liar"]  # packed workers ask concurrently
     assert flowers.trainer.checkpoint_every_s > 0
@@ -528,6 +528,16 @@ def test_shipped_studies_found_outside_the_repo(
                 "search_space.image_size={type: categorical, choices: [32, 64]}",
             ],
             r"\(64, search_space.image_size.choices\)",
+        ),
+        # Evaluated above the stored size: val and test scaled up, unlike training.
+        (
+            ["dataset.cache_size=40", "trainer.eval_scale=1.5"],
+            r"trainer.eval_scale: 1.5: evaluates the largest image size trained \(32, "
+            r"dataset.image_size\) at 48 px, above dataset.cache_size \(40\)",
+        ),
+        (
+            ["trainer.eval_scale=1.2"],
+            r"trainer.eval_scale: 1.2: must be <= 8/7 without a dataset.cache_size",
         ),
         # CMA-ES proposed NaN from its second generation on; sigma0 <= 0 froze it.
         (

@@ -1126,3 +1126,41 @@ def test_a_resumed_run_follows_a_larger_epoch_budget(tmp_path: Path) -> None:
     assert [r.epoch for r in resumed.history] == [1, 2, 3, 4]
     assert [r.lr for r in resumed.history[1:]] == [r.lr for r in fresh.history[1:]]
     assert resumed.history[2].lr > 0
+
+
+def test_eval_flip_averages_the_logits_of_each_image_and_its_mirror() -> None:
+    """Accuracy and cross-entropy of the mean logits; a model that tells an image from its
+    mirror scores otherwise without the flip."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 5))
+    images = torch.randint(0, 256, (12, 3, 4, 4), dtype=torch.uint8)
+    labels = torch.randint(0, 5, (12,))
+    split = train_module.Split(n=12, labels=labels, eval_images=images)
+    x = train_module.augment.normalize(images)
+    with torch.no_grad():
+        mean = (model(x) + model(x.flip(3))) / 2
+    dev = torch.device("cpu")
+    acc, loss, _ = train_module.evaluate(model, split, 4, 5, dev, None, False, batch=5, flip=True)
+    assert acc == pytest.approx((mean.argmax(1) == labels).float().mean().item())
+    assert loss == pytest.approx(nn.functional.cross_entropy(mean, labels).item(), rel=1e-6)
+    plain = train_module.evaluate(model, split, 4, 5, dev, None, False, batch=5)
+    assert plain[1] != pytest.approx(loss, rel=1e-6)
+
+
+def test_eval_scale_and_flip_evaluate_val_and_test_at_their_size(tmp_path: Path) -> None:
+    """val and test at the trial's size x eval_scale (the warm cache holds them at that size),
+    with the mirror; the best model file gives the logged figures back through
+    evaluate_model, which applies both."""
+    cfg = synthetic(
+        dataset={"cache_size": 20},
+        trainer={"evaluate_test": True, "eval_flip": True, "eval_scale": 1.25},
+    )
+    warm = WarmCache()
+    opts = TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=tmp_path / "t.pt",
+                        warm=warm)  # fmt: skip
+    result = train(cfg, TINY, options=opts)
+    assert {k[-1] for k in warm.data if "eval" in k} == {20}  # 16 px x 1.25
+    assert result.best_model_path is not None and result.test_acc is not None
+    model = load_trained_model(cfg, TINY, result.best_model_path)
+    assert evaluate_model(cfg, TINY, model, "val", tmp_path)[0] == result.best_val_acc
+    assert evaluate_model(cfg, TINY, model, "test", tmp_path)[0] == result.test_acc
