@@ -681,6 +681,12 @@ def _check_arch_sizes(cfg: StudyConfig, src: str) -> None:
             raise ConfigError(
                 f"{src}: {field}: {smallest:g}: {name} needs images of at least {need} px"
             )
+        evaluated = round(smallest * cfg.trainer.eval_scale)  # trainer.trial.eval_size
+        if need is not None and evaluated < need:
+            raise ConfigError(
+                f"{src}: trainer.eval_scale: {cfg.trainer.eval_scale:g}: evaluates {field} "
+                f"{smallest:g} at {evaluated} px; {name} needs images of at least {need} px"
+            )
 
 
 def _is_number(value: Any) -> bool:

@@ -217,11 +217,13 @@ def warm_data_bytes(
     image_sizes: Sequence[int],
     max_entries: int,
     fast: Callable[[int], bool] = lambda stored: True,
+    eval_scale: float = 1.0,
 ) -> int:
     """Device bytes a warm worker may keep across trials (`trainer.trial.load_split` into its
     `WarmCache`): each split's uint8 RGB cache and int64 labels at a stored size (the study's
     `cache_size`, else 8/7 of the trial's image size), and a resized uint8 copy of each
-    evaluated split (all but "train") at each image size. The cache holds at most
+    evaluated split (all but "train") at each image size times `eval_scale` (the eval size;
+    a copy even at the stored size: torch.cat of its pieces). The cache holds at most
     `max_entries` of them, and a new one exists beside them until it is put there: the
     largest `max_entries + 1` count. Stored sizes on the streaming path (`fast` False) keep
     nothing on the device."""
@@ -234,7 +236,8 @@ def warm_data_bytes(
             entries += [n * (3 * stored * stored + 8) for n in items.values()]
     for stored, r in sorted(pairs):
         if fast(stored):
-            entries += [n * 3 * r * r for n in evaluated]
+            e = max(1, round(r * eval_scale))  # trainer.trial.eval_size
+            entries += [n * 3 * e * e for n in evaluated]
     return sum(sorted(entries, reverse=True)[: max_entries + 1])
 
 
@@ -269,6 +272,7 @@ def data_bytes(cfg: StudyConfig) -> int:
         image_sizes(cfg),
         WarmCache().max_data_entries,
         lambda stored: data.use_fast_path(cfg, sources, stored),
+        cfg.trainer.eval_scale,
     )
 
 

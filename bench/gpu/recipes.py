@@ -42,6 +42,7 @@ from common import (
     share_cache,
     warm_cache,
 )
+from hpsearch.errors import HpsearchError
 
 BASE: dict[str, Any] = {
     "arch": "resnet18",
@@ -89,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--only: {name}: not a recipe ({', '.join(names)})")
     if args.epochs_scale <= 0:
         p.error(f"--epochs-scale: {args.epochs_scale}: must be > 0")
+    if args.only:
+        args.only = list(dict.fromkeys(args.only))  # one child (and folder) per recipe
+    if args.size is not None:  # the study's checks (cache_size, archs) then see this size
+        args.sets.append(f"search_space.image_size={{type: categorical, choices: [{args.size}]}}")
     return args
 
 
@@ -105,7 +110,7 @@ def recipe(name: str, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
 def child(args: argparse.Namespace, device: str) -> int:
     """Train one recipe, then evaluate its best model with each eval variant."""
     from hpsearch.trainer import TrainOptions, load_trained_model, train
-    from hpsearch.trainer.trial import evaluate_model
+    from hpsearch.trainer.trial import cache_size, evaluate_model
 
     name = args.child
     epochs, params = recipe(name, args)
@@ -120,6 +125,8 @@ def child(args: argparse.Namespace, device: str) -> int:
     ]
     cfg = load_study_config(args.study, sets, args.data_dir)
     work = args.workdir / name
+    for old in work.glob("run*.pt*"):  # an earlier run's: it would resume, not train
+        old.unlink()
     curve: list[tuple[int, float, float]] = []
     t0 = time.perf_counter()
 
@@ -132,7 +139,7 @@ def child(args: argparse.Namespace, device: str) -> int:
     result = train(cfg, params, lambda epoch, value: False, opts)
     wall = time.perf_counter() - t0
     hp = cfg.resolve_params(params)
-    stored = cfg.dataset.effective_cache_size
+    stored = cache_size(cfg, hp)  # px this trial's cache holds
     out: dict[str, Any] = {
         "name": name,
         "epochs": epochs,
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.child is not None:
             return child(args, device)
         cfg = load_study_config(args.study, args.sets, args.data_dir)
-    except BenchError as exc:
+    except (BenchError, HpsearchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     names = args.only or [r[0] for r in RECIPES]

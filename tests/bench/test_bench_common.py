@@ -102,7 +102,7 @@ def test_the_warm_up_covers_every_image_size_the_study_searches(common: ModuleTy
 
     study = REPO / "studies" / "flowers102.yaml"
     cfg = load_config(study, ["dataset.cache_size=null"], data_dir="unused")
-    assert common.cache_sizes(cfg) == [110, 146]  # image_size choices 96 and 128
+    assert common.cache_sizes(cfg) == [146, 165]  # image_size choices 128 and 144
     assert common.cache_sizes(load_config(study, [], data_dir="unused")) == [144]
 
 

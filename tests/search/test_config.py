@@ -539,6 +539,12 @@ def test_shipped_studies_found_outside_the_repo(
             ["trainer.eval_scale=1.2"],
             r"trainer.eval_scale: 1.2: must be <= 8/7 without a dataset.cache_size",
         ),
+        # ConvNeXt fails at its first validation below 32 px, after a whole epoch of training.
+        (
+            ["trainer.defaults.arch=convnext_tiny", "trainer.eval_scale=0.5"],
+            r"trainer.eval_scale: 0.5: evaluates dataset.image_size 32 at 16 px; convnext_tiny "
+            r"needs images of at least 32 px",
+        ),
         # CMA-ES proposed NaN from its second generation on; sigma0 <= 0 froze it.
         (
             [

@@ -611,6 +611,9 @@ def test_warm_data_bytes_counts_the_largest_entries_the_cache_can_hold() -> None
     assert warm_data_bytes(items, None, sizes, max_entries=4) == sum(every[:5])
     streamed = warm_data_bytes(items, None, [32, 48], 8, fast=lambda stored: stored < 50)
     assert streamed == 150 * (3 * 37 * 37 + 8) + 50 * 3 * 32 * 32  # 48 px: stored at 55
+    # Evaluated at 1.25x the trained size (trainer.eval_scale): its copies are that size.
+    scaled = warm_data_bytes(items, 40, [32], max_entries=8, eval_scale=1.25)
+    assert scaled == 150 * (3 * 40 * 40 + 8) + 50 * 3 * 40 * 40
     cfg = load_config(
         "tiny", overrides=["search_space.image_size={type: int, low: 24, high: 32, step: 4}"]
     )
