@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import click
 from hpsearch import __version__
-from hpsearch.errors import HpsearchError
+from hpsearch.errors import EXIT_DISK_FULL, DiskFullError, HpsearchError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,7 +37,10 @@ def _edge(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except HpsearchError as exc:
-            raise click.ClickException(str(exc)) from exc
+            err = click.ClickException(str(exc))
+            if isinstance(exc, DiskFullError):
+                err.exit_code = EXIT_DISK_FULL  # the launcher does not restart such a worker
+            raise err from exc
         except OSError as exc:
             # A full disk or a folder it may not write, met outside the library's own checks
             # (the launcher's last writes to a journal, say): one line, not a traceback.

@@ -38,3 +38,13 @@ class StudyNotFoundError(HpsearchError):
 class CheckpointError(HpsearchError):
     """A checkpoint could not be written (disk full, permissions) or belongs to other
     hyperparameters; the previous checkpoint is intact."""
+
+
+class DiskFullError(CheckpointError):
+    """The work folder's disk has no room for a trial's checkpoints: a worker stops before it
+    asks for one, and a restart would stop the same way until room is made."""
+
+
+# The exit code of a worker stopped by DiskFullError (sysexits' EX_IOERR); the launcher does
+# not restart it: each restart failed the same way, a dozen times over a launch's workers.
+EXIT_DISK_FULL = 74

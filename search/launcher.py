@@ -31,6 +31,7 @@ import optuna
 from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import (
+    EXIT_DISK_FULL,
     ConfigError,
     DeviceError,
     HpsearchError,
@@ -248,8 +249,9 @@ STOPPED_EXIT_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 def should_restart(exit_code: int, restarts: int, max_restarts: int, budget_left: bool) -> bool:
-    """A worker that exited with an error is restarted while it has restarts left."""
-    return exit_code != 0 and budget_left and restarts < max_restarts
+    """A worker that exited with an error is restarted while it has restarts left, unless
+    its disk is full (EXIT_DISK_FULL): the restart would stop the same way."""
+    return exit_code not in (0, EXIT_DISK_FULL) and budget_left and restarts < max_restarts
 
 
 # Launch outcomes that end as the user asked: the study run is closed FINISHED with the
@@ -1120,6 +1122,8 @@ class Launcher:
             slot.state = "stopped" if stopped and not slot.crashes else "crashed"
             tail = self._log_tail(slot)
             why = "no restarts left" if budget_left else "no trial of the budget left to start"
+            if code == EXIT_DISK_FULL and budget_left:
+                why = "its work folder's disk is full: a restart would stop the same way"
             self._event(f"{msg}; not restarted ({why}). Last log line: {tail}")
 
     def _log_path(self, slot: _Slot) -> Path:

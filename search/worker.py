@@ -29,8 +29,8 @@ from typing import Any, Protocol, cast
 import optuna
 from hpsearch.config import StudyConfig
 from hpsearch.errors import (
-    CheckpointError,
     ConfigError,
+    DiskFullError,
     HpsearchError,
     StorageError,
     TrackingUnreachable,
@@ -639,7 +639,7 @@ def run_worker(
             ):
                 # Before asking: on a full disk every trial failed fast (its checkpoints,
                 # its data cache), and the restarted workers failed a dozen more.
-                raise CheckpointError(full)
+                raise DiskFullError(full)
             asked_at = time.perf_counter()
             claimed: list[int] = []
             trial = with_db_retry(

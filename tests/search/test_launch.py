@@ -1083,3 +1083,24 @@ def test_a_full_disk_met_outside_the_librarys_checks_is_one_line() -> None:
 
     with pytest.raises(PermissionError):
         signal_refused()
+
+
+def test_a_worker_stopped_by_a_full_disk_is_not_restarted_by_the_launcher() -> None:
+    """Each restart of a worker stopped by the disk check stopped the same way (three per
+    slot); its exit code now tells the launcher so. Other library errors exit 1."""
+    import click
+    from hpsearch.cli import _edge
+    from hpsearch.errors import EXIT_DISK_FULL, CheckpointError, DiskFullError
+    from hpsearch.launcher import should_restart
+
+    for exc, code in ((DiskFullError("w: 10 MiB free"), EXIT_DISK_FULL),
+                      (CheckpointError("w: not writable"), 1)):  # fmt: skip
+
+        @_edge
+        def stops(exc: Exception = exc) -> None:
+            raise exc
+
+        with pytest.raises(click.ClickException) as info:
+            stops()
+        assert info.value.exit_code == code and info.value.message == str(exc)
+        assert should_restart(info.value.exit_code, 0, 3, True) is (code == 1)

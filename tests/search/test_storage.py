@@ -574,13 +574,13 @@ def test_a_worker_on_a_full_disk_starts_no_trial(
     stopped after --max-errors of them, and its restarts failed a dozen more: it now says
     so before asking, and the study keeps no failed trial for it."""
     import hpsearch.worker as W
-    from hpsearch.errors import CheckpointError
+    from hpsearch.errors import DiskFullError
 
     cfg = load_config("tiny", overrides=["budget.n_trials=4", "budget.max_epochs=1"])
     spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
     opts = W.WorkerOptions(workdir=tmp_path, train_fn="dummy_trainer:train")
     monkeypatch.setattr(W, "free_disk_bytes", lambda folder: 10 << 20)
-    with pytest.raises(CheckpointError, match=r"10 MiB free on its disk, under the 64 MiB"):
+    with pytest.raises(DiskFullError, match=r"10 MiB free on its disk, under the 64 MiB"):
         W.run_worker(cfg, spec, opts)
     assert create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False) == []
     assert W.disk_full(tmp_path, None) is None and W.disk_full(tmp_path, 64 << 20) is None
