@@ -27,8 +27,9 @@ the one-time decode. Per W:
                 n/a on a CPU
 
 Fixed params: each searched parameter takes its value from --params, else from PINNED below
-when the study's range allows it, else the first choice / the (geometric) middle of the range;
-image_size is the study's dataset.image_size.
+(whether or not the study still searches that value: every lease trains the same), else the
+first choice / the (geometric) middle of the range; image_size is the study's
+dataset.image_size.
 
 Example (CPU, about 2.5 minutes on 2 cores; a cache_size below the study's searched image
 sizes is refused at load, so the searched sizes are shrunk too):

@@ -1,6 +1,7 @@
 """The `hpsearch` command. Each command parses, calls a library function, and prints.
 
-Library errors (HpsearchError) become one line on stderr and exit code 1.
+Library errors (HpsearchError) become one line on stderr and exit code 1 (a worker stopped
+by a full disk: EXIT_DISK_FULL, 74).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _edge(fn: F) -> F:
-    """Turn library errors into click errors: one line, exit code 1, no traceback. A
-    database error the library passed on as it came (a permission Optuna's own calls
-    lack) too."""
+    """Turn library errors into click errors: one line, exit code 1 (DiskFullError: 74), no
+    traceback. A database error the library passed on as it came (a permission Optuna's
+    own calls lack) too."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -416,6 +417,8 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         embedded = opts.tracking_uri is None  # the work folder's server: `ui` serves it again
         hint = f" (hpsearch ui --workdir {workdir})" if embedded else ""
         click.echo(f"MLflow: {redact_uri(summary.tracking_uri)}{hint}")
+    if summary.stopped_by == "workers_failed" and summary.disk_full:
+        raise click.ClickException(f"every worker stopped: {summary.disk_full}")
     if summary.stopped_by == "workers_failed":
         raise click.ClickException("every worker crashed; see the messages above and "
                                    f"{workdir}/logs/")  # fmt: skip

@@ -71,6 +71,8 @@ from hpsearch.worker import (
     ATTR_PID_START,
     ATTR_RUN_ID,
     ATTR_WORKER,
+    disk_full,
+    free_disk_bytes,
     retried_trials,
     retry_callback,
 )
@@ -248,10 +250,15 @@ def hold_launch_lock(workdir: Path, name: str) -> IO[str]:
 STOPPED_EXIT_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
-def should_restart(exit_code: int, restarts: int, max_restarts: int, budget_left: bool) -> bool:
+def should_restart(
+    exit_code: int, restarts: int, max_restarts: int, budget_left: bool, disk_full: bool = False
+) -> bool:
     """A worker that exited with an error is restarted while it has restarts left, unless
-    its disk is full (EXIT_DISK_FULL): the restart would stop the same way."""
-    return exit_code not in (0, EXIT_DISK_FULL) and budget_left and restarts < max_restarts
+    it stopped for a full disk (EXIT_DISK_FULL) that is still full: the restart would stop
+    the same way. (A dip while a packed neighbour wrote its checkpoint may be over.)"""
+    if exit_code == EXIT_DISK_FULL and disk_full:
+        return False
+    return exit_code != 0 and budget_left and restarts < max_restarts
 
 
 # Launch outcomes that end as the user asked: the study run is closed FINISHED with the
@@ -333,6 +340,7 @@ class LaunchSummary:
     tracking_uri: str | None
     restarts: int = 0
     messages: list[str] = field(default_factory=list)
+    disk_full: str | None = None  # why, when every worker stopped for the work folder's disk
 
 
 @dataclass
@@ -346,6 +354,7 @@ class _Slot:
     crashes: int = 0  # exits that were neither a stop from outside nor the launch's own kill
     killed_on_stop: bool = False  # SIGKILLed by a second stop: its trials were interrupted
     group_killed: bool = False  # its process's group killed, as its exit was seen (_poll)
+    disk_full: str | None = None  # why it was not restarted after EXIT_DISK_FULL
 
     @property
     def worker_id(self) -> str:
@@ -712,6 +721,7 @@ class Launcher:
             tracking_uri,
             sum(s.restarts for s in self._slots),
             self._messages,
+            self._slots[0].disk_full if all(s.disk_full for s in self._slots) else None,
         )
 
     def _outcome(self, supervised: str) -> str:
@@ -1110,7 +1120,12 @@ class Launcher:
         still_held = [t for t in running if t._trial_id in held_ids]  # not failed elsewhere
         counts = counts_once_requeued(budget_counts(trials), len(still_held))
         budget_left = may_start_trial(counts, self.cfg.budget.n_trials)
-        if should_restart(code, slot.restarts, self.opts.max_restarts, budget_left):
+        full = (
+            disk_full(self.opts.workdir, free_disk_bytes(self.opts.workdir))
+            if code == EXIT_DISK_FULL
+            else None
+        )
+        if should_restart(code, slot.restarts, self.opts.max_restarts, budget_left, bool(full)):
             slot.restarts += 1
             if not self._start_unless_stopping(slot, resolved, tracking_uri):
                 slot.state = "stopped"  # a stop came while the study was read
@@ -1122,8 +1137,9 @@ class Launcher:
             slot.state = "stopped" if stopped and not slot.crashes else "crashed"
             tail = self._log_tail(slot)
             why = "no restarts left" if budget_left else "no trial of the budget left to start"
-            if code == EXIT_DISK_FULL and budget_left:
+            if full and budget_left:
                 why = "its work folder's disk is full: a restart would stop the same way"
+                slot.disk_full = full
             self._event(f"{msg}; not restarted ({why}). Last log line: {tail}")
 
     def _log_path(self, slot: _Slot) -> Path:

@@ -93,7 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.only:
         args.only = list(dict.fromkeys(args.only))  # one child (and folder) per recipe
     if args.size is not None:  # the study's checks (cache_size, archs) then see this size
-        args.sets.append(f"search_space.image_size={{type: categorical, choices: [{args.size}]}}")
+        # (the children get --size, not this: they add it again)
+        args.load_sets = [
+            *args.sets,
+            f"search_space.image_size={{type: categorical, choices: [{args.size}]}}",
+        ]
+    else:
+        args.load_sets = list(args.sets)
     return args
 
 
@@ -115,7 +121,7 @@ def child(args: argparse.Namespace, device: str) -> int:
     name = args.child
     epochs, params = recipe(name, args)
     sets = [
-        *args.sets,
+        *args.load_sets,
         f"budget.max_epochs={epochs}",
         f"budget.trial_timeout_s={args.trial_timeout}",
         f"trainer.eval_every={args.eval_every}",
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
         if args.child is not None:
             return child(args, device)
-        cfg = load_study_config(args.study, args.sets, args.data_dir)
+        cfg = load_study_config(args.study, args.load_sets, args.data_dir)
     except (BenchError, HpsearchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1103,4 +1103,45 @@ def test_a_worker_stopped_by_a_full_disk_is_not_restarted_by_the_launcher() -> N
         with pytest.raises(click.ClickException) as info:
             stops()
         assert info.value.exit_code == code and info.value.message == str(exc)
-        assert should_restart(info.value.exit_code, 0, 3, True) is (code == 1)
+        # while the disk is still full (the launcher looks again as the exit is seen)
+        assert should_restart(info.value.exit_code, 0, 3, True, disk_full=True) is (code == 1)
+
+
+# Imported first by every Python process started with its folder on PYTHONPATH: the work
+# folder's file system then reports 10 MiB free (statvfs), to the launcher and its workers.
+FULL_DISK_HOOK = """
+import os
+_real = os.statvfs
+class _Full:
+    def __init__(self, real):
+        self._real, self.f_bavail, self.f_frsize = real, 2560, 4096  # 10 MiB
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+def _statvfs(path):
+    real = _real(path)
+    full = os.path.realpath(os.environ["FAKE_FULL_DISK"])
+    return _Full(real) if os.path.realpath(os.fspath(path)) == full else real
+os.statvfs = _statvfs
+"""
+
+
+def test_a_launch_whose_work_folder_disk_is_full_says_so_in_one_line(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Every worker stops before it asks, none is restarted, and the launch's last line
+    names the disk (it said "every worker crashed"); no trial is left failed."""
+    work, hook = tmp_path / "w", tmp_path / "hook"
+    work.mkdir()
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FULL_DISK_HOOK)
+    env = dict(subprocess_env, FAKE_FULL_DISK=str(work))
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
+    done = hpsearch(["launch", "--study", "tiny", "--workers", "2", "--trials", "2",
+                     "--workdir", str(work), "--train-fn", DUMMY, "--no-tracking"],
+                    env, timeout=180)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert out.count("died (exit code 74); not restarted (its work folder's disk is full") == 2
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("Error: every worker stopped: work folder ") and "10 MiB free" in last
+    assert hps.load_study("tiny", workdir=work).get_trials(deepcopy=False) == []

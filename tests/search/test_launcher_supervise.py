@@ -281,3 +281,28 @@ def test_a_tracking_set_up_failing_after_the_trials_ended_fails_the_launch(
     with pytest.raises(TrackingError, match="notauri"):
         launcher.run()
     assert sum(budget_counts(launcher.study.get_trials()).values()) == 4  # the trials stand
+
+
+def test_a_worker_stopped_by_a_full_disk_restarts_only_once_the_disk_has_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each restart of a worker stopped by the disk check stopped the same way; a dip while
+    a packed neighbour wrote its checkpoint may be over by the time its exit is seen."""
+    from hpsearch.errors import EXIT_DISK_FULL
+
+    launcher = _launcher(tmp_path / "w")
+    launcher._open_study()
+    started: list[int] = []
+    monkeypatch.setattr(launcher, "_start_unless_stopping",
+                        lambda slot, *args: started.append(slot.index) or True)  # fmt: skip
+    resolved = tmp_path / "w" / "run" / "tiny.yaml"
+    full, room = _Slot(0, None), _Slot(1, None)
+    launcher._slots += [full, room]
+    monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 10 << 20)
+    launcher._on_exit(full, EXIT_DISK_FULL, resolved, None)
+    assert started == [] and full.state == "crashed" and full.restarts == 0
+    assert full.disk_full is not None and "10 MiB free on its disk" in full.disk_full
+    assert "its work folder's disk is full" in launcher._messages[-1]
+    monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 1 << 30)
+    launcher._on_exit(room, EXIT_DISK_FULL, resolved, None)
+    assert started == [1] and room.restarts == 1 and room.disk_full is None
