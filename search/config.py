@@ -316,6 +316,11 @@ class StudyConfig(_Frozen):
                 raise ConfigError(_format_validation(given_by, exc)) from exc
             raise ConfigError(_format_validation(self.source or self.name, exc, "params")) from exc
 
+    def trial_sizes(self, hp: Hyperparams) -> tuple[int, int]:
+        """(trained, evaluated) px of a trial: its image size, and that times eval_scale."""
+        trained = hp.image_size or self.dataset.image_size
+        return trained, max(1, round(trained * self.trainer.eval_scale))
+
 
 _UNION_MEMBER = re.compile(r"^(function-\w+|tagged-union|literal|list|dict|nullable)\[")
 

@@ -799,7 +799,12 @@ class TrackingSession:
                     dataset=self.cfg.dataset.name,
                     arch=hp.arch,
                     image_size=hp.image_size or self.cfg.dataset.image_size,
-                    extra=fixed,
+                    # how its val_acc and test_acc were taken (trainer.eval_*)
+                    extra={
+                        **fixed,
+                        "eval_image_size": self.cfg.trial_sizes(hp)[1],
+                        "eval_flip": self.cfg.trainer.eval_flip,
+                    },
                 ),
                 worker=self.worker_id,
                 host=socket.gethostname(),
@@ -1432,10 +1437,9 @@ def export_model_onnx(cfg: StudyConfig, params: Mapping[str, Any], weights: Path
     import torch
     from hpsearch.tracking.onnx_export import export_onnx
     from hpsearch.trainer import load_trained_model
-    from hpsearch.trainer.trial import eval_size
 
     model = load_trained_model(cfg, dict(params), weights, device="cpu")
-    size = eval_size(cfg, cfg.resolve_params(dict(params)))  # the size its accuracy was taken at
+    size = cfg.trial_sizes(cfg.resolve_params(dict(params)))[1]  # its accuracy's size
     return Path(export_onnx(model, torch.randn(2, 3, size, size), out))
 
 

@@ -117,7 +117,7 @@ def image_size(config: StudyConfig, hp: Hyperparams) -> int:
 
 def eval_size(config: StudyConfig, hp: Hyperparams) -> int:
     """px at which val and test are evaluated: the trial's size times trainer.eval_scale."""
-    return max(1, round(image_size(config, hp) * config.trainer.eval_scale))
+    return config.trial_sizes(hp)[1]
 
 
 def cache_size(config: StudyConfig, hp: Hyperparams) -> int:

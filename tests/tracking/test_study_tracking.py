@@ -84,6 +84,9 @@ def test_study_in_mlflow_and_best_model(
                 "image_size",
             ):
                 assert derived in run.data.params
+            # how its accuracies were taken: the tiny study's defaults
+            assert run.data.params["eval_image_size"] == run.data.params["image_size"]
+            assert run.data.params["eval_flip"] == "False"
             assert run.data.tags["hpsearch.worker"] == t.user_attrs["worker"]
             steps = client.get_metric_history(run.info.run_id, "val_acc")
             assert [m.step for m in steps] == sorted(t.intermediate_values)
