@@ -45,6 +45,7 @@ class DiskFullError(CheckpointError):
     asks for one, and a restart would stop the same way until room is made."""
 
 
-# The exit code of a worker stopped by DiskFullError (sysexits' EX_IOERR); the launcher does
-# not restart it: each restart failed the same way, a dozen times over a launch's workers.
+# The exit code of a worker stopped by DiskFullError (sysexits' EX_IOERR); the launcher
+# restarts it only if the disk has room when its exit is seen: each restart failed the same
+# way, a dozen times over a launch's workers.
 EXIT_DISK_FULL = 74

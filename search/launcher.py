@@ -250,6 +250,11 @@ def hold_launch_lock(workdir: Path, name: str) -> IO[str]:
 STOPPED_EXIT_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
+def _all_disk_full(reasons: list[str | None]) -> str | None:
+    """The reason when every worker stopped for the work folder's disk (none started: None)."""
+    return reasons[0] if reasons and all(reasons) else None
+
+
 def should_restart(
     exit_code: int, restarts: int, max_restarts: int, budget_left: bool, disk_full: bool = False
 ) -> bool:
@@ -721,7 +726,7 @@ class Launcher:
             tracking_uri,
             sum(s.restarts for s in self._slots),
             self._messages,
-            self._slots[0].disk_full if all(s.disk_full for s in self._slots) else None,
+            _all_disk_full([s.disk_full for s in self._slots]),
         )
 
     def _outcome(self, supervised: str) -> str:

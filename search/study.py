@@ -376,7 +376,8 @@ def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTria
     """Refuse a config under which a retry waiting to resume from its checkpoint would get
     other hyperparameters than it trained with (the stored config's: a changed
     `trainer.defaults` value): the trainer refuses that checkpoint, and the retry failed
-    for good, its epochs lost."""
+    for good, its epochs lost. Likewise other eval settings (`trainer.eval_scale`'s size,
+    `trainer.eval_flip`): its best so far would be compared with values taken otherwise."""
     waiting = [  # "checkpoint": worker.ATTR_CHECKPOINT (the worker imports this module)
         t for t in trials if t.state == TrialState.WAITING and t.user_attrs.get("checkpoint")
     ]
@@ -400,6 +401,20 @@ def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTria
         except ConfigError:
             continue
         changed = [k for k in HPARAM_NAMES if getattr(before, k) != getattr(now, k)]
+        # Its checkpoint's best val_acc was taken the old way: the new epochs' would be
+        # compared with it, and its run would log eval settings its best did not have.
+        evals = {
+            "trainer.eval_image_size": (before_cfg.trial_sizes(before)[1], cfg.trial_sizes(now)[1]),
+            "trainer.eval_flip": (before_cfg.trainer.eval_flip, cfg.trainer.eval_flip),
+        }
+        for name, (old, new) in evals.items():
+            if old != new:
+                raise ConfigError(
+                    f"{cfg.source or cfg.name}: {name}: {new!r}: trial {t.number} waits to "
+                    f"resume from a checkpoint whose best was evaluated with {old!r}, which the "
+                    "new epochs' would be compared with: relaunch without the change until it "
+                    "has finished, or start a study under another `name`"
+                )
         if changed:
             name = changed[0]
             raise ConfigError(

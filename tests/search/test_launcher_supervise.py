@@ -283,7 +283,7 @@ def test_a_tracking_set_up_failing_after_the_trials_ended_fails_the_launch(
     assert sum(budget_counts(launcher.study.get_trials()).values()) == 4  # the trials stand
 
 
-def test_a_worker_stopped_by_a_full_disk_restarts_only_once_the_disk_has_room(
+def test_a_worker_stopped_by_a_full_disk_restarts_only_if_the_disk_has_room_as_it_exits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each restart of a worker stopped by the disk check stopped the same way; a dip while
@@ -306,3 +306,12 @@ def test_a_worker_stopped_by_a_full_disk_restarts_only_once_the_disk_has_room(
     monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 1 << 30)
     launcher._on_exit(room, EXIT_DISK_FULL, resolved, None)
     assert started == [1] and room.restarts == 1 and room.disk_full is None
+
+
+def test_a_stop_before_any_worker_started_ends_the_launch_interrupted(tmp_path: Path) -> None:
+    """A Ctrl-C during the tracking set-up, before the first worker: the summary of no
+    worker at all (every one stopped for the disk, vacuously) raised IndexError."""
+    launcher = _launcher(tmp_path / "w")
+    launcher.stop()
+    summary = launcher.run()
+    assert summary.stopped_by == "interrupted" and summary.disk_full is None

@@ -1086,6 +1086,11 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
         create_or_load(changed, storage)
     assert create_or_load(changed, storage, owner=False)  # a worker's --set are its own
     create_or_load(load_config("tiny", ["budget.max_epochs=9"]), storage)  # it resumes so
+    # Its best so far was evaluated otherwise: the new epochs' would be compared with it.
+    for change, shown in (("trainer.eval_flip=true", "trainer.eval_flip: True"),
+                          ("trainer.eval_scale=0.5", "trainer.eval_image_size: 16")):  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"{shown}: trial 1 waits to resume from a check"):
+            create_or_load(load_config("tiny", [change]), storage)
     # No checkpoint to refuse: none written (trainer.checkpoint off), or this host's try
     # died before its first save. The retry then trains from epoch 1 under the change.
     import socket
