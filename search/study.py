@@ -403,18 +403,20 @@ def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTria
         changed = [k for k in HPARAM_NAMES if getattr(before, k) != getattr(now, k)]
         # Its checkpoint's best val_acc was taken the old way: the new epochs' would be
         # compared with it, and its run would log eval settings its best did not have.
-        evals = {
-            "trainer.eval_image_size": (before_cfg.trial_sizes(before)[1], cfg.trial_sizes(now)[1]),
-            "trainer.eval_flip": (before_cfg.trainer.eval_flip, cfg.trainer.eval_flip),
-        }
-        for name, (old, new) in evals.items():
-            if old != new:
-                raise ConfigError(
-                    f"{cfg.source or cfg.name}: {name}: {new!r}: trial {t.number} waits to "
-                    f"resume from a checkpoint whose best was evaluated with {old!r}, which the "
-                    "new epochs' would be compared with: relaunch without the change until it "
-                    "has finished, or start a study under another `name`"
-                )
+        was, will = before_cfg.trial_sizes(before)[1], cfg.trial_sizes(now)[1]  # eval px
+        flips = before_cfg.trainer.eval_flip, cfg.trainer.eval_flip
+        evals = [("trainer.eval_scale", f"{cfg.trainer.eval_scale:g} ({will} px)", f"{was} px")]
+        evals = evals if was != will else []
+        if flips[0] != flips[1]:
+            evals.append(("trainer.eval_flip", repr(flips[1]), repr(flips[0])))
+        if evals:
+            name, new, old = evals[0]
+            raise ConfigError(
+                f"{cfg.source or cfg.name}: {name}: {new}: trial {t.number} waits to resume "
+                f"from a checkpoint whose best was evaluated with {old}, which the new epochs' "
+                "would be compared with: relaunch without the change until it has finished, "
+                "or start a study under another `name`"
+            )
         if changed:
             name = changed[0]
             raise ConfigError(

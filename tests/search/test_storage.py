@@ -1088,7 +1088,7 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     create_or_load(load_config("tiny", ["budget.max_epochs=9"]), storage)  # it resumes so
     # Its best so far was evaluated otherwise: the new epochs' would be compared with it.
     for change, shown in (("trainer.eval_flip=true", "trainer.eval_flip: True"),
-                          ("trainer.eval_scale=0.5", "trainer.eval_image_size: 16")):  # fmt: skip
+                          ("trainer.eval_scale=0.5", r"trainer.eval_scale: 0.5 \(16 px\)")):  # fmt: skip
         with pytest.raises(ConfigError, match=rf"{shown}: trial 1 waits to resume from a check"):
             create_or_load(load_config("tiny", [change]), storage)
     # No checkpoint to refuse: none written (trainer.checkpoint off), or this host's try
