@@ -40,7 +40,7 @@ def _edge(fn: F) -> F:
         except HpsearchError as exc:
             err = click.ClickException(str(exc))
             if isinstance(exc, DiskFullError):
-                err.exit_code = EXIT_DISK_FULL  # the launcher restarts it only if there is room
+                err.exit_code = EXIT_DISK_FULL  # the launcher restarts it once there is room
             raise err from exc
         except OSError as exc:
             # A full disk or a folder it may not write, met outside the library's own checks

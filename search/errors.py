@@ -46,6 +46,6 @@ class DiskFullError(CheckpointError):
 
 
 # The exit code of a worker stopped by DiskFullError (sysexits' EX_IOERR); the launcher
-# restarts it only if the disk has room when its exit is seen: each restart failed the same
-# way, a dozen times over a launch's workers.
+# restarts it only once the disk has room: each restart failed the same way, a dozen times
+# over a launch's workers.
 EXIT_DISK_FULL = 74

@@ -979,9 +979,32 @@ class Launcher:
                     self.on_progress(progress)
                 self._prepare_finish(progress.counts)
                 self._finalize_early(progress.counts)
+                if alive:
+                    alive += self._restart_disk_stopped(resolved, tracking_uri)
             if alive == 0:
                 return "budget" if not self._all_crashed() else "workers_failed"
             time.sleep(0.2)
+
+    def _restart_disk_stopped(self, resolved: Path, tracking_uri: str | None) -> int:
+        """Workers stopped for the work folder's disk while others train, started again once
+        it has room (a neighbour's checkpoint written, files removed), as restarts: while
+        they have restarts left. A worker with no trial of the budget to start ends at
+        once. Returns how many were started."""
+        waiting = [s for s in self._slots if s.disk_full and s.state == "crashed"
+                   and s.restarts < self.opts.max_restarts]  # fmt: skip
+        if not waiting or disk_full(self.opts.workdir, free_disk_bytes(self.opts.workdir)):
+            return 0
+        started = 0
+        for slot in waiting:
+            slot.disk_full = None
+            slot.restarts += 1
+            if not self._start_unless_stopping(slot, resolved, tracking_uri):
+                slot.state = "stopped"  # a stop came meanwhile
+                break
+            started += 1
+            self._event(f"worker {slot.index}: the work folder's disk has room again; "
+                        f"restarting it ({slot.restarts}/{self.opts.max_restarts})")  # fmt: skip
+        return started
 
     def _keep_server(self) -> None:
         """Restart the embedded MLflow server, on its port, where it died mid-study (the

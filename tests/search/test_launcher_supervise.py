@@ -283,11 +283,12 @@ def test_a_tracking_set_up_failing_after_the_trials_ended_fails_the_launch(
     assert sum(budget_counts(launcher.study.get_trials()).values()) == 4  # the trials stand
 
 
-def test_a_worker_stopped_by_a_full_disk_restarts_only_if_the_disk_has_room_as_it_exits(
+def test_a_worker_stopped_by_a_full_disk_restarts_once_the_disk_has_room(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each restart of a worker stopped by the disk check stopped the same way; a dip while
-    a packed neighbour wrote its checkpoint may be over by the time its exit is seen."""
+    a packed neighbour wrote its checkpoint may be over by the time its exit is seen, or
+    later, while other workers train."""
     from hpsearch.errors import EXIT_DISK_FULL
 
     launcher = _launcher(tmp_path / "w")
@@ -306,6 +307,17 @@ def test_a_worker_stopped_by_a_full_disk_restarts_only_if_the_disk_has_room_as_i
     monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 1 << 30)
     launcher._on_exit(room, EXIT_DISK_FULL, resolved, None)
     assert started == [1] and room.restarts == 1 and room.disk_full is None
+    # The one still stopped starts again once the disk has room, while others train; not
+    # before, and not past its restarts.
+    assert launcher._restart_disk_stopped(resolved, None) == 1 and started == [1, 0]
+    assert full.restarts == 1 and full.disk_full is None
+    assert "disk has room again; restarting it (1/3)" in launcher._messages[-1]
+    full.state, full.disk_full = "crashed", "work folder w: 10 MiB free"
+    monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 10 << 20)
+    assert launcher._restart_disk_stopped(resolved, None) == 0 and full.disk_full
+    monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 1 << 30)
+    full.restarts = 3
+    assert launcher._restart_disk_stopped(resolved, None) == 0 and started == [1, 0]
 
 
 def test_a_stop_before_any_worker_started_ends_the_launch_interrupted(tmp_path: Path) -> None:
