@@ -980,19 +980,24 @@ class Launcher:
                 self._prepare_finish(progress.counts)
                 self._finalize_early(progress.counts)
                 if alive:
-                    alive += self._restart_disk_stopped(resolved, tracking_uri)
+                    alive += self._restart_disk_stopped(progress.counts, resolved, tracking_uri)
             if alive == 0:
                 return "budget" if not self._all_crashed() else "workers_failed"
             time.sleep(0.2)
 
-    def _restart_disk_stopped(self, resolved: Path, tracking_uri: str | None) -> int:
+    def _restart_disk_stopped(
+        self, counts: dict[str, int], resolved: Path, tracking_uri: str | None
+    ) -> int:
         """Workers stopped for the work folder's disk while others train, started again once
         it has room (a neighbour's checkpoint written, files removed), as restarts: while
-        they have restarts left. A worker with no trial of the budget to start ends at
-        once. Returns how many were started."""
+        they have restarts left and the budget (`counts`: the study's) a trial to start; not
+        once every trial is handed out, when the disk frees up as the study ends. Returns
+        how many were started."""
         waiting = [s for s in self._slots if s.disk_full and s.state == "crashed"
                    and s.restarts < self.opts.max_restarts]  # fmt: skip
-        if not waiting or disk_full(self.opts.workdir, free_disk_bytes(self.opts.workdir)):
+        if not waiting or not may_start_trial(counts, self.cfg.budget.n_trials):
+            return 0
+        if disk_full(self.opts.workdir, free_disk_bytes(self.opts.workdir)):
             return 0
         started = 0
         for slot in waiting:

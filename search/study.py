@@ -17,6 +17,7 @@ import optuna
 from hpsearch.config import (
     HPARAM_NAMES,
     FloatParam,
+    Hyperparams,
     IntParam,
     StudyConfig,
     config_from_yaml,
@@ -401,22 +402,6 @@ def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTria
         except ConfigError:
             continue
         changed = [k for k in HPARAM_NAMES if getattr(before, k) != getattr(now, k)]
-        # Its checkpoint's best val_acc was taken the old way: the new epochs' would be
-        # compared with it, and its run would log eval settings its best did not have.
-        was, will = before_cfg.trial_sizes(before)[1], cfg.trial_sizes(now)[1]  # eval px
-        flips = before_cfg.trainer.eval_flip, cfg.trainer.eval_flip
-        evals = [("trainer.eval_scale", f"{cfg.trainer.eval_scale:g} ({will} px)", f"{was} px")]
-        evals = evals if was != will else []
-        if flips[0] != flips[1]:
-            evals.append(("trainer.eval_flip", repr(flips[1]), repr(flips[0])))
-        if evals:
-            name, new, old = evals[0]
-            raise ConfigError(
-                f"{cfg.source or cfg.name}: {name}: {new}: trial {t.number} waits to resume "
-                f"from a checkpoint whose best was evaluated with {old}, which the new epochs' "
-                "would be compared with: relaunch without the change until it has finished, "
-                "or start a study under another `name`"
-            )
         if changed:
             name = changed[0]
             raise ConfigError(
@@ -425,6 +410,37 @@ def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTria
                 "which it would refuse: relaunch without the change until it has finished, "
                 "or start a study under another `name`"
             )
+        # Its checkpoint's best val_acc was taken the old way: the new epochs' would be
+        # compared with it, and its run would log eval settings its best did not have.
+        if evals := _eval_changes(before_cfg, cfg, before, now):
+            raise ConfigError(
+                f"{cfg.source or cfg.name}: {', '.join(new for new, _ in evals)}: trial "
+                f"{t.number} waits to resume from a checkpoint whose best was evaluated "
+                f"{' and '.join(old for _, old in evals)}, which the new epochs' would be "
+                "compared with: relaunch without the change until it has finished, or start "
+                "a study under another `name`"
+            )
+
+
+def _eval_changes(
+    before_cfg: StudyConfig, cfg: StudyConfig, before: Hyperparams, now: Hyperparams
+) -> list[tuple[str, str]]:
+    """(what is new, what it was) for each way a trial's evaluation differs between two
+    configs: its size (from trainer.eval_scale or the image size), its mirror."""
+    out: list[tuple[str, str]] = []
+    was, will = before_cfg.trial_sizes(before)[1], cfg.trial_sizes(now)[1]  # eval px
+    if was != will:
+        scale, size = cfg.trainer.eval_scale, cfg.trial_sizes(now)[0]
+        name = (
+            f"trainer.eval_scale: {scale:g}"
+            if scale != before_cfg.trainer.eval_scale
+            else f"dataset.image_size: {size}"
+        )
+        out.append((f"{name} (evaluated at {will} px)", f"at {was} px"))
+    if before_cfg.trainer.eval_flip != cfg.trainer.eval_flip:
+        out.append((f"trainer.eval_flip: {cfg.trainer.eval_flip}",
+                    f"with eval_flip {before_cfg.trainer.eval_flip}"))  # fmt: skip
+    return out
 
 
 def _space_text(dist: BaseDistribution) -> str:

@@ -308,16 +308,18 @@ def test_a_worker_stopped_by_a_full_disk_restarts_once_the_disk_has_room(
     launcher._on_exit(room, EXIT_DISK_FULL, resolved, None)
     assert started == [1] and room.restarts == 1 and room.disk_full is None
     # The one still stopped starts again once the disk has room, while others train; not
-    # before, and not past its restarts.
-    assert launcher._restart_disk_stopped(resolved, None) == 1 and started == [1, 0]
+    # before, not past its restarts, not once every trial is handed out.
+    left, spent = {"running": 1}, {"running": 1, "complete": 3}  # of tiny's 4 trials
+    assert launcher._restart_disk_stopped(spent, resolved, None) == 0 and started == [1]
+    assert launcher._restart_disk_stopped(left, resolved, None) == 1 and started == [1, 0]
     assert full.restarts == 1 and full.disk_full is None
     assert "disk has room again; restarting it (1/3)" in launcher._messages[-1]
     full.state, full.disk_full = "crashed", "work folder w: 10 MiB free"
     monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 10 << 20)
-    assert launcher._restart_disk_stopped(resolved, None) == 0 and full.disk_full
+    assert launcher._restart_disk_stopped(left, resolved, None) == 0 and full.disk_full
     monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 1 << 30)
     full.restarts = 3
-    assert launcher._restart_disk_stopped(resolved, None) == 0 and started == [1, 0]
+    assert launcher._restart_disk_stopped(left, resolved, None) == 0 and started == [1, 0]
 
 
 def test_a_stop_before_any_worker_started_ends_the_launch_interrupted(tmp_path: Path) -> None:

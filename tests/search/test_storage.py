@@ -1087,10 +1087,18 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     assert create_or_load(changed, storage, owner=False)  # a worker's --set are its own
     create_or_load(load_config("tiny", ["budget.max_epochs=9"]), storage)  # it resumes so
     # Its best so far was evaluated otherwise: the new epochs' would be compared with it.
-    for change, shown in (("trainer.eval_flip=true", "trainer.eval_flip: True"),
-                          ("trainer.eval_scale=0.5", r"trainer.eval_scale: 0.5 \(16 px\)")):  # fmt: skip
-        with pytest.raises(ConfigError, match=rf"{shown}: trial 1 waits to resume from a check"):
-            create_or_load(load_config("tiny", [change]), storage)
+    waits = "trial 1 waits to resume from a checkpoint whose best was evaluated"
+    for changes, shown in (
+        (["trainer.eval_flip=true"], f"trainer.eval_flip: True: {waits} with eval_flip False"),
+        (["trainer.eval_scale=0.5"],
+         rf"trainer.eval_scale: 0.5 \(evaluated at 16 px\): {waits} at 32 px"),
+        (["dataset.image_size=40", "dataset.cache_size=48"],
+         rf"dataset.image_size: 40 \(evaluated at 40 px\): {waits} at 32 px"),
+        (["trainer.eval_scale=0.5", "trainer.eval_flip=true"],
+         rf"0.5 \(evaluated at 16 px\), trainer.eval_flip: True: {waits} at 32 px and with"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=shown):
+            create_or_load(load_config("tiny", changes), storage)
     # No checkpoint to refuse: none written (trainer.checkpoint off), or this host's try
     # died before its first save. The retry then trains from epoch 1 under the change.
     import socket
