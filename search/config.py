@@ -686,7 +686,7 @@ def _check_arch_sizes(cfg: StudyConfig, src: str) -> None:
             raise ConfigError(
                 f"{src}: {field}: {smallest:g}: {name} needs images of at least {need} px"
             )
-        evaluated = round(smallest * cfg.trainer.eval_scale)  # trainer.trial.eval_size
+        evaluated = round(smallest * cfg.trainer.eval_scale)  # as StudyConfig.trial_sizes
         if need is not None and evaluated < need:
             raise ConfigError(
                 f"{src}: trainer.eval_scale: {cfg.trainer.eval_scale:g}: evaluates {field} "

@@ -236,7 +236,7 @@ def warm_data_bytes(
             entries += [n * (3 * stored * stored + 8) for n in items.values()]
     for stored, r in sorted(pairs):
         if fast(stored):
-            e = max(1, round(r * eval_scale))  # trainer.trial.eval_size
+            e = max(1, round(r * eval_scale))  # as StudyConfig.trial_sizes
             entries += [n * 3 * e * e for n in evaluated]
     return sum(sorted(entries, reverse=True)[: max_entries + 1])
 

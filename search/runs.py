@@ -771,6 +771,7 @@ class TrackingSession:
             raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} did not answer")
         hp = self.cfg.resolve_params(params)
         eff_lr, eff_batch = derived_values(self.cfg, hp)
+        trained, evaluated = self.cfg.trial_sizes(hp)  # px
         sampled = dict(params)
         derived_names = ("arch", "image_size")  # logged below with their resolved values
         # The trainer's defaults, but not a searched parameter this trial did not sample
@@ -798,11 +799,11 @@ class TrackingSession:
                     effective_batch_size=eff_batch,
                     dataset=self.cfg.dataset.name,
                     arch=hp.arch,
-                    image_size=hp.image_size or self.cfg.dataset.image_size,
+                    image_size=trained,
                     # how its val_acc and test_acc were taken (trainer.eval_*)
                     extra={
                         **fixed,
-                        "eval_image_size": self.cfg.trial_sizes(hp)[1],
+                        "eval_image_size": evaluated,
                         "eval_flip": self.cfg.trainer.eval_flip,
                     },
                 ),

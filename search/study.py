@@ -428,9 +428,9 @@ def _eval_changes(
     """(what is new, what it was) for each way a trial's evaluation differs between two
     configs: its size (from trainer.eval_scale or the image size), its mirror."""
     out: list[tuple[str, str]] = []
-    was, will = before_cfg.trial_sizes(before)[1], cfg.trial_sizes(now)[1]  # eval px
+    (_, was), (size, will) = before_cfg.trial_sizes(before), cfg.trial_sizes(now)  # px
     if was != will:
-        scale, size = cfg.trainer.eval_scale, cfg.trial_sizes(now)[0]
+        scale = cfg.trainer.eval_scale
         name = (
             f"trainer.eval_scale: {scale:g}"
             if scale != before_cfg.trainer.eval_scale

@@ -112,7 +112,7 @@ def _autocast(
 
 
 def image_size(config: StudyConfig, hp: Hyperparams) -> int:
-    return hp.image_size or config.dataset.image_size
+    return config.trial_sizes(hp)[0]
 
 
 def eval_size(config: StudyConfig, hp: Hyperparams) -> int:

@@ -163,7 +163,7 @@ def child(args: argparse.Namespace, device: str) -> int:
         "variants": {},
     }
     if result.best_model_path is not None:
-        size = hp.image_size or cfg.dataset.image_size
+        size = cfg.trial_sizes(hp)[0]
         model = load_trained_model(cfg, params, result.best_model_path, device=device)
         for scale_name, scale in (("own", 1.0), ("stored", stored / size)):
             for flip in (False, True):
