@@ -159,7 +159,7 @@ def pinned_values(cfg: StudyConfig, given: dict[str, Any]) -> dict[str, Any]:
 
 def bench_overrides(pinned: dict[str, Any], epochs: int) -> list[str]:
     """Every trial the same work: no search, no pruning, no early stop, E epochs."""
-    sets = ["search_space={}"]
+    sets = ["search_space={}", "enqueue_trials=[]"]
     sets += [f"trainer.defaults.{k}={json.dumps(v)}" for k, v in pinned.items()]
     sets += [
         "pruner.name=none",
@@ -410,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     try:
         device = resolve_device(args.device)
-        base_cfg = load_study_config(args.study, args.overrides, args.data_dir)
+        # no enqueued trial of the study's: every trial trains the pinned values
+        base_cfg = load_study_config(args.study, ["enqueue_trials=[]", *args.overrides],
+                                     args.data_dir)  # fmt: skip
         # the same parsing and checks as `hpsearch train --params`
         pinned = pinned_values(base_cfg, fixed_params(base_cfg, args.params, None, None, Path()))
         sets = bench_overrides(pinned, args.epochs) + list(args.overrides)

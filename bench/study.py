@@ -22,11 +22,13 @@ start + SEC); those completed in the grace period are reported beside them. Repo
                     and from the first trial's start to the time-out (without start-up and
                     the stop); n/a on a CPU
 
-Example (CPU, about 3 minutes on 2 cores; image_size is searched, so it is pinned here):
+Example (CPU, about 3 minutes on 2 cores; image_size is searched, so it is pinned here, and
+the study's enqueued trial, at 128 px, is given at 32):
     python bench/study.py --device cpu --workers 2 --timeout 150 --grace 45 \\
         --set dataset.cache_size=36 --set dataset.eval_limit=255 --set budget.max_epochs=6 \\
         --set 'search_space.image_size={type: categorical, choices: [32]}' \\
         --set 'search_space.arch={type: categorical, choices: [resnet18]}' \\
+        --set 'enqueue_trials=[{arch: resnet18, image_size: 32, batch_size: 256, lr: 0.1}]' \\
         --set pruner.options.min_resource=2 --target 0.05 0.1 --json bench-study.json
 
 Example (GPU):
@@ -179,6 +181,8 @@ def trial_rows(trials: list[Any], started: dt.datetime, own: dict[int, int]) -> 
             "end_s": at(t.datetime_complete),
             "worker": t.user_attrs.get("worker"),
             "params": dict(t.params),
+            # queued by the study's enqueue_trials (its params given, not drawn)
+            "enqueued": "fixed_params" in t.system_attrs,
         }
         for t in sorted(trials, key=lambda t: t.number)
     ]
@@ -337,6 +341,11 @@ def run(
     curve_all = progress_curve(trials, launch.started, maximize)
     best = best_trial([t for t in in_budget if t.state == TrialState.COMPLETE], maximize)
     best_all = best_trial([t for t in finished if t.state == TrialState.COMPLETE], maximize)
+    best_drawn = best_trial(
+        [t for t in in_budget
+         if t.state == TrialState.COMPLETE and "fixed_params" not in t.system_attrs],
+        maximize,
+    )  # fmt: skip
     test_acc, test_from = (None, "no completed trial")
     if best is not None and launch.interrupted:  # before the time limit's SIGKILL
         test_from = "not evaluated: the bench was interrupted"
@@ -369,6 +378,10 @@ def run(
         "best_value": best.value if best is not None else None,
         "best_trial": best.number if best is not None else None,
         "best_params": dict(best.params) if best is not None else None,
+        "best_enqueued": best is not None and "fixed_params" in best.system_attrs,
+        # the search's own: the best of the trials it drew (enqueue_trials' left out)
+        "best_drawn_value": best_drawn.value if best_drawn is not None else None,
+        "best_drawn_trial": best_drawn.number if best_drawn is not None else None,
         "best_epochs": len(best.user_attrs.get("history", [])) if best is not None else None,
         "test_acc": test_acc,
         "test_acc_from": test_from,
@@ -440,7 +453,8 @@ def print_table(
     where = env.get("gpu") or f"cpu ({env['cpu_count']} cores)"
     s, b, g = r["states"], r["budget_states"], r["grace_states"]
     best = (
-        f"{r['best_value']:.4f} (trial {r['best_trial']}, {r['best_epochs']} epochs)"
+        f"{r['best_value']:.4f} (trial {r['best_trial']}, {r['best_epochs']} epochs"
+        + (", enqueued)" if r.get("best_enqueued") else ")")
         if r["best_value"] is not None
         else "-"
     )
@@ -457,6 +471,13 @@ def print_table(
             [(f"best {r['metric']} with grace", f"{r['best_value_with_grace']:.4f} (trial "
               f"{r['best_trial_with_grace']})")]
             if r["best_trial_with_grace"] != r["best_trial"]
+            else []
+        ),
+        *(
+            [(f"best drawn {r['metric']} by time-out",
+              fmt(r["best_drawn_value"], ".4f")
+              + (f" (trial {r['best_drawn_trial']})" if r["best_drawn_value"] is not None else ""))]
+            if r.get("best_enqueued")
             else []
         ),
         ("test acc of best", f"{fmt(r['test_acc'], '.4f')} ({r['test_acc_from']})"),

@@ -31,11 +31,25 @@ from hpsearch.errors import (
 )
 
 if TYPE_CHECKING:
-    from hpsearch.query import best_trials, list_studies, load_best_model, load_study, study_status
+    from hpsearch.query import (
+        best_trials,
+        enqueue_trial,
+        list_studies,
+        load_best_model,
+        load_study,
+        study_status,
+    )
 
 # The query functions load on first use: they need pandas and Optuna (about 0.5 s of
 # imports), which a worker's plot helper and `hpsearch --help` do not.
-_LAZY = ("best_trials", "list_studies", "load_best_model", "load_study", "study_status")
+_LAZY = (
+    "best_trials",
+    "enqueue_trial",
+    "list_studies",
+    "load_best_model",
+    "load_study",
+    "study_status",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -60,6 +74,7 @@ __all__ = [
     "TrackingUnreachable",
     "__version__",
     "best_trials",
+    "enqueue_trial",
     "list_studies",
     "load_best_model",
     "load_config",

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import click
 from hpsearch import __version__
-from hpsearch.errors import EXIT_DISK_FULL, DiskFullError, HpsearchError
+from hpsearch.errors import EXIT_DISK_FULL, ConfigError, DiskFullError, HpsearchError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -746,6 +746,46 @@ def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) 
         run = r.get("mlflow_run_id") or "-"
         value = format_value(r["value"])
         click.echo(f"trial {r['number']}: value {value} run {run} params {_params_of(r)}")
+
+
+@cli.command()
+@click.option("--study", "-s", required=True, help="Study name.")
+@_storage_option
+@_workdir_option
+@click.option(
+    "--params",
+    "params_json",
+    required=True,
+    metavar="JSON",
+    help='Searched hyperparameters to try, e.g. \'{"lr": 0.1, "batch_size": 64}\'.',
+)
+@_edge
+def enqueue(study: str, storage: str | None, workdir: Path, params_json: str) -> None:
+    """Queue a trial of PARAMS in a study, to run before the sampler draws another.
+
+    Optuna's enqueue_trial: the study's workers (a running launch's too) take it next. The
+    params are checked against the search space the study was launched with; those left
+    out are drawn. Params the study already holds are not queued again, and none past its
+    budget.n_trials.
+
+    \b
+    Example:
+      hpsearch enqueue --study flowers102 --params '{"lr": 0.1, "batch_size": 256}'
+    """
+    from hpsearch.query import enqueue_trial
+
+    try:
+        params = json.loads(params_json)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--params: {params_json!r}: not valid JSON: {exc.msg}") from exc
+    if not isinstance(params, dict):
+        raise ConfigError(f"--params: {params_json!r}: must be a JSON object")
+    done = enqueue_trial(study, params, storage, workdir)
+    if done.queued:
+        click.echo(f"queued trial {done.number} of study {study}: {done.params}")
+    else:
+        click.echo(f"not queued: trial {done.number} of study {study} ({done.state}) already "
+                   f"has these params: {done.params}")  # fmt: skip
 
 
 @cli.command("init-storage")

@@ -286,6 +286,10 @@ class StudyConfig(_Frozen):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     search_space: dict[str, Param] = Field(default_factory=dict)
+    # Trials run before the sampler's own, as Optuna's `study.enqueue_trial`: each maps
+    # searched parameters to values (the rest are drawn). Queued once per study: a launch
+    # skips one the study already holds, and queues no more than its budget has room for.
+    enqueue_trials: list[dict[str, Any]] = Field(default_factory=list)
     source: str = ""  # the file it came from; set by load_config
 
     @property
@@ -475,6 +479,112 @@ def _check_space(cfg: StudyConfig, src: str, stored: bool = False) -> None:
         raise ConfigError(
             f"{src}: sampler.name: {cfg.sampler.name!r}: does not support multi-objective studies"
         )
+
+
+def drawn_names(cfg: StudyConfig, given: Mapping[str, Any]) -> list[str]:
+    """The search-space parameters a trial draws when it has the values in `given` (each
+    `when` judged on them): the rest are left out of it."""
+    out: list[str] = []
+    for name, spec in cfg.search_space.items():
+        when = spec.when or {}
+        if all(given.get(k) in (v if isinstance(v, list) else [v]) for k, v in when.items()):
+            out.append(name)
+    return out
+
+
+def enqueued_value(spec: FloatParam | IntParam | CategoricalParam, value: Any) -> Any:
+    """`value` as a trial of `spec` draws it (a float parameter's 1 is 1.0; a choice is the
+    choice itself), or raises ValueError with the rule it breaks."""
+    if isinstance(spec, CategoricalParam):
+        for choice in spec.choices:
+            # 1 and True are equal in Python, not as choices (the space refuses both at once)
+            if choice == value and isinstance(choice, bool) == isinstance(value, bool):
+                return choice
+        raise ValueError(f"not among its choices {spec.choices}")
+    if not _is_number(value):
+        raise ValueError("must be a number")
+    if isinstance(spec, IntParam) and not isinstance(value, int):
+        raise ValueError("must be a whole number")
+    if not spec.low <= value <= spec.high:
+        raise ValueError(f"outside its range {spec.low}..{spec.high}")
+    step = spec.step
+    if step is not None and not (isinstance(spec, IntParam) and step == 1):
+        k = (value - spec.low) / step
+        if abs(k - round(k)) > 1e-8:  # Optuna's own tolerance for a stepped float
+            raise ValueError(f"not on its steps: {spec.low} + k * {step}")
+    return float(value) if isinstance(spec, FloatParam) else int(value)
+
+
+def enqueued_trials(cfg: StudyConfig) -> list[dict[str, Any]]:
+    """`enqueue_trials` as Optuna is given them: each value as its parameter draws it."""
+    return [
+        {name: enqueued_value(cfg.search_space[name], value) for name, value in entry.items()}
+        for entry in cfg.enqueue_trials
+    ]
+
+
+# A search space narrowed with --set may leave a shipped study's enqueued trial outside it.
+DROP_ENQUEUED = " (to run without the file's enqueued trials: --set 'enqueue_trials=[]')"
+
+
+def check_enqueued(
+    cfg: StudyConfig, entry: Mapping[str, Any], where: str, sep: str = ".", hint: str = ""
+) -> dict[str, Any]:
+    """`entry` as Optuna is given it (`enqueued_value` of each), or ConfigError: it gives
+    searched parameters only, values their trial could draw, and only parameters it draws
+    (a `when` that does not hold would leave a value unused, silently); Optuna itself takes
+    a value outside the space with a warning in one worker's log. An error names
+    `<where><sep><name>`, and ends with `hint`."""
+    if not entry:
+        raise ConfigError(f"{where}: {{}}: gives no parameter")
+    out: dict[str, Any] = {}
+    for name, value in entry.items():
+        field = f"{where}{sep}{name}"
+        spec = cfg.search_space.get(name)
+        if spec is None:
+            why = (
+                f"not searched here: set it in trainer.defaults.{name}"
+                if name in HPARAM_NAMES
+                else f"unknown hyperparameter; searched: {', '.join(cfg.search_space)}"
+            )
+            raise ConfigError(f"{field}: {value!r}: {why}{hint}")
+        try:
+            out[name] = enqueued_value(spec, value)
+        except ValueError as exc:
+            raise ConfigError(f"{field}: {value!r}: {exc}{hint}") from None
+        for cond, wanted in (spec.when or {}).items():
+            values = wanted if isinstance(wanted, list) else [wanted]
+            if cond not in entry:
+                raise ConfigError(
+                    f"{field}: {value!r}: drawn only when {cond} is one of {values}: "
+                    f"give {cond} too"
+                )
+            if entry[cond] not in values:
+                raise ConfigError(
+                    f"{field}: {value!r}: drawn only when {cond} is one of {values}, and "
+                    f"this trial gives {cond}: {entry[cond]!r}"
+                )
+    if cfg.sampler.name == "grid":
+        missing = [n for n in drawn_names(cfg, entry) if n not in entry]
+        if missing:
+            # Optuna's GridSampler fails such a trial at its first suggestion.
+            raise ConfigError(
+                f"{where}: {dict(entry)!r}: the grid sampler runs only whole points: give "
+                f"{', '.join(missing)} too"
+            )
+    return out
+
+
+def _check_enqueue(cfg: StudyConfig, src: str) -> None:
+    seen: list[dict[str, Any]] = []
+    for i, entry in enumerate(cfg.enqueue_trials):
+        where = f"{src}: enqueue_trials[{i}]"
+        normal = check_enqueued(cfg, entry, where, hint=DROP_ENQUEUED)
+        if normal in seen:
+            raise ConfigError(
+                f"{where}: {entry!r}: the same trial as enqueue_trials[{seen.index(normal)}]"
+            )
+        seen.append(normal)
 
 
 def _sampling_needs(
@@ -984,6 +1094,7 @@ def validate_config(
     except ValidationError as exc:
         raise ConfigError(_format_validation(src, exc)) from exc
     _check_space(cfg, src, stored)
+    _check_enqueue(cfg, src)
     _check_components(cfg, src, stored)
     return cfg
 

@@ -60,6 +60,8 @@ from hpsearch.study import (
     budget_done,
     counts_once_requeued,
     create_or_load,
+    enqueue_trials,
+    enqueued_text,
     may_start_trial,
     study_budget,
 )
@@ -619,12 +621,19 @@ class Launcher:
     def _open_study(self) -> None:
         storage = open_storage(self.spec, pool_size=1)
         study = with_db_retry(lambda: create_or_load(self.cfg, storage), what="create study")
+        queued, left = with_db_retry(
+            lambda: enqueue_trials(study, self.cfg, lambda: study_lock(self.spec, self.cfg.name)),
+            what="queue enqueue_trials",
+        )
         with self._lock:
             self._study = study
             early, self._early_events = self._early_events, []
         for msg in early:
             if self.on_progress is not None:
                 self.on_progress(self._progress(msg))
+        if queued or left:
+            n_trials = study_budget(study, self.cfg)
+            self._event(enqueued_text(queued, left, n_trials, self.cfg.source or self.cfg.name))
 
     def run(self) -> LaunchSummary:
         """Run the launch; the launch lock (`hold_launch_lock`) is taken here unless the

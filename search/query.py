@@ -20,10 +20,20 @@ from hpsearch.storage import (
     StorageSpec,
     has_optuna_tables,
     open_storage,
+    refresh_trials_now,
     resolve_storage,
     storage_file,
+    study_lock,
+    with_db_retry,
 )
-from hpsearch.study import CONFIG_ATTR, LATE_RUN_ATTR, rank_key
+from hpsearch.study import (
+    CONFIG_ATTR,
+    LATE_RUN_ATTR,
+    rank_key,
+    same_params,
+    study_budget,
+    trials_to_enqueue,
+)
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -409,3 +419,69 @@ def best_model_file(
         if local is None:
             raise
         return local
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    """What `enqueue_trial` did: trial `number` holds the params, queued now (`queued`) or
+    already in the study (in `state`: a trial queued, run or failed with them)."""
+
+    number: int
+    queued: bool
+    state: str
+    params: dict[str, Any]
+
+
+def enqueue_trial(
+    name: str, params: Mapping[str, Any], storage: StorageArg = None, workdir: WorkdirArg = None
+) -> Enqueued:
+    """Queue a trial of `params` in study `name`, to run before the sampler draws another
+    (Optuna's `enqueue_trial`; the study's workers take queued trials first, a running
+    launch's too). `params` are searched parameters, checked against the search space the
+    study was launched with as its `enqueue_trials` are; the others are drawn. Params the
+    study already holds (compared as Optuna's `skip_if_exists`) are not queued again, and
+    none past the study's `budget.n_trials` (HpsearchError). Raises ConfigError for params
+    the study could not run as given, StudyNotFoundError for a study hpsearch did not make."""
+    from hpsearch.config import check_enqueued, config_from_yaml
+
+    study, st = _open(name, storage, workdir)
+    try:
+        stored = study.user_attrs.get(CONFIG_ATTR)
+        if not stored:
+            raise StudyNotFoundError(
+                f"study {name!r} has no config of hpsearch's (made by plain Optuna?): "
+                "queue its trials with optuna's study.enqueue_trial"
+            )
+        cfg = config_from_yaml(str(stored), f"study {name} (the config it was launched with)")
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"params: {params!r}: must be a mapping of names to values")
+        entry = check_enqueued(cfg, params, "params", sep=": ")
+
+        def locked() -> Enqueued:
+            with study_lock(_spec(storage, workdir), name):
+                refresh_trials_now(study)
+                trials = study.get_trials(deepcopy=False)
+                for t in trials:
+                    held = t.system_attrs.get("fixed_params", t.params)
+                    if same_params(entry, held):
+                        return Enqueued(t.number, False, t.state.name.lower(), dict(held))
+                n_trials = study_budget(study, cfg)
+                if not trials_to_enqueue([entry], trials, n_trials)[0]:
+                    raise HpsearchError(
+                        f"study {name!r}: budget.n_trials ({n_trials}) has no room for "
+                        "another trial (finished, running and queued ones count): raise it "
+                        "with `hpsearch launch --trials N`"
+                    )
+                study.enqueue_trial(entry)
+                refresh_trials_now(study)
+                for t in reversed(study.get_trials(deepcopy=False)):
+                    if (
+                        t.state == TrialState.WAITING
+                        and t.system_attrs.get("fixed_params") == entry
+                    ):
+                        return Enqueued(t.number, True, "waiting", entry)
+                raise StorageError(f"study {name!r}: the queued trial was not read back")
+
+        return with_db_retry(locked, what="queue a trial")
+    finally:
+        _dispose(st)

@@ -809,7 +809,7 @@ class TrackingSession:
                 ),
                 worker=self.worker_id,
                 host=socket.gethostname(),
-                tags={"hpsearch.root_trial": str(root)} if root != trial.number else None,
+                tags=trial_tags(trial, root),
                 start_time_ms=start_time_ms,
                 run_key=run_key,
                 spool_dir=self.spool_dir,
@@ -1072,6 +1072,20 @@ class _HeldBest(NamedTuple):
     run_id: str
     weights: Path
     value: float
+
+
+def trial_tags(trial: optuna.Trial, root: int) -> dict[str, str] | None:
+    """A trial run's own tags: the first try of a retried trial (`hpsearch.root_trial`), and
+    `hpsearch.enqueued` (the names given) for a trial whose params were queued
+    (`enqueue_trials`, Optuna's `enqueue_trial`) rather than all drawn."""
+    tags: dict[str, str] = {}
+    if root != trial.number:
+        tags["hpsearch.root_trial"] = str(root)
+    frozen = getattr(trial, "_cached_frozen_trial", None)  # Optuna's view as the trial began
+    fixed = frozen.system_attrs.get("fixed_params") if frozen is not None else None
+    if isinstance(fixed, dict) and fixed:
+        tags["hpsearch.enqueued"] = ",".join(sorted(fixed))
+    return tags or None
 
 
 def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:

@@ -9,7 +9,7 @@ import logging
 import math
 import socket
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,11 @@ from hpsearch.config import (
     StudyConfig,
     config_from_yaml,
     config_to_yaml,
+    enqueued_trials,
     grid_space,
 )
 from hpsearch.errors import ConfigError, StudyNotFoundError
+from hpsearch.storage import refresh_trials_now
 from optuna.distributions import (
     BaseDistribution,
     CategoricalDistribution,
@@ -307,6 +309,80 @@ def create_or_load(
     if (owner or first or budget) and attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
         study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
     return study
+
+
+def same_params(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two trials' fixed or drawn params are one trial's, as Optuna's
+    `enqueue_trial(skip_if_exists=True)` judges it: the same names, floats equal within
+    rounding, other values equal and of one type (a choice 1 is not True)."""
+    if a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if type(x) is not type(y) and not (_is_float(x) and _is_float(y)):
+            return False
+        if _is_float(x) and _is_float(y):
+            if not math.isclose(float(x), float(y), rel_tol=1e-9, abs_tol=0.0):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _is_float(value: Any) -> bool:
+    return isinstance(value, float)
+
+
+def trials_to_enqueue(
+    wanted: Sequence[Mapping[str, Any]], trials: Sequence[FrozenTrial], n_trials: int
+) -> tuple[list[dict[str, Any]], int]:
+    """(the `enqueue_trials` to queue now, how many of the rest the budget has no room
+    for). One the study already holds (queued, run or failed, under its fixed params or
+    as drawn) is not queued again; the rest only while the budget has room: finished,
+    running and queued trials together stay within `n_trials`, as `may_start_trial` keeps
+    drawn ones (a queued trial is always taken)."""
+    held = [t.system_attrs.get("fixed_params", t.params) for t in trials]
+    counts = budget_counts(trials)
+    room = n_trials - sum(counts.get(k, 0) for k in ("complete", "pruned", "running", "waiting"))
+    new = [dict(p) for p in wanted if not any(same_params(p, h) for h in held)]
+    take = new[: max(room, 0)]
+    return take, len(new) - len(take)
+
+
+def enqueue_trials(
+    study: optuna.Study,
+    cfg: StudyConfig,
+    lock: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> tuple[int, int]:
+    """Queue the config's `enqueue_trials` that the study does not hold yet, under the
+    study lock (a worker's count and claim, and another process queueing them, wait for
+    it). Returns (how many of them wait in the queue now, queued here or by a process
+    before, how many the budget had no room for)."""
+    wanted = enqueued_trials(cfg)
+    if not wanted:
+        return 0, 0
+    with lock():
+        refresh_trials_now(study)  # a worker's view may be throttled: queued a moment ago?
+        trials = study.get_trials(deepcopy=False)
+        take, left = trials_to_enqueue(wanted, trials, study_budget(study, cfg))
+        for params in take:
+            study.enqueue_trial(params)
+    queued = [
+        t.system_attrs["fixed_params"]
+        for t in trials
+        if t.state == TrialState.WAITING and isinstance(t.system_attrs.get("fixed_params"), dict)
+    ]
+    before = sum(1 for p in wanted if any(same_params(p, q) for q in queued))
+    return before + len(take), left
+
+
+def enqueued_text(waiting: int, left: int, n_trials: int, src: str) -> str:
+    """The launch's line on `enqueue_trials`: how many wait to run first, how many the
+    budget has no room for."""
+    parts = [f"{waiting} queued to run first"] if waiting else []
+    if left:
+        parts.append(f"{left} not queued: budget.n_trials ({n_trials}) has no room for them")
+    return f"{src}: enqueue_trials: {'; '.join(parts)}"
 
 
 def load_existing(

@@ -57,6 +57,7 @@ from hpsearch.study import (
     MEMORY_CONSTRAINT,
     budget_counts,
     create_or_load,
+    enqueue_trials,
     make_sampler,
     may_start_trial,
     objective_values,
@@ -612,6 +613,12 @@ def run_worker(
     # The lock and the budget count use the storage's own pool (RDBStorage sits behind
     # Optuna's cache wrapper); a NullPool engine would connect afresh on every ask.
     lock_engine = getattr(getattr(study._storage, "_backend", study._storage), "engine", None)
+    # Before this worker's first ask (the launcher queues them too, beside its workers'
+    # start): the study's first trials are the file's, whoever asks first.
+    with_db_retry(
+        lambda: enqueue_trials(study, cfg, lambda: study_lock(spec, cfg.name, lock_engine)),
+        what="queue enqueue_trials",
+    )
     budget = _Budget(study, cfg)
     tracking = _open_tracking(cfg, spec, opts, stop, study)
     watcher = None

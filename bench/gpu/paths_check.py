@@ -71,7 +71,7 @@ def run_trial(args: argparse.Namespace, workdir: Path, sets: list[str], params: 
 
     cfg = load_study_config(
         "flowers102",
-        ["trainer.evaluate_test=false", "trainer.eval_every=1", *sets],
+        ["trainer.evaluate_test=false", "trainer.eval_every=1", "enqueue_trials=[]", *sets],
         args.data_dir,
     )
     warm_cache(cfg, workdir)

@@ -95,11 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.size is not None:  # the study's checks (cache_size, archs) then see this size
         # (the children get --size, not this: they add it again)
         args.load_sets = [
+            "enqueue_trials=[]",  # each recipe is one fixed configuration
             *args.sets,
             f"search_space.image_size={{type: categorical, choices: [{args.size}]}}",
         ]
     else:
-        args.load_sets = list(args.sets)
+        args.load_sets = ["enqueue_trials=[]", *args.sets]
     return args
 
 

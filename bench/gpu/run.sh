@@ -146,7 +146,8 @@ if [ -n "${QUICK:-}" ]; then  # the CPU rehearsal: tiny images, one epoch, short
   EAGER=("r18-32-b16 resnet18 32 16")
   COMPILED=()
   STUDY=(--workers 2 --grace 20 "${SMALL[@]}" --set budget.max_epochs=2
-    --set pruner.options.min_resource=1 --set 'search_space.arch={type: categorical, choices: [resnet18]}')
+    --set pruner.options.min_resource=1 --set 'search_space.arch={type: categorical, choices: [resnet18]}'
+    --set 'enqueue_trials=[{arch: resnet18, image_size: 32, batch_size: 256, lr: 0.1}]')  # at 32 px
   STUDY_S=30
   RECIPE=(--epochs-scale 0.02 --size 32 --only e150 e300-cutmix "${SMALL[@]}")
   RECIPE_S=60

@@ -54,7 +54,13 @@ def study(d: dict[str, Any]) -> str:
     b = r.get("budget_states") or s  # (a JSON of the version before: all trials)
     return (
         f"best {r['metric']} {_f(r['best_value'], '.4f')} test {_f(r['test_acc'], '.4f')} "
-        f"at {_f(r['time_to_best_s'])}s of {_f(d['args']['timeout'])}s; by the time-out "
+        f"at {_f(r['time_to_best_s'])}s of {_f(d['args']['timeout'])}s"
+        + (
+            f" (enqueued; best drawn {_f(r.get('best_drawn_value'), '.4f')})"
+            if r.get("best_enqueued")
+            else ""
+        )
+        + "; by the time-out "
         f"complete {b['complete']} pruned {b['pruned']}; failed {s['fail']}"
         f"{_stopped(s['fail'], r.get('interrupted'))}; "
         f"{_f(r['images_per_second_e2e'])} img/s; "

@@ -598,3 +598,73 @@ def test_an_override_through_a_yaml_alias_changes_that_field_only(tmp_path: Path
     cfg = load_config(study, ["search_space.mixup_alpha.high=1.0"])
     assert cfg.search_space["mixup_alpha"].high == 1.0  # type: ignore[union-attr]
     assert cfg.search_space["cutmix_alpha"].high == 0.4  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (["enqueue_trials=[{lr: 0.01, bogus: 1}]"],
+         "enqueue_trials[0].bogus: 1: unknown hyperparameter; searched: lr, loss, focal_gamma"),
+        (["enqueue_trials=[{momentum: 0.8}]"],
+         "enqueue_trials[0].momentum: 0.8: not searched here: set it in trainer.defaults.momentum"),
+        (["enqueue_trials=[{lr: 0.9}]"], "enqueue_trials[0].lr: 0.9: outside its range 0.001..0.5"),
+        (["enqueue_trials=[{lr: fast}]"], "enqueue_trials[0].lr: 'fast': must be a number"),
+        (["enqueue_trials=[{lr: true}]"], "enqueue_trials[0].lr: True: must be a number"),
+        (["enqueue_trials=[{loss: label_smoothing}]"],
+         "enqueue_trials[0].loss: 'label_smoothing': not among its choices ['ce', 'focal']"),
+        # A value its trial would never use (focal_gamma is drawn only under loss focal)
+        (["enqueue_trials=[{focal_gamma: 2.0}]"],
+         "enqueue_trials[0].focal_gamma: 2.0: drawn only when loss is one of ['focal']: "
+         "give loss too"),
+        (["enqueue_trials=[{loss: ce, focal_gamma: 2.0}]"],
+         "enqueue_trials[0].focal_gamma: 2.0: drawn only when loss is one of ['focal'], and "
+         "this trial gives loss: 'ce'"),
+        (["enqueue_trials=[{lr: 0.1}, {}]"], "enqueue_trials[1]: {}: gives no parameter"),
+        (["enqueue_trials=[{lr: 0.1}, {lr: 0.1}]"],
+         "enqueue_trials[1]: {'lr': 0.1}: the same trial as enqueue_trials[0]"),
+        (["enqueue_trials={lr: 0.1}"], "enqueue_trials: {'lr': 0.1}: Input should be a valid list"),
+        (["search_space.batch_size={type: int, low: 16, high: 64, step: 16}",
+          "enqueue_trials=[{batch_size: 40}]"],
+         "enqueue_trials[0].batch_size: 40: not on its steps: 16 + k * 16"),
+        (["search_space.batch_size={type: int, low: 16, high: 64}",
+          "enqueue_trials=[{batch_size: 32.5}]"],
+         "enqueue_trials[0].batch_size: 32.5: must be a whole number"),
+        # Optuna's GridSampler fails an enqueued trial at its first parameter not given.
+        (["sampler.name=grid", "sampler.options={}", "budget.n_trials=2",
+          "search_space={lr: {type: categorical, choices: [0.1, 0.2]}, "
+          "loss: {type: categorical, choices: [ce, focal]}}",
+          "enqueue_trials=[{lr: 0.1}]"],
+         "enqueue_trials[0]: {'lr': 0.1}: the grid sampler runs only whole points: give loss"),
+    ],
+)  # fmt: skip
+def test_an_enqueued_trial_its_study_could_not_run_as_given_is_refused(
+    tmp_path: Path, sets: list[str], expected: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_with(tmp_path, *sets)
+    assert expected in str(info.value), str(info.value)
+    assert str(info.value).startswith(str(tmp_path / "study.yaml") + ": ")
+
+
+def test_enqueued_trials_are_given_to_optuna_as_their_trials_draw_them(tmp_path: Path) -> None:
+    from hpsearch.config import enqueued_trials
+
+    cfg = load_config(
+        write(tmp_path, GOOD),
+        ["search_space.lr.high=2", "search_space.batch_size={type: categorical, choices: [2, 4]}",
+         "enqueue_trials=[{lr: 1, loss: focal, focal_gamma: 3}, {batch_size: 2}, {lr: 0.5}]"],
+    )  # fmt: skip
+    seeds = enqueued_trials(cfg)
+    assert seeds == [{"lr": 1.0, "loss": "focal", "focal_gamma": 3.0}, {"batch_size": 2},
+                     {"lr": 0.5}]  # fmt: skip
+    # a float parameter's value is a float (Optuna's skip_if_exists compares types)
+    assert type(seeds[0]["lr"]) is float and type(seeds[0]["focal_gamma"]) is float
+    # and the config keeps them as written, to store on the study
+    assert config_from_yaml(config_to_yaml(cfg), "s").enqueue_trials == cfg.enqueue_trials
+    # a bool is not the choice 1
+    with pytest.raises(ConfigError, match=r"mixup_alpha: True: not among its choices \[0, 1\]"):
+        load_config(
+            write(tmp_path, GOOD),
+            ["search_space.mixup_alpha={type: categorical, choices: [0, 1]}",
+             "enqueue_trials=[{mixup_alpha: true}]"],
+        )  # fmt: skip

@@ -393,3 +393,39 @@ def test_cuda_not_available_names_the_mask(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-typo")
     with pytest.raises(DeviceError, match=r"CUDA_VISIBLE_DEVICES='GPU-typo'"):
         resolve_device("cuda")
+
+
+def test_enqueued_trials_are_queued_once_and_only_while_the_budget_has_room() -> None:
+    from hpsearch.study import same_params, trials_to_enqueue
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import TrialState, create_trial
+
+    # As Optuna's skip_if_exists: the same names; floats equal within rounding; other values
+    # equal and of one type
+    assert same_params({"lr": 0.1, "loss": "ce"}, {"loss": "ce", "lr": 0.1 + 1e-17})
+    assert not same_params({"lr": 0.1}, {"lr": 0.1, "loss": "ce"})
+    assert not same_params({"lr": 0.1}, {"lr": 0.11})
+    assert not same_params({"mixup": 1}, {"mixup": True})
+    assert not same_params({"batch_size": 64}, {"batch_size": 64.0})
+
+    def trial(state: TrialState, fixed: dict | None = None, lr: float = 0.3) -> object:
+        done = state in (TrialState.COMPLETE,)
+        return create_trial(
+            state=state, value=0.5 if done else None,
+            params={"lr": lr} if state != TrialState.WAITING else {},
+            distributions={"lr": FloatDistribution(1e-3, 1.0)} if state != TrialState.WAITING else {},
+            system_attrs={"fixed_params": fixed} if fixed else {},
+        )  # fmt: skip
+
+    a, b, c = {"lr": 0.1}, {"lr": 0.2}, {"lr": 0.3}
+    assert trials_to_enqueue([a, b], [], 5) == ([a, b], 0)
+    # one the study holds is not queued again: waiting, run (its fixed params), failed,
+    # or drawn with the same values
+    for held in (trial(TrialState.WAITING, a), trial(TrialState.COMPLETE, a, lr=0.1),
+                 trial(TrialState.FAIL, a, lr=0.1), trial(TrialState.COMPLETE, lr=0.1)):  # fmt: skip
+        assert trials_to_enqueue([a, b], [held], 5) == ([b], 0)  # type: ignore[list-item]
+    # finished, running and queued trials fill the budget; a failed one does not
+    four = [trial(TrialState.COMPLETE), trial(TrialState.RUNNING), trial(TrialState.WAITING, c),
+            trial(TrialState.FAIL)]  # fmt: skip
+    assert trials_to_enqueue([a, b], four, 4) == ([a], 1)  # type: ignore[arg-type]
+    assert trials_to_enqueue([a, b, c], four, 3) == ([], 2)  # type: ignore[arg-type]

@@ -391,3 +391,61 @@ def test_train_trial_n_takes_an_enqueued_trials_params_and_refuses_none(tmp_path
     study.add_trial(create_trial(state=TrialState.FAIL))  # failed before it drew any
     with pytest.raises(hps.HpsearchError, match=r"trial 1 .*FAIL.* has no parameters"):
         fixed_params(cfg, None, 1, None, tmp_path)
+
+
+def test_a_trial_queued_by_hand_runs_first_once_and_within_the_budget(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """`hpsearch enqueue` and `hpsearch.enqueue_trial` (Optuna's enqueue_trial, checked
+    against the study's launched search space): the next trials a launch runs are these,
+    once each, none past the budget."""
+    from cli_util import DUMMY
+    from hpsearch.config import load_config
+    from hpsearch.errors import ConfigError, HpsearchError, StudyNotFoundError
+    from hpsearch.storage import open_storage, resolve_storage
+    from hpsearch.study import create_or_load
+
+    # made as a launch makes it: its config and budget stored, no trial run yet
+    cfg = load_config("tiny", ["budget.n_trials=3"])
+    create_or_load(cfg, open_storage(resolve_storage(pg_url, tmp_path)))
+    cli = ["enqueue", "--study", "tiny", "--storage", pg_url]
+
+    out = hpsearch([*cli, "--params", '{"lr": 0.02}'], subprocess_env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "queued trial 0 of study tiny: {'lr': 0.02}"
+    out = hpsearch([*cli, "--params", '{"lr": 0.02}'], subprocess_env)
+    assert out.returncode == 0, out.stderr
+    assert "not queued: trial 0 of study tiny (waiting) already has these params" in out.stdout
+    for params, shown in (
+        ('{"lr": 5}', "params: lr: 5: outside its range 0.001..0.5"),
+        ('{"focal_gamma": 2.0}', "give loss too"),
+        ('{"momentum": 0.8}', "params: momentum: 0.8: not searched here"),
+        ('{"lr": 0.1', "--params: '{\"lr\": 0.1': not valid JSON"),
+        ("[0.1]", "must be a JSON object"),
+    ):
+        out = hpsearch([*cli, "--params", params], subprocess_env)
+        assert out.returncode == 1 and shown in out.stderr, (params, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+    assert hps.enqueue_trial("tiny", {"loss": "focal", "focal_gamma": 2}, pg_url).number == 1
+    done = hps.enqueue_trial("tiny", {"batch_size": 64}, pg_url)
+    assert (done.number, done.queued, done.params) == (2, True, {"batch_size": 64})
+    with pytest.raises(HpsearchError, match=r"budget.n_trials \(3\) has no room"):
+        hps.enqueue_trial("tiny", {"batch_size": 32}, pg_url)
+    with pytest.raises(ConfigError, match="params: loss: 'hinge': not among its choices"):
+        hps.enqueue_trial("tiny", {"loss": "hinge"}, pg_url)
+    with pytest.raises(StudyNotFoundError, match="'nope' not found"):
+        hps.enqueue_trial("nope", {"lr": 0.1}, pg_url)
+
+    out = hpsearch(
+        ["launch", "--study", "tiny", "--storage", pg_url, "--workers", "1", "--trials", "3",
+         "--no-tracking", "--train-fn", DUMMY, "--workdir", str(tmp_path / "w"),
+         "--set", "budget.max_epochs=2"],
+        subprocess_env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    trials = optuna.load_study(study_name="tiny", storage=pg_url).get_trials()
+    assert len(trials) == 3 and all(t.state.is_finished() for t in trials)
+    assert trials[0].params["lr"] == 0.02
+    assert (trials[1].params["loss"], trials[1].params["focal_gamma"]) == ("focal", 2.0)
+    assert trials[2].params["batch_size"] == 64

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -1259,3 +1260,45 @@ def test_a_worker_waits_for_a_database_that_is_restarting_but_not_for_a_wrong_on
     with pytest.raises(StorageError, match="no_such_db_h"):
         S.open_storage_when_up(wrong, 10.0)
     assert time.monotonic() - t0 < 5  # at once
+
+
+def test_enqueued_trials_run_first_once_per_study_and_within_its_budget(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """The study file's `enqueue_trials` (Optuna's `enqueue_trial`): the study's first
+    trials, whichever worker asks first; a relaunch queues a new one only, never one the
+    study already ran, and none past the budget, which it says."""
+    seeds = "enqueue_trials=[{lr: 0.01, loss: focal, focal_gamma: 1.5}, {batch_size: 64}]"
+
+    def launch(trials: int, enqueue: str) -> subprocess.CompletedProcess[str]:
+        out = hpsearch(
+            ["launch", "--study", "tiny", "--storage", pg_url, "--workers", "2", "--trials",
+             str(trials), "--no-tracking", "--train-fn", DUMMY, "--workdir", str(tmp_path / "w"),
+             "--set", "budget.max_epochs=2", "--set", enqueue],
+            subprocess_env,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out
+
+    launch(4, seeds)
+    study = optuna.load_study(study_name="tiny", storage=pg_url)
+    trials = study.get_trials()
+    assert len(trials) == 4 and all(t.state.is_finished() for t in trials)
+    assert trials[0].params == {"lr": 0.01, "batch_size": trials[0].params["batch_size"],
+                                "loss": "focal", "focal_gamma": 1.5}  # fmt: skip
+    assert trials[1].params["batch_size"] == 64
+    assert trials[0].system_attrs["fixed_params"] == {"lr": 0.01, "loss": "focal",
+                                                      "focal_gamma": 1.5}  # fmt: skip
+    assert not any("fixed_params" in t.system_attrs for t in trials[2:])  # drawn
+
+    out = launch(6, seeds[:-1] + ", {lr: 0.2}]")  # the first two ran: one more
+    trials = optuna.load_study(study_name="tiny", storage=pg_url).get_trials()
+    fixed = [t.system_attrs.get("fixed_params") for t in trials]
+    assert len(trials) == 6 and fixed.count({"lr": 0.2}) == 1 and fixed[4] == {"lr": 0.2}
+    assert fixed.count({"batch_size": 64}) == 1
+    assert trials[4].params["lr"] == 0.2
+
+    out = launch(6, seeds[:-1] + ", {lr: 0.3}]")  # the budget is spent: not queued
+    assert "enqueue_trials: 1 not queued: budget.n_trials (6) has no room for them" in out.stdout
+    trials = optuna.load_study(study_name="tiny", storage=pg_url).get_trials()
+    assert len(trials) == 6

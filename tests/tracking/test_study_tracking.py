@@ -27,7 +27,8 @@ def test_study_in_mlflow_and_best_model(
          "--workdir", str(work), "--device", "cpu", "--data-dir", str(flowers_root),
          "--set", "budget.max_epochs=2", "--set", "pruner.options={n_startup_trials: 1, n_warmup_steps: 0}",
          "--set", "search_space.lr={type: float, low: 0.001, high: 0.5, log: true}",
-         "--set", "trainer.evaluate_test=true"],
+         "--set", "trainer.evaluate_test=true",
+         "--set", "enqueue_trials=[{lr: 0.05, loss: focal, focal_gamma: 1.5}]"],
         subprocess_env, timeout=900,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
@@ -88,6 +89,12 @@ def test_study_in_mlflow_and_best_model(
             assert run.data.params["eval_image_size"] == run.data.params["image_size"]
             assert run.data.params["eval_flip"] == "False"
             assert run.data.tags["hpsearch.worker"] == t.user_attrs["worker"]
+            # the study's first trial was the file's (enqueue_trials), the rest drawn
+            enqueued = run.data.tags.get("hpsearch.enqueued")
+            assert enqueued == ("focal_gamma,loss,lr" if t.number == 0 else None), t.number
+            if t.number == 0:
+                assert {k: t.params[k] for k in ("lr", "loss", "focal_gamma")} == {
+                    "lr": 0.05, "loss": "focal", "focal_gamma": 1.5}  # fmt: skip
             steps = client.get_metric_history(run.info.run_id, "val_acc")
             assert [m.step for m in steps] == sorted(t.intermediate_values)
             outcome = t.user_attrs["outcome"]
