@@ -10,8 +10,10 @@ Nothing here touches storage; loading is pure, so a bad file writes nothing.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -481,15 +483,10 @@ def _check_space(cfg: StudyConfig, src: str, stored: bool = False) -> None:
         )
 
 
-def drawn_names(cfg: StudyConfig, given: Mapping[str, Any]) -> list[str]:
-    """The search-space parameters a trial draws when it has the values in `given` (each
-    `when` judged on them): the rest are left out of it."""
-    out: list[str] = []
-    for name, spec in cfg.search_space.items():
-        when = spec.when or {}
-        if all(given.get(k) in (v if isinstance(v, list) else [v]) for k, v in when.items()):
-            out.append(name)
-    return out
+def np_bool() -> type:
+    """numpy's bool type where numpy is loaded (it is no `numbers` type), else bool."""
+    np = sys.modules.get("numpy")
+    return np.bool_ if np is not None else bool
 
 
 def enqueued_value(spec: FloatParam | IntParam | CategoricalParam, value: Any) -> Any:
@@ -498,21 +495,27 @@ def enqueued_value(spec: FloatParam | IntParam | CategoricalParam, value: Any) -
     if isinstance(spec, CategoricalParam):
         for choice in spec.choices:
             # 1 and True are equal in Python, not as choices (the space refuses both at once)
-            if choice == value and isinstance(choice, bool) == isinstance(value, bool):
+            is_bool = isinstance(value, bool | np_bool())
+            if choice == value and isinstance(choice, bool) == is_bool:
                 return choice
         raise ValueError(f"not among its choices {spec.choices}")
-    if not _is_number(value):
+    # numbers.Real: numpy's scalars too (params read back from `best_trials`' DataFrame)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool | np_bool()):
         raise ValueError("must be a number")
-    if isinstance(spec, IntParam) and not isinstance(value, int):
+    if isinstance(spec, IntParam) and not isinstance(value, numbers.Integral):
         raise ValueError("must be a whole number")
-    if not spec.low <= value <= spec.high:
+    raw: Any = value  # a numpy scalar converts like the builtin it stands for
+    number: float | int = float(raw) if isinstance(spec, FloatParam) else int(raw)
+    if not math.isfinite(number):
+        raise ValueError("must be finite")
+    if not spec.low <= number <= spec.high:
         raise ValueError(f"outside its range {spec.low}..{spec.high}")
     step = spec.step
     if step is not None and not (isinstance(spec, IntParam) and step == 1):
-        k = (value - spec.low) / step
+        k = (number - spec.low) / step
         if abs(k - round(k)) > 1e-8:  # Optuna's own tolerance for a stepped float
             raise ValueError(f"not on its steps: {spec.low} + k * {step}")
-    return float(value) if isinstance(spec, FloatParam) else int(value)
+    return number
 
 
 def enqueued_trials(cfg: StudyConfig) -> list[dict[str, Any]]:
@@ -557,21 +560,20 @@ def check_enqueued(
             if cond not in entry:
                 raise ConfigError(
                     f"{field}: {value!r}: drawn only when {cond} is one of {values}: "
-                    f"give {cond} too"
+                    f"give {cond} too{hint}"
                 )
             if entry[cond] not in values:
                 raise ConfigError(
                     f"{field}: {value!r}: drawn only when {cond} is one of {values}, and "
-                    f"this trial gives {cond}: {entry[cond]!r}"
+                    f"this trial gives {cond}: {entry[cond]!r}{hint}"
                 )
     if cfg.sampler.name == "grid":
-        missing = [n for n in drawn_names(cfg, entry) if n not in entry]
-        if missing:
-            # Optuna's GridSampler fails such a trial at its first suggestion.
-            raise ConfigError(
-                f"{where}: {dict(entry)!r}: the grid sampler runs only whole points: give "
-                f"{', '.join(missing)} too"
-            )
+        # Optuna's GridSampler marks no point visited for an enqueued trial, and hands trial
+        # n the n-th point: that point trains twice and another never.
+        raise ConfigError(
+            f"{where}: {dict(entry)!r}: the grid sampler trains every point of its grid once "
+            "already; an enqueued trial would train one twice and leave another out"
+        )
     return out
 
 

@@ -621,8 +621,10 @@ class Launcher:
     def _open_study(self) -> None:
         storage = open_storage(self.spec, pool_size=1)
         study = with_db_retry(lambda: create_or_load(self.cfg, storage), what="create study")
-        queued, left = with_db_retry(
-            lambda: enqueue_trials(study, self.cfg, lambda: study_lock(self.spec, self.cfg.name)),
+        queued = with_db_retry(
+            lambda: enqueue_trials(
+                study, self.cfg, lambda: study_lock(self.spec, self.cfg.name), owner=True
+            ),
             what="queue enqueue_trials",
         )
         with self._lock:
@@ -631,9 +633,12 @@ class Launcher:
         for msg in early:
             if self.on_progress is not None:
                 self.on_progress(self._progress(msg))
-        if queued or left:
+        for number, why in queued.failed:
+            self._event(f"trial {number} (queued, never run) failed: {why}")
+        if queued.waiting or queued.left:
             n_trials = study_budget(study, self.cfg)
-            self._event(enqueued_text(queued, left, n_trials, self.cfg.source or self.cfg.name))
+            src = self.cfg.source or self.cfg.name
+            self._event(enqueued_text(queued.waiting, queued.left, n_trials, src))
 
     def run(self) -> LaunchSummary:
         """Run the launch; the launch lock (`hold_launch_lock`) is taken here unless the

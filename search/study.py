@@ -10,6 +10,7 @@ import math
 import socket
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from hpsearch.config import (
     Hyperparams,
     IntParam,
     StudyConfig,
+    check_enqueued,
     config_from_yaml,
     config_to_yaml,
     enqueued_trials,
@@ -120,6 +122,17 @@ def sampler_seed(seed: int | None, stream: int, trials_before: int) -> int | Non
         return seed
     digest = hashlib.sha256(f"{seed}:{stream}:{trials_before}".encode()).digest()
     return int.from_bytes(digest[:4], "big")  # numpy's seeds are < 2**32
+
+
+def trials_before(trials: Sequence[FrozenTrial]) -> int:
+    """The trials a worker's seed counts as already there (`sampler_seed`): all but the
+    enqueued ones still queued, which a launch queues while its first worker starts (before
+    or after it counts: its seed would depend on which came first)."""
+    return sum(
+        1
+        for t in trials
+        if not (t.state == TrialState.WAITING and "fixed_params" in t.system_attrs and not t.params)
+    )
 
 
 def make_sampler(
@@ -349,21 +362,69 @@ def trials_to_enqueue(
     return take, len(new) - len(take)
 
 
+@dataclass(frozen=True)
+class Queued:
+    """What `enqueue_trials` did: how many enqueued trials wait in the queue now (queued
+    here or before), how many the budget had no room for, and the queued ones it failed as
+    outside the search space (trial number, why)."""
+
+    waiting: int = 0
+    left: int = 0
+    failed: tuple[tuple[int, str], ...] = ()
+
+
+def unfit_queued(cfg: StudyConfig, trials: Sequence[FrozenTrial]) -> list[tuple[FrozenTrial, str]]:
+    """Enqueued trials still queued (never started) whose params the search space of `cfg`
+    no longer takes (a relaunch narrowed it), with why: Optuna would run them as given,
+    outside it, with a warning in one worker's log."""
+    out = []
+    for t in trials:
+        fixed = t.system_attrs.get("fixed_params")
+        if t.state != TrialState.WAITING or t.params or not isinstance(fixed, dict):
+            continue
+        try:
+            check_enqueued(cfg, fixed, "params", sep=": ")
+        except ConfigError as exc:
+            out.append((t, str(exc)))
+    return out
+
+
 def enqueue_trials(
     study: optuna.Study,
     cfg: StudyConfig,
     lock: Callable[[], contextlib.AbstractContextManager[Any]],
-) -> tuple[int, int]:
-    """Queue the config's `enqueue_trials` that the study does not hold yet, under the
-    study lock (a worker's count and claim, and another process queueing them, wait for
-    it). Returns (how many of them wait in the queue now, queued here or by a process
-    before, how many the budget had no room for)."""
-    wanted = enqueued_trials(cfg)
-    if not wanted:
-        return 0, 0
+    owner: bool = False,
+) -> Queued:
+    """Queue the study's `enqueue_trials` that it does not hold yet, under the study lock
+    (a worker's count and claim, and another process queueing them, wait for it). They are
+    those of the config the study was launched with (stored on it), else `cfg`'s: a worker
+    of its own file queues no entries a launch left out. The owner (`launch`) also fails
+    the queued ones its search space no longer takes (`unfit_queued`), recording why."""
+    entries = cfg
+    stored = study.user_attrs.get(CONFIG_ATTR)
+    if stored and not owner:
+        with contextlib.suppress(ConfigError):  # an older version's: the worker's own
+            entries = config_from_yaml(str(stored), f"study {cfg.name}")
+    wanted = enqueued_trials(entries)
+    if not wanted and not owner:
+        return Queued()
     with lock():
         refresh_trials_now(study)  # a worker's view may be throttled: queued a moment ago?
         trials = study.get_trials(deepcopy=False)
+        failed: list[tuple[int, str]] = []
+        if owner:
+            for t, why in unfit_queued(cfg, trials):
+                reason = f"its queued params are outside the search space: {why}"
+                storage = study._storage
+                storage.set_trial_user_attr(t._trial_id, "outcome", "error")  # worker.ATTR_*
+                storage.set_trial_user_attr(t._trial_id, "message", reason[:500])
+                storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                failed.append((t.number, why))
+            if failed:
+                refresh_trials_now(study)
+                trials = study.get_trials(deepcopy=False)
+        if not wanted:
+            return Queued(failed=tuple(failed))
         take, left = trials_to_enqueue(wanted, trials, study_budget(study, cfg))
         for params in take:
             study.enqueue_trial(params)
@@ -373,7 +434,7 @@ def enqueue_trials(
         if t.state == TrialState.WAITING and isinstance(t.system_attrs.get("fixed_params"), dict)
     ]
     before = sum(1 for p in wanted if any(same_params(p, q) for q in queued))
-    return before + len(take), left
+    return Queued(before + len(take), left, tuple(failed))
 
 
 def enqueued_text(waiting: int, left: int, n_trials: int, src: str) -> str:

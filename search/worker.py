@@ -63,6 +63,7 @@ from hpsearch.study import (
     objective_values,
     study_budget,
     suggest,
+    trials_before,
 )
 from hpsearch.trainer.types import best_model_path_for
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
@@ -589,7 +590,9 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
         lambda: create_or_load(cfg, storage, owner=False, budget=opts.set_budget),
         what="create study",
     )
-    before = with_db_retry(lambda: len(study.get_trials(deepcopy=False)), what="count trials")
+    before = with_db_retry(
+        lambda: trials_before(study.get_trials(deepcopy=False)), what="count trials"
+    )
     study.sampler = make_sampler(cfg, opts.stream(), before)
     if spec.is_postgres:  # the budget count there is SQL, not this cache
         throttle_trial_reads(study)

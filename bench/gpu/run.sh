@@ -197,7 +197,8 @@ for name in ${STEPS:-nvml trainer study packing paths trainer-compile packing-au
       # bench's stop escalation (up to 40 s), the cache build and reading back.
       # --workers auto's GPU probe counts inside --timeout (from the launch command's start)
       # study-b: the same with STUDY_B_SET's overrides ('field=value' items split at ';'),
-      # a variant of the study file measured beside it in one lease.
+      # a variant of the study file measured beside it in one lease. One that narrows the
+      # search space past the study's enqueued trial needs 'enqueue_trials=[]' too.
       sets=()
       if [ "$name" = study-b ]; then
         IFS=';' read -ra items <<<"${STUDY_B_SET:-}"

@@ -629,12 +629,13 @@ def test_an_override_through_a_yaml_alias_changes_that_field_only(tmp_path: Path
         (["search_space.batch_size={type: int, low: 16, high: 64}",
           "enqueue_trials=[{batch_size: 32.5}]"],
          "enqueue_trials[0].batch_size: 32.5: must be a whole number"),
-        # Optuna's GridSampler fails an enqueued trial at its first parameter not given.
+        # Optuna's GridSampler marks no point visited for it, and hands trial n point n: a
+        # point trained twice, another never.
         (["sampler.name=grid", "sampler.options={}", "budget.n_trials=2",
-          "search_space={lr: {type: categorical, choices: [0.1, 0.2]}, "
-          "loss: {type: categorical, choices: [ce, focal]}}",
+          "search_space={lr: {type: categorical, choices: [0.1, 0.2]}}",
           "enqueue_trials=[{lr: 0.1}]"],
-         "enqueue_trials[0]: {'lr': 0.1}: the grid sampler runs only whole points: give loss"),
+         "enqueue_trials[0]: {'lr': 0.1}: the grid sampler trains every point of its grid once"),
+        (["enqueue_trials=[{lr: .nan}]"], "enqueue_trials[0].lr: nan: must be finite"),
     ],
 )  # fmt: skip
 def test_an_enqueued_trial_its_study_could_not_run_as_given_is_refused(
@@ -668,3 +669,18 @@ def test_enqueued_trials_are_given_to_optuna_as_their_trials_draw_them(tmp_path:
             ["search_space.mixup_alpha={type: categorical, choices: [0, 1]}",
              "enqueue_trials=[{mixup_alpha: true}]"],
         )  # fmt: skip
+
+
+def test_enqueued_values_may_be_numpy_scalars_as_best_trials_gives_them_back() -> None:
+    import numpy as np
+    from hpsearch.config import check_enqueued
+
+    cfg = load_config("tiny", ["search_space.batch_size={type: int, low: 16, high: 64}"])
+    got = check_enqueued(cfg, {"batch_size": np.int64(64), "lr": np.float64(0.1)}, "params")
+    assert got == {"batch_size": 64, "lr": 0.1}
+    assert type(got["batch_size"]) is int and type(got["lr"]) is float
+    with pytest.raises(ConfigError, match=r"params.batch_size: np.float64\(64.0\): must be a "
+                                          "whole number"):  # fmt: skip
+        check_enqueued(cfg, {"batch_size": np.float64(64.0)}, "params")
+    with pytest.raises(ConfigError, match=r"params.lr: np.True_: must be a number"):
+        check_enqueued(cfg, {"lr": np.bool_(True)}, "params")

@@ -1302,3 +1302,38 @@ def test_enqueued_trials_run_first_once_per_study_and_within_its_budget(
     assert "enqueue_trials: 1 not queued: budget.n_trials (6) has no room for them" in out.stdout
     trials = optuna.load_study(study_name="tiny", storage=pg_url).get_trials()
     assert len(trials) == 6
+
+
+def test_a_relaunch_fails_a_queued_trial_its_narrowed_space_no_longer_takes(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A trial queued by hand (or left queued by a stop) with params a relaunch's narrowed
+    search space refuses: Optuna ran it as given, outside the space, with a warning in one
+    worker's log. The launch (owner) fails it, never run, with why; a worker does not (its
+    --set are its own), and queues only the entries of the config the study was launched
+    with, not its own file's."""
+    from hpsearch.study import enqueue_trials, trials_before
+
+    spec, _storage, cfg, study = _tiny_study(pg_url, tmp_path)
+    study.enqueue_trial({"lr": 0.3, "loss": "focal", "focal_gamma": 2.5})
+    study.enqueue_trial({"lr": 0.005})
+    assert trials_before(study.get_trials()) == 0  # a worker's seed: none drawn yet
+
+    def lock() -> contextlib.AbstractContextManager[object]:
+        return study_lock(spec, cfg.name)
+
+    narrowed = load_config("tiny", ["search_space.lr={type: float, low: 0.001, high: 0.01, "
+                                    "log: true}"])  # fmt: skip
+    assert enqueue_trials(study, narrowed, lock).failed == ()  # a worker's
+    done = enqueue_trials(study, narrowed, lock, owner=True)
+    assert done.failed == ((0, "params: lr: 0.3: outside its range 0.001..0.01"),)
+    first, second = study.get_trials()
+    assert first.state == optuna.trial.TrialState.FAIL and first.user_attrs["outcome"] == "error"
+    assert "its queued params are outside the search space" in first.user_attrs["message"]
+    assert second.state == optuna.trial.TrialState.WAITING  # it fits: it runs
+    assert trials_before(study.get_trials()) == 1
+
+    # A worker of its own file with entries: the study's stored config has none
+    own = load_config("tiny", ["enqueue_trials=[{lr: 0.02}]"])
+    assert enqueue_trials(study, own, lock) == enqueue_trials(study, cfg, lock)
+    assert len(study.get_trials()) == 2
