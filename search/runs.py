@@ -1447,15 +1447,28 @@ def finalize_study(
 
 
 def export_model_onnx(cfg: StudyConfig, params: Mapping[str, Any], weights: Path,
-                      out: Path) -> Path:  # fmt: skip
-    """A trained model's weights file (`best_model`) as verified ONNX at `out`."""
+                      out: Path, size: int | None = None) -> Path:  # fmt: skip
+    """A trained model's weights file (`best_model`) as verified ONNX at `out`, taking
+    `size` px images (default: the size `cfg` evaluates the trial at)."""
     import torch
     from hpsearch.tracking.onnx_export import export_onnx
     from hpsearch.trainer import load_trained_model
 
     model = load_trained_model(cfg, dict(params), weights, device="cpu")
-    size = cfg.trial_sizes(cfg.resolve_params(dict(params)))[1]  # its accuracy's size
+    if size is None:
+        size = cfg.trial_sizes(cfg.resolve_params(dict(params)))[1]  # its accuracy's size
     return Path(export_onnx(model, torch.randn(2, 3, size, size), out))
+
+
+def _run_eval_size(client: Any, run_id: str) -> int | None:
+    """The px a trial's run says its accuracies were taken at (`eval_image_size`), which an
+    earlier launch's trainer.eval_scale or dataset.image_size may have made other than
+    today's config gives; None when the run does not say."""
+    try:
+        return int(client.get_run(run_id).data.params["eval_image_size"])
+    except Exception as exc:  # MlflowException, HTTPError, KeyError (an older run), ValueError
+        logger.info("no eval_image_size on run %s: %s", run_id, scrub(str(exc)))
+        return None
 
 
 def may_still_export(attrs: Mapping[str, Any], host: str, alive: Callable[[int], bool]) -> bool:
@@ -1548,7 +1561,9 @@ def _export_best_onnx(
             return None
     if weights is None or not weights.exists():
         return None
-    return export_model_onnx(cfg, best.params, weights, out / "best_model.onnx"), best.number
+    size = _run_eval_size(client, str(run_id)) if run_id else None
+    onnx = export_model_onnx(cfg, best.params, weights, out / "best_model.onnx", size)
+    return onnx, best.number
 
 
 def download_best_model(

@@ -154,9 +154,22 @@ def test_without_its_workers_export_the_launcher_exports_from_the_runs_checkpoin
     assert _best_trial_onnx(client, study, tmp_path / "a", wait_s=0.0) is None
     got = _export_best_onnx(cfg, study, tmp_path / "b", client)
     assert got is not None and got[0].stat().st_size > 1_000_000 and got[1] == trial.number
+    assert _onnx_input_size(got[0]) == 32  # the tiny study's, the run saying nothing
+    # The size its run says it was evaluated at (an earlier launch's eval_scale), not today's
+    client.log_param(run_id, "eval_image_size", "40")
+    got = _export_best_onnx(cfg, study, tmp_path / "b2", client)
+    assert got is not None and _onnx_input_size(got[0]) == 40
     other = client.create_run(client.get_experiment_by_name(cfg.name).experiment_id)
     trial2 = study.ask()
     suggest(trial2, cfg)
     trial2.set_user_attr("mlflow_run_id", other.info.run_id)  # no checkpoint in this run
     study.tell(trial2, 0.9)
     assert _export_best_onnx(cfg, study, tmp_path / "c", client) is None
+
+
+def _onnx_input_size(path: Path) -> int:
+    import onnx
+
+    dims = onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim
+    assert dims[2].dim_value == dims[3].dim_value
+    return int(dims[2].dim_value)
