@@ -505,7 +505,10 @@ def enqueued_value(spec: FloatParam | IntParam | CategoricalParam, value: Any) -
     if isinstance(spec, IntParam) and not isinstance(value, numbers.Integral):
         raise ValueError("must be a whole number")
     raw: Any = value  # a numpy scalar converts like the builtin it stands for
-    number: float | int = float(raw) if isinstance(spec, FloatParam) else int(raw)
+    try:
+        number: float | int = float(raw) if isinstance(spec, FloatParam) else int(raw)
+    except OverflowError:  # an integer past a float's range
+        raise ValueError(f"outside its range {spec.low}..{spec.high}") from None
     if not math.isfinite(number):
         raise ValueError("must be finite")
     if not spec.low <= number <= spec.high:
@@ -559,8 +562,8 @@ def check_enqueued(
             values = wanted if isinstance(wanted, list) else [wanted]
             if cond not in entry:
                 raise ConfigError(
-                    f"{field}: {value!r}: drawn only when {cond} is one of {values}: "
-                    f"give {cond} too{hint}"
+                    f"{field}: {value!r}: drawn only when {cond} is one of {values}, and "
+                    f"this trial gives no {cond}{hint}"
                 )
             if entry[cond] not in values:
                 raise ConfigError(
@@ -572,7 +575,7 @@ def check_enqueued(
         # n the n-th point: that point trains twice and another never.
         raise ConfigError(
             f"{where}: {dict(entry)!r}: the grid sampler trains every point of its grid once "
-            "already; an enqueued trial would train one twice and leave another out"
+            f"already; an enqueued trial would train one twice and leave another out{hint}"
         )
     return out
 

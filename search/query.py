@@ -27,6 +27,7 @@ from hpsearch.storage import (
     with_db_retry,
 )
 from hpsearch.study import (
+    ATTR_UNFIT,
     CONFIG_ATTR,
     LATE_RUN_ATTR,
     rank_key,
@@ -463,7 +464,7 @@ def enqueue_trial(
                 trials = study.get_trials(deepcopy=False)
                 for t in trials:
                     held = t.system_attrs.get("fixed_params", t.params)
-                    if same_params(entry, held):
+                    if same_params(entry, held) and ATTR_UNFIT not in t.system_attrs:
                         return Enqueued(t.number, False, t.state.name.lower(), dict(held))
                 n_trials = study_budget(study, cfg)
                 if not trials_to_enqueue([entry], trials, n_trials)[0]:

@@ -124,15 +124,23 @@ def sampler_seed(seed: int | None, stream: int, trials_before: int) -> int | Non
     return int.from_bytes(digest[:4], "big")  # numpy's seeds are < 2**32
 
 
+# System attr of an enqueued trial a launch failed unrun: its params were outside the search
+# space the study was launched with (`enqueue_trials`, owner). It holds none of its params:
+# queueing them again is allowed.
+ATTR_UNFIT = "hpsearch:unfit_queued"
+
+
+def never_ran(t: FrozenTrial) -> bool:
+    """An enqueued trial still queued, or failed unrun by a launch (`ATTR_UNFIT`)."""
+    queued = t.state == TrialState.WAITING or ATTR_UNFIT in t.system_attrs
+    return queued and "fixed_params" in t.system_attrs and not t.params
+
+
 def trials_before(trials: Sequence[FrozenTrial]) -> int:
     """The trials a worker's seed counts as already there (`sampler_seed`): all but the
-    enqueued ones still queued, which a launch queues while its first worker starts (before
-    or after it counts: its seed would depend on which came first)."""
-    return sum(
-        1
-        for t in trials
-        if not (t.state == TrialState.WAITING and "fixed_params" in t.system_attrs and not t.params)
-    )
+    enqueued ones never run, which a launch queues (or fails) while its first worker starts
+    (before or after it counts: its seed would depend on which came first)."""
+    return sum(1 for t in trials if not never_ran(t))
 
 
 def make_sampler(
@@ -346,6 +354,10 @@ def _is_float(value: Any) -> bool:
     return isinstance(value, float)
 
 
+def _unfit(t: FrozenTrial) -> bool:
+    return ATTR_UNFIT in t.system_attrs
+
+
 def trials_to_enqueue(
     wanted: Sequence[Mapping[str, Any]], trials: Sequence[FrozenTrial], n_trials: int
 ) -> tuple[list[dict[str, Any]], int]:
@@ -354,7 +366,7 @@ def trials_to_enqueue(
     as drawn) is not queued again; the rest only while the budget has room: finished,
     running and queued trials together stay within `n_trials`, as `may_start_trial` keeps
     drawn ones (a queued trial is always taken)."""
-    held = [t.system_attrs.get("fixed_params", t.params) for t in trials]
+    held = [t.system_attrs.get("fixed_params", t.params) for t in trials if not _unfit(t)]
     counts = budget_counts(trials)
     room = n_trials - sum(counts.get(k, 0) for k in ("complete", "pruned", "running", "waiting"))
     new = [dict(p) for p in wanted if not any(same_params(p, h) for h in held)]
@@ -389,6 +401,16 @@ def unfit_queued(cfg: StudyConfig, trials: Sequence[FrozenTrial]) -> list[tuple[
     return out
 
 
+def _fail_unrun(study: optuna.Study, t: FrozenTrial, why: str) -> None:
+    """Fail an enqueued trial never run, as its params do not fit the launch's space."""
+    storage = study._storage
+    reason = f"its queued params do not fit the search space the study was launched with: {why}"
+    storage.set_trial_system_attr(t._trial_id, ATTR_UNFIT, True)
+    storage.set_trial_user_attr(t._trial_id, "outcome", "error")  # worker.ATTR_OUTCOME
+    storage.set_trial_user_attr(t._trial_id, "message", reason[:500])  # worker.ATTR_MESSAGE
+    storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+
+
 def enqueue_trials(
     study: optuna.Study,
     cfg: StudyConfig,
@@ -400,25 +422,26 @@ def enqueue_trials(
     those of the config the study was launched with (stored on it), else `cfg`'s: a worker
     of its own file queues no entries a launch left out. The owner (`launch`) also fails
     the queued ones its search space no longer takes (`unfit_queued`), recording why."""
-    entries = cfg
-    stored = study.user_attrs.get(CONFIG_ATTR)
-    if stored and not owner:
-        with contextlib.suppress(ConfigError):  # an older version's: the worker's own
-            entries = config_from_yaml(str(stored), f"study {cfg.name}")
-    wanted = enqueued_trials(entries)
-    if not wanted and not owner:
-        return Queued()
     with lock():
+        # The stored config read under the lock: a relaunch stores its own before it takes
+        # the lock to fail what its space refuses, so whichever comes first, nothing queued
+        # by the config it replaced is left outside its space.
+        entries = cfg
+        stored = study.user_attrs.get(CONFIG_ATTR) if not owner else None
+        if stored:
+            with contextlib.suppress(ConfigError):  # an older version's: the worker's own
+                entries = config_from_yaml(str(stored), f"study {cfg.name}")
+        wanted = enqueued_trials(entries)
+        if not wanted and not owner:
+            return Queued()
         refresh_trials_now(study)  # a worker's view may be throttled: queued a moment ago?
         trials = study.get_trials(deepcopy=False)
         failed: list[tuple[int, str]] = []
         if owner:
             for t, why in unfit_queued(cfg, trials):
-                reason = f"its queued params are outside the search space: {why}"
-                storage = study._storage
-                storage.set_trial_user_attr(t._trial_id, "outcome", "error")  # worker.ATTR_*
-                storage.set_trial_user_attr(t._trial_id, "message", reason[:500])
-                storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                if study._storage.get_trial(t._trial_id).state != TrialState.WAITING:
+                    continue  # taken meanwhile (the lock's session lost): it runs
+                _fail_unrun(study, t, why)
                 failed.append((t.number, why))
             if failed:
                 refresh_trials_now(study)

@@ -614,8 +614,8 @@ def test_an_override_through_a_yaml_alias_changes_that_field_only(tmp_path: Path
          "enqueue_trials[0].loss: 'label_smoothing': not among its choices ['ce', 'focal']"),
         # A value its trial would never use (focal_gamma is drawn only under loss focal)
         (["enqueue_trials=[{focal_gamma: 2.0}]"],
-         "enqueue_trials[0].focal_gamma: 2.0: drawn only when loss is one of ['focal']: "
-         "give loss too"),
+         "enqueue_trials[0].focal_gamma: 2.0: drawn only when loss is one of ['focal'], and "
+         "this trial gives no loss"),
         (["enqueue_trials=[{loss: ce, focal_gamma: 2.0}]"],
          "enqueue_trials[0].focal_gamma: 2.0: drawn only when loss is one of ['focal'], and "
          "this trial gives loss: 'ce'"),
@@ -636,6 +636,7 @@ def test_an_override_through_a_yaml_alias_changes_that_field_only(tmp_path: Path
           "enqueue_trials=[{lr: 0.1}]"],
          "enqueue_trials[0]: {'lr': 0.1}: the grid sampler trains every point of its grid once"),
         (["enqueue_trials=[{lr: .nan}]"], "enqueue_trials[0].lr: nan: must be finite"),
+        ([f"enqueue_trials=[{{lr: 1{'0' * 400}}}]"], "outside its range 0.001..0.5"),
     ],
 )  # fmt: skip
 def test_an_enqueued_trial_its_study_could_not_run_as_given_is_refused(

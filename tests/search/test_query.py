@@ -418,7 +418,7 @@ def test_a_trial_queued_by_hand_runs_first_once_and_within_the_budget(
     assert "not queued: trial 0 of study tiny (waiting) already has these params" in out.stdout
     for params, shown in (
         ('{"lr": 5}', "params: lr: 5: outside its range 0.001..0.5"),
-        ('{"focal_gamma": 2.0}', "give loss too"),
+        ('{"focal_gamma": 2.0}', "this trial gives no loss"),
         ('{"momentum": 0.8}', "params: momentum: 0.8: not searched here"),
         ('{"lr": 0.1', "--params: '{\"lr\": 0.1': not valid JSON"),
         ("[0.1]", "must be a JSON object"),

@@ -1329,11 +1329,20 @@ def test_a_relaunch_fails_a_queued_trial_its_narrowed_space_no_longer_takes(
     assert done.failed == ((0, "params: lr: 0.3: outside its range 0.001..0.01"),)
     first, second = study.get_trials()
     assert first.state == optuna.trial.TrialState.FAIL and first.user_attrs["outcome"] == "error"
-    assert "its queued params are outside the search space" in first.user_attrs["message"]
+    assert (
+        "its queued params do not fit the search space the study was launched with: params: lr: 0.3"
+        in first.user_attrs["message"]
+    )
     assert second.state == optuna.trial.TrialState.WAITING  # it fits: it runs
-    assert trials_before(study.get_trials()) == 1
+    assert trials_before(study.get_trials()) == 0  # neither ran
+    # Failed unrun, its params are no trial's: the space widened again, they queue again
+    import hpsearch as hps
+
+    again = hps.enqueue_trial("tiny", {"lr": 0.3, "loss": "focal", "focal_gamma": 2.5},
+                              pg_url)  # fmt: skip
+    assert (again.number, again.queued) == (2, True)
 
     # A worker of its own file with entries: the study's stored config has none
     own = load_config("tiny", ["enqueue_trials=[{lr: 0.02}]"])
     assert enqueue_trials(study, own, lock) == enqueue_trials(study, cfg, lock)
-    assert len(study.get_trials()) == 2
+    assert len(study.get_trials()) == 3
