@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import click
 from hpsearch import __version__
-from hpsearch.errors import EXIT_DISK_FULL, ConfigError, DiskFullError, HpsearchError
+from hpsearch.errors import EXIT_DISK_FULL, DiskFullError, HpsearchError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -772,15 +772,10 @@ def enqueue(study: str, storage: str | None, workdir: Path, params_json: str) ->
     Example:
       hpsearch enqueue --study flowers102 --params '{"lr": 0.1, "batch_size": 256}'
     """
+    from hpsearch.config import params_from_json
     from hpsearch.query import enqueue_trial
 
-    try:
-        params = json.loads(params_json)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--params: {params_json!r}: not valid JSON: {exc.msg}") from exc
-    if not isinstance(params, dict):
-        raise ConfigError(f"--params: {params_json!r}: must be a JSON object")
-    done = enqueue_trial(study, params, storage, workdir)
+    done = enqueue_trial(study, params_from_json(params_json), storage, workdir)
     if done.queued:
         click.echo(f"queued trial {done.number} of study {study}: {done.params}")
     else:

@@ -9,6 +9,7 @@ Nothing here touches storage; loading is pure, so a bad file writes nothing.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import os
@@ -952,6 +953,17 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" + (
         f" ({context})" if context else ""
     )
+
+
+def params_from_json(text: str, option: str = "--params") -> dict[str, Any]:
+    """Hyperparameters given on the command line as a JSON object, or one-line ConfigError."""
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{option}: {text!r}: not valid JSON: {exc.msg}") from exc
+    if not isinstance(params, dict):
+        raise ConfigError(f"{option}: {text!r}: must be a JSON object")
+    return params
 
 
 def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpsearch.config import StudyConfig
+from hpsearch.config import StudyConfig, params_from_json
 from hpsearch.errors import ConfigError, DataError, HpsearchError
 
 if TYPE_CHECKING:
@@ -108,12 +107,7 @@ def fixed_params(
         return trial_params(matches[0], cfg)
     if params_json is None:
         return {}
-    try:
-        params = json.loads(params_json)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--params: {params_json!r}: not valid JSON: {exc.msg}") from exc
-    if not isinstance(params, dict):
-        raise ConfigError(f"--params: {params_json!r}: must be a JSON object")
+    params = params_from_json(params_json)
     cfg.resolve_params(params, given_by="--params")  # the study's rules for names and values
     unknown = sorted(set(params) - set(cfg.fixed_params()))
     if unknown:
