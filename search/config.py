@@ -506,11 +506,13 @@ def enqueued_value(spec: FloatParam | IntParam | CategoricalParam, value: Any) -
     if isinstance(spec, IntParam) and not isinstance(value, numbers.Integral):
         raise ValueError("must be a whole number")
     raw: Any = value  # a numpy scalar converts like the builtin it stands for
+    number: float | int
     try:
-        number: float | int = float(raw) if isinstance(spec, FloatParam) else int(raw)
+        number = float(raw) if isinstance(spec, FloatParam) else int(raw)
+        finite = math.isfinite(number)
     except OverflowError:  # an integer past a float's range
         raise ValueError(f"outside its range {spec.low}..{spec.high}") from None
-    if not math.isfinite(number):
+    if not finite:
         raise ValueError("must be finite")
     if not spec.low <= number <= spec.high:
         raise ValueError(f"outside its range {spec.low}..{spec.high}")
@@ -957,12 +959,16 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
 
 def params_from_json(text: str, option: str = "--params") -> dict[str, Any]:
     """Hyperparameters given on the command line as a JSON object, or one-line ConfigError."""
+    shown = repr(text) if len(text) <= 200 else repr(text[:200]) + "..."
     try:
         params = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{option}: {text!r}: not valid JSON: {exc.msg}") from exc
+        raise ConfigError(f"{option}: {shown}: not valid JSON: {exc.msg}") from exc
+    except (ValueError, RecursionError) as exc:  # a number of 4300+ digits, deep nesting
+        first = str(exc).split(";")[0]
+        raise ConfigError(f"{option}: {shown}: not valid JSON: {first}") from exc
     if not isinstance(params, dict):
-        raise ConfigError(f"{option}: {text!r}: must be a JSON object")
+        raise ConfigError(f"{option}: {shown}: must be a JSON object")
     return params
 
 

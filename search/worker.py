@@ -54,6 +54,7 @@ from hpsearch.storage import (
 )
 from hpsearch.study import (
     ATTR_FAILED_HOST,
+    ATTR_UNFIT,
     MEMORY_CONSTRAINT,
     budget_counts,
     create_or_load,
@@ -332,6 +333,7 @@ class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
         # slot failed it), and a retry failed by the stale check look handed back.
         user_attrs = {k: v for k, v in trial.user_attrs.items() if k not in TRY_ATTRS}
         attrs: dict[str, Any] = {"failed_trial": trial.number, **trial.system_attrs}
+        attrs.pop(ATTR_UNFIT, None)  # a launch's mark of a trial it failed unrun: it ran
         # A new list: Optuna's appends to the failed trial's own, which a cached storage
         # hands out uncopied.
         attrs["retry_history"] = [*attrs.get("retry_history", []), trial.number]

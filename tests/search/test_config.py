@@ -637,6 +637,8 @@ def test_an_override_through_a_yaml_alias_changes_that_field_only(tmp_path: Path
          "enqueue_trials[0]: {'lr': 0.1}: the grid sampler trains every point of its grid once"),
         (["enqueue_trials=[{lr: .nan}]"], "enqueue_trials[0].lr: nan: must be finite"),
         ([f"enqueue_trials=[{{lr: 1{'0' * 400}}}]"], "outside its range 0.001..0.5"),
+        (["search_space.warmup_epochs={type: int, low: 0, high: 3}",
+          f"enqueue_trials=[{{warmup_epochs: 1{'0' * 400}}}]"], "outside its range 0..3"),
     ],
 )  # fmt: skip
 def test_an_enqueued_trial_its_study_could_not_run_as_given_is_refused(
@@ -685,3 +687,20 @@ def test_enqueued_values_may_be_numpy_scalars_as_best_trials_gives_them_back() -
         check_enqueued(cfg, {"batch_size": np.float64(64.0)}, "params")
     with pytest.raises(ConfigError, match=r"params.lr: np.True_: must be a number"):
         check_enqueued(cfg, {"lr": np.bool_(True)}, "params")
+
+
+def test_params_on_the_command_line_are_a_json_object_or_one_short_line() -> None:
+    from hpsearch.config import params_from_json
+
+    assert params_from_json('{"lr": 0.1}') == {"lr": 0.1}
+    for text, shown in (
+        ("{bad", "not valid JSON: Expecting property name"),
+        ("[1]", "must be a JSON object"),
+        ('{"lr": 1' + "0" * 5000 + "}", "not valid JSON: Exceeds the limit"),  # a number
+        ("[" * 100_000, "not valid JSON: maximum recursion depth"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            params_from_json(text)
+        msg = str(info.value)
+        assert msg.startswith("--params: ") and shown in msg and "\n" not in msg, msg
+        assert len(msg) < 400, len(msg)  # the argument cut short

@@ -1346,3 +1346,11 @@ def test_a_relaunch_fails_a_queued_trial_its_narrowed_space_no_longer_takes(
     own = load_config("tiny", ["enqueue_trials=[{lr: 0.02}]"])
     assert enqueue_trials(study, own, lock) == enqueue_trials(study, cfg, lock)
     assert len(study.get_trials()) == 3
+
+    # A retry (were one made of such a trial: a claim in the gap of a lost lock) ran: the
+    # mark is not inherited
+    from hpsearch.study import ATTR_UNFIT
+    from hpsearch.worker import retry_callback
+
+    assert retry_callback(3).requeue(study, study.get_trials()[0], interrupted=True)
+    assert ATTR_UNFIT not in study.get_trials()[-1].system_attrs
