@@ -27,13 +27,12 @@ from hpsearch.storage import (
     with_db_retry,
 )
 from hpsearch.study import (
-    ATTR_UNFIT,
     CONFIG_ATTR,
     LATE_RUN_ATTR,
+    budget_room,
+    holding_trial,
     rank_key,
-    same_params,
     study_budget,
-    trials_to_enqueue,
 )
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
@@ -462,12 +461,11 @@ def enqueue_trial(
             with study_lock(_spec(storage, workdir), name):
                 refresh_trials_now(study)
                 trials = study.get_trials(deepcopy=False)
-                for t in trials:
+                if (t := holding_trial(entry, trials)) is not None:
                     held = t.system_attrs.get("fixed_params", t.params)
-                    if same_params(entry, held) and ATTR_UNFIT not in t.system_attrs:
-                        return Enqueued(t.number, False, t.state.name.lower(), dict(held))
+                    return Enqueued(t.number, False, t.state.name.lower(), dict(held))
                 n_trials = study_budget(study, cfg)
-                if not trials_to_enqueue([entry], trials, n_trials)[0]:
+                if budget_room(trials, n_trials) == 0:
                     raise HpsearchError(
                         f"study {name!r}: budget.n_trials ({n_trials}) has no room for "
                         "another trial (finished, running and queued ones count): raise it "

@@ -340,37 +340,40 @@ def same_params(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         return False
     for name, x in a.items():
         y = b[name]
-        if type(x) is not type(y) and not (_is_float(x) and _is_float(y)):
-            return False
-        if _is_float(x) and _is_float(y):
-            if not math.isclose(float(x), float(y), rel_tol=1e-9, abs_tol=0.0):
+        if isinstance(x, float) and isinstance(y, float):
+            if not math.isclose(x, y, rel_tol=1e-9, abs_tol=0.0):
                 return False
-        elif x != y:
+        elif type(x) is not type(y) or x != y:
             return False
     return True
 
 
-def _is_float(value: Any) -> bool:
-    return isinstance(value, float)
+def holding_trial(params: Mapping[str, Any], trials: Sequence[FrozenTrial]) -> FrozenTrial | None:
+    """The trial that already holds `params` (queued, run or failed, under its fixed params
+    or as drawn), if one does: not one a launch failed unrun (`ATTR_UNFIT`)."""
+    for t in trials:
+        held = t.system_attrs.get("fixed_params", t.params)
+        if ATTR_UNFIT not in t.system_attrs and same_params(params, held):
+            return t
+    return None
 
 
-def _unfit(t: FrozenTrial) -> bool:
-    return ATTR_UNFIT in t.system_attrs
+def budget_room(trials: Sequence[FrozenTrial], n_trials: int) -> int:
+    """Trials that may still be queued: finished, running and queued ones together stay
+    within `n_trials`, as `may_start_trial` keeps drawn ones (a queued trial is always
+    taken); failed ones do not count."""
+    counts = budget_counts(trials)
+    used = sum(counts.get(k, 0) for k in ("complete", "pruned", "running", "waiting"))
+    return max(n_trials - used, 0)
 
 
 def trials_to_enqueue(
     wanted: Sequence[Mapping[str, Any]], trials: Sequence[FrozenTrial], n_trials: int
 ) -> tuple[list[dict[str, Any]], int]:
     """(the `enqueue_trials` to queue now, how many of the rest the budget has no room
-    for). One the study already holds (queued, run or failed, under its fixed params or
-    as drawn) is not queued again; the rest only while the budget has room: finished,
-    running and queued trials together stay within `n_trials`, as `may_start_trial` keeps
-    drawn ones (a queued trial is always taken)."""
-    held = [t.system_attrs.get("fixed_params", t.params) for t in trials if not _unfit(t)]
-    counts = budget_counts(trials)
-    room = n_trials - sum(counts.get(k, 0) for k in ("complete", "pruned", "running", "waiting"))
-    new = [dict(p) for p in wanted if not any(same_params(p, h) for h in held)]
-    take = new[: max(room, 0)]
+    for): those no trial holds (`holding_trial`), while `budget_room` lasts."""
+    new = [dict(p) for p in wanted if holding_trial(p, trials) is None]
+    take = new[: budget_room(trials, n_trials)]
     return take, len(new) - len(take)
 
 
