@@ -15,6 +15,7 @@ import hpsearch as hps
 import pytest
 from cli_util import DUMMY, group_alive, hpsearch, popen
 from optuna.trial import TrialState
+from pg_util import url_up_later
 
 
 def finished(study) -> list:  # type: ignore[no-untyped-def]
@@ -659,6 +660,44 @@ def test_a_dashboard_on_no_study_or_that_cannot_listen_is_one_line(
         f"Error: --host/--port: 127.0.0.1:{port}: cannot listen there: Address already in use"
     )
     assert "optuna-dashboard: http" not in r.stdout  # it never listened
+
+
+def test_a_dashboard_started_while_its_database_restarts_waits_for_it(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """`hpsearch dashboard` exited at once on a database that dropped its first connection
+    ("cannot connect: server closed the connection unexpectedly", as during a restart: a
+    compose stack starts it beside PostgreSQL); it now waits as a worker does. A database
+    that does not exist is still one line at once."""
+    import urllib.request
+
+    from hpsearch.tracking.server import free_port
+
+    assert hpsearch(["init-storage", "--storage", pg_url], subprocess_env).returncode == 0
+    later, port = url_up_later(pg_url, 3.0, drop=True), free_port()
+    log = tmp_path / "dashboard.log"
+    t0 = time.monotonic()
+    proc = popen(["dashboard", "--storage", later, "--port", str(port)], subprocess_env, log)
+    try:
+        deadline = t0 + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies", timeout=5):
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert time.monotonic() - t0 >= 3.0
+    assert "database connection lost, retrying in" in log.read_text(), log.read_text()
+    wrong = pg_url.rsplit("/", 1)[0] + "/no_such_db_dash"
+    t0 = time.monotonic()
+    r = hpsearch(["dashboard", "--storage", wrong, "--port", str(free_port())], subprocess_env)
+    assert r.returncode == 1 and time.monotonic() - t0 < 30, r.stderr
+    assert r.stderr.count("\n") == 1 and "no_such_db_dash" in r.stderr, r.stderr
 
 
 def test_train_trial_n_takes_the_config_the_trial_ran_with(

@@ -32,6 +32,7 @@ from hpsearch.storage import (
 )
 from hpsearch.study import budget_counts, create_or_load, suggest
 from optuna.storages import BaseStorage
+from pg_util import url_up_later
 from sqlalchemy.engine import make_url
 
 
@@ -1211,34 +1212,10 @@ def test_a_worker_waits_for_a_database_that_is_restarting_but_not_for_a_wrong_on
     database name still fails at once, in one line. The restart here is real: the study's
     database behind a port where nothing listens (connection refused) until, 1.5 s later,
     a forwarder to the real server starts there."""
-    import socket
-    import threading
-
     import hpsearch.storage as S
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    later = url_up_later(pg_url, 1.5)
     real = make_url(pg_url)
-    later = real.set(port=port).render_as_string(hide_password=False)
-
-    def pipe(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-
-    def forward_later() -> None:
-        time.sleep(1.5)
-        server = socket.create_server(("127.0.0.1", port))
-        while True:
-            client, _ = server.accept()
-            upstream = socket.create_connection((real.host or "127.0.0.1", real.port or 5432))
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
-
-    threading.Thread(target=forward_later, daemon=True).start()
     t0 = time.monotonic()
     with pytest.warns(UserWarning, match="retrying in"):
         storage = S.open_storage_when_up(resolve_storage(later, tmp_path), 30.0)

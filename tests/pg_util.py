@@ -1,0 +1,54 @@
+"""A PostgreSQL URL that behaves as a server restarting for real: its port first refuses
+connections (nothing listens) or drops them (libpq: "server closed the connection
+unexpectedly"), then forwards them to the machine's server."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+from sqlalchemy.engine import make_url
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
+
+
+def url_up_later(pg_url: str, after_s: float, *, drop: bool = False) -> str:
+    """`pg_url` behind a free local port that, for `after_s` seconds, refuses connections
+    (or, with `drop`, accepts and closes them at once), then forwards each to the real
+    server. The forwarder is a daemon thread: it lives as long as the test process."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    real = make_url(pg_url)
+    up_at = time.monotonic() + after_s
+
+    def serve() -> None:
+        if not drop:
+            time.sleep(after_s)
+        server = socket.create_server(("127.0.0.1", port))
+        while True:
+            client, _ = server.accept()
+            if time.monotonic() < up_at:
+                client.close()
+                continue
+            upstream = socket.create_connection((real.host or "127.0.0.1", real.port or 5432))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    if drop:  # listening before the caller connects: its first tries are dropped, not refused
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.connect(("127.0.0.1", port))
+                break
+            time.sleep(0.01)
+    return real.set(port=port).render_as_string(hide_password=False)
