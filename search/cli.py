@@ -351,7 +351,8 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         if p.message:
             click.echo(p.message)
             return
-        state = repr((p.counts, p.best_value, [(w.trial, w.state) for w in p.workers]))
+        stale = p.stale_s is not None
+        state = repr((p.counts, p.best_value, [(w.trial, w.state) for w in p.workers], stale))
         # A line when something changed, else every 30 s: a log, not a ticker.
         if state != last["line"] or p.elapsed_s - last["at"] >= 30:
             click.echo(format_progress(p))

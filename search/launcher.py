@@ -336,6 +336,9 @@ class Progress:
     elapsed_s: float
     eta_s: float | None
     message: str = ""  # an event: worker died, restarted, ...
+    # s since the figures were read, when the database did not answer this time (None:
+    # read now); a restart or network cut leaves the last figures on show, said so.
+    stale_s: float | None = None
 
 
 @dataclass
@@ -568,6 +571,7 @@ class Launcher:
         self._finalized: list[str] = []
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
+        self._read_at = time.monotonic()  # when _last_trials were read
         self._study: optuna.Study | None = None  # opened in run(), after the workers start
         self._early_events: list[str] = []  # progress events from before that
         # Dead workers' trials without an MLflow run, failed once the tracking set-up is over:
@@ -1394,12 +1398,16 @@ class Launcher:
         self._fail_held()
 
     def _progress(self, message: str = "") -> Progress:
+        stale_s: float | None = None
         try:
             trials = self.study.get_trials(deepcopy=False)
             best_value, best_trial = _best(self.study, trials)
+            self._read_at = time.monotonic()
         except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
-            # The database may be restarting: progress is cosmetic, show the last figures.
+            # The database may be restarting: progress is cosmetic, show the last figures
+            # and how old they are.
             trials, (best_value, best_trial) = self._last_trials, self._last_best
+            stale_s = time.monotonic() - self._read_at
         self._last_trials, self._last_best = trials, (best_value, best_trial)
         counts = budget_counts(trials)
         running = {
@@ -1434,6 +1442,7 @@ class Launcher:
             elapsed,
             eta_seconds(finished, self.cfg.budget.n_trials, elapsed),
             message,
+            stale_s,
         )
 
 
@@ -1445,7 +1454,8 @@ def format_progress(p: Progress) -> str:
         f"w{w.slot}:{'t' + str(w.trial) if w.trial is not None else w.state}" for w in p.workers
     )
     slow = "".join(f" | input-bound t{n} ({u:.0f}% GPU)" for n, u in sorted(p.input_bound.items()))
+    stale = "" if p.stale_s is None else f" | database unreachable: figures {p.stale_s:.0f}s old"
     return (
         f"[{p.elapsed_s:6.0f}s] complete {c['complete']} pruned {c['pruned']} failed {c['fail']} "
-        f"running {c['running']} / {p.n_trials} | best {best} | eta {eta} | {busy}{slow}"
+        f"running {c['running']} / {p.n_trials} | best {best} | eta {eta} | {busy}{slow}{stale}"
     )

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 
@@ -52,3 +53,34 @@ def url_up_later(pg_url: str, after_s: float, *, drop: bool = False) -> str:
                 break
             time.sleep(0.01)
     return real.set(port=port).render_as_string(hide_password=False)
+
+
+def cut_off(url: str, seconds: float) -> threading.Thread:
+    """Make the database unreachable for `seconds`: new connections refused, current ones
+    terminated (what a restart or a network cut does to a worker), on a thread."""
+    from hpsearch.storage import normalize_url
+
+    name = url.rsplit("/", 1)[1]
+    admin = sa.create_engine(
+        normalize_url(url.rsplit("/", 1)[0] + "/postgres"),
+        isolation_level="AUTOCOMMIT",
+        poolclass=sa.pool.NullPool,
+    )
+
+    def outage() -> None:
+        with admin.connect() as c:
+            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+            c.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"
+                ),
+                {"n": name},
+            )
+        time.sleep(seconds)
+        with admin.connect() as c:
+            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        admin.dispose()
+
+    thread = threading.Thread(target=outage)
+    thread.start()
+    return thread

@@ -209,6 +209,9 @@ def test_progress_line_names_input_bound_trials() -> None:
     assert "complete 2 pruned 1 failed 0 running 2 / 10" in line
     assert "best 0.7100 (trial 1)" in line and "eta 120s" in line
     assert "w0:t5 w1:t6" in line and "input-bound t6 (32% GPU)" in line
+    assert "unreachable" not in line
+    old = Progress(counts, {}, 10, 0.71, 1, workers, 60.0, 120.0, stale_s=12.4)
+    assert format_progress(old).endswith(" | database unreachable: figures 12s old")
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")

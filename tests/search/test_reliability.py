@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 from cli_util import DUMMY, hpsearch
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
+from pg_util import cut_off
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -64,6 +66,35 @@ def storage_for(url: str) -> BaseStorage:
 
 def launch_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "hpsearch.cli", "launch", *args]
+
+
+def test_the_progress_line_says_its_figures_are_old_while_the_database_is_away(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """During a database outage the launcher showed its last figures as if they were read
+    now; its line now says how old they are, and the next line after the outage is fresh.
+    Nothing is lost: every trial finishes."""
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.5"}
+    proc = subprocess.Popen(
+        launch_cmd("--study", "tiny", "--workers", "1", "--trials", "2", "--storage", pg_url,
+                   "--workdir", str(tmp_path / "w"), "--train-fn", DUMMY, "--no-tracking",
+                   "--set", "budget.max_epochs=8", "--set", "pruner={name: none}"),
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: running_with_epochs(pg_url, "tiny", 1), 120, "a trial 1 epoch in")
+        cut_off(pg_url, 5.0).join()  # progress is read every 2 s: at least two reads fail
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    lines = out.splitlines()
+    stale = [i for i, line in enumerate(lines) if "database unreachable: figures" in line]
+    assert stale, out
+    assert re.search(r"\| database unreachable: figures \d+s old$", lines[stale[0]]), out
+    assert any("complete" in line and "unreachable" not in line for line in lines[stale[-1] :])
+    trials = hps.load_study("tiny", storage=pg_url).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2, out
 
 
 def test_an_epoch_checkpointed_but_not_reported_before_a_kill_is_reported_by_the_retry(

@@ -26,6 +26,7 @@ from hpsearch.storage import (
 )
 from hpsearch.study import create_or_load
 from hpsearch.worker import WorkerOptions, run_worker
+from pg_util import cut_off
 from stack_util import create_database, drop_database
 
 # Per-epoch values of the finished trials, then of the trial under test: the median pruner
@@ -209,37 +210,6 @@ def test_status_shows_a_running_multi_objective_trials_epoch(tmp_path: Path) -> 
     assert running["number"] == trial.number and running["last_epoch"] == 3
 
 
-def _cut_off(url: str, seconds: float) -> threading.Thread:
-    """Make the database unreachable for `seconds`: new connections refused, current ones
-    terminated (what a restart or a network cut does to a worker), on a thread."""
-    from hpsearch.storage import normalize_url
-
-    name = url.rsplit("/", 1)[1]
-    admin = sa.create_engine(
-        normalize_url(url.rsplit("/", 1)[0] + "/postgres"),
-        isolation_level="AUTOCOMMIT",
-        poolclass=sa.pool.NullPool,
-    )
-
-    def outage() -> None:
-        with admin.connect() as c:
-            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
-            c.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"
-                ),
-                {"n": name},
-            )
-        time.sleep(seconds)
-        with admin.connect() as c:
-            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
-        admin.dispose()
-
-    thread = threading.Thread(target=outage)
-    thread.start()
-    return thread
-
-
 def test_a_short_outage_neither_fails_the_trial_nor_loses_a_value(
     pg_url: str, tmp_path: Path
 ) -> None:
@@ -251,7 +221,7 @@ def test_a_short_outage_neither_fails_the_trial_nor_loses_a_value(
     trial = study.ask()
     with TrialReports(study, trial, _db, max_age_s=0.4) as reports:
         reports.report(1, 0.3)
-        outage = _cut_off(pg_url, 2.0)
+        outage = cut_off(pg_url, 2.0)
         time.sleep(0.6)  # an epoch, during the outage
         assert reports.report(2, 0.35) is False
         t0 = time.monotonic()
@@ -284,7 +254,7 @@ def test_an_outage_over_before_the_next_report_does_not_stop_the_trial(
         ):
             reports.report(1, 0.3)
             time.sleep(0.3)  # epoch 1's write done: nothing pending from here on
-            _cut_off(pg_url, 4.0).join()  # the long epoch, the database away meanwhile
+            cut_off(pg_url, 4.0).join()  # the long epoch, the database away meanwhile
             time.sleep(0.3)
             assert reports.report(2, 0.35) is False
     assert _stored(study, trial._trial_id)[0] == {1: 0.3, 2: 0.35}
