@@ -55,7 +55,7 @@ def run_dashboard(
             f"storage {spec.display}: holds no Optuna study yet; launch one first, or create "
             "the tables with hpsearch init-storage"
         )
-    opened = when_up(lambda: open_storage(spec, pool_size=1, create=False))
+    opened = when_up(lambda: open_storage(spec, pool_size=1, create=False, pre_ping=True))
     if (problem := listen_problem(host, port)) is not None:
         raise HpsearchError(f"--host/--port: {host}:{port}: cannot listen there: {problem}")
     if on_listening is not None:

@@ -212,9 +212,12 @@ def open_storage(
     grace_period: float | None = None,
     failed_trial_callback: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
     create: bool = True,
+    pre_ping: bool = False,
 ) -> BaseStorage:
     """Open the storage, checking the connection so that a bad URL fails with one line.
-    `create=False` (readers) leaves a database's missing Optuna tables uncreated."""
+    `create=False` (readers) leaves a database's missing Optuna tables uncreated;
+    `pre_ping` tests each pooled connection before use (see below: for long-lived readers
+    whose requests are few, such as the dashboard)."""
     if spec.kind == "journal":
         path = Path(spec.url)
         if path.is_dir():
@@ -250,8 +253,9 @@ def open_storage(
     # No pool_pre_ping: it adds a round trip to every session Optuna opens (about 16 per
     # trial). A connection a database restart broke fails its statement instead;
     # SQLAlchemy then discards the pool's connections and `with_db_retry` runs the
-    # operation again on new ones.
-    engine_kwargs: dict[str, Any] = {}
+    # operation again on new ones. A reader that serves requests without that retry (the
+    # dashboard) pings instead: its first page after a restart was an error.
+    engine_kwargs: dict[str, Any] = {"pool_pre_ping": True} if pre_ping else {}
     if spec.is_postgres:
         # Each worker process keeps a small pool: 16 workers x (2 + 2) stay far below
         # PostgreSQL's default max_connections=100.
@@ -352,6 +356,27 @@ PG_SESSION_OPTIONS = (
 )
 
 
+# ms a request may stay unacknowledged before libpq drops the connection (libpq 12 and
+# later): a database host that vanishes mid-request (power, a network cut) otherwise holds
+# the worker in the kernel's retransmissions for about 15 minutes, where keepalives cover
+# idle connections only. The dropped connection is then an outage like any other.
+PG_TCP_USER_TIMEOUT_MS = 60_000
+
+
+def _libpq_version(url: str) -> int | None:
+    """The version of the libpq the URL's driver uses (120000 for 12.0); None when unknown."""
+    try:
+        if make_url(url).get_driver_name() == "psycopg":
+            import psycopg
+
+            return int(psycopg.pq.version())
+        import psycopg2.extensions
+
+        return int(psycopg2.extensions.libpq_version())
+    except (ImportError, AttributeError, ValueError, ArgumentError, NoSuchModuleError):
+        return None
+
+
 def pg_connect_args(url: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """libpq connection parameters for hpsearch's PostgreSQL engines. Options the user gave
     (the URL's `options`, else PGOPTIONS, which libpq reads only when no `options` is
@@ -369,6 +394,8 @@ def pg_connect_args(url: str, environ: Mapping[str, str] | None = None) -> dict[
         "keepalives_interval": 10,
         "keepalives_count": 3,
     }
+    if (_libpq_version(url) or 0) >= 120000:  # an older libpq refuses the parameter
+        ours["tcp_user_timeout"] = PG_TCP_USER_TIMEOUT_MS
     args = {k: v for k, v in ours.items() if k not in query}
     args["options"] = f"{given} {PG_SESSION_OPTIONS}" if given else PG_SESSION_OPTIONS
     return args

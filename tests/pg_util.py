@@ -55,27 +55,38 @@ def url_up_later(pg_url: str, after_s: float, *, drop: bool = False) -> str:
     return real.set(port=port).render_as_string(hide_password=False)
 
 
-def cut_off(url: str, seconds: float) -> threading.Thread:
-    """Make the database unreachable for `seconds`: new connections refused, current ones
-    terminated (what a restart or a network cut does to a worker), on a thread."""
+def _admin(url: str) -> sa.Engine:
+    """The server's `postgres` database, to end or refuse the sessions of `url`'s."""
     from hpsearch.storage import normalize_url
 
-    name = url.rsplit("/", 1)[1]
-    admin = sa.create_engine(
+    return sa.create_engine(
         normalize_url(url.rsplit("/", 1)[0] + "/postgres"),
         isolation_level="AUTOCOMMIT",
         poolclass=sa.pool.NullPool,
     )
 
+
+def terminate_backends(url: str) -> None:
+    """End every session of the database, as a restart does (their advisory locks too)."""
+    admin = _admin(url)
+    with admin.connect() as c:
+        c.execute(
+            sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"),
+            {"n": url.rsplit("/", 1)[1]},
+        )
+    admin.dispose()
+
+
+def cut_off(url: str, seconds: float) -> threading.Thread:
+    """Make the database unreachable for `seconds`: new connections refused, current ones
+    terminated (what a restart or a network cut does to a worker), on a thread."""
+    name = url.rsplit("/", 1)[1]
+    admin = _admin(url)
+
     def outage() -> None:
         with admin.connect() as c:
             c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
-            c.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"
-                ),
-                {"n": name},
-            )
+        terminate_backends(url)
         time.sleep(seconds)
         with admin.connect() as c:
             c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))

@@ -25,6 +25,7 @@ from hpsearch.tracking.server import free_port
 from stack_util import (
     StackStudy,
     experiment_by_name,
+    run_turn,
     search_runs,
     tags_of,
     worker_env,
@@ -191,25 +192,19 @@ def test_mlflow_artifacts_tab_shows_the_confusion_matrix(
 def dashboard(stack: StackStudy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("dashboard") / "dashboard.log"
-    with open(log, "wb") as fh:
+    url = f"http://127.0.0.1:{port}"
+    # Started within a turn: an exclusive test on another test process stops PostgreSQL,
+    # and the dashboard's start then failed ("server closed the connection unexpectedly").
+    with run_turn(), open(log, "wb") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hpsearch.cli", "dashboard", "--storage", stack.optuna_url,
              "--port", str(port)],
             env=worker_env(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+        up = _wait_up(proc, url)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/api/studies", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"hpsearch dashboard did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.5)
+        if not up:
+            pytest.fail(f"hpsearch dashboard did not start: {log.read_text()[-2000:]}")
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -219,6 +214,20 @@ def dashboard(stack: StackStudy, tmp_path_factory: pytest.TempPathFactory) -> It
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=15)
+
+
+def _wait_up(proc: subprocess.Popen[bytes], url: str) -> bool:
+    """Whether the dashboard answers within 120 s (False once it exits)."""
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/api/studies", timeout=5) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
 
 
 def test_optuna_dashboard_shows_the_study_and_its_trials(

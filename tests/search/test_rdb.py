@@ -34,6 +34,7 @@ from optuna.distributions import (
 )
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
+from pg_util import terminate_backends
 
 INF = float("inf")
 ONE_MINUTE = datetime.timedelta(minutes=1)
@@ -392,22 +393,6 @@ def test_two_workers_finishing_one_trial_at_once_finish_it_once(
     assert outcomes.count("already finished") == 20
 
 
-def _terminate_backends(url: str) -> None:
-    """End every session of the database, as a restart does (their advisory locks too)."""
-    name = url.rsplit("/", 1)[1]
-    admin = sa.create_engine(
-        normalize_url(url.rsplit("/", 1)[0] + "/postgres"),
-        isolation_level="AUTOCOMMIT",
-        poolclass=sa.pool.NullPool,
-    )
-    with admin.connect() as c:
-        c.execute(
-            sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"),
-            {"n": name},
-        )
-    admin.dispose()
-
-
 def _ask_within_budget(
     study: optuna.Study, spec: StorageSpec, n_trials: int, after_count: Any
 ) -> int | None:
@@ -442,7 +427,7 @@ def test_a_restart_inside_the_budget_lock_never_overshoots_the_budget(
     def restart_then_b_asks() -> None:
         if got_b:
             return  # A's second try, after the restart: nothing happens in between
-        _terminate_backends(pg_url)
+        terminate_backends(pg_url)
         if pooled == "fresh":  # connections the pool has not handed out are new ones
             a._storage._backend.engine.pool.dispose()  # type: ignore[attr-defined]
         got_b.append(

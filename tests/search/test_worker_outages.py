@@ -4,6 +4,9 @@ workers, on the real PostgreSQL (connections terminated or refused for real)."""
 from __future__ import annotations
 
 import math
+import os
+import re
+import sys
 import threading
 import time
 import warnings
@@ -11,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import hpsearch.storage as S
 import optuna
 import pytest
 import sqlalchemy as sa
@@ -430,3 +434,99 @@ def test_a_trial_left_pending_by_a_failed_check_is_not_failed_once_its_worker_be
     by_id = {t._trial_id: t.state for t in study.get_trials(deepcopy=False)}
     assert by_id[live._trial_id] == TrialState.RUNNING
     assert by_id[dead._trial_id] == TrialState.FAIL
+
+
+# Runs in a network namespace of its own (unshare -n): the study's database through a local
+# TCP port forwarded to the server's Unix socket, then the loopback taken down, so that the
+# connection's packets go unanswered (no reset, no acknowledgement), as when the database's
+# host vanishes. argv: driver, socket path, database name, work folder.
+VANISHING_HOST = r"""
+import os, socket, subprocess, sys, threading, time
+from pathlib import Path
+
+driver, unix_path, database, workdir = sys.argv[1:5]
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+listener = socket.create_server(("127.0.0.1", 0))
+
+
+def pipe(src, dst):
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+
+
+def forward():
+    while True:
+        client, _ = listener.accept()
+        upstream = socket.socket(socket.AF_UNIX)
+        upstream.connect(unix_path)
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+
+threading.Thread(target=forward, daemon=True).start()
+import hpsearch.storage as S
+
+S.PG_TCP_USER_TIMEOUT_MS = 2000  # the minute of its default, shortened for the test
+port = listener.getsockname()[1]
+url = f"postgresql+{driver}://postgres@127.0.0.1:{port}/{database}"
+storage = S.open_storage(S.resolve_storage(url, Path(workdir)))
+storage.get_all_studies()  # a pooled connection, through the forwarder
+subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
+
+
+def hung():
+    time.sleep(40)
+    print("still waiting after 40s", flush=True)
+    os._exit(1)
+
+
+threading.Thread(target=hung, daemon=True).start()
+t0 = time.monotonic()
+try:
+    storage.get_all_studies()
+    print("answered")
+except Exception as exc:
+    print(f"gave up after {time.monotonic() - t0:.1f}s: {type(exc).__name__}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_a_request_to_a_database_host_that_vanished_gives_up_within_the_tcp_user_timeout(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str], driver: str
+) -> None:
+    """A worker whose database host vanished mid-request (power, a network cut: no reset,
+    no acknowledgement) waited in the kernel's retransmissions for about 15 minutes, where
+    keepalives cover idle connections only: libpq's tcp_user_timeout (a minute) now drops
+    the connection, and the request fails as in any outage (with_db_retry then retries)."""
+    import shutil
+    import socket
+    import subprocess
+
+    url = pg_url.replace("postgresql://", f"postgresql+{driver}://", 1)
+    storage = S.open_storage(resolve_storage(url, tmp_path))
+    engine = storage.engine  # type: ignore[attr-defined]
+    raw = engine.raw_connection()
+    try:
+        with socket.fromfd(raw.driver_connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as s:
+            set_ms = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+    finally:
+        raw.close()
+        engine.dispose()
+    assert set_ms == S.PG_TCP_USER_TIMEOUT_MS == 60_000
+    unix_path = "/var/run/postgresql/.s.PGSQL.5432"
+    if not (shutil.which("unshare") and shutil.which("ip") and os.path.exists(unix_path)):
+        pytest.skip("needs unshare, ip and PostgreSQL's socket at " + unix_path)
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -n is not permitted here (no CAP_SYS_ADMIN)")
+    database = pg_url.rsplit("/", 1)[1]
+    r = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", VANISHING_HOST, driver, unix_path, database,
+         str(tmp_path)],
+        env=subprocess_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    found = re.search(r"gave up after ([\d.]+)s: (\w+)", r.stdout)
+    assert found, r.stdout + r.stderr
+    assert float(found[1]) < 20, r.stdout  # 2 s of timeout and libpq's own handling
