@@ -17,9 +17,10 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 import click
 from hpsearch import __version__
@@ -945,10 +946,26 @@ def dashboard(storage: str | None, workdir: Path, host: str, port: int) -> None:
     """
     from hpsearch.dashboard import run_dashboard
 
-    run_dashboard(
-        storage, workdir, host, port,
-        on_listening=lambda url: click.echo(f"optuna-dashboard: {url} (Ctrl-C to stop)"),
-    )  # fmt: skip
+    with warnings.catch_warnings():
+        # Each wait for the database on a line of its own (Python shows a warning's first
+        # occurrence only, in two lines with its source line).
+        warnings.filterwarnings("always", message=r".*retrying in")
+        warnings.showwarning = _warning_line
+        run_dashboard(
+            storage, workdir, host, port,
+            on_listening=lambda url: click.echo(f"optuna-dashboard: {url} (Ctrl-C to stop)"),
+        )  # fmt: skip
+
+
+def _warning_line(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    click.echo(f"warning: {message}", err=True)
 
 
 # Click 8.2 and later raise it for a group called without a command (8.1 shows the help

@@ -50,6 +50,7 @@ from hpsearch.packing import (
 from hpsearch.storage import (
     StorageSpec,
     heartbeat_storage,
+    is_connection_error,
     open_storage,
     study_lock,
     with_db_retry,
@@ -339,6 +340,7 @@ class Progress:
     # s since the figures were read, when the database did not answer this time (None:
     # read now); a restart or network cut leaves the last figures on show, said so.
     stale_s: float | None = None
+    never_read: bool = False  # ... and none were ever read: the figures are zeros
 
 
 @dataclass
@@ -571,7 +573,8 @@ class Launcher:
         self._finalized: list[str] = []
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
-        self._read_at = time.monotonic()  # when _last_trials were read
+        self._created_at = time.monotonic()
+        self._read_at: float | None = None  # when _last_trials were read
         self._study: optuna.Study | None = None  # opened in run(), after the workers start
         self._early_events: list[str] = []  # progress events from before that
         # Dead workers' trials without an MLflow run, failed once the tracking set-up is over:
@@ -1397,17 +1400,30 @@ class Launcher:
             self._beat_held()
         self._fail_held()
 
-    def _progress(self, message: str = "") -> Progress:
-        stale_s: float | None = None
+    def _read_progress(self) -> tuple[list[FrozenTrial], tuple[float | None, int | None]]:
+        """The study's trials and best; read again once on a connection a restart broke
+        (the pool is renewed by then), so that only a database still away shows as one."""
         try:
             trials = self.study.get_trials(deepcopy=False)
-            best_value, best_trial = _best(self.study, trials)
+            return trials, _best(self.study, trials)
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+            if not is_connection_error(exc):
+                raise
+        trials = self.study.get_trials(deepcopy=False)
+        return trials, _best(self.study, trials)
+
+    def _progress(self, message: str = "") -> Progress:
+        stale_s: float | None = None
+        never_read = False
+        try:
+            trials, (best_value, best_trial) = self._read_progress()
             self._read_at = time.monotonic()
         except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
             # The database may be restarting: progress is cosmetic, show the last figures
-            # and how old they are.
+            # and how old they are (none read yet: as old as the launch).
             trials, (best_value, best_trial) = self._last_trials, self._last_best
-            stale_s = time.monotonic() - self._read_at
+            stale_s = time.monotonic() - (self._read_at or self._created_at)
+            never_read = self._read_at is None
         self._last_trials, self._last_best = trials, (best_value, best_trial)
         counts = budget_counts(trials)
         running = {
@@ -1443,6 +1459,7 @@ class Launcher:
             eta_seconds(finished, self.cfg.budget.n_trials, elapsed),
             message,
             stale_s,
+            never_read,
         )
 
 
@@ -1454,7 +1471,13 @@ def format_progress(p: Progress) -> str:
         f"w{w.slot}:{'t' + str(w.trial) if w.trial is not None else w.state}" for w in p.workers
     )
     slow = "".join(f" | input-bound t{n} ({u:.0f}% GPU)" for n, u in sorted(p.input_bound.items()))
-    stale = "" if p.stale_s is None else f" | database unreachable: figures {p.stale_s:.0f}s old"
+    stale = (
+        ""
+        if p.stale_s is None
+        else f" | database unreachable for {p.stale_s:.0f}s: nothing read yet"
+        if p.never_read
+        else f" | database unreachable: figures {p.stale_s:.0f}s old"
+    )
     return (
         f"[{p.elapsed_s:6.0f}s] complete {c['complete']} pruned {c['pruned']} failed {c['fail']} "
         f"running {c['running']} / {p.n_trials} | best {best} | eta {eta} | {busy}{slow}{stale}"

@@ -23,21 +23,24 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
 
 def url_up_later(pg_url: str, after_s: float, *, drop: bool = False) -> str:
     """`pg_url` behind a free local port that, for `after_s` seconds, refuses connections
-    (or, with `drop`, accepts and closes them at once), then forwards each to the real
+    (or, with `drop`, accepts and closes them at once, for `after_s` seconds from the first
+    one: however late a loaded machine starts the client), then forwards each to the real
     server. The forwarder is a daemon thread: it lives as long as the test process."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     real = make_url(pg_url)
-    up_at = time.monotonic() + after_s
 
     def serve() -> None:
         if not drop:
             time.sleep(after_s)
         server = socket.create_server(("127.0.0.1", port))
+        up_at: float | None = None if drop else 0.0
         while True:
             client, _ = server.accept()
-            if time.monotonic() < up_at:
+            if up_at is None and client.recv(1, socket.MSG_PEEK):  # a client's first bytes
+                up_at = time.monotonic() + after_s
+            if up_at is None or time.monotonic() < up_at:
                 client.close()
                 continue
             upstream = socket.create_connection((real.host or "127.0.0.1", real.port or 5432))
@@ -49,7 +52,7 @@ def url_up_later(pg_url: str, after_s: float, *, drop: bool = False) -> str:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             with socket.socket() as s, contextlib.suppress(OSError):
-                s.connect(("127.0.0.1", port))
+                s.connect(("127.0.0.1", port))  # sends nothing: does not start the window
                 break
             time.sleep(0.01)
     return real.set(port=port).render_as_string(hide_password=False)

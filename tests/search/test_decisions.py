@@ -212,6 +212,8 @@ def test_progress_line_names_input_bound_trials() -> None:
     assert "unreachable" not in line
     old = Progress(counts, {}, 10, 0.71, 1, workers, 60.0, 120.0, stale_s=12.4)
     assert format_progress(old).endswith(" | database unreachable: figures 12s old")
+    none = Progress(counts, {}, 10, None, None, workers, 3.0, None, stale_s=3.2, never_read=True)
+    assert format_progress(none).endswith(" | database unreachable for 3s: nothing read yet")
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -699,7 +700,9 @@ def test_a_dashboard_started_while_its_database_restarts_waits_for_it(
         proc.terminate()
         proc.wait(timeout=30)
     assert waited >= 3.0
-    assert "database connection lost, retrying in" in log.read_text(), log.read_text()
+    said = log.read_text()
+    assert re.search(r"^warning: storage \S+: database connection lost, retrying in", said, re.M)
+    assert "UserWarning" not in said, said  # one line each, not Python's two
     wrong = pg_url.rsplit("/", 1)[0] + "/no_such_db_dash"
     t0 = time.monotonic()
     r = hpsearch(["dashboard", "--storage", wrong, "--port", str(free_port())], subprocess_env)
