@@ -26,15 +26,15 @@ def url_up_later(pg_url: str, after_s: float, *, drop: bool = False) -> str:
     (or, with `drop`, accepts and closes them at once, for `after_s` seconds from the first
     one: however late a loaded machine starts the client), then forwards each to the real
     server. The forwarder is a daemon thread: it lives as long as the test process."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))  # bound, not listening: refused, and the port kept ours
+    port = server.getsockname()[1]
     real = make_url(pg_url)
 
     def serve() -> None:
         if not drop:
             time.sleep(after_s)
-        server = socket.create_server(("127.0.0.1", port))
+        server.listen()
         up_at: float | None = None if drop else 0.0
         while True:
             client, _ = server.accept()
