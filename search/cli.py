@@ -870,7 +870,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     cfg = _load(study, overrides, data_dir, download)
     ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     if trial_number is not None and params_json is None:  # run_fixed refuses both
-        cfg = trial_config(cfg, storage, workdir, overrides, download)  # today's --set on top
+        cfg = trial_config(cfg, storage, workdir, overrides, download, trial_number)
     result = run_fixed(
         cfg, params_json, trial_number, storage, workdir, device, seed,
         on_epoch=lambda r: click.echo(

@@ -33,6 +33,7 @@ from hpsearch.study import (
     holding_trial,
     rank_key,
     study_budget,
+    trial_config_yaml,
 )
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
@@ -373,7 +374,7 @@ def load_best_model(
     dev = resolve_device(str(device))  # before any download: a bad device fails at once
     with _reading(name, storage, workdir) as study:
         best = _chosen(study, name, trial)
-        raw_cfg = study.user_attrs.get(CONFIG_ATTR)
+        raw_cfg = trial_config_yaml(study.user_attrs, best)  # the config it trained with
     if not raw_cfg:
         raise HpsearchError(f"study {name!r} has no stored config; was it created by hpsearch?")
     cfg = config_from_yaml(raw_cfg, f"study {name}")

@@ -11,6 +11,7 @@ from hpsearch.config import StudyConfig, params_from_json
 from hpsearch.errors import ConfigError, DataError, HpsearchError
 
 if TYPE_CHECKING:
+    import optuna
     from optuna.trial import FrozenTrial
 
 
@@ -74,21 +75,35 @@ def trial_config(
     workdir: Path,
     overrides: Sequence[str] = (),
     download: bool | None = None,
+    trial_number: int | None = None,
 ) -> StudyConfig:
-    """The config a trial of `cfg`'s study ran with: the resolved config its launch stored
-    on the study, with today's `--set` on top (a study launched with `--set
-    dataset.image_size=64` was reproduced at the study file's size), its data found where
-    `cfg` finds it (the file, --data-dir, HPSEARCH_DATA_DIR). A study with no stored
-    config (made by plain Optuna) keeps `cfg`."""
+    """The config trial `trial_number` of `cfg`'s study ran with (the resolved config its
+    worker recorded on the study; for a trial from before those were recorded, or none
+    given, the one its last launch stored), with today's `--set` on top (a study launched
+    with `--set dataset.image_size=64` was reproduced at the study file's size), its data
+    found where `cfg` finds it (the file, --data-dir, HPSEARCH_DATA_DIR). A study with no
+    stored config (made by plain Optuna) keeps `cfg`."""
     from hpsearch.config import config_from_yaml
     from hpsearch.query import load_study
-    from hpsearch.study import CONFIG_ATTR
+    from hpsearch.study import CONFIG_ATTR, trial_config_yaml
 
-    stored = load_study(cfg.name, storage, workdir).user_attrs.get(CONFIG_ATTR)
+    study = load_study(cfg.name, storage, workdir)
+    attrs = study.user_attrs
+    trial = _trial(study, trial_number) if trial_number is not None else None
+    stored = trial_config_yaml(attrs, trial) if trial is not None else attrs.get(CONFIG_ATTR)
     if not stored:
         return cfg
-    src = f"study {cfg.name} (the config it was launched with)"
+    src = f"study {cfg.name} (the config " + (
+        "it was launched with)" if trial is None else f"trial {trial_number} ran with)"
+    )
     return config_from_yaml(str(stored), src, overrides, cfg.dataset.root, download)
+
+
+def _trial(study: optuna.Study, number: int) -> FrozenTrial:
+    matches = [t for t in study.get_trials(deepcopy=False) if t.number == number]
+    if not matches:
+        raise HpsearchError(f"--trial: {number}: no such trial in study {study.study_name!r}")
+    return matches[0]
 
 
 def fixed_params(
@@ -100,11 +115,7 @@ def fixed_params(
     if trial_number is not None:
         from hpsearch.query import load_study
 
-        study = load_study(cfg.name, storage, workdir)
-        matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial_number]
-        if not matches:
-            raise HpsearchError(f"--trial: {trial_number}: no such trial in study {cfg.name!r}")
-        return trial_params(matches[0], cfg)
+        return trial_params(_trial(load_study(cfg.name, storage, workdir), trial_number), cfg)
     if params_json is None:
         return {}
     params = params_from_json(params_json)

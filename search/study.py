@@ -41,6 +41,12 @@ from optuna.trial import FrozenTrial, TrialState
 
 # Study user attribute holding the resolved study YAML (for load_best_model and reproducing).
 CONFIG_ATTR = "hpsearch.config"
+# Every config a worker ran trials with, as a study user attribute each (this prefix and
+# the config's id: its YAML), and the id on each trial (a user attribute): a relaunch with
+# other --set values replaces CONFIG_ATTR, and a worker may run with --set values of its
+# own, so the study's config alone reproduced an earlier trial with today's settings.
+CONFIG_OF_ATTR = "hpsearch.config."
+CONFIG_ID_ATTR = "hpsearch.config_id"
 # A study attribute per trial whose MLflow run was made after the trial had finished (it
 # ended while the server was down): Optuna takes no attribute on a finished trial.
 LATE_RUN_ATTR = "mlflow_run_id.{number}"
@@ -323,13 +329,28 @@ def create_or_load(
     first = CONFIG_ATTR not in attrs
     if owner and not first:
         check_retries_fit(cfg, str(attrs[CONFIG_ATTR]), trials)
-    if owner or first:
-        resolved = config_to_yaml(cfg)
-        if attrs.get(CONFIG_ATTR) != resolved:
-            study.set_user_attr(CONFIG_ATTR, resolved)
+    resolved = config_to_yaml(cfg)
+    if (owner or first) and attrs.get(CONFIG_ATTR) != resolved:
+        study.set_user_attr(CONFIG_ATTR, resolved)
+    if attrs.get(CONFIG_OF_ATTR + config_id(resolved)) != resolved:
+        study.set_user_attr(CONFIG_OF_ATTR + config_id(resolved), resolved)
     if (owner or first or budget) and attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
         study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
     return study
+
+
+def config_id(resolved: str) -> str:
+    """A resolved config's id: the first 16 hex digits of its YAML's SHA-256."""
+    return hashlib.sha256(resolved.encode()).hexdigest()[:16]
+
+
+def trial_config_yaml(study_attrs: Mapping[str, Any], trial: FrozenTrial) -> str | None:
+    """The resolved config `trial` ran with: the one its id names, else (a trial from
+    before ids were recorded) the study's; None for a study hpsearch did not make."""
+    cid = trial.user_attrs.get(CONFIG_ID_ATTR)
+    own = study_attrs.get(CONFIG_OF_ATTR + str(cid)) if cid else None
+    stored = own or study_attrs.get(CONFIG_ATTR)
+    return str(stored) if stored else None
 
 
 def same_params(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

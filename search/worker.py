@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import optuna
-from hpsearch.config import StudyConfig
+from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import (
     ConfigError,
     DiskFullError,
@@ -55,8 +55,10 @@ from hpsearch.storage import (
 from hpsearch.study import (
     ATTR_FAILED_HOST,
     ATTR_UNFIT,
+    CONFIG_ID_ATTR,
     MEMORY_CONSTRAINT,
     budget_counts,
+    config_id,
     create_or_load,
     enqueue_trials,
     make_sampler,
@@ -638,6 +640,7 @@ def run_worker(
     errors = 0
     owner = {ATTR_WORKER: wid, ATTR_HOST: socket.gethostname(), ATTR_PID: os.getpid(),
              ATTR_PID_START: process_start(os.getpid())}  # fmt: skip
+    cfg_id = config_id(config_to_yaml(cfg))  # recorded on the study by create_or_load
     try:
         while not stop.is_set():
             if opts.max_trials is not None and len(summary.trials) >= opts.max_trials:
@@ -672,7 +675,7 @@ def run_worker(
             timing = TrialTiming(trial.number, wid, (time.perf_counter() - asked_at) * 1e3)
             outcome = run_trial(
                 study, trial, cfg, opts, train_fn, tracking, warm, stop, timing,
-                lambda: study_lock(spec, cfg.name, lock_engine),
+                lambda: study_lock(spec, cfg.name, lock_engine), cfg_id,
             )  # fmt: skip
             timing.trial_s = time.perf_counter() - asked_at
             append_timing(opts.workdir, timing)
@@ -1112,9 +1115,11 @@ def run_trial(
     stop: threading.Event,
     timing: TrialTiming | None = None,
     lock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    cfg_id: str | None = None,
 ) -> str:
     """Train one trial and tell Optuna. Returns the outcome; never raises for a trial's fault.
-    `lock` is the study lock, held while an interrupted trial is failed and re-queued."""
+    `lock` is the study lock, held while an interrupted trial is failed and re-queued;
+    `cfg_id` is `config_id` of `cfg`'s YAML (computed here when not given)."""
     timing = timing or TrialTiming(trial.number, opts.resolved_id(), 0.0)
     began = time.perf_counter() - timing.ask_ms / 1e3
     from hpsearch.trainer import TrainOptions
@@ -1150,6 +1155,7 @@ def run_trial(
             ATTR_PID_START: process_start(os.getpid()),
             ATTR_CHECKPOINT: str(ckpt.absolute()),  # a retry in another folder finds it
             ATTR_RUN_KEY: run_key,
+            CONFIG_ID_ATTR: cfg_id or config_id(config_to_yaml(cfg)),  # create_or_load's
         }
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
         if previous_run:

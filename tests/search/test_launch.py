@@ -714,7 +714,8 @@ def test_train_trial_n_takes_the_config_the_trial_ran_with(
     tmp_path: Path, subprocess_env: dict[str, str], flowers_root: Path
 ) -> None:
     """It took the study file's: a study launched with --set dataset.image_size=24 was
-    "reproduced" at the file's 32 px."""
+    "reproduced" at the file's 32 px. Then it took the study's last launch's: a relaunch
+    with other --set values changed how an earlier trial was reproduced."""
     from hpsearch.config import load_config
     from hpsearch.errors import ConfigError
     from hpsearch.runner import trial_config
@@ -741,6 +742,21 @@ def test_train_trial_n_takes_the_config_the_trial_ran_with(
     best = run.stdout.split(" best model ")[1].split()[0]
     assert Path(best).is_file() and best.endswith(".best.pt"), run.stdout
     assert "checkpoint None" not in run.stdout
+    again = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "2",
+                      "--workdir", str(tmp_path), "--train-fn", DUMMY, "--no-tracking",
+                      "--set", "dataset.image_size=20", "--set", "dataset.cache_size=28",
+                      "--set", "budget.max_epochs=2"], subprocess_env)  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    sizes = {n: trial_config(file_cfg, None, tmp_path, trial_number=n).dataset.image_size
+             for n in (0, 1)}  # fmt: skip
+    assert sizes == {0: 24, 1: 20}
+    first = trial_config(file_cfg, None, tmp_path, trial_number=0)
+    assert first.budget.max_epochs == 1
+    assert trial_config(file_cfg, None, tmp_path).dataset.image_size == 20  # the last launch's
+    rerun = hpsearch(["train", "--study", "tiny", "--trial", "0", "--workdir", str(tmp_path),
+                      "--data-dir", str(flowers_root), "--set", "dataset.eval_limit=102"],
+                     subprocess_env)  # fmt: skip
+    assert rerun.returncode == 0 and " epochs 1 " in rerun.stdout, rerun.stdout + rerun.stderr
 
 
 def test_a_fixed_run_that_fails_late_puts_the_earlier_pair_back(
