@@ -573,7 +573,7 @@ class Launcher:
         self._finalized: list[str] = []
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
-        self._created_at = time.monotonic()
+        self._opened_at = time.monotonic()  # set again once the study is open
         self._read_at: float | None = None  # when _last_trials were read
         self._study: optuna.Study | None = None  # opened in run(), after the workers start
         self._early_events: list[str] = []  # progress events from before that
@@ -636,6 +636,7 @@ class Launcher:
         )
         with self._lock:
             self._study = study
+            self._opened_at = time.monotonic()  # the database answered then
             early, self._early_events = self._early_events, []
         for msg in early:
             if self.on_progress is not None:
@@ -1420,9 +1421,9 @@ class Launcher:
             self._read_at = time.monotonic()
         except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
             # The database may be restarting: progress is cosmetic, show the last figures
-            # and how old they are (none read yet: as old as the launch).
+            # and how old they are (none read yet: since the study was opened).
             trials, (best_value, best_trial) = self._last_trials, self._last_best
-            stale_s = time.monotonic() - (self._read_at or self._created_at)
+            stale_s = time.monotonic() - (self._read_at or self._opened_at)
             never_read = self._read_at is None
         self._last_trials, self._last_best = trials, (best_value, best_trial)
         counts = budget_counts(trials)

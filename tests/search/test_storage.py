@@ -887,7 +887,8 @@ def test_sessions_run_in_utc_with_keepalives_and_keep_the_urls_options(
     assert show == {"timezone": "UTC", "tcp_keepalives_idle": "30", "statement_timeout": "1min"}
 
 
-def test_pg_connect_args_keep_what_the_user_gave() -> None:
+def test_pg_connect_args_keep_what_the_user_gave(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hpsearch.storage as S
     from hpsearch.storage import PG_SESSION_OPTIONS, pg_connect_args
 
     plain = pg_connect_args("postgresql://u@h/db", environ={})
@@ -900,6 +901,11 @@ def test_pg_connect_args_keep_what_the_user_gave() -> None:
     given = pg_connect_args(url, environ={"PGOPTIONS": "-c ignored=1"})
     assert given["options"] == f"-c a=1 -c b=2 {PG_SESSION_OPTIONS}"
     assert "keepalives_idle" not in given  # the URL's own (connect_args would override it)
+    assert plain["tcp_user_timeout"] == 60_000  # this machine's libpq is 12 or later
+    own = pg_connect_args("postgresql://u@h/db?tcp_user_timeout=7000", environ={})
+    assert "tcp_user_timeout" not in own
+    monkeypatch.setattr(S, "_libpq_version", lambda url: 110000)  # refuses the parameter
+    assert "tcp_user_timeout" not in pg_connect_args("postgresql://u@h/db", environ={})
 
 
 def test_a_sqlite_study_is_locked_like_a_journal(tmp_path: Path) -> None:

@@ -439,12 +439,12 @@ def test_a_trial_left_pending_by_a_failed_check_is_not_failed_once_its_worker_be
 # Runs in a network namespace of its own (unshare -n): the study's database through a local
 # TCP port forwarded to the server's Unix socket, then the loopback taken down, so that the
 # connection's packets go unanswered (no reset, no acknowledgement), as when the database's
-# host vanishes. argv: driver, socket path, database name, work folder.
+# host vanishes. argv: driver, socket path, the test database's URL, work folder.
 VANISHING_HOST = r"""
 import os, socket, subprocess, sys, threading, time
 from pathlib import Path
 
-driver, unix_path, database, workdir = sys.argv[1:5]
+driver, unix_path, real_url, workdir = sys.argv[1:5]
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 listener = socket.create_server(("127.0.0.1", 0))
 
@@ -470,8 +470,11 @@ threading.Thread(target=forward, daemon=True).start()
 import hpsearch.storage as S
 
 S.PG_TCP_USER_TIMEOUT_MS = 2000  # the minute of its default, shortened for the test
+from sqlalchemy.engine import make_url
+
 port = listener.getsockname()[1]
-url = f"postgresql+{driver}://postgres@127.0.0.1:{port}/{database}"
+url = make_url(real_url).set(drivername=f"postgresql+{driver}", host="127.0.0.1", port=port)
+url = url.render_as_string(hide_password=False)
 storage = S.open_storage(S.resolve_storage(url, Path(workdir)))
 storage.get_all_studies()  # a pooled connection, through the forwarder
 subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
@@ -516,15 +519,18 @@ def test_a_request_to_a_database_host_that_vanished_gives_up_within_the_tcp_user
         raw.close()
         engine.dispose()
     assert set_ms == S.PG_TCP_USER_TIMEOUT_MS == 60_000
-    unix_path = "/var/run/postgresql/.s.PGSQL.5432"
+    # The test server's Unix socket (Debian's folder), reached from the namespace by path.
+    given = sa.engine.make_url(pg_url)
+    unix_path = f"/var/run/postgresql/.s.PGSQL.{given.port or 5432}"
+    if given.host not in ("127.0.0.1", "localhost", None):
+        pytest.skip(f"the test server {given.host} is not this machine's")
     if not (shutil.which("unshare") and shutil.which("ip") and os.path.exists(unix_path)):
         pytest.skip("needs unshare, ip and PostgreSQL's socket at " + unix_path)
     if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare -n is not permitted here (no CAP_SYS_ADMIN)")
-    database = pg_url.rsplit("/", 1)[1]
     r = subprocess.run(
-        ["unshare", "-n", sys.executable, "-c", VANISHING_HOST, driver, unix_path, database,
-         str(tmp_path)],
+        ["unshare", "-n", sys.executable, "-c", VANISHING_HOST, driver, unix_path,
+         given.render_as_string(hide_password=False), str(tmp_path)],
         env=subprocess_env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     found = re.search(r"gave up after ([\d.]+)s: (\w+)", r.stdout)
