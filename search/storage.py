@@ -35,7 +35,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlch
 JOURNAL_NAME = "optuna.journal"
 SUPPORTED = (
     "postgresql://, postgresql+psycopg2://, postgresql+psycopg://, sqlite:/// or a journal "
-    "file path"
+    "file path (or journal:PATH)"
 )
 
 T = TypeVar("T")
@@ -109,6 +109,9 @@ def resolve_storage(
         path = (workdir / JOURNAL_NAME).resolve()
         return StorageSpec("journal", str(path), f"journal:{path}")
     if "://" not in value:
+        if value.startswith("journal:"):  # as every command prints a journal storage
+            path = Path(value.removeprefix("journal:")).resolve()
+            return StorageSpec("journal", str(path), f"journal:{path}")
         if value.endswith((".journal", ".log")):
             path = Path(value).resolve()
             return StorageSpec("journal", str(path), f"journal:{path}")

@@ -1337,3 +1337,19 @@ def test_a_relaunch_fails_a_queued_trial_its_narrowed_space_no_longer_takes(
 
     assert retry_callback(3).requeue(study, study.get_trials()[0], interrupted=True)
     assert ATTR_UNFIT not in study.get_trials()[-1].system_attrs
+
+
+def test_the_journal_storage_a_command_prints_is_one_it_takes_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every command prints a journal storage as `journal:/path`; given back to --storage,
+    that was read as a relative file name (`./journal:/path`), and a launch started a new,
+    empty study there."""
+    printed = resolve_storage(None, tmp_path).display
+    assert printed == f"journal:{tmp_path.resolve() / 'optuna.journal'}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert resolve_storage(printed, elsewhere) == resolve_storage(None, tmp_path)
+    relative = resolve_storage("journal:runs/a.journal", elsewhere)
+    assert relative.url == str(elsewhere.resolve() / "runs" / "a.journal")
