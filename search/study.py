@@ -328,7 +328,7 @@ def create_or_load(
     attrs = study.user_attrs
     first = CONFIG_ATTR not in attrs
     if owner and not first:
-        check_retries_fit(cfg, str(attrs[CONFIG_ATTR]), trials)
+        check_retries_fit(cfg, str(attrs[CONFIG_ATTR]), trials, attrs)
     resolved = config_to_yaml(cfg)
     if (owner or first) and attrs.get(CONFIG_ATTR) != resolved:
         study.set_user_attr(CONFIG_ATTR, resolved)
@@ -557,25 +557,33 @@ def check_space_fits(cfg: StudyConfig, trials: Sequence[FrozenTrial]) -> None:
 ATTR_FAILED_HOST = "hpsearch:failed_host"
 
 
-def check_retries_fit(cfg: StudyConfig, stored: str, trials: Sequence[FrozenTrial]) -> None:
+def check_retries_fit(
+    cfg: StudyConfig,
+    stored: str,
+    trials: Sequence[FrozenTrial],
+    study_attrs: Mapping[str, Any] | None = None,
+) -> None:
     """Refuse a config under which a retry waiting to resume from its checkpoint would get
-    other hyperparameters than it trained with (the stored config's: a changed
-    `trainer.defaults` value): the trainer refuses that checkpoint, and the retry failed
-    for good, its epochs lost. Likewise other eval settings (`trainer.eval_scale`'s size,
-    `trainer.eval_flip`): its best so far would be compared with values taken otherwise."""
+    other hyperparameters than it trained with (its try's config, which `study_attrs`
+    hold by id, else the study's `stored` one: a changed `trainer.defaults` value): the
+    trainer refuses that checkpoint, and the retry failed for good, its epochs lost.
+    Likewise other eval settings (`trainer.eval_scale`'s size, `trainer.eval_flip`,
+    `dataset.eval_limit`): its best so far would be compared with values taken otherwise."""
     waiting = [  # "checkpoint": worker.ATTR_CHECKPOINT (the worker imports this module)
         t for t in trials if t.state == TrialState.WAITING and t.user_attrs.get("checkpoint")
     ]
-    if not waiting:
-        return
-    try:
-        before_cfg = config_from_yaml(stored, f"study {cfg.name}")
-    except ConfigError:  # an older version's config: the trainer judges the checkpoint
-        return
-    if not before_cfg.trainer.checkpoint:  # none was written: they train from epoch 1
-        return
     host = socket.gethostname()
+    parsed: dict[str, StudyConfig | None] = {}
     for t in waiting:
+        text = (trial_config_yaml(study_attrs, t) if study_attrs else None) or stored
+        if text not in parsed:
+            try:
+                parsed[text] = config_from_yaml(text, f"study {cfg.name}")
+            except ConfigError:  # an older version's config: the trainer judges the checkpoint
+                parsed[text] = None
+        before_cfg = parsed[text]
+        if before_cfg is None or not before_cfg.trainer.checkpoint:  # none was written
+            continue
         path = Path(str(t.user_attrs["checkpoint"]))
         # Where the failed try ran (a retry of an older version may carry its "host")
         ran_on = t.system_attrs.get(ATTR_FAILED_HOST) or t.user_attrs.get("host")
@@ -610,7 +618,7 @@ def _eval_changes(
     before_cfg: StudyConfig, cfg: StudyConfig, before: Hyperparams, now: Hyperparams
 ) -> list[tuple[str, str]]:
     """(what is new, what it was) for each way a trial's evaluation differs between two
-    configs: its size (from trainer.eval_scale or the image size), its mirror."""
+    configs: its size (from trainer.eval_scale or the image size), its mirror, its images."""
     out: list[tuple[str, str]] = []
     (_, was), (size, will) = before_cfg.trial_sizes(before), cfg.trial_sizes(now)  # px
     if was != will:
@@ -624,6 +632,9 @@ def _eval_changes(
     if before_cfg.trainer.eval_flip != cfg.trainer.eval_flip:
         out.append((f"trainer.eval_flip: {cfg.trainer.eval_flip}",
                     f"with eval_flip {before_cfg.trainer.eval_flip}"))  # fmt: skip
+    if before_cfg.dataset.eval_limit != cfg.dataset.eval_limit:  # images; None: all
+        out.append((f"dataset.eval_limit: {cfg.dataset.eval_limit}",
+                    f"on eval_limit {before_cfg.dataset.eval_limit}"))  # fmt: skip
     return out
 
 

@@ -15,7 +15,7 @@ import optuna
 import pytest
 import sqlalchemy as sa
 from cli_util import DUMMY, hpsearch
-from hpsearch.config import StudyConfig, load_config
+from hpsearch.config import StudyConfig, config_to_yaml, load_config
 from hpsearch.errors import ConfigError, StorageError
 from hpsearch.storage import (
     StorageSpec,
@@ -1098,6 +1098,7 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     waits = "trial 1 waits to resume from a checkpoint whose best was evaluated"
     for changes, shown in (
         (["trainer.eval_flip=true"], f"trainer.eval_flip: True: {waits} with eval_flip False"),
+        (["dataset.eval_limit=51"], f"dataset.eval_limit: 51: {waits} on eval_limit 510"),
         (["trainer.eval_scale=0.5"],
          rf"trainer.eval_scale: 0.5 \(evaluated at 16 px\): {waits} at 32 px"),
         (["dataset.image_size=40", "dataset.cache_size=48"],
@@ -1107,12 +1108,21 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=shown):
             create_or_load(load_config("tiny", changes), storage)
+    # A try run by a worker with --set values of its own is judged by the config it ran
+    # with (recorded by id), not the study's.
+    from hpsearch.study import CONFIG_ID_ATTR, check_retries_fit, config_id
+
+    own = load_config("tiny", ["trainer.defaults.warmup_epochs=3"])
+    create_or_load(own, storage, owner=False)  # records it, as its worker does
+    theirs = [t for t in study.get_trials(deepcopy=False) if t.number == 1]
+    theirs[0].user_attrs[CONFIG_ID_ATTR] = config_id(config_to_yaml(own))
+    attrs = study.user_attrs
+    check_retries_fit(own, config_to_yaml(cfg), theirs, attrs)  # what it trained with
+    with pytest.raises(ConfigError, match=r"warmup_epochs: 0.5: trial 1 waits to resume"):
+        check_retries_fit(cfg, config_to_yaml(cfg), theirs, attrs)
     # No checkpoint to refuse: none written (trainer.checkpoint off), or this host's try
     # died before its first save. The retry then trains from epoch 1 under the change.
     import socket
-
-    from hpsearch.config import config_to_yaml
-    from hpsearch.study import check_retries_fit
 
     retry = study.get_trials(deepcopy=False)[1]
     unsaved = load_config("tiny", ["trainer.checkpoint=false"])
