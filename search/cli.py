@@ -440,7 +440,7 @@ def _on_signals(
     die_on_second: bool = False,
     first: str = "stopping after the current epoch (Ctrl-C again to kill)",
 ) -> list[int]:
-    """First Ctrl-C/SIGTERM: graceful stop; second: immediate. The launcher's `stop` kills
+    """First Ctrl-C/SIGTERM/SIGHUP: graceful stop; second: immediate. The launcher's `stop` kills
     its workers when called again, and a third signal ends the launcher at once (it may be
     waiting on a server or the database). A worker (`die_on_second`) dies by the second
     signal itself, once a trial being handed back is (its trial, left RUNNING, is failed
@@ -493,7 +493,30 @@ def _on_signals(
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    # A closed terminal or SSH session (SIGHUP) is a stop like Ctrl-C; its default ended the
+    # process at once, leaving the study's MLflow run RUNNING and the embedded server up.
+    # Not under nohup, which ignores it for us. The terminal is gone: what was written to it
+    # goes to /dev/null from then on (the writes would fail), a file or pipe keeps its lines.
+    ttys = [fd for fd in (1, 2) if _isatty(fd)]
+
+    def hangup(signum: int, frame: Any) -> None:
+        with contextlib.suppress(OSError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            for fd in ttys:
+                os.dup2(null, fd)
+            os.close(null)
+        handler(signum, frame)
+
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, hangup)
     return received
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
 
 
 @cli.command()

@@ -3,9 +3,11 @@ on the real PostgreSQL (and the embedded journal default)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -310,6 +312,59 @@ def _running_with_an_epoch(work: Path) -> bool:
         return False
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     return any(t.intermediate_values for t in running)
+
+
+@pytest.mark.parametrize("nohup", [False, True])
+def test_a_closed_terminal_stops_the_launch_as_ctrl_c_does(
+    tmp_path: Path, subprocess_env: dict[str, str], nohup: bool
+) -> None:
+    """SIGHUP (its terminal or SSH session closed) ended the launcher at once: no "done"
+    line, the study's MLflow run left RUNNING and the embedded MLflow server running on
+    its own. It is now a stop like Ctrl-C's: trials handed back, the server stopped, exit
+    130, its terminal's output dropped (the writes would fail). Under nohup (SIGHUP
+    ignored) the launch goes on to its end."""
+    import pty
+
+    work = tmp_path / "w"
+    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="0.5")
+    main, terminal = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", "launch", "--study", "tiny", "--workers", "1",
+         "--trials", "2", "--workdir", str(work), "--train-fn", DUMMY,
+         "--set", "budget.max_epochs=8", "--set", "pruner={name: none}"],
+        env=env, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal,
+        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None,
+    )  # fmt: skip
+    os.close(terminal)
+    said = bytearray()
+    try:
+        deadline = time.monotonic() + 180
+        while not _running_with_an_epoch(work):
+            assert time.monotonic() < deadline and proc.poll() is None, said.decode()
+            with contextlib.suppress(OSError):
+                said += os.read(main, 65536) if select.select([main], [], [], 0.2)[0] else b""
+        server = json.loads((work / "mlflow" / "server.json").read_text())
+        proc.send_signal(signal.SIGHUP)
+        if not nohup:
+            os.close(main)  # the terminal is gone: writing to it fails from here on
+        while nohup and proc.poll() is None:  # nohup sends the output elsewhere: read it
+            assert time.monotonic() < deadline, said.decode()
+            with contextlib.suppress(OSError):
+                said += os.read(main, 65536) if select.select([main], [], [], 0.2)[0] else b""
+        code = proc.wait(timeout=240)
+    finally:
+        proc.kill()
+        if nohup:
+            os.close(main)
+    trials = hps.load_study("tiny", workdir=work).get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    assert not group_alive(int(server["pgid"])), "the embedded MLflow server was left running"
+    if nohup:
+        assert code == 0
+        assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    else:
+        assert code == 130  # as Ctrl-C's stop, not a crash's 1 or SIGHUP's 129
+        assert [t.state for t in trials].count(TrialState.WAITING) == 1  # queued to resume
 
 
 def _child_pids(pid: int) -> list[int]:
