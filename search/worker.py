@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import socket
 import threading
@@ -35,7 +36,7 @@ from hpsearch.errors import (
     StorageError,
     TrackingUnreachable,
 )
-from hpsearch.packing import AdmissionStopped, process_start
+from hpsearch.packing import AdmissionStopped, pid_alive, process_start
 from hpsearch.reporting import TrialReports
 from hpsearch.storage import (
     HeartbeatStorage,
@@ -247,6 +248,33 @@ def check_result(result: object) -> None:
         raise HpsearchError(
             f"the train function returned {type(result).__name__}, not a TrialResult"
         )
+
+
+# s: a checkpoint temp file untouched this long is no live write's (a save takes seconds).
+STALE_TEMP_S = 600.0
+_TEMP_NAME = re.compile(r"^\..+\.(\d+)\.tmp$")  # atomic_save's `.<name>.<pid>.tmp`
+
+
+def stale_temp_files(folder: Path, now: float) -> list[Path]:
+    """The checkpoint and best-model temp files in `folder` that a killed writer left (a
+    second Ctrl-C, SIGKILL): its process gone from this host and the file untouched for
+    STALE_TEMP_S (`now`: time.time()), so that a live write of another host sharing the
+    folder is left alone. Nothing removed them, and a best model's can be large."""
+    found: list[Path] = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:  # no folder yet
+        return found
+    for path in entries:
+        m = _TEMP_NAME.match(path.name)
+        if m is None or int(m[1]) == os.getpid() or pid_alive(int(m[1])):
+            continue
+        try:
+            if now - path.stat().st_mtime >= STALE_TEMP_S:
+                found.append(path)
+        except OSError:  # removed meanwhile
+            continue
+    return sorted(found)
 
 
 def checkpoint_path(
@@ -641,6 +669,11 @@ def run_worker(
     owner = {ATTR_WORKER: wid, ATTR_HOST: socket.gethostname(), ATTR_PID: os.getpid(),
              ATTR_PID_START: process_start(os.getpid())}  # fmt: skip
     cfg_id = config_id(config_to_yaml(cfg))  # recorded on the study by create_or_load
+    for path in stale_temp_files(opts.workdir / "checkpoints" / cfg.name, time.time()):
+        with contextlib.suppress(OSError):
+            size = path.stat().st_size
+            path.unlink()
+            logger.warning("removed %s (%.1f MiB): a killed writer's", path, size / 2**20)
     try:
         while not stop.is_set():
             if opts.max_trials is not None and len(summary.trials) >= opts.max_trials:

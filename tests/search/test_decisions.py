@@ -434,3 +434,30 @@ def test_enqueued_trials_are_queued_once_and_only_while_the_budget_has_room() ->
             trial(TrialState.FAIL)]  # fmt: skip
     assert trials_to_enqueue([a, b], four, 4) == ([a], 1)  # type: ignore[arg-type]
     assert trials_to_enqueue([a, b, c], four, 3) == ([], 2)  # type: ignore[arg-type]
+
+
+def test_a_killed_writers_temp_files_are_found_and_a_live_ones_are_not(tmp_path: Path) -> None:
+    """A best model's temp file a second Ctrl-C left (35 MB) stayed in the checkpoint
+    folder through every later launch."""
+    import subprocess
+    import sys
+
+    from hpsearch.worker import STALE_TEMP_S, stale_temp_files
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = int(gone.stdout)  # a pid no process has now (reused within a second: unlikely)
+    now = 1_000_000.0
+    names = {
+        "dead_old": f".trial-00006-cc4d9528.best.pt.{dead}.tmp",
+        "dead_new": f".trial-00007-cc4d9528.pt.{dead}.tmp",  # another host's live write?
+        "mine": f".trial-00008-cc4d9528.pt.{os.getpid()}.tmp",
+        "checkpoint": "trial-00006-cc4d9528.pt",
+        "other": ".notes.tmp",
+    }
+    for key, name in names.items():
+        (tmp_path / name).write_bytes(b"x")
+        age = 1.0 if key == "dead_new" else STALE_TEMP_S + 1
+        os.utime(tmp_path / name, (now - age, now - age))
+    assert stale_temp_files(tmp_path, now) == [tmp_path / names["dead_old"]]
+    assert stale_temp_files(tmp_path / "none", now) == []

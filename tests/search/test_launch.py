@@ -367,6 +367,28 @@ def test_a_closed_terminal_stops_the_launch_as_ctrl_c_does(
         assert [t.state for t in trials].count(TrialState.WAITING) == 1  # queued to resume
 
 
+def test_a_launch_removes_the_temp_files_a_killed_writer_left(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    from hpsearch.worker import STALE_TEMP_S
+
+    folder = tmp_path / "w" / "checkpoints" / "tiny"
+    folder.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    left = folder / f".trial-00000-cc4d9528.best.pt.{int(gone.stdout)}.tmp"
+    left.write_bytes(b"\0" * 1024)
+    old = time.time() - STALE_TEMP_S - 60
+    os.utime(left, (old, old))
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "1",
+                  "--workdir", str(tmp_path / "w"), "--train-fn", DUMMY, "--no-tracking",
+                  "--set", "budget.max_epochs=1"], subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not left.exists()
+    log = (tmp_path / "w" / "logs" / "tiny-worker-0.log").read_text()
+    assert f"removed {left} (0.0 MiB): a killed writer's" in log, log
+
+
 def _child_pids(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
