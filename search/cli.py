@@ -933,6 +933,13 @@ def ui(workdir: Path, host: str, port: int) -> None:
         store_lock,
     )
 
+    # A work folder named on purpose that is not there is a typo: it served an empty store
+    # made there. (The default is made, so that `ui` may start before the first launch.)
+    source = click.get_current_context().get_parameter_source("workdir")
+    if source is not click.core.ParameterSource.DEFAULT and not workdir.is_dir():
+        raise click.ClickException(
+            f"--workdir: {workdir}: no such folder (launch a study there first, or create it)"
+        )
     server: LocalServer | SharedServer
     with store_lock(workdir):
         server = join_server(workdir) or serve_ui(workdir, host, port)

@@ -740,6 +740,25 @@ def test_a_dashboard_on_no_study_or_that_cannot_listen_is_one_line(
     assert "optuna-dashboard: http" not in r.stdout  # it never listened
 
 
+def test_ui_on_a_work_folder_that_is_not_there_is_one_line(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A mistyped --workdir (or HPSEARCH_WORKDIR) made the folder and an empty MLflow store
+    there, and served it, where `status` and `studies` say there is no such folder."""
+    typo = tmp_path / "runz"
+    for args, env in (
+        (["ui", "--workdir", str(typo)], subprocess_env),
+        (["ui"], dict(subprocess_env, HPSEARCH_WORKDIR=str(typo))),
+    ):
+        r = hpsearch(args, env, cwd=tmp_path, timeout=60)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert (
+            r.stderr == f"Error: --workdir: {typo}: no such folder (launch a study there "
+            "first, or create it)\n"
+        ), r.stderr
+        assert not typo.exists()
+
+
 def test_a_dashboard_started_while_its_database_restarts_waits_for_it(
     pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
