@@ -211,7 +211,13 @@ def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download
                     "give one of them"
                 )
         sets.append(f"budget.n_trials={trials}")
-    return load_config(study, sets, data_dir=data_dir, download=download)
+    try:
+        return load_config(study, sets, data_dir=data_dir, download=download)
+    except HpsearchError as exc:  # the budget the message blames came from --trials
+        given = f"(from --set budget.n_trials={trials})"
+        if trials is None or not str(exc).endswith(given):
+            raise
+        raise type(exc)(str(exc).removesuffix(given) + f"(from --trials {trials})") from exc
 
 
 def _check_device(device: str) -> None:

@@ -740,6 +740,21 @@ def test_a_dashboard_on_no_study_or_that_cannot_listen_is_one_line(
     assert "optuna-dashboard: http" not in r.stdout  # it never listened
 
 
+def test_a_budget_refused_names_the_option_that_gave_it(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """--trials 3000 was blamed on "--set budget.n_trials=3000", which the user never typed."""
+    grid = ["--set", "sampler={name: grid}",
+            "--set", "search_space={lr: {type: categorical, choices: [0.1, 0.01]}}"]  # fmt: skip
+    for given, blamed in ((["--trials", "3000"], "(from --trials 3000)"),
+                          (["--set", "budget.n_trials=3000"],
+                           "(from --set budget.n_trials=3000)")):  # fmt: skip
+        r = hpsearch(["launch", "--study", "tiny", *given, *grid, "--workdir", str(tmp_path),
+                      "--no-tracking"], subprocess_env)  # fmt: skip
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+        assert "grid has 2 points" in r.stderr and r.stderr.endswith(f"{blamed}\n"), r.stderr
+
+
 def test_ui_on_a_work_folder_that_is_not_there_is_one_line(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
