@@ -1122,7 +1122,13 @@ def validate_config(
     return cfg
 
 
-def config_to_yaml(cfg: StudyConfig) -> str:
-    """The resolved study (defaults filled in), as logged next to each study."""
+def config_to_yaml(cfg: StudyConfig, trial_only: bool = False) -> str:
+    """The resolved study (defaults filled in), as logged next to each study. `trial_only`:
+    without what does not change how a trial trains (where the data is, whether it may be
+    downloaded, and the study's budget, given as 1), as each trial's config is recorded,
+    so that a relaunch with another --trials or --data-dir records none anew."""
     data = cfg.model_dump(mode="json", exclude={"source"})
+    if trial_only:
+        data["dataset"].update(root=None, download=False)
+        data["budget"]["n_trials"] = 1
     return yaml.dump(data, Dumper=StudyDumper, sort_keys=False)

@@ -332,8 +332,9 @@ def create_or_load(
     resolved = config_to_yaml(cfg)
     if (owner or first) and attrs.get(CONFIG_ATTR) != resolved:
         study.set_user_attr(CONFIG_ATTR, resolved)
-    if attrs.get(CONFIG_OF_ATTR + config_id(resolved)) != resolved:
-        study.set_user_attr(CONFIG_OF_ATTR + config_id(resolved), resolved)
+    own = config_to_yaml(cfg, trial_only=True)
+    if attrs.get(CONFIG_OF_ATTR + config_id(own)) != own:
+        study.set_user_attr(CONFIG_OF_ATTR + config_id(own), own)
     if (owner or first or budget) and attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
         study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
     return study

@@ -668,7 +668,7 @@ def run_worker(
     errors = 0
     owner = {ATTR_WORKER: wid, ATTR_HOST: socket.gethostname(), ATTR_PID: os.getpid(),
              ATTR_PID_START: process_start(os.getpid())}  # fmt: skip
-    cfg_id = config_id(config_to_yaml(cfg))  # recorded on the study by create_or_load
+    cfg_id = config_id(config_to_yaml(cfg, trial_only=True))  # recorded by create_or_load
     for path in stale_temp_files(opts.workdir / "checkpoints" / cfg.name, time.time()):
         with contextlib.suppress(OSError):
             size = path.stat().st_size
@@ -1188,7 +1188,7 @@ def run_trial(
             ATTR_PID_START: process_start(os.getpid()),
             ATTR_CHECKPOINT: str(ckpt.absolute()),  # a retry in another folder finds it
             ATTR_RUN_KEY: run_key,
-            CONFIG_ID_ATTR: cfg_id or config_id(config_to_yaml(cfg)),  # create_or_load's
+            CONFIG_ID_ATTR: cfg_id or config_id(config_to_yaml(cfg, trial_only=True)),
         }
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
         if previous_run:

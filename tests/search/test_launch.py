@@ -864,6 +864,17 @@ def test_train_trial_n_takes_the_config_the_trial_ran_with(
     first = trial_config(file_cfg, None, tmp_path, trial_number=0)
     assert first.budget.max_epochs == 1
     assert trial_config(file_cfg, None, tmp_path).dataset.image_size == 20  # the last launch's
+    # One recorded config per way trials train: not per --trials value or data folder.
+    from hpsearch.study import CONFIG_OF_ATTR
+
+    more = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "3",
+                     "--workdir", str(tmp_path), "--train-fn", DUMMY, "--no-tracking",
+                     "--data-dir", str(tmp_path / "elsewhere"),
+                     "--set", "dataset.image_size=20", "--set", "dataset.cache_size=28",
+                     "--set", "budget.max_epochs=2"], subprocess_env)  # fmt: skip
+    assert more.returncode == 0, more.stdout + more.stderr
+    attrs = hps.load_study("tiny", workdir=tmp_path).user_attrs
+    assert len([k for k in attrs if k.startswith(CONFIG_OF_ATTR)]) == 2  # 24 and 20 px
     rerun = hpsearch(["train", "--study", "tiny", "--trial", "0", "--workdir", str(tmp_path),
                       "--data-dir", str(flowers_root), "--set", "dataset.eval_limit=102"],
                      subprocess_env)  # fmt: skip

@@ -1115,7 +1115,7 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     own = load_config("tiny", ["trainer.defaults.warmup_epochs=3"])
     create_or_load(own, storage, owner=False)  # records it, as its worker does
     theirs = [t for t in study.get_trials(deepcopy=False) if t.number == 1]
-    theirs[0].user_attrs[CONFIG_ID_ATTR] = config_id(config_to_yaml(own))
+    theirs[0].user_attrs[CONFIG_ID_ATTR] = config_id(config_to_yaml(own, trial_only=True))
     attrs = study.user_attrs
     check_retries_fit(own, config_to_yaml(cfg), theirs, attrs)  # what it trained with
     with pytest.raises(ConfigError, match=r"warmup_epochs: 0.5: trial 1 waits to resume"):
