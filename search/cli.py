@@ -502,10 +502,13 @@ def _on_signals(
     # A closed terminal or SSH session (SIGHUP) is a stop like Ctrl-C; its default ended the
     # process at once, leaving the study's MLflow run RUNNING and the embedded server up.
     # Not under nohup, which ignores it for us. The terminal is gone: what was written to it
-    # goes to /dev/null from then on (the writes would fail), a file or pipe keeps its lines.
+    # goes to /dev/null from then on (the writes would fail); a file keeps its lines.
     ttys = [fd for fd in (1, 2) if _isatty(fd)]
 
     def hangup(signum: int, frame: Any) -> None:
+        # One hang-up is one stop: a closing shell resends SIGHUP to its jobs, and the
+        # kernel sends the terminal's own, which counted as a second Ctrl-C (kill now).
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (main thread only)
         with contextlib.suppress(OSError):
             null = os.open(os.devnull, os.O_WRONLY)
             for fd in ttys:

@@ -267,7 +267,10 @@ def stale_temp_files(folder: Path, now: float) -> list[Path]:
         return found
     for path in entries:
         m = _TEMP_NAME.match(path.name)
-        if m is None or int(m[1]) == os.getpid() or pid_alive(int(m[1])):
+        # A number no process can have (os.kill would overflow) is not a writer's pid.
+        if m is None or not 0 < int(m[1]) < 2**22 or int(m[1]) == os.getpid():
+            continue
+        if pid_alive(int(m[1])):
             continue
         try:
             if now - path.stat().st_mtime >= STALE_TEMP_S:
@@ -670,7 +673,7 @@ def run_worker(
              ATTR_PID_START: process_start(os.getpid())}  # fmt: skip
     cfg_id = config_id(config_to_yaml(cfg, trial_only=True))  # recorded by create_or_load
     for path in stale_temp_files(opts.workdir / "checkpoints" / cfg.name, time.time()):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # best effort: another worker may remove it first
             size = path.stat().st_size
             path.unlink()
             logger.warning("removed %s (%.1f MiB): a killed writer's", path, size / 2**20)

@@ -454,6 +454,7 @@ def test_a_killed_writers_temp_files_are_found_and_a_live_ones_are_not(tmp_path:
         "mine": f".trial-00008-cc4d9528.pt.{os.getpid()}.tmp",
         "checkpoint": "trial-00006-cc4d9528.pt",
         "other": ".notes.tmp",
+        "no_pid": ".trial-00009-cc4d9528.pt.99999999999.tmp",  # os.kill would overflow
     }
     for key, name in names.items():
         (tmp_path / name).write_bytes(b"x")

@@ -321,8 +321,9 @@ def test_a_closed_terminal_stops_the_launch_as_ctrl_c_does(
     """SIGHUP (its terminal or SSH session closed) ended the launcher at once: no "done"
     line, the study's MLflow run left RUNNING and the embedded MLflow server running on
     its own. It is now a stop like Ctrl-C's: trials handed back, the server stopped, exit
-    130, its terminal's output dropped (the writes would fail). Under nohup (SIGHUP
-    ignored) the launch goes on to its end."""
+    130, its terminal's output dropped (the writes would fail); the second SIGHUP a closing
+    shell's terminal sends is the same stop, not a second Ctrl-C's kill. Under nohup
+    (SIGHUP ignored) the launch goes on to its end."""
     import pty
 
     work = tmp_path / "w"
@@ -347,6 +348,8 @@ def test_a_closed_terminal_stops_the_launch_as_ctrl_c_does(
         proc.send_signal(signal.SIGHUP)
         if not nohup:
             os.close(main)  # the terminal is gone: writing to it fails from here on
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGHUP)  # the terminal's own, after its shell's: one stop
         while nohup and proc.poll() is None:  # nohup sends the output elsewhere: read it
             assert time.monotonic() < deadline, said.decode()
             with contextlib.suppress(OSError):
@@ -357,6 +360,7 @@ def test_a_closed_terminal_stops_the_launch_as_ctrl_c_does(
         if nohup:
             os.close(main)
     trials = hps.load_study("tiny", workdir=work).get_trials(deepcopy=False)
+    log = (work / "logs" / "tiny-worker-0.log").read_text()
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     assert not group_alive(int(server["pgid"])), "the embedded MLflow server was left running"
     if nohup:
@@ -365,6 +369,7 @@ def test_a_closed_terminal_stops_the_launch_as_ctrl_c_does(
     else:
         assert code == 130  # as Ctrl-C's stop, not a crash's 1 or SIGHUP's 129
         assert [t.state for t in trials].count(TrialState.WAITING) == 1  # queued to resume
+        assert "trial 0: interrupted" in log, log  # handed back, not killed by a second stop
 
 
 def test_a_launch_removes_the_temp_files_a_killed_writer_left(
