@@ -946,8 +946,10 @@ def ui(workdir: Path, host: str, port: int) -> None:
     # made there. (The default is made, so that `ui` may start before the first launch.)
     source = click.get_current_context().get_parameter_source("workdir")
     if source is not click.core.ParameterSource.DEFAULT and not workdir.is_dir():
+        from_env = source is click.core.ParameterSource.ENVIRONMENT
+        given = "HPSEARCH_WORKDIR" if from_env else "--workdir"
         raise click.ClickException(
-            f"--workdir: {workdir}: no such folder (launch a study there first, or create it)"
+            f"{given}: {workdir}: no such folder (launch a study there first, or create it)"
         )
     server: LocalServer | SharedServer
     with store_lock(workdir):

@@ -1100,7 +1100,7 @@ def blame_override(message: str, src: str, overrides: Sequence[str]) -> str:
     if not message.startswith(head):
         return message
     field = message[len(head) :].split(": ", 1)[0]
-    for item in overrides:
+    for item in reversed(overrides):  # the last that sets the field gave its value
         key = item.partition("=")[0].strip()
         if field == key or field.startswith(key + ".") or key.startswith(field + "."):
             return f"{message} (from --set {item})"

@@ -110,7 +110,7 @@ def resolve_storage(
         return StorageSpec("journal", str(path), f"journal:{path}")
     if "://" not in value:
         if value.startswith("journal:"):  # as every command prints a journal storage
-            path = Path(value.removeprefix("journal:")).resolve()
+            path = Path(value.removeprefix("journal:")).expanduser().resolve()  # no shell's ~
             return StorageSpec("journal", str(path), f"journal:{path}")
         if value.endswith((".journal", ".log")):
             path = Path(value).resolve()

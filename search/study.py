@@ -575,7 +575,11 @@ def check_retries_fit(
     ]
     host = socket.gethostname()
     parsed: dict[str, StudyConfig | None] = {}
+    study_id = _trial_config_id(stored)
     for t in waiting:
+        # Its try ran under a worker's own --set values, not the study's: no relaunch
+        # "without the change" helps; a worker with those values finishes it.
+        own = t.user_attrs.get(CONFIG_ID_ATTR) not in (None, study_id) and bool(study_attrs)
         text = (trial_config_yaml(study_attrs, t) if study_attrs else None) or stored
         if text not in parsed:
             try:
@@ -597,22 +601,42 @@ def check_retries_fit(
         changed = [k for k in HPARAM_NAMES if getattr(before, k) != getattr(now, k)]
         if changed:
             name = changed[0]
+            way = (
+                "a worker with --set values of its own trained it: finish it with one "
+                f"(hpsearch worker --study {cfg.name} --set trainer.defaults.{name}="
+                f"{getattr(before, name)}), or start a study under another `name`"
+                if own
+                else "relaunch without the change until it has finished, or start a study "
+                "under another `name`"
+            )
             raise ConfigError(
                 f"{cfg.source or cfg.name}: {name}: {getattr(now, name)!r}: trial {t.number} "
                 f"waits to resume from a checkpoint trained with {getattr(before, name)!r}, "
-                "which it would refuse: relaunch without the change until it has finished, "
-                "or start a study under another `name`"
+                f"which it would refuse: {way}"
             )
         # Its checkpoint's best val_acc was taken the old way: the new epochs' would be
         # compared with it, and its run would log eval settings its best did not have.
         if evals := _eval_changes(before_cfg, cfg, before, now):
+            way = (
+                "a worker with --set values of its own trained it: finish it with one given "
+                "the same (hpsearch worker --study S --set ...)"
+                if own
+                else "relaunch without the change until it has finished"
+            )
             raise ConfigError(
                 f"{cfg.source or cfg.name}: {', '.join(new for new, _ in evals)}: trial "
                 f"{t.number} waits to resume from a checkpoint whose best was evaluated "
                 f"{' and '.join(old for _, old in evals)}, which the new epochs' would be "
-                "compared with: relaunch without the change until it has finished, or start "
-                "a study under another `name`"
+                f"compared with: {way}, or start a study under another `name`"
             )
+
+
+def _trial_config_id(stored: str) -> str | None:
+    """The id a trial run with the study's stored config records; None when unreadable."""
+    try:
+        return config_id(config_to_yaml(config_from_yaml(stored, "stored"), trial_only=True))
+    except ConfigError:
+        return None
 
 
 def _eval_changes(

@@ -751,7 +751,8 @@ def test_a_budget_refused_names_the_option_that_gave_it(
     """--trials 3000 was blamed on "--set budget.n_trials=3000", which the user never typed."""
     grid = ["--set", "sampler={name: grid}",
             "--set", "search_space={lr: {type: categorical, choices: [0.1, 0.01]}}"]  # fmt: skip
-    for given, blamed in ((["--trials", "3000"], "(from --trials 3000)"),
+    for given, blamed in ((["--trials", "3000", "--set", "budget={max_epochs: 2}"],
+                           "(from --trials 3000)"),
                           (["--set", "budget.n_trials=3000"],
                            "(from --set budget.n_trials=3000)")):  # fmt: skip
         r = hpsearch(["launch", "--study", "tiny", *given, *grid, "--workdir", str(tmp_path),
@@ -766,14 +767,14 @@ def test_ui_on_a_work_folder_that_is_not_there_is_one_line(
     """A mistyped --workdir (or HPSEARCH_WORKDIR) made the folder and an empty MLflow store
     there, and served it, where `status` and `studies` say there is no such folder."""
     typo = tmp_path / "runz"
-    for args, env in (
-        (["ui", "--workdir", str(typo)], subprocess_env),
-        (["ui"], dict(subprocess_env, HPSEARCH_WORKDIR=str(typo))),
+    for args, env, given in (
+        (["ui", "--workdir", str(typo)], subprocess_env, "--workdir"),
+        (["ui"], dict(subprocess_env, HPSEARCH_WORKDIR=str(typo)), "HPSEARCH_WORKDIR"),
     ):
         r = hpsearch(args, env, cwd=tmp_path, timeout=60)
         assert r.returncode == 1, r.stdout + r.stderr
         assert (
-            r.stderr == f"Error: --workdir: {typo}: no such folder (launch a study there "
+            r.stderr == f"Error: {given}: {typo}: no such folder (launch a study there "
             "first, or create it)\n"
         ), r.stderr
         assert not typo.exists()

@@ -1118,7 +1118,10 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     theirs[0].user_attrs[CONFIG_ID_ATTR] = config_id(config_to_yaml(own, trial_only=True))
     attrs = study.user_attrs
     check_retries_fit(own, config_to_yaml(cfg), theirs, attrs)  # what it trained with
-    with pytest.raises(ConfigError, match=r"warmup_epochs: 0.5: trial 1 waits to resume"):
+    # Not "relaunch without the change" (there is none): a worker with its values.
+    with pytest.raises(ConfigError, match=r"warmup_epochs: 0.5: trial 1 waits to resume.*"
+                       r"own trained it: finish it with one \(hpsearch worker --study tiny "
+                       r"--set trainer.defaults.warmup_epochs=3.0\)"):  # fmt: skip
         check_retries_fit(cfg, config_to_yaml(cfg), theirs, attrs)
     # No checkpoint to refuse: none written (trainer.checkpoint off), or this host's try
     # died before its first save. The retry then trains from epoch 1 under the change.
@@ -1363,3 +1366,5 @@ def test_the_journal_storage_a_command_prints_is_one_it_takes_back(
     assert resolve_storage(printed, elsewhere) == resolve_storage(None, tmp_path)
     relative = resolve_storage("journal:runs/a.journal", elsewhere)
     assert relative.url == str(elsewhere.resolve() / "runs" / "a.journal")
+    home = resolve_storage("journal:~/a.journal", elsewhere)  # no shell expands ~ there
+    assert home.url == str(Path.home().resolve() / "a.journal")
