@@ -96,7 +96,9 @@ def trial_config(
     src = f"study {cfg.name} (the config " + (
         "it was launched with)" if trial is None else f"trial {trial_number} ran with)"
     )
-    return config_from_yaml(str(stored), src, overrides, cfg.dataset.root, download)
+    # A trial's recorded config says nothing of downloads: the file's (or --download) does.
+    allowed = download if download is not None else cfg.dataset.download
+    return config_from_yaml(str(stored), src, overrides, cfg.dataset.root, allowed)
 
 
 def _trial(study: optuna.Study, number: int) -> FrozenTrial:

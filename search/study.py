@@ -47,6 +47,8 @@ CONFIG_ATTR = "hpsearch.config"
 # own, so the study's config alone reproduced an earlier trial with today's settings.
 CONFIG_OF_ATTR = "hpsearch.config."
 CONFIG_ID_ATTR = "hpsearch.config_id"
+# The ids of the configs launches ran with (a list): any other is a worker's own --set.
+LAUNCH_IDS_ATTR = "hpsearch.launch_config_ids"
 # A study attribute per trial whose MLflow run was made after the trial had finished (it
 # ended while the server was down): Optuna takes no attribute on a finished trial.
 LATE_RUN_ATTR = "mlflow_run_id.{number}"
@@ -335,6 +337,9 @@ def create_or_load(
     own = config_to_yaml(cfg, trial_only=True)
     if attrs.get(CONFIG_OF_ATTR + config_id(own)) != own:
         study.set_user_attr(CONFIG_OF_ATTR + config_id(own), own)
+    launched = list(attrs.get(LAUNCH_IDS_ATTR) or [])
+    if (owner or first) and config_id(own) not in launched:
+        study.set_user_attr(LAUNCH_IDS_ATTR, [*launched, config_id(own)])
     if (owner or first or budget) and attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
         study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
     return study
@@ -575,11 +580,13 @@ def check_retries_fit(
     ]
     host = socket.gethostname()
     parsed: dict[str, StudyConfig | None] = {}
-    study_id = _trial_config_id(stored)
+    attrs = study_attrs or {}
+    launched = set(attrs.get(LAUNCH_IDS_ATTR) or [])
     for t in waiting:
-        # Its try ran under a worker's own --set values, not the study's: no relaunch
-        # "without the change" helps; a worker with those values finishes it.
-        own = t.user_attrs.get(CONFIG_ID_ATTR) not in (None, study_id) and bool(study_attrs)
+        # Its try ran under a worker's own --set values, no launch's: no relaunch "without
+        # the change" helps; a worker with those values finishes it.
+        cid = t.user_attrs.get(CONFIG_ID_ATTR)
+        own = bool(cid) and cid not in launched and f"{CONFIG_OF_ATTR}{cid}" in attrs
         text = (trial_config_yaml(study_attrs, t) if study_attrs else None) or stored
         if text not in parsed:
             try:
@@ -629,14 +636,6 @@ def check_retries_fit(
                 f"{' and '.join(old for _, old in evals)}, which the new epochs' would be "
                 f"compared with: {way}, or start a study under another `name`"
             )
-
-
-def _trial_config_id(stored: str) -> str | None:
-    """The id a trial run with the study's stored config records; None when unreadable."""
-    try:
-        return config_id(config_to_yaml(config_from_yaml(stored, "stored"), trial_only=True))
-    except ConfigError:
-        return None
 
 
 def _eval_changes(

@@ -868,7 +868,9 @@ def test_train_trial_n_takes_the_config_the_trial_ran_with(
              for n in (0, 1)}  # fmt: skip
     assert sizes == {0: 24, 1: 20}
     first = trial_config(file_cfg, None, tmp_path, trial_number=0)
-    assert first.budget.max_epochs == 1
+    assert first.budget.max_epochs == 1 and not first.dataset.download
+    allowed = load_config("tiny", data_dir=str(flowers_root), download=True)
+    assert trial_config(allowed, None, tmp_path, trial_number=0).dataset.download  # the file's
     assert trial_config(file_cfg, None, tmp_path).dataset.image_size == 20  # the last launch's
     # One recorded config per way trials train: not per --trials value or data folder.
     from hpsearch.study import CONFIG_OF_ATTR

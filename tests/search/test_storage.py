@@ -1123,6 +1123,12 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
                        r"own trained it: finish it with one \(hpsearch worker --study tiny "
                        r"--set trainer.defaults.warmup_epochs=3.0\)"):  # fmt: skip
         check_retries_fit(cfg, config_to_yaml(cfg), theirs, attrs)
+    # A try an earlier launch ran (not the study's last config, no worker's own): the plain
+    # hint, "relaunch without the change".
+    earlier = load_config("tiny", ["budget.max_epochs=9"])  # launched above
+    theirs[0].user_attrs[CONFIG_ID_ATTR] = config_id(config_to_yaml(earlier, trial_only=True))
+    with pytest.raises(ConfigError, match=r"0.5, which it would refuse: relaunch without"):
+        check_retries_fit(own, config_to_yaml(cfg), theirs, attrs)
     # No checkpoint to refuse: none written (trainer.checkpoint off), or this host's try
     # died before its first save. The retry then trains from epoch 1 under the change.
     import socket
