@@ -334,12 +334,13 @@ def create_or_load(
     resolved = config_to_yaml(cfg)
     if (owner or first) and attrs.get(CONFIG_ATTR) != resolved:
         study.set_user_attr(CONFIG_ATTR, resolved)
-    own = config_to_yaml(cfg, trial_only=True)
-    if attrs.get(CONFIG_OF_ATTR + config_id(own)) != own:
-        study.set_user_attr(CONFIG_OF_ATTR + config_id(own), own)
+    own = config_to_yaml(cfg, trial_only=True)  # what this process's trials run with
+    cid = config_id(own)
+    if attrs.get(CONFIG_OF_ATTR + cid) != own:
+        study.set_user_attr(CONFIG_OF_ATTR + cid, own)
     launched = list(attrs.get(LAUNCH_IDS_ATTR) or [])
-    if (owner or first) and config_id(own) not in launched:
-        study.set_user_attr(LAUNCH_IDS_ATTR, [*launched, config_id(own)])
+    if (owner or first) and cid not in launched:
+        study.set_user_attr(LAUNCH_IDS_ATTR, [*launched, cid])
     if (owner or first or budget) and attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
         study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
     return study
@@ -348,6 +349,12 @@ def create_or_load(
 def config_id(resolved: str) -> str:
     """A resolved config's id: the first 16 hex digits of its YAML's SHA-256."""
     return hashlib.sha256(resolved.encode()).hexdigest()[:16]
+
+
+def trial_config_id(cfg: StudyConfig) -> str:
+    """The id each trial run with `cfg` records (CONFIG_ID_ATTR; create_or_load records
+    the config under it)."""
+    return config_id(config_to_yaml(cfg, trial_only=True))
 
 
 def trial_config_yaml(study_attrs: Mapping[str, Any], trial: FrozenTrial) -> str | None:
@@ -626,7 +633,7 @@ def check_retries_fit(
         if evals := _eval_changes(before_cfg, cfg, before, now):
             way = (
                 "a worker with --set values of its own trained it: finish it with one given "
-                "the same (hpsearch worker --study S --set ...)"
+                f"the same (hpsearch worker --study {cfg.name} --set ...)"
                 if own
                 else "relaunch without the change until it has finished"
             )

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import optuna
-from hpsearch.config import StudyConfig, config_to_yaml
+from hpsearch.config import StudyConfig
 from hpsearch.errors import (
     ConfigError,
     DiskFullError,
@@ -59,7 +59,6 @@ from hpsearch.study import (
     CONFIG_ID_ATTR,
     MEMORY_CONSTRAINT,
     budget_counts,
-    config_id,
     create_or_load,
     enqueue_trials,
     make_sampler,
@@ -67,6 +66,7 @@ from hpsearch.study import (
     objective_values,
     study_budget,
     suggest,
+    trial_config_id,
     trials_before,
 )
 from hpsearch.trainer.types import best_model_path_for
@@ -671,7 +671,7 @@ def run_worker(
     errors = 0
     owner = {ATTR_WORKER: wid, ATTR_HOST: socket.gethostname(), ATTR_PID: os.getpid(),
              ATTR_PID_START: process_start(os.getpid())}  # fmt: skip
-    cfg_id = config_id(config_to_yaml(cfg, trial_only=True))  # recorded by create_or_load
+    cfg_id = trial_config_id(cfg)  # computed once: a YAML dump per trial is milliseconds
     for path in stale_temp_files(opts.workdir / "checkpoints" / cfg.name, time.time()):
         with contextlib.suppress(OSError):  # best effort: another worker may remove it first
             size = path.stat().st_size
@@ -1155,7 +1155,7 @@ def run_trial(
 ) -> str:
     """Train one trial and tell Optuna. Returns the outcome; never raises for a trial's fault.
     `lock` is the study lock, held while an interrupted trial is failed and re-queued;
-    `cfg_id` is `config_id` of `cfg`'s YAML (computed here when not given)."""
+    `cfg_id` is `trial_config_id(cfg)` (computed here when not given)."""
     timing = timing or TrialTiming(trial.number, opts.resolved_id(), 0.0)
     began = time.perf_counter() - timing.ask_ms / 1e3
     from hpsearch.trainer import TrainOptions
@@ -1191,7 +1191,7 @@ def run_trial(
             ATTR_PID_START: process_start(os.getpid()),
             ATTR_CHECKPOINT: str(ckpt.absolute()),  # a retry in another folder finds it
             ATTR_RUN_KEY: run_key,
-            CONFIG_ID_ATTR: cfg_id or config_id(config_to_yaml(cfg, trial_only=True)),
+            CONFIG_ID_ATTR: cfg_id or trial_config_id(cfg),
         }
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
         if previous_run:
