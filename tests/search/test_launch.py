@@ -359,10 +359,14 @@ def test_a_closed_terminal_stops_the_launch_as_ctrl_c_does(
         proc.kill()
         if nohup:
             os.close(main)
+    left_running = group_alive(int(server["pgid"]))
+    if left_running:  # a failed run leaves no server behind for the rest of the suite
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(server["pgid"]), signal.SIGKILL)
     trials = hps.load_study("tiny", workdir=work).get_trials(deepcopy=False)
     log = (work / "logs" / "tiny-worker-0.log").read_text()
     assert not [t for t in trials if t.state == TrialState.RUNNING]
-    assert not group_alive(int(server["pgid"])), "the embedded MLflow server was left running"
+    assert not left_running, "the embedded MLflow server was left running"
     if nohup:
         assert code == 0
         assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
