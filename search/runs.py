@@ -261,9 +261,12 @@ class TrialRun:
 
     def __init__(
         self, session: TrackingSession, tracker: Any, sampler: Any, trial: Any,
-        checkpoint: Path | None = None,
+        checkpoint: Path | None = None, earlier_run: str | None = None,
     ) -> None:  # fmt: skip
         self.session = session
+        # A retry's: its failed try's run, whose epochs before the first one trained here
+        # are copied to this run as that epoch is logged (`TrialTracker.copy_history`).
+        self._earlier_run = earlier_run or None
         self.tracker = tracker
         self.sampler = sampler
         self.trial = trial
@@ -282,6 +285,9 @@ class TrialRun:
                 self.uploader.submit(checkpoint)
 
     def log_epoch(self, record: Any, timestamp_ms: int | None = None) -> None:
+        if self._earlier_run is not None:  # epochs before this one: the resume's
+            earlier, self._earlier_run = self._earlier_run, None
+            self.tracker.copy_history(earlier, EPOCH_FIELDS, int(record.epoch))
         self.tracker.log_epoch(int(record.epoch), epoch_metrics(record), timestamp_ms)
         if self.sampler is not None and self.sampler.input_bound:
             self._note_input_bound()
@@ -746,6 +752,7 @@ class TrackingSession:
         run_key: str | None = None,
         offline: bool = False,
         again: bool = False,
+        earlier_run: str | None = None,
     ) -> TrialRun | None:
         """The trial's MLflow run, its GPU sampler started; None without MLflow (raises
         TrackingUnreachable when the server did not answer: a later try may). The run
@@ -755,7 +762,9 @@ class TrackingSession:
         `run_key` (the trial's `mlflow_run_key`) tags the run, to find it again unlinked.
         `offline`: a run kept whole in the spool folder and made when the server answers
         (a trial that ended while it was down); None without a spool folder. `again`: an
-        earlier start did not answer (its create may have landed: looked for first)."""
+        earlier start did not answer (its create may have landed: looked for first).
+        `earlier_run`: a retry's failed try's run, whose epochs before the retry's first
+        are copied to this one (the retry resumed after them)."""
         from hpsearch.tracking.gpu import sampler_for_tracker
         from hpsearch.tracking.mlflow_logger import TrialTracker, trial_params
 
@@ -842,14 +851,14 @@ class TrackingSession:
         if early_gpu is not None:
             sampler, relay = early_gpu
             relay.attach(tracker)
-            return TrialRun(self, tracker, sampler, trial, ckpt)
+            return TrialRun(self, tracker, sampler, trial, ckpt, earlier_run)
         sampler = sampler_for_tracker(tracker, **self._sampler_options())
         try:
             sampler.start()
         except Exception as exc:  # telemetry never fails a trial
             logger.warning("GPU sampler failed to start: %s", exc)
             sampler = None
-        return TrialRun(self, tracker, sampler, trial, ckpt)
+        return TrialRun(self, tracker, sampler, trial, ckpt, earlier_run)
 
     def early_gpu_sampler(self) -> tuple[Any, Any] | None:
         """A GPU sampler started now, for a trial whose run starts later (a worker's first

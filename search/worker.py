@@ -889,6 +889,7 @@ class _LateRun:
     def __init__(
         self, tracking: Any, trial: optuna.Trial, params: Mapping[str, Any], root: int,
         ckpt: Path, db: Db, run_key: str | None = None, stop: threading.Event | None = None,
+        earlier_run: str | None = None,
     ) -> None:  # fmt: skip
         self.run: Any = None
         self._stop = stop  # the worker's: `wait` gives up on a start still in progress
@@ -904,6 +905,7 @@ class _LateRun:
         self._wake = threading.Event()  # ends a wait for the next try
         self._done = threading.Event()  # `_start` is over: `run` and `_error` are final
         self._args = (trial, params, root, ckpt, db, int(time.time() * 1000), run_key)
+        self._earlier_run = earlier_run  # a retry's failed try's run (`start_trial`)
         # (sampler, relay) running from the trial's start, until the run takes it
         self._gpu: tuple[Any, Any] | None = tracking.early_gpu_sampler()
         # Kept for `training_began`: the run takes the sampler from `_gpu` as it starts.
@@ -943,6 +945,7 @@ class _LateRun:
             run = self._tracking.start_trial(
                 trial, params, root, ckpt, start_time_ms=start_ms, early_gpu=gpu,
                 run_key=run_key, offline=offline, again=self._tries > 0,
+                earlier_run=self._earlier_run,
             )  # fmt: skip
             if run is not None:
                 gpu = None  # the run's now: it stops the sampler when it ends
@@ -1207,8 +1210,9 @@ def run_trial(
         fetch = not ckpt.exists() or cfg.tracking.upload_checkpoints
         if tracking is not None and root != trial.number and previous_run and fetch:
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
+        earlier = str(previous_run) if root != trial.number and previous_run else None
         late = (
-            _LateRun(tracking, trial, params, root, ckpt, db, run_key, stop)
+            _LateRun(tracking, trial, params, root, ckpt, db, run_key, stop, earlier)
             if tracking is not None
             else None
         )

@@ -59,6 +59,8 @@ PARENT_TAG = "mlflow.parentRunId"
 # before the run is made): finds the run of a create that timed out after the server made
 # it, or of a worker that died before it linked its run.
 RUN_KEY_TAG = "hpsearch.run_key"
+# On a retry's run: the run its earlier epochs were copied from (`copy_history`).
+HISTORY_TAG = "hpsearch.history_from_run"
 
 EPOCH_METRICS = (
     "train_loss",
@@ -498,9 +500,11 @@ class _Batch:
     metrics: list[Metric] = field(default_factory=list)
     params: list[Param] = field(default_factory=list)
     tags: list[RunTag] = field(default_factory=list)
-    kind: str = "epoch"  # epoch | params | final
+    kind: str = "epoch"  # epoch | params | final | history
     enqueued: float = 0.0  # time.monotonic()
     sent_chunks: int = 0
+    # A history copy not fetched yet (`copy_history`): (source run, keys, before step).
+    history: tuple[str, tuple[str, ...], int] | None = None
 
 
 @dataclass
@@ -695,6 +699,23 @@ class TrialTracker:
             return
         with self._cond:
             self._pending_tags.update({k: _safe_tag_value(v) for k, v in tags.items()})
+
+    def copy_history(self, source_run_id: str, keys: Sequence[str], before_step: int) -> None:
+        """Queue a copy of `keys`' values at steps below `before_step` from run
+        `source_run_id`: a retry's run gets the epochs its failed try trained before the
+        checkpoint it resumed from, so its charts start at epoch 1 and not at the resume.
+        Fetched and sent by the sender thread, ahead of the epochs queued after this call;
+        returns immediately. Best effort: a source run MLflow lacks is warned about."""
+        if not self.enabled or self.finished or not source_run_id or before_step <= 1:
+            return
+        with self._cond:
+            self._push_locked(
+                _Batch(
+                    kind="history",
+                    enqueued=time.monotonic(),
+                    history=(source_run_id, tuple(keys), int(before_step)),
+                )
+            )
 
     def finish(
         self,
@@ -977,6 +998,9 @@ class TrialTracker:
 
     def _send(self, batch: _Batch) -> None:
         assert self.run_id is not None
+        if batch.history is not None:  # fetched once; a retry sends the chunks left
+            batch.metrics, batch.tags = history_batch(self.client, *batch.history)
+            batch.history = None
         chunks = chunk_batch(batch.metrics, batch.params, batch.tags)
         for i in range(batch.sent_chunks, len(chunks)):
             metrics, params, tags = chunks[i]
@@ -1011,6 +1035,9 @@ class TrialTracker:
             return False, []
         kept = []
         for batch in left:  # a chunk the server took is not sent twice
+            if batch.history is not None:  # not fetched yet: fetched when it is sent
+                kept.append(batch)
+                continue
             for metrics, params, tags in chunk_batch(batch.metrics, batch.params, batch.tags)[
                 batch.sent_chunks :
             ]:
@@ -1126,6 +1153,25 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         shutil.copyfile(src, dest)
 
 
+def history_batch(
+    client: MlflowClient, source_run_id: str, keys: Sequence[str], before_step: int
+) -> tuple[list[Metric], list[RunTag]]:
+    """`keys`' values at steps below `before_step` in run `source_run_id` (one request per
+    key; a step logged twice gives its latest value), with the tag naming the source when
+    there are any, as one batch for a retry's run (`TrialTracker.copy_history`); MLflow
+    answers a run it lacks with no values. Raises MlflowException."""
+    metrics: list[Metric] = []
+    for key in keys:
+        latest: dict[int, Metric] = {}
+        for m in client.get_metric_history(source_run_id, key):
+            step = int(m.step)
+            if step < before_step and (step not in latest or m.timestamp >= latest[step].timestamp):
+                latest[step] = m
+        for step, m in sorted(latest.items()):
+            metrics.append(Metric(key, float(m.value), int(m.timestamp), step))
+    return metrics, [RunTag(HISTORY_TAG, source_run_id)] if metrics else []
+
+
 def write_spool(
     spool_dir: Path,
     run_id: str,
@@ -1156,6 +1202,11 @@ def write_spool(
                 "metrics": [[m.key, m.value, m.timestamp, m.step] for m in b.metrics],
                 "params": [[p.key, p.value] for p in b.params],
                 "tags": [[t.key, t.value] for t in b.tags],
+                **(
+                    {"history": [b.history[0], list(b.history[1]), b.history[2]]}
+                    if b.history is not None
+                    else {}
+                ),
             }
             for b in batches
         ],
@@ -1308,6 +1359,16 @@ def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path
         metrics = [Metric(k, float(v), int(ts), int(step)) for k, v, ts, step in b["metrics"]]
         params = [Param(str(k), str(v)) for k, v in b["params"]]
         tags = [RunTag(str(k), str(v)) for k, v in b["tags"]]
+        if b.get("history"):  # a retry's earlier epochs, fetched now the server answers
+            source, keys, before = b["history"]
+            try:
+                metrics, tags = history_batch(client, str(source), tuple(keys), int(before))
+            except MlflowException as exc:  # the source run is gone: the rest is sent
+                if _http_status(exc) in (401, 403) or not is_permanent_error(exc):
+                    raise
+                logger.warning("MLflow: run %s's earlier epochs not copied: %s", run_id,
+                               _short(exc))  # fmt: skip
+                incomplete = True
         for m, p, t in chunk_batch(metrics, params, tags):
             try:
                 client.log_batch(run_id, metrics=m, params=p, tags=t, synchronous=True)

@@ -83,6 +83,22 @@ def test_stopped_trial_resumes_elsewhere_from_its_uploaded_checkpoint(
     assert retry.user_attrs["resumed_from_epoch"] == last + 1
     assert max(retry.intermediate_values) == 12
 
+    # The retry's run charts the whole trial: epochs 1 to `last` as its failed try's run
+    # has them (the checkpoint's), then its own; each epoch once.
+    run_id = retry.user_attrs["mlflow_run_id"]
+    mine = {m.step: m.value for m in client.get_metric_history(run_id, "val_acc")}
+    before = {
+        m.step: m.value
+        for m in client.get_metric_history(stopped.user_attrs["mlflow_run_id"], "val_acc")
+    }
+    assert len(client.get_metric_history(run_id, "val_acc")) == 12
+    assert sorted(mine) == list(range(1, 13))
+    assert all(mine[e] == before[e] for e in range(1, last + 1))
+    assert (
+        client.get_run(run_id).data.tags["hpsearch.history_from_run"]
+        == stopped.user_attrs["mlflow_run_id"]
+    )
+
 
 def test_best_trial_onnx_does_not_wait_for_a_run_whose_worker_is_gone(
     pg_url: str, tmp_path: Path, mlflow_server: LocalServer

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from hpsearch.errors import TrackingError
 from hpsearch.tracking.mlflow_logger import (
+    HISTORY_TAG,
     HTTP_POLICY,
     INCOMPLETE_TAG,
     OUTCOME_STATUS,
@@ -468,6 +469,83 @@ def test_an_offline_run_is_kept_whole_and_made_when_the_server_answers(
 
     create = {"experiment": name, "tags": {}, "trial_number": 4, "run_key": "k" * 32}
     assert _made_run(client, create) == run.info.run_id
+
+
+def test_a_retrys_run_gets_the_epochs_its_failed_try_trained_before_the_resume(
+    client: CountingClient, experiment_id: str
+) -> None:
+    """A retry resumes from its failed try's checkpoint (epoch 3 here); its run held the
+    epochs from the resume on only, and its charts began there. The earlier epochs are
+    copied from the failed try's run, but not the ones it trained past its checkpoint
+    (epoch 4, trained again by the retry): each step once, with the retry's value."""
+    parent = open_study_run(client, experiment_id, "s", {}, "x: 1\n")
+    failed = make_tracker(client, experiment_id, parent, 1)
+    for e in (1, 2, 3, 4):
+        failed.log_epoch(e, epoch_metrics(e))
+    failed.log_epoch(3, {"val_acc": 0.9})  # a step logged twice: its latest value goes
+    failed.finish("interrupted")
+    assert failed.run_id is not None
+
+    retry = make_tracker(client, experiment_id, parent, 2)
+    retry.copy_history(failed.run_id, list(EPOCH), 4)
+    for e in (4, 5):
+        retry.log_epoch(e, epoch_metrics(e + 10))
+    assert retry.finish("completed")
+    assert retry.run_id is not None
+    for key in EPOCH:
+        steps = [m.step for m in client.get_metric_history(retry.run_id, key)]
+        assert sorted(steps) == [1, 2, 3, 4, 5], key
+    val = {m.step: m.value for m in client.get_metric_history(retry.run_id, "val_acc")}
+    assert val == pytest.approx(
+        {1: EPOCH["val_acc"] + 0.01, 2: EPOCH["val_acc"] + 0.02, 3: 0.9,
+         4: EPOCH["val_acc"] + 0.14, 5: EPOCH["val_acc"] + 0.15}
+    )  # fmt: skip
+    earlier = {m.step: m.timestamp for m in client.get_metric_history(failed.run_id, "train_loss")}
+    copied = {m.step: m.timestamp for m in client.get_metric_history(retry.run_id, "train_loss")}
+    assert all(copied[s] == earlier[s] for s in (1, 2, 3))  # when they were trained
+    run = client.get_run(retry.run_id)
+    assert run.data.tags[HISTORY_TAG] == failed.run_id
+    assert INCOMPLETE_TAG not in run.data.tags
+
+    # A failed try's run MLflow does not have (deleted for good): it answers no values,
+    # and the retry's own epochs go as ever, with no tag naming a source.
+    third = make_tracker(client, experiment_id, parent, 4)
+    third.copy_history(uuid.uuid4().hex, list(EPOCH), 3)
+    third.log_epoch(3, epoch_metrics(3))
+    assert third.finish("completed")
+    assert third.run_id is not None
+    assert [m.step for m in client.get_metric_history(third.run_id, "val_acc")] == [3]
+    assert HISTORY_TAG not in client.get_run(third.run_id).data.tags
+
+
+def test_a_retrys_earlier_epochs_kept_offline_are_copied_when_the_server_answers(
+    client: CountingClient, experiment_id: str, tmp_path: Path
+) -> None:
+    """The server was down when the retry's run would start: the copy is kept in the spool
+    folder with the run, and fetched and sent with it when the server answers."""
+    parent = open_study_run(client, experiment_id, "s", {}, "x: 1\n")
+    failed = make_tracker(client, experiment_id, parent, 1)
+    for e in (1, 2, 3):
+        failed.log_epoch(e, epoch_metrics(e))
+    failed.finish("interrupted")
+    assert failed.run_id is not None
+    name = client.get_experiment(experiment_id).name
+    spool = tmp_path / "spool"
+    dead = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")  # no call is made
+    retry = TrialTracker(
+        dead, "", "", trial_number=2, study_name=name, params={}, worker="w0",
+        spool_dir=spool, offline=True,
+    )  # fmt: skip
+    retry.copy_history(failed.run_id, ["val_acc", "train_loss"], 3)
+    retry.log_epoch(3, epoch_metrics(13))
+    assert retry.finish("completed") is False
+    assert replay_spool(client, spool) == 1
+    (run,) = client.search_runs([experiment_id], "tags.`optuna.trial_number` = '2'")
+    val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_acc")}
+    assert val == pytest.approx({1: EPOCH["val_acc"] + 0.01, 2: EPOCH["val_acc"] + 0.02,
+                                 3: EPOCH["val_acc"] + 0.13})  # fmt: skip
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2, 3]
+    assert run.data.tags[HISTORY_TAG] == failed.run_id
 
 
 class LostReplyClient(CountingClient):
