@@ -679,7 +679,9 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
 
 @cli.command()
-@click.option("--study", "-s", required=True, help="Study name.")
+@click.option(
+    "--study", "-s", required=True, help="Study name, or the study file it was launched from."
+)
 @_storage_option
 @_workdir_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -693,9 +695,10 @@ def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> Non
     """
     from dataclasses import asdict
 
+    from hpsearch.config import study_name
     from hpsearch.query import study_status
 
-    st = study_status(study, storage, workdir)
+    st = study_status(study_name(study), storage, workdir)
     if as_json:
         click.echo(_json(asdict(st)))
         return
@@ -752,7 +755,9 @@ def _params_of(row: dict[str, Any]) -> dict[str, Any]:
 
 
 @cli.command()
-@click.option("--study", "-s", required=True, help="Study name.")
+@click.option(
+    "--study", "-s", required=True, help="Study name, or the study file it was launched from."
+)
 @_storage_option
 @_workdir_option
 @click.option(
@@ -767,9 +772,10 @@ def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) 
     Example:
       hpsearch best --study flowers102 -k 3 --json
     """
+    from hpsearch.config import study_name
     from hpsearch.query import top_trials
 
-    rows = top_trials(study, storage, k, workdir)
+    rows = top_trials(study_name(study), storage, k, workdir)
     if as_json:
         click.echo(_json(rows))
         return
@@ -783,7 +789,9 @@ def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) 
 
 
 @cli.command()
-@click.option("--study", "-s", required=True, help="Study name.")
+@click.option(
+    "--study", "-s", required=True, help="Study name, or the study file it was launched from."
+)
 @_storage_option
 @_workdir_option
 @click.option(
@@ -806,9 +814,10 @@ def enqueue(study: str, storage: str | None, workdir: Path, params_json: str) ->
     Example:
       hpsearch enqueue --study flowers102 --params '{"lr": 0.1, "batch_size": 256}'
     """
-    from hpsearch.config import params_from_json
+    from hpsearch.config import params_from_json, study_name
     from hpsearch.query import enqueue_trial
 
+    study = study_name(study)
     done = enqueue_trial(study, params_from_json(params_json), storage, workdir)
     if done.queued:
         click.echo(f"queued trial {done.number} of study {study}: {done.params}")

@@ -891,6 +891,16 @@ def find_study_file(study: str) -> Path:
     raise ConfigError(f"--study: {study!r}: no such study file; known studies: {known}")
 
 
+def study_name(study: str) -> str:
+    """The stored study a `--study` value names: a study file's (a `.yaml`/`.yml` path, or
+    an existing file's path) name, as `launch` named the study it made from it, else the
+    value itself. Raises ConfigError for such a file that is missing or not valid."""
+    p = Path(study)
+    if p.suffix in (".yaml", ".yml") or (os.sep in study and p.is_file()):
+        return load_config(study).name
+    return study
+
+
 class StudyLoader(yaml.SafeLoader):
     """PyYAML's safe loader with two habits of YAML 1.2 that study files rely on: a plain
     (unquoted) `1e-3` or `5e4` is a float, as YAML 1.2 reads it (YAML 1.1 needs a dot and a

@@ -449,3 +449,40 @@ def test_a_trial_queued_by_hand_runs_first_once_and_within_the_budget(
     assert trials[0].params["lr"] == 0.02
     assert (trials[1].params["loss"], trials[1].params["focal_gamma"]) == ("focal", 2.0)
     assert trials[2].params["batch_size"] == 64
+
+
+def test_status_best_and_enqueue_take_the_study_file_a_launch_took(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """`launch --study my.yaml` names the study by the file's `name` (else its stem); the
+    readers took only that name, so the path a user had just launched with was "not
+    found". They take the file too, and a missing one is the loader's one line."""
+    from hpsearch.config import find_study_file, load_config, study_name
+    from hpsearch.storage import open_storage, resolve_storage
+    from hpsearch.study import create_or_load
+
+    text = find_study_file("tiny").read_text()
+    mine = tmp_path / "my-study.yaml"
+    mine.write_text(text.replace("name: tiny", "name: flowers-mine"))
+    assert "flowers-mine" in mine.read_text()
+    cfg = load_config(mine, ["budget.n_trials=3"])
+    work = tmp_path / "w"
+    create_or_load(cfg, open_storage(resolve_storage(None, work)))
+    assert study_name(str(mine)) == "flowers-mine"
+    assert study_name("flowers-mine") == "flowers-mine"
+    assert study_name("team/flowers") == "team/flowers"  # a name, not a file here
+
+    common = ["--study", str(mine), "--workdir", str(work)]
+    out = hpsearch(["enqueue", *common, "--params", '{"lr": 0.02}'], subprocess_env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "queued trial 0 of study flowers-mine: {'lr': 0.02}"
+    out = hpsearch(["status", *common, "--json"], subprocess_env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["name"] == "flowers-mine"
+    out = hpsearch(["best", *common], subprocess_env)
+    assert (out.returncode, out.stdout.strip()) == (0, "no completed trials yet"), out.stderr
+    for command in ("status", "best"):
+        out = hpsearch([command, "--study", str(tmp_path / "nope.yaml"), "--workdir", str(work)],
+                       subprocess_env)  # fmt: skip
+        assert out.returncode == 1
+        assert out.stderr.strip() == f"Error: {tmp_path / 'nope.yaml'}: study file not found"
