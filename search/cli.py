@@ -24,9 +24,10 @@ from typing import Any, TextIO, TypeVar
 
 import click
 from hpsearch import __version__
-from hpsearch.errors import EXIT_DISK_FULL, DiskFullError, HpsearchError
+from hpsearch.errors import EXIT_DISK_FULL, DiskFullError, HpsearchError, StudyNotFoundError
 
 F = TypeVar("F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def _edge(fn: F) -> F:
@@ -191,6 +192,29 @@ def _check_tracking(tracking_uri: str | None, no_tracking: bool) -> None:
         from hpsearch.errors import ConfigError
 
         raise ConfigError("--no-tracking and --tracking-uri: give one of them")
+
+
+def _stored(study: str, read: Callable[[str], _T]) -> tuple[str, _T]:
+    """The stored study a reader's `--study` names (`config.study_name`: a study file is
+    read for its `name`), and `read` of it. A name that no stored study has, but that names
+    a study file in ./studies (or a shipped one) of another `name`, reads that one, as
+    `launch --study NAME` made it."""
+    from hpsearch.config import find_study_file, load_config, study_name
+
+    name = study_name(study)
+    try:
+        return name, read(name)
+    except StudyNotFoundError as exc:
+        try:
+            other = load_config(find_study_file(study)).name if name == study else name
+        except HpsearchError:
+            raise exc from None
+        if other == name:
+            raise
+        try:
+            return other, read(other)
+        except StudyNotFoundError:
+            raise exc from None
 
 
 def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
@@ -680,7 +704,10 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
 @cli.command()
 @click.option(
-    "--study", "-s", required=True, help="Study name, or the study file it was launched from."
+    "--study",
+    "-s",
+    required=True,
+    help="Study name, or the study file it was launched from (the file's `name`).",
 )
 @_storage_option
 @_workdir_option
@@ -695,10 +722,9 @@ def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> Non
     """
     from dataclasses import asdict
 
-    from hpsearch.config import study_name
     from hpsearch.query import study_status
 
-    st = study_status(study_name(study), storage, workdir)
+    _, st = _stored(study, lambda name: study_status(name, storage, workdir))
     if as_json:
         click.echo(_json(asdict(st)))
         return
@@ -756,7 +782,10 @@ def _params_of(row: dict[str, Any]) -> dict[str, Any]:
 
 @cli.command()
 @click.option(
-    "--study", "-s", required=True, help="Study name, or the study file it was launched from."
+    "--study",
+    "-s",
+    required=True,
+    help="Study name, or the study file it was launched from (the file's `name`).",
 )
 @_storage_option
 @_workdir_option
@@ -772,10 +801,9 @@ def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) 
     Example:
       hpsearch best --study flowers102 -k 3 --json
     """
-    from hpsearch.config import study_name
     from hpsearch.query import top_trials
 
-    rows = top_trials(study_name(study), storage, k, workdir)
+    _, rows = _stored(study, lambda name: top_trials(name, storage, k, workdir))
     if as_json:
         click.echo(_json(rows))
         return
@@ -790,7 +818,10 @@ def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) 
 
 @cli.command()
 @click.option(
-    "--study", "-s", required=True, help="Study name, or the study file it was launched from."
+    "--study",
+    "-s",
+    required=True,
+    help="Study name, or the study file it was launched from (the file's `name`).",
 )
 @_storage_option
 @_workdir_option
@@ -814,11 +845,11 @@ def enqueue(study: str, storage: str | None, workdir: Path, params_json: str) ->
     Example:
       hpsearch enqueue --study flowers102 --params '{"lr": 0.1, "batch_size": 256}'
     """
-    from hpsearch.config import params_from_json, study_name
+    from hpsearch.config import params_from_json
     from hpsearch.query import enqueue_trial
 
-    study = study_name(study)
-    done = enqueue_trial(study, params_from_json(params_json), storage, workdir)
+    params = params_from_json(params_json)
+    study, done = _stored(study, lambda name: enqueue_trial(name, params, storage, workdir))
     if done.queued:
         click.echo(f"queued trial {done.number} of study {study}: {done.params}")
     else:

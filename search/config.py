@@ -879,7 +879,7 @@ def available_studies() -> list[str]:
 
 def find_study_file(study: str) -> Path:
     p = Path(study)
-    if p.suffix in (".yaml", ".yml") or os.sep in study or p.is_file():
+    if p.suffix.lower() in (".yaml", ".yml") or os.sep in study or p.is_file():
         if not p.is_file():
             raise ConfigError(f"{study}: study file not found")
         return p
@@ -892,11 +892,12 @@ def find_study_file(study: str) -> Path:
 
 
 def study_name(study: str) -> str:
-    """The stored study a `--study` value names: a study file's (a `.yaml`/`.yml` path, or
-    an existing file's path) name, as `launch` named the study it made from it, else the
-    value itself. Raises ConfigError for such a file that is missing or not valid."""
+    """The stored study a `--study` value names: a study file's `name` (a `.yaml`/`.yml`
+    path, or a file that is there), as `launch` named the study it made from the file
+    without a `--set name=`, else the value itself. Raises ConfigError for such a file that
+    is missing or not valid."""
     p = Path(study)
-    if p.suffix in (".yaml", ".yml") or (os.sep in study and p.is_file()):
+    if p.suffix.lower() in (".yaml", ".yml") or p.is_file():
         return load_config(study).name
     return study
 

@@ -262,11 +262,15 @@ class TrialRun:
     def __init__(
         self, session: TrackingSession, tracker: Any, sampler: Any, trial: Any,
         checkpoint: Path | None = None, earlier_run: str | None = None,
+        restored: list[tuple[int, dict[str, float]]] | None = None,
     ) -> None:  # fmt: skip
         self.session = session
-        # A retry's: its failed try's run, whose epochs before the first one trained here
-        # are copied to this run as that epoch is logged (`TrialTracker.copy_history`).
-        self._earlier_run = earlier_run or None
+        # A retry's: the epochs its resume checkpoint holds (`restored`) and its failed
+        # try's run. Those before the first epoch trained here go to this run as that
+        # epoch is logged (`TrialTracker.copy_history`): its charts start at epoch 1.
+        self._earlier: tuple[str | None, list[tuple[int, dict[str, float]]]] | None = (
+            (earlier_run or None, restored or []) if earlier_run or restored else None
+        )
         self.tracker = tracker
         self.sampler = sampler
         self.trial = trial
@@ -285,9 +289,9 @@ class TrialRun:
                 self.uploader.submit(checkpoint)
 
     def log_epoch(self, record: Any, timestamp_ms: int | None = None) -> None:
-        if self._earlier_run is not None:  # epochs before this one: the resume's
-            earlier, self._earlier_run = self._earlier_run, None
-            self.tracker.copy_history(earlier, EPOCH_FIELDS, int(record.epoch))
+        if self._earlier is not None:  # epochs before this one: the resume's
+            (source, known), self._earlier = self._earlier, None
+            self.tracker.copy_history(int(record.epoch), source, EPOCH_FIELDS, known)
         self.tracker.log_epoch(int(record.epoch), epoch_metrics(record), timestamp_ms)
         if self.sampler is not None and self.sampler.input_bound:
             self._note_input_bound()
@@ -763,8 +767,8 @@ class TrackingSession:
         `offline`: a run kept whole in the spool folder and made when the server answers
         (a trial that ended while it was down); None without a spool folder. `again`: an
         earlier start did not answer (its create may have landed: looked for first).
-        `earlier_run`: a retry's failed try's run, whose epochs before the retry's first
-        are copied to this one (the retry resumed after them)."""
+        `earlier_run`: a retry's failed try's run; a retry's run gets the epochs before
+        its first from its resume checkpoint `ckpt`, dated as that run logged them."""
         from hpsearch.tracking.gpu import sampler_for_tracker
         from hpsearch.tracking.mlflow_logger import TrialTracker, trial_params
 
@@ -827,6 +831,9 @@ class TrackingSession:
                 quiet=self._down_tries > 0,
             )
 
+        # Read before the trainer's first save of its own, which a finished trial's
+        # clean-up deletes before a send kept offline goes; its later saves hold these too.
+        restored = saved_history(ckpt) if root != trial.number else None
         tracker = make()
         if tracker.gone and not offline:  # its experiment was deleted for good: made anew
             with self._ready_lock:
@@ -851,14 +858,14 @@ class TrackingSession:
         if early_gpu is not None:
             sampler, relay = early_gpu
             relay.attach(tracker)
-            return TrialRun(self, tracker, sampler, trial, ckpt, earlier_run)
+            return TrialRun(self, tracker, sampler, trial, ckpt, earlier_run, restored)
         sampler = sampler_for_tracker(tracker, **self._sampler_options())
         try:
             sampler.start()
         except Exception as exc:  # telemetry never fails a trial
             logger.warning("GPU sampler failed to start: %s", exc)
             sampler = None
-        return TrialRun(self, tracker, sampler, trial, ckpt, earlier_run)
+        return TrialRun(self, tracker, sampler, trial, ckpt, earlier_run, restored)
 
     def early_gpu_sampler(self) -> tuple[Any, Any] | None:
         """A GPU sampler started now, for a trial whose run starts later (a worker's first
@@ -1256,6 +1263,21 @@ def saved_epoch(path: Path) -> int | None:
     try:
         return int(_load_checkpoint(path)["epoch"])
     except Exception:  # missing, damaged, or not a checkpoint: the other one is used
+        return None
+
+
+def saved_history(path: Path) -> list[tuple[int, dict[str, float]]] | None:
+    """The epochs a resume checkpoint holds, (epoch, EPOCH_FIELDS' values) each; None when
+    there is no readable file, or it holds no history (a custom trainer's)."""
+    try:
+        history = _load_checkpoint(path).get("history")
+        if not isinstance(history, list):
+            return None
+        return [
+            (int(r["epoch"]), {k: float(r[k]) for k in EPOCH_FIELDS if r.get(k) is not None})
+            for r in history
+        ]
+    except Exception:  # missing, damaged, or another shape: the failed try's run is used
         return None
 
 

@@ -57,6 +57,7 @@ from hpsearch.study import (
     ATTR_FAILED_HOST,
     ATTR_UNFIT,
     CONFIG_ID_ATTR,
+    LATE_RUN_ATTR,
     MEMORY_CONSTRAINT,
     budget_counts,
     create_or_load,
@@ -1210,7 +1211,7 @@ def run_trial(
         fetch = not ckpt.exists() or cfg.tracking.upload_checkpoints
         if tracking is not None and root != trial.number and previous_run and fetch:
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
-        earlier = str(previous_run) if root != trial.number and previous_run else None
+        earlier = earlier_run(study, trial, previous_run, db) if root != trial.number else None
         late = (
             _LateRun(tracking, trial, params, root, ckpt, db, run_key, stop, earlier)
             if tracking is not None
@@ -1486,6 +1487,21 @@ def unreported_epochs(
         for r in history
         if r.val_acc is not None and getattr(r, metric) is not None and int(r.epoch) not in reported
     ]
+
+
+def earlier_run(study: optuna.Study, trial: optuna.Trial, linked: Any, db: Db) -> str | None:
+    """A retry's failed try's MLflow run: the one it linked (copied to the retry), else
+    the one made for it after it had ended (a run kept offline, or the launcher's for a
+    try that died unlinked), which only the study's attributes name."""
+    if linked:
+        return str(linked)
+    frozen = getattr(trial, "_cached_frozen_trial", None)  # as at ask: root_trial_number
+    failed = frozen.system_attrs.get("failed_trial") if frozen is not None else None
+    if not isinstance(failed, int):
+        return None
+    key = LATE_RUN_ATTR.format(number=failed)
+    late = db(lambda: study._storage.get_study_user_attrs(study._study_id).get(key), "get_study")
+    return str(late) if late else None
 
 
 def resumed_from_epoch(trained: list[int], history: list[Any]) -> int:

@@ -503,7 +503,8 @@ class _Batch:
     kind: str = "epoch"  # epoch | params | final | history
     enqueued: float = 0.0  # time.monotonic()
     sent_chunks: int = 0
-    # A history copy not fetched yet (`copy_history`): (source run, keys, before step).
+    # A retry's earlier epochs from their source run, not fetched yet (`copy_history`):
+    # (source run, keys, before step); `metrics` holds those known already, if any.
     history: tuple[str, tuple[str, ...], int] | None = None
 
 
@@ -700,22 +701,32 @@ class TrialTracker:
         with self._cond:
             self._pending_tags.update({k: _safe_tag_value(v) for k, v in tags.items()})
 
-    def copy_history(self, source_run_id: str, keys: Sequence[str], before_step: int) -> None:
-        """Queue a copy of `keys`' values at steps below `before_step` from run
-        `source_run_id`: a retry's run gets the epochs its failed try trained before the
-        checkpoint it resumed from, so its charts start at epoch 1 and not at the resume.
-        Fetched and sent by the sender thread, ahead of the epochs queued after this call;
-        returns immediately. Best effort: a source run MLflow lacks is warned about."""
-        if not self.enabled or self.finished or not source_run_id or before_step <= 1:
+    def copy_history(
+        self,
+        before_step: int,
+        source_run_id: str | None,
+        keys: Sequence[str],
+        known: Sequence[tuple[int, Mapping[str, float]]] = (),
+    ) -> None:
+        """Queue a retry's earlier epochs, those at steps below `before_step` (the first
+        one it trains): `known` (step, metrics) as its resume checkpoint holds them, dated
+        as run `source_run_id` (its failed try's) logged them where it did; with none
+        known, `keys`' values from that run. Fetched and sent by the sender thread, ahead
+        of the epochs queued after this call; returns immediately."""
+        if not self.enabled or self.finished or before_step <= 1:
             return
+        now_ms = int(time.time() * 1000)  # the date of an epoch the source run lacks
+        metrics: list[Metric] = []
+        for step, values in known:
+            if step < before_step:
+                metrics += metric_entities(values, step, now_ms)[0]
+        if not metrics and not source_run_id:
+            return
+        source = (source_run_id, tuple(keys), int(before_step)) if source_run_id else None
         with self._cond:
-            self._push_locked(
-                _Batch(
-                    kind="history",
-                    enqueued=time.monotonic(),
-                    history=(source_run_id, tuple(keys), int(before_step)),
-                )
-            )
+            batch = _Batch(metrics=metrics, kind="history", enqueued=time.monotonic())
+            batch.history = source
+            self._push_locked(batch)
 
     def finish(
         self,
@@ -916,7 +927,12 @@ class TrialTracker:
     def _push_locked(self, batch: _Batch) -> None:
         self._queue.append(batch)
         while len(self._queue) > self.max_buffer:
-            dropped = self._queue.popleft()
+            # The oldest epochs go; the run's params and a retry's earlier epochs stay
+            # (one batch each, and no later one holds them).
+            kept = ("params", "history")
+            oldest = next((i for i, b in enumerate(self._queue) if b.kind not in kept), 0)
+            dropped = self._queue[oldest]
+            del self._queue[oldest]
             self._count_dropped(dropped)
             if not self._warned_overflow:
                 self._warned_overflow = True
@@ -999,7 +1015,7 @@ class TrialTracker:
     def _send(self, batch: _Batch) -> None:
         assert self.run_id is not None
         if batch.history is not None:  # fetched once; a retry sends the chunks left
-            batch.metrics, batch.tags = history_batch(self.client, *batch.history)
+            batch.metrics, batch.tags = history_batch(self.client, *batch.history, batch.metrics)
             batch.history = None
         chunks = chunk_batch(batch.metrics, batch.params, batch.tags)
         for i in range(batch.sent_chunks, len(chunks)):
@@ -1154,21 +1170,45 @@ def _link_or_copy(src: Path, dest: Path) -> None:
 
 
 def history_batch(
-    client: MlflowClient, source_run_id: str, keys: Sequence[str], before_step: int
+    client: MlflowClient,
+    source_run_id: str,
+    keys: Sequence[str],
+    before_step: int,
+    known: Sequence[Metric] = (),
 ) -> tuple[list[Metric], list[RunTag]]:
-    """`keys`' values at steps below `before_step` in run `source_run_id` (one request per
-    key; a step logged twice gives its latest value), with the tag naming the source when
-    there are any, as one batch for a retry's run (`TrialTracker.copy_history`); MLflow
-    answers a run it lacks with no values. Raises MlflowException."""
-    metrics: list[Metric] = []
-    for key in keys:
-        latest: dict[int, Metric] = {}
-        for m in client.get_metric_history(source_run_id, key):
-            step = int(m.step)
-            if step < before_step and (step not in latest or m.timestamp >= latest[step].timestamp):
-                latest[step] = m
-        for step, m in sorted(latest.items()):
-            metrics.append(Metric(key, float(m.value), int(m.timestamp), step))
+    """A retry's earlier epochs as one batch for its run (`TrialTracker.copy_history`):
+    `known` (from its resume checkpoint) dated as run `source_run_id` logged each (key,
+    step), or, with none known, `keys`' values at steps below `before_step` in that run
+    (a step logged twice: its latest); with the tag naming that run when there are any.
+    One request per key; MLflow answers a run it lacks with no values. Raises
+    MlflowException, or a transport error, when the server is down; known epochs go
+    undated by the source on any other refusal of it."""
+    logged: dict[tuple[str, int], Metric] = {}
+    try:
+        for key in keys:
+            for m in client.get_metric_history(source_run_id, key):
+                step = int(m.step)
+                if step < before_step:
+                    held = logged.get((key, step))
+                    if held is None or m.timestamp >= held.timestamp:
+                        logged[(key, step)] = m
+    except Exception as exc:
+        if not known or not is_permanent_error(exc):
+            raise
+        logger.warning("MLflow: run %s's epochs not read for their dates: %s", source_run_id,
+                       _short(exc))  # fmt: skip
+    if known:
+        metrics = [
+            Metric(m.key, m.value, int(logged[(m.key, m.step)].timestamp), m.step)
+            if (m.key, m.step) in logged
+            else m
+            for m in known
+        ]
+    else:
+        metrics = [
+            Metric(key, float(m.value), int(m.timestamp), step)
+            for (key, step), m in sorted(logged.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+        ]
     return metrics, [RunTag(HISTORY_TAG, source_run_id)] if metrics else []
 
 
@@ -1362,7 +1402,9 @@ def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path
         if b.get("history"):  # a retry's earlier epochs, fetched now the server answers
             source, keys, before = b["history"]
             try:
-                metrics, tags = history_batch(client, str(source), tuple(keys), int(before))
+                metrics, tags = history_batch(
+                    client, str(source), tuple(keys), int(before), metrics
+                )
             except MlflowException as exc:  # the source run is gone: the rest is sent
                 if _http_status(exc) in (401, 403) or not is_permanent_error(exc):
                     raise

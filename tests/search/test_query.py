@@ -486,3 +486,21 @@ def test_status_best_and_enqueue_take_the_study_file_a_launch_took(
                        subprocess_env)  # fmt: skip
         assert out.returncode == 1
         assert out.stderr.strip() == f"Error: {tmp_path / 'nope.yaml'}: study file not found"
+
+    # `launch --study foo` reads ./studies/foo.yaml, whose `name` the study has; a file
+    # without the suffix is a study file too, as `launch` takes it.
+    (tmp_path / "studies").mkdir()
+    (tmp_path / "studies" / "foo.yaml").write_text(mine.read_text())
+    (tmp_path / "plain").write_text(mine.read_text())
+    for given in ("foo", "plain", str(tmp_path / "plain")):
+        out = hpsearch(["status", "--study", given, "--workdir", str(work), "--json"],
+                       subprocess_env, cwd=tmp_path)  # fmt: skip
+        assert out.returncode == 0, (given, out.stderr)
+        assert json.loads(out.stdout)["name"] == "flowers-mine"
+    out = hpsearch(["status", "--study", "bar", "--workdir", str(work)], subprocess_env,
+                   cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 1
+    journal = work / "optuna.journal"
+    assert out.stderr.strip() == (
+        f"Error: study 'bar' not found in journal:{journal}; studies here: flowers-mine"
+    )

@@ -204,3 +204,30 @@ def test_a_run_made_after_its_trial_ended_is_linked_only_to_that_trial(tmp_path:
     assert not link_late_run(storage, {**create, "experiment": "other"}, "r4")
     assert not link_late_run(storage, {**create, "run_key": None}, "r5")
     assert study.user_attrs == {"mlflow_run_id.0": "r1"}
+
+
+def test_a_retrys_earlier_run_is_the_one_linked_else_the_one_made_after_it_ended(
+    pg_url: str,
+) -> None:
+    """The failed try's run, for the retry's copy of the epochs before its resume: the
+    one the try linked (copied to the retry), else the one made for it after it ended (a
+    run kept offline and sent later), which only the study's attributes name."""
+    import uuid
+
+    import optuna
+    from hpsearch.worker import earlier_run
+    from optuna.trial import TrialState, create_trial
+
+    study = optuna.create_study(study_name=f"earlier-{uuid.uuid4().hex[:8]}", storage=pg_url)
+    study.add_trial(create_trial(state=TrialState.WAITING, system_attrs={"failed_trial": 3}))
+    trial = study.ask()
+
+    def db(fn: object, what: str) -> object:
+        return fn()  # type: ignore[operator]
+
+    assert earlier_run(study, trial, "linked", db) == "linked"
+    assert earlier_run(study, trial, "", db) is None
+    study.set_user_attr("mlflow_run_id.3", "made-later")
+    assert earlier_run(study, trial, "", db) == "made-later"
+    first = study.ask()  # no retry: no failed try
+    assert earlier_run(study, first, None, db) is None

@@ -471,23 +471,25 @@ def test_an_offline_run_is_kept_whole_and_made_when_the_server_answers(
     assert _made_run(client, create) == run.info.run_id
 
 
-def test_a_retrys_run_gets_the_epochs_its_failed_try_trained_before_the_resume(
+def test_a_retrys_run_gets_the_epochs_before_its_resume_from_its_checkpoint(
     client: CountingClient, experiment_id: str
 ) -> None:
     """A retry resumes from its failed try's checkpoint (epoch 3 here); its run held the
-    epochs from the resume on only, and its charts began there. The earlier epochs are
-    copied from the failed try's run, but not the ones it trained past its checkpoint
+    epochs from the resume on only, and its charts began there. The earlier ones are the
+    checkpoint's (epoch 2 never reached the failed try's run: the try was killed with it
+    queued), dated as that run logged them; not the one it trained past its checkpoint
     (epoch 4, trained again by the retry): each step once, with the retry's value."""
     parent = open_study_run(client, experiment_id, "s", {}, "x: 1\n")
     failed = make_tracker(client, experiment_id, parent, 1)
-    for e in (1, 2, 3, 4):
+    for e in (1, 3, 4):
         failed.log_epoch(e, epoch_metrics(e))
-    failed.log_epoch(3, {"val_acc": 0.9})  # a step logged twice: its latest value goes
     failed.finish("interrupted")
     assert failed.run_id is not None
+    checkpoint = [(e, epoch_metrics(e)) for e in (1, 2, 3)]
 
     retry = make_tracker(client, experiment_id, parent, 2)
-    retry.copy_history(failed.run_id, list(EPOCH), 4)
+    copied_at = int(time.time() * 1000)
+    retry.copy_history(4, failed.run_id, list(EPOCH), checkpoint)
     for e in (4, 5):
         retry.log_epoch(e, epoch_metrics(e + 10))
     assert retry.finish("completed")
@@ -496,33 +498,47 @@ def test_a_retrys_run_gets_the_epochs_its_failed_try_trained_before_the_resume(
         steps = [m.step for m in client.get_metric_history(retry.run_id, key)]
         assert sorted(steps) == [1, 2, 3, 4, 5], key
     val = {m.step: m.value for m in client.get_metric_history(retry.run_id, "val_acc")}
-    assert val == pytest.approx(
-        {1: EPOCH["val_acc"] + 0.01, 2: EPOCH["val_acc"] + 0.02, 3: 0.9,
-         4: EPOCH["val_acc"] + 0.14, 5: EPOCH["val_acc"] + 0.15}
-    )  # fmt: skip
-    earlier = {m.step: m.timestamp for m in client.get_metric_history(failed.run_id, "train_loss")}
-    copied = {m.step: m.timestamp for m in client.get_metric_history(retry.run_id, "train_loss")}
-    assert all(copied[s] == earlier[s] for s in (1, 2, 3))  # when they were trained
+    assert val == pytest.approx({e: EPOCH["val_acc"] + e / 100 for e in (1, 2, 3)}
+                                | {e: EPOCH["val_acc"] + (e + 10) / 100 for e in (4, 5)})  # fmt: skip
+    earlier = {m.step: m.timestamp for m in client.get_metric_history(failed.run_id, "lr")}
+    copied = {m.step: m.timestamp for m in client.get_metric_history(retry.run_id, "lr")}
+    assert (copied[1], copied[3]) == (earlier[1], earlier[3])  # when they were trained
+    assert copied[2] >= copied_at  # not in that run: dated when copied
     run = client.get_run(retry.run_id)
     assert run.data.tags[HISTORY_TAG] == failed.run_id
     assert INCOMPLETE_TAG not in run.data.tags
 
-    # A failed try's run MLflow does not have (deleted for good): it answers no values,
-    # and the retry's own epochs go as ever, with no tag naming a source.
-    third = make_tracker(client, experiment_id, parent, 4)
-    third.copy_history(uuid.uuid4().hex, list(EPOCH), 3)
-    third.log_epoch(3, epoch_metrics(3))
-    assert third.finish("completed")
-    assert third.run_id is not None
-    assert [m.step for m in client.get_metric_history(third.run_id, "val_acc")] == [3]
-    assert HISTORY_TAG not in client.get_run(third.run_id).data.tags
+    # A custom trainer's checkpoint holds no history: the failed try's run's epochs.
+    other = make_tracker(client, experiment_id, parent, 3)
+    other.copy_history(4, failed.run_id, ["val_acc", "lr"])
+    other.log_epoch(4, epoch_metrics(14))
+    assert other.finish("completed")
+    assert other.run_id is not None
+    val = {m.step: m.value for m in client.get_metric_history(other.run_id, "val_acc")}
+    assert val == pytest.approx({1: EPOCH["val_acc"] + 0.01, 3: EPOCH["val_acc"] + 0.03,
+                                 4: EPOCH["val_acc"] + 0.14})  # fmt: skip
+    # only the keys asked for are copied
+    assert [m.step for m in client.get_metric_history(other.run_id, "train_loss")] == [4]
+
+    # A failed try's run MLflow does not have (deleted for good; it answers no values):
+    # the checkpoint's epochs go, undated by it; with no checkpoint, nothing, and no tag.
+    for number, known in ((4, checkpoint), (5, [])):
+        third = make_tracker(client, experiment_id, parent, number)
+        third.copy_history(3, uuid.uuid4().hex, list(EPOCH), known)
+        third.log_epoch(3, epoch_metrics(3))
+        assert third.finish("completed")
+        assert third.run_id is not None
+        steps = [m.step for m in client.get_metric_history(third.run_id, "val_acc")]
+        assert steps == ([1, 2, 3] if known else [3])
+        assert (HISTORY_TAG in client.get_run(third.run_id).data.tags) == bool(known)
 
 
-def test_a_retrys_earlier_epochs_kept_offline_are_copied_when_the_server_answers(
+def test_a_retrys_earlier_epochs_kept_offline_are_sent_when_the_server_answers(
     client: CountingClient, experiment_id: str, tmp_path: Path
 ) -> None:
-    """The server was down when the retry's run would start: the copy is kept in the spool
-    folder with the run, and fetched and sent with it when the server answers."""
+    """The server was down as the retry's run would start: its earlier epochs are kept in
+    the spool folder with the run (never dropped for later epochs when the buffer is full),
+    dated from the failed try's run when the server answers."""
     parent = open_study_run(client, experiment_id, "s", {}, "x: 1\n")
     failed = make_tracker(client, experiment_id, parent, 1)
     for e in (1, 2, 3):
@@ -533,19 +549,26 @@ def test_a_retrys_earlier_epochs_kept_offline_are_copied_when_the_server_answers
     spool = tmp_path / "spool"
     dead = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")  # no call is made
     retry = TrialTracker(
-        dead, "", "", trial_number=2, study_name=name, params={}, worker="w0",
-        spool_dir=spool, offline=True,
+        dead, "", "", trial_number=2, study_name=name, params={"effective_lr": 0.1},
+        worker="w0", spool_dir=spool, offline=True, max_buffer=4,
     )  # fmt: skip
-    retry.copy_history(failed.run_id, ["val_acc", "train_loss"], 3)
-    retry.log_epoch(3, epoch_metrics(13))
+    retry.copy_history(3, failed.run_id, list(EPOCH), [(e, epoch_metrics(e)) for e in (1, 2)])
+    # Params, the copy, three epochs and the end: two more batches than the buffer holds.
+    # Epochs 3 and 4 are dropped, not the params or the copy queued before them.
+    for e in (3, 4, 5):
+        retry.log_epoch(e, epoch_metrics(e + 10))
     assert retry.finish("completed") is False
     assert replay_spool(client, spool) == 1
     (run,) = client.search_runs([experiment_id], "tags.`optuna.trial_number` = '2'")
     val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_acc")}
     assert val == pytest.approx({1: EPOCH["val_acc"] + 0.01, 2: EPOCH["val_acc"] + 0.02,
-                                 3: EPOCH["val_acc"] + 0.13})  # fmt: skip
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2, 3]
+                                 5: EPOCH["val_acc"] + 0.15})  # fmt: skip
+    assert run.data.params == {"effective_lr": "0.1"}
+    earlier = {m.step: m.timestamp for m in client.get_metric_history(failed.run_id, "val_acc")}
+    copied = {m.step: m.timestamp for m in client.get_metric_history(run.info.run_id, "val_acc")}
+    assert (copied[1], copied[2]) == (earlier[1], earlier[2])
     assert run.data.tags[HISTORY_TAG] == failed.run_id
+    assert run.data.tags[INCOMPLETE_TAG] == "true"  # epochs 3 and 4 were dropped
 
 
 class LostReplyClient(CountingClient):

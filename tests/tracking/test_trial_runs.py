@@ -362,3 +362,42 @@ def test_a_runs_end_time_is_when_its_trial_ended_not_when_its_uploads_were_done(
     for run_id, at_ms in ended.items():
         info = client.get_run(run_id).info
         assert info.status in ("FINISHED", "FAILED") and abs(info.end_time - at_ms) < 1000
+
+
+def test_a_retry_after_a_kill_charts_every_epoch_its_checkpoint_holds(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str], mlflow_server: LocalServer
+) -> None:
+    """A worker killed right after epoch 1's checkpoint, that epoch's metrics still queued
+    for MLflow: its run never got them, and a retry copying the failed try's run would
+    chart from epoch 2. The retry's run takes the epochs before its resume from the
+    checkpoint it resumed from: every metric at every epoch, once."""
+    import subprocess
+    import sys
+
+    from cli_util import DUMMY
+    from hpsearch.runs import EPOCH_FIELDS
+
+    name = f"tiny-kill-{uuid.uuid4().hex[:6]}"
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.2",
+           "HPSEARCH_DUMMY_DIE_ONCE_UNREPORTED": str(tmp_path / "died")}  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "hpsearch.cli", "launch", "--study", "tiny", "--workers", "1",
+         "--trials", "1", "--storage", pg_url, "--tracking-uri", mlflow_server.url,
+         "--workdir", str(tmp_path / "w"), "--train-fn", DUMMY, "--set", f"name={name}",
+         "--set", "budget.max_epochs=4", "--set", "pruner.name=none",
+         "--set", "pruner.options={}"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "died").exists()
+    trials = hps.load_study(name, storage=pg_url).get_trials()
+    [dead] = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+    [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == dead.number]
+    assert retry.user_attrs["resumed_from_epoch"] == 2
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    run_id = retry.user_attrs["mlflow_run_id"]
+    for key in EPOCH_FIELDS:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert sorted(steps) == [1, 2, 3, 4], (key, steps)
+    val = {m.step: m.value for m in client.get_metric_history(run_id, "val_acc")}
+    assert val == pytest.approx(retry.intermediate_values)
