@@ -168,6 +168,11 @@ def make_sampler(
     extra: dict[str, Any] = {"seed": sampler_seed(s.seed, stream, trials_before)}
     if s.name == "grid":
         extra["search_space"] = grid_space(cfg)
+        # The seed shuffles the grid, and a trial's stored `grid_id` indexes it: every
+        # worker, restart and relaunch shuffles it alike (the study's seed), or a grid id
+        # meant another point in each and points were trained twice, others never. The
+        # study lock keeps workers from taking one id at once.
+        extra["seed"] = s.seed
     if s.name == "cmaes":
         # Conditional and categorical params fall back to this, quietly.
         extra["warn_independent_sampling"] = False

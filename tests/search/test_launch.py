@@ -989,6 +989,35 @@ def test_a_grid_study_trains_its_grid_and_ends_cleanly(
     assert "Traceback" not in log and "Cannot tell" not in log, log
 
 
+def test_a_seeded_grid_trains_each_point_once_over_workers_and_relaunches(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """The grid sampler's seed shuffles the grid and a trial's `grid_id` indexes it: with a
+    seed of its own per worker (and per relaunch) a grid id meant another point in each,
+    so a 2-worker launch trained one point twice and never another (QA: 4-point grid)."""
+    from hpsearch.config import load_config
+    from hpsearch.study import make_sampler
+
+    sets = ["--set", "sampler={name: grid, seed: 5}", "--set", "budget.max_epochs=1",
+            "--set", "search_space={batch_size: {type: categorical, choices: [16, 32, 48, 64]}, "
+                     "lr: {type: float, low: 0.01, high: 0.02, step: 0.01}}",
+            "--set", "pruner={name: none}"]  # fmt: skip
+    cfg = load_config("tiny", [s for s in sets if s != "--set"])
+    orders = {
+        tuple(make_sampler(cfg, stream, before)._all_grids)  # type: ignore[attr-defined]
+        for stream, before in ((0, 0), (1, 0), (0, 3), (2, 5))
+    }
+    assert len(orders) == 1
+    for trials in (5, 8):  # a launch, then a relaunch that resumes it
+        r = hpsearch(["launch", "--study", "tiny", "--workers", "2", "--trials", str(trials),
+                      "--workdir", str(tmp_path), "--train-fn", DUMMY, "--no-tracking", *sets],
+                     subprocess_env, timeout=240)  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+    trials = hps.load_study("tiny", workdir=tmp_path).trials
+    points = [(t.params["batch_size"], t.params["lr"]) for t in trials]
+    assert len(points) == 8 and len(set(points)) == 8, points
+
+
 def test_workers_of_one_seed_propose_different_parameters(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
