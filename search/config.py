@@ -109,6 +109,22 @@ class Hyperparams(_Frozen):
 HPARAM_NAMES = tuple(Hyperparams.model_fields)
 
 
+def unused_hyperparams(hp: Hyperparams) -> frozenset[str]:
+    """The values the trainer does not read given the trial's other choices (the smoothing
+    of a loss that is not label_smoothing, SGD's momentum under AdamW). A default of these
+    logged beside the trial's params read as if it took part in it."""
+    unused: set[str] = set()
+    if hp.loss != "label_smoothing":
+        unused.add("label_smoothing")
+    if hp.loss != "focal":
+        unused.add("focal_gamma")
+    if hp.optimizer != "sgd":
+        unused.add("momentum")
+    if hp.augment in ("none", "flip"):  # the crop's scale and the policies' magnitude
+        unused.add("augment_strength")
+    return frozenset(unused)
+
+
 class DatasetConfig(_Frozen):
     name: Literal[DATASETS]  # type: ignore[valid-type]
     root: str | None = None  # data directory; --data-dir / HPSEARCH_DATA_DIR win

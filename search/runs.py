@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import optuna
 from hpsearch.background import Renderer, import_in_idle_time, lower_priority
-from hpsearch.config import StudyConfig, config_to_yaml
+from hpsearch.config import StudyConfig, config_to_yaml, unused_hyperparams
 from hpsearch.errors import HpsearchError, TrackingError, TrackingUnreachable
 from hpsearch.packing import holder_alive, pid_alive
 from hpsearch.storage import StorageSpec
@@ -788,14 +788,17 @@ class TrackingSession:
         sampled = dict(params)
         derived_names = ("arch", "image_size")  # logged below with their resolved values
         # The trainer's defaults, but not a searched parameter this trial did not sample
-        # (its `when` did not hold: focal_gamma under loss ce): it took no part, and a
-        # default logged under its name mixed in with sampled values in the UI's plots.
+        # (its `when` did not hold: focal_gamma under loss ce), nor one its choices leave
+        # unread (label_smoothing under loss ce): it took no part, and a default logged
+        # under its name mixed in with sampled values in the UI's plots.
+        unused = unused_hyperparams(hp)
         fixed = {
             k: v
             for k, v in hp.model_dump().items()
             if k not in sampled
             and k not in derived_names
             and k not in self.cfg.search_space
+            and k not in unused
             and v is not None
         }
 

@@ -158,6 +158,26 @@ def test_samplers_and_pruners_build() -> None:
         assert isinstance(make_pruner(load_config("tiny", [f"pruner.name={name}", *opts])), cls)
 
 
+@pytest.mark.parametrize(
+    ("choices", "unused"),
+    [
+        ({}, {"label_smoothing", "focal_gamma"}),  # sgd, ce, crop_flip
+        ({"loss": "label_smoothing"}, {"focal_gamma"}),
+        ({"loss": "focal", "optimizer": "adamw"}, {"label_smoothing", "momentum"}),
+        ({"augment": "flip"}, {"label_smoothing", "focal_gamma", "augment_strength"}),
+        ({"augment": "trivial", "loss": "label_smoothing"}, {"focal_gamma"}),
+    ],
+)
+def test_the_values_a_trials_choices_leave_unread(
+    choices: dict[str, str], unused: set[str]
+) -> None:
+    """Not logged to MLflow as the trial's params: a label_smoothing of 0.1 on every run,
+    ce and focal ones too, read as if it had taken part (QA)."""
+    from hpsearch.config import Hyperparams, unused_hyperparams
+
+    assert unused_hyperparams(Hyperparams(**choices)) == unused
+
+
 def test_grid_space() -> None:
     cfg = load_config("tiny", [
         "sampler.name=grid", "sampler.options={}",

@@ -401,3 +401,31 @@ def test_a_retry_after_a_kill_charts_every_epoch_its_checkpoint_holds(
         assert sorted(steps) == [1, 2, 3, 4], (key, steps)
     val = {m.step: m.value for m in client.get_metric_history(run_id, "val_acc")}
     assert val == pytest.approx(retry.intermediate_values)
+
+
+def test_a_trials_run_logs_no_default_its_choices_leave_unread(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """A ce trial of a study that does not search label_smoothing logged the trainer's 0.1
+    under that name, as if it had taken part (QA); a label_smoothing one logs it."""
+    cfg = hps.load_config("tiny", [f"name=unread-{uuid.uuid4().hex[:8]}",
+                                   "search_space={loss: {type: categorical, "
+                                   "choices: [ce, label_smoothing]}}"])  # fmt: skip
+    session = TrackingSession(cfg, resolve_storage(pg_url, tmp_path), mlflow_server.url, "w0")
+    study = optuna.create_study(storage=normalize_url(pg_url), study_name=cfg.name,
+                                direction="maximize")  # fmt: skip
+    logged = {}
+    for loss in ("ce", "label_smoothing"):
+        study.enqueue_trial({"loss": loss})
+        trial = study.ask()
+        run = session.start_trial(trial, suggest(trial, cfg), trial.number, tmp_path / "c.pt")
+        assert run is not None and run.run_id
+        run.finish_failed("interrupted", "test", None)
+        logged[loss] = run.run_id
+    session.close()
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    ce = client.get_run(logged["ce"]).data.params
+    smoothed = client.get_run(logged["label_smoothing"]).data.params
+    assert "label_smoothing" not in ce and "focal_gamma" not in ce
+    assert ce["momentum"] == "0.9"  # sgd's, read
+    assert smoothed["label_smoothing"] == "0.1"
