@@ -1319,9 +1319,10 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
     check, which end no run. Status from the trial's outcome, as its worker would have set
     it. A run is the trial's by its link (`mlflow_run_id`), else by its key tag (the
     trial's `mlflow_run_key`): a create that landed as its worker gave up waiting for it,
-    or exited, was never linked. One search in the study's experiment; the runs ended.
-    Best effort."""
-    from hpsearch.tracking.mlflow_logger import ROLE_TAG, RUN_KEY_TAG
+    or exited, was never linked. A trial that trained to its end lacks the plots its
+    worker sends with the end: its run is tagged incomplete. One search in the study's
+    experiment; the runs ended. Best effort."""
+    from hpsearch.tracking.mlflow_logger import INCOMPLETE_TAG, ROLE_TAG, RUN_KEY_TAG
 
     try:
         running = client.search_runs(
@@ -1356,6 +1357,8 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
         except Exception as exc:  # the run is still ended
             logger.warning("could not upload trial %s's best model: %s", t.number, scrub(str(exc)))
         try:
+            if outcome in TRAINED_TO_END:  # its worker died before sending its plots
+                client.set_tag(run.info.run_id, INCOMPLETE_TAG, "true")
             _end_run(client, run.info.run_id, outcome, reason)
             ended.append(run.info.run_id)
         except Exception as exc:  # the others are still ended

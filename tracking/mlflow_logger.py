@@ -80,10 +80,13 @@ OUTCOME_STATUS: Mapping[str, str] = {
     "pruned": "KILLED",
     "interrupted": "KILLED",
     "failed": "FAILED",
-    "diverged": "FAILED",
-    "out_of_memory": "FAILED",
+    # Told PRUNED in Optuna (the sampler learns the region is bad), so KILLED as a pruned
+    # trial's run: filtering the UI by status counts what `hpsearch status` counts.
+    "diverged": "KILLED",
+    "out_of_memory": "KILLED",
 }
-FAILED_OUTCOMES = frozenset(k for k, v in OUTCOME_STATUS.items() if v == "FAILED")
+# Outcomes a run says why it ended (`hpsearch.reason`), the outcome's name without a reason.
+REASONED_OUTCOMES = frozenset({"failed", "diverged", "out_of_memory"})
 
 # MLflow's HTTP client retries each request up to 7 times with a backoff factor of 2 by
 # default (minutes of blocking while a server is down). The tracker does its own retrying, so
@@ -159,13 +162,14 @@ def terminal_tags(
     outcome: str, pruned_at_epoch: int | None = None, reason: str | None = None
 ) -> dict[str, str]:
     """Tags set when a trial ends: outcome always; ``hpsearch.pruned_at_epoch`` for pruned;
-    ``hpsearch.reason`` for failures (the given reason, else the outcome name)."""
+    ``hpsearch.reason`` for failures, divergence and out of memory (the given reason, else
+    the outcome name)."""
     tags = {OUTCOME_TAG: outcome}
     status = OUTCOME_STATUS.get(outcome, "FAILED")
     if outcome == "pruned" and pruned_at_epoch is not None:
         tags[PRUNED_AT_TAG] = str(int(pruned_at_epoch))
     # A reason may quote an error holding a URL with its password (MLflow's, a database's).
-    if status == "FAILED":
+    if status == "FAILED" or outcome in REASONED_OUTCOMES:
         tags[REASON_TAG] = truncate(scrub(reason or outcome), MAX_TAG_VAL_LENGTH)
     elif reason:
         tags[REASON_TAG] = truncate(scrub(reason), MAX_TAG_VAL_LENGTH)

@@ -74,8 +74,8 @@ def epoch_metrics(e: int) -> dict[str, float]:
         ("pruned", "KILLED"),
         ("interrupted", "KILLED"),
         ("failed", "FAILED"),
-        ("diverged", "FAILED"),
-        ("out_of_memory", "FAILED"),
+        ("diverged", "KILLED"),
+        ("out_of_memory", "KILLED"),
     ],
 )
 def test_terminal_status(outcome: str, status: str) -> None:
