@@ -575,6 +575,9 @@ class Launcher:
         self._last_best: tuple[float | None, int | None] = (None, None)
         self._opened_at = time.monotonic()  # set again once the study is open
         self._read_at: float | None = None  # when _last_trials were read
+        # The study's n_trials as last read (`_budget_now`): another launch of the study,
+        # or a worker given --trials, may set it while this one runs.
+        self._budget = cfg.budget.n_trials
         self._study: optuna.Study | None = None  # opened in run(), after the workers start
         self._early_events: list[str] = []  # progress events from before that
         # Dead workers' trials without an MLflow run, failed once the tracking set-up is over:
@@ -918,7 +921,7 @@ class Launcher:
             "--heartbeat", str(opts.heartbeat_interval_s),
             # The launch's budget, which the worker records on the study itself: it may
             # ask before this process has opened the study (workers start first).
-            "--trials", str(self.cfg.budget.n_trials),
+            "--trials", str(self._budget),  # a restart: the one set last (_budget_now)
         ]  # fmt: skip
         if tracking_uri:
             # The study run may still be in the making (_prepare_tracking): wait for it
@@ -1017,7 +1020,7 @@ class Launcher:
         how many were started."""
         waiting = [s for s in self._slots if s.disk_full and s.state == "crashed"
                    and s.restarts < self.opts.max_restarts]  # fmt: skip
-        if not waiting or not may_start_trial(counts, self.cfg.budget.n_trials):
+        if not waiting or not may_start_trial(counts, self._budget):
             return 0
         if disk_full(self.opts.workdir, free_disk_bytes(self.opts.workdir)):
             return 0
@@ -1174,7 +1177,7 @@ class Launcher:
         running = [t for t in trials if t.state == TrialState.RUNNING]
         still_held = [t for t in running if t._trial_id in held_ids]  # not failed elsewhere
         counts = counts_once_requeued(budget_counts(trials), len(still_held))
-        budget_left = may_start_trial(counts, self.cfg.budget.n_trials)
+        budget_left = may_start_trial(counts, self._budget)
         full = (
             disk_full(self.opts.workdir, free_disk_bytes(self.opts.workdir))
             if code == EXIT_DISK_FULL
@@ -1413,11 +1416,27 @@ class Launcher:
         trials = self.study.get_trials(deepcopy=False)
         return trials, _best(self.study, trials)
 
+    def _budget_now(self) -> str:
+        """Read the study's n_trials again (the study keeps the last one set); a line to
+        show when it changed, else ''. The last value read while the database is away."""
+        try:
+            n = study_budget(self.study, self.cfg)
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
+            return ""
+        if n == self._budget:
+            return ""
+        self._budget = n
+        note = f"budget.n_trials of the study is now {n} (set by another launch or worker)"
+        self._messages.append(note)
+        return note
+
     def _progress(self, message: str = "") -> Progress:
         stale_s: float | None = None
         never_read = False
         try:
             trials, (best_value, best_trial) = self._read_progress()
+            if note := self._budget_now():
+                message = f"{message}; {note}" if message else note
             self._read_at = time.monotonic()
         except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
             # The database may be restarting: progress is cosmetic, show the last figures
@@ -1452,12 +1471,12 @@ class Launcher:
         return Progress(
             counts,
             input_bound,
-            self.cfg.budget.n_trials,
+            self._budget,
             best_value,
             best_trial,
             views,
             elapsed,
-            eta_seconds(finished, self.cfg.budget.n_trials, elapsed),
+            eta_seconds(finished, self._budget, elapsed),
             message,
             stale_s,
             never_read,

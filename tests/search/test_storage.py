@@ -1374,3 +1374,67 @@ def test_the_journal_storage_a_command_prints_is_one_it_takes_back(
     assert relative.url == str(elsewhere.resolve() / "runs" / "a.journal")
     home = resolve_storage("journal:~/a.journal", elsewhere)  # no shell expands ~ there
     assert home.url == str(Path.home().resolve() / "a.journal")
+
+
+def test_a_launch_takes_the_budget_another_launch_of_its_study_set(
+    pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Two launches of one study with other --trials: the study keeps the last one set. The
+    first showed its own (`complete 6 ... / 3`, QA), and a worker it restarted set its own
+    back on the study, so both launches stopped short of the other's budget."""
+    import os
+    import signal
+    from collections.abc import Callable
+
+    from cli_util import popen
+    from hpsearch.study import N_TRIALS_ATTR
+
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.4"}
+    common = ["launch", "--study", "tiny", "--workers", "1", "--storage", pg_url,
+              "--train-fn", DUMMY, "--no-tracking", "--set", "budget.max_epochs=3",
+              "--set", "pruner={name: none}"]  # fmt: skip
+
+    def study() -> optuna.Study:
+        return optuna.load_study(study_name="tiny", storage=pg_url)
+
+    def wait(what: str, check: Callable[[], bool], timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} in {timeout_s} s")
+            time.sleep(0.2)
+
+    first_log = tmp_path / "first.log"
+    first = popen([*common, "--trials", "3", "--workdir", str(tmp_path / "a")], env, first_log)
+    second = None
+    try:
+        wait("trial", lambda: any(t.state.name == "RUNNING" for t in _trials(pg_url)))
+        second = popen([*common, "--trials", "8", "--workdir", str(tmp_path / "b")], env,
+                       tmp_path / "second.log")  # fmt: skip
+        wait("budget of 8", lambda: study().user_attrs.get(N_TRIALS_ATTR) == 8)
+        wait("note", lambda: "budget.n_trials of the study is now 8" in first_log.read_text())
+        # The first launch's worker dies: its restart must not set 3 back.
+        children = Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()
+        workers = [int(p) for p in children
+                   if "worker" in Path(f"/proc/{p}/cmdline").read_bytes().decode()]  # fmt: skip
+        assert len(workers) == 1, children
+        os.kill(workers[0], signal.SIGKILL)
+        assert first.wait(timeout=240) == 0, first_log.read_text()
+        assert second.wait(timeout=240) == 0, (tmp_path / "second.log").read_text()
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    out = first_log.read_text()
+    progress = [line for line in out.splitlines() if line.startswith("[") and "| best" in line]
+    assert " / 8 |" in progress[-1], progress
+    assert study().user_attrs[N_TRIALS_ATTR] == 8
+    counts = budget_counts(study().get_trials())
+    assert counts["complete"] + counts["pruned"] == 8, counts
+
+
+def _trials(pg_url: str) -> list[optuna.trial.FrozenTrial]:
+    try:
+        return optuna.load_study(study_name="tiny", storage=pg_url).get_trials()
+    except KeyError:  # not created yet
+        return []
