@@ -60,6 +60,11 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def __dir__() -> list[str]:
+    """The lazy functions too: `dir(hpsearch)` and tab completion listed none of them."""
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
     "CheckpointError",
     "ConfigError",

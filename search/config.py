@@ -896,6 +896,8 @@ def available_studies() -> list[str]:
 def find_study_file(study: str) -> Path:
     p = Path(study)
     if p.suffix.lower() in (".yaml", ".yml") or os.sep in study or p.is_file():
+        if p.is_dir():
+            raise ConfigError(f"{study}: a folder, not a study file")
         if not p.is_file():
             raise ConfigError(f"{study}: study file not found")
         return p
@@ -1054,7 +1056,7 @@ def load_config(
     except OSError as exc:
         raise ConfigError(f"{src}: cannot read: {exc.strerror}") from exc
     if raw is None:
-        raw = {}
+        raise ConfigError(f"{src}: empty: a study file needs at least `dataset`")
     if not isinstance(raw, dict):
         raise ConfigError(f"{src}: <root>: {type(raw).__name__}: must be a mapping")
     raw.setdefault("name", path.stem)

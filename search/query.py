@@ -372,6 +372,7 @@ def load_best_model(
     from hpsearch.trainer.trial import resolve_device
 
     dev = resolve_device(str(device))  # before any download: a bad device fails at once
+    trial = _trial_number(trial)
     with _reading(name, storage, workdir) as study:
         best = _chosen(study, name, trial)
         raw_cfg = trial_config_yaml(study.user_attrs, best)  # the config it trained with
@@ -381,6 +382,20 @@ def load_best_model(
     with tempfile.TemporaryDirectory(prefix="hpsearch-model-") as tmp:
         path = best_model_file(best, tracking_uri, _workdir(workdir), Path(tmp))
         return load_trained_model(cfg, best.params, path, device=dev)
+
+
+def _trial_number(trial: object) -> int | None:
+    """`trial` as an int (numpy's integers too), or None; a bool, a float or text is
+    refused rather than matching no trial."""
+    if trial is None:
+        return None
+    try:
+        n = operator.index(trial)  # type: ignore[arg-type]
+    except TypeError:
+        n = -1
+    if isinstance(trial, bool) or n < 0:
+        raise ConfigError(f"trial: {trial!r}: must be a trial number, a whole number from 0")
+    return n
 
 
 def _chosen(study: optuna.Study, name: str, trial: int | None) -> FrozenTrial:

@@ -802,6 +802,8 @@ class TrackingSession:
             and v is not None
         }
 
+        gpu = self._gpu_label()
+
         def make() -> TrialTracker:
             return TrialTracker(
                 self.client,
@@ -825,6 +827,7 @@ class TrackingSession:
                 ),
                 worker=self.worker_id,
                 host=socket.gethostname(),
+                gpu=gpu,
                 tags=trial_tags(trial, root),
                 start_time_ms=start_time_ms,
                 run_key=run_key,
@@ -911,6 +914,17 @@ class TrackingSession:
             return
         if sent := replay_spool(self.client, self.spool_dir, on_made=self._on_run_made):
             logger.info("MLflow: sent %d run(s) kept while the server was down", sent)
+
+    def _gpu_label(self) -> str | None:
+        """The run's `hpsearch.gpu` tag: "none" for a worker that trains on the CPU (the
+        tracker's default names CUDA_VISIBLE_DEVICES, "all" when unset); None: that."""
+        if self.device == "cpu":
+            return "none"
+        if self.device == "auto":
+            import torch
+
+            return None if torch.cuda.is_available() else "none"
+        return None
 
     def _sampler_options(self) -> dict[str, Any]:
         from hpsearch.tracking.gpu import trial_gpu_index

@@ -84,13 +84,21 @@ def check_option(annotation: Any, value: Any) -> Any:
     raise TypeError(f"{value!r}: must be {' or '.join(parts)}")
 
 
+# A sampler's arguments the study file gives elsewhere (config._check_new_file refuses them
+# among its options): not offered as options in an error.
+_SET_ELSEWHERE = {"seed": "sampler.seed", "search_space": "the study's search_space"}
+
+
 def _kwargs_for(cls: type, options: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     accepted = inspect.signature(cls.__init__).parameters  # type: ignore[misc]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
+        offered = [p for p in accepted if p != "self" and p not in _SET_ELSEWHERE]
+        elsewhere = [f"{p} is {_SET_ELSEWHERE[p]}" for p in accepted if p in _SET_ELSEWHERE]
         raise TypeError(
             f"unknown option(s) {', '.join(unknown)} for {cls.__name__}; "
-            f"accepted: {', '.join(p for p in accepted if p != 'self')}"
+            f"accepted: {', '.join(offered) or 'none'}"
+            + (f" ({'; '.join(elsewhere)})" if elsewhere else "")
         )
     checked = {}
     for name, value in options.items():
@@ -98,6 +106,11 @@ def _kwargs_for(cls: type, options: dict[str, Any], extra: dict[str, Any]) -> di
             checked[name] = check_option(accepted[name].annotation, value)
         except TypeError as exc:
             raise TypeError(f"{name}: {exc} ({cls.__name__})") from exc
+        # A count (n_startup_trials, n_ei_candidates, ...): Optuna's samplers store a
+        # negative one unchecked, and TPE then ran with no start-up trials at all.
+        number = checked[name]
+        if name.startswith("n_") and isinstance(number, int) and number < 0:
+            raise TypeError(f"{name}: {number!r}: must be >= 0 ({cls.__name__})")
     kwargs = {k: v for k, v in extra.items() if k in accepted}
     kwargs.update(checked)
     return kwargs

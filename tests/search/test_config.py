@@ -141,6 +141,12 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         ),
         (["sampler.options={n_startup_trials: true}"], "n_startup_trials: True: must be int"),
         (["sampler.options={n_startup_trials: 2.5}"], "n_startup_trials: 2.5: must be int"),
+        (["sampler.options={n_startup_trials: -3}"], "n_startup_trials: -3: must be >= 0 (TPE"),
+        (  # the seed is offered as an option, then refused as one (QA)
+            ["sampler={name: random, options: {n_startup_trials: 1}}"],
+            "unknown option(s) n_startup_trials for RandomSampler; accepted: none (seed is "
+            "sampler.seed)",
+        ),
         (
             ["pruner.options={n_warmup_steps: 1.5}"],
             "n_warmup_steps: 1.5: must be int (MedianPruner)",
@@ -254,11 +260,15 @@ def test_bad_study_files(tmp_path: Path, sets: list[str], expected: str) -> None
 
 
 def test_a_missing_section_is_named_without_the_dict_around_it(tmp_path: Path) -> None:
-    p = tmp_path / "empty.yaml"
-    p.write_text("")
+    p = tmp_path / "nodata.yaml"
+    p.write_text("name: x\n")
     with pytest.raises(ConfigError) as info:
         load_config(p)
     assert str(info.value) == f"{p}: dataset: missing: a required key"
+    p.write_text("# nothing yet\n")  # said as such, not as a missing section (QA)
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    assert str(info.value) == f"{p}: empty: a study file needs at least `dataset`"
 
 
 @pytest.mark.parametrize(
@@ -469,6 +479,10 @@ def test_unreadable_and_unknown_files(tmp_path: Path) -> None:
         load_config("nosuch")
     with pytest.raises(ConfigError, match=r"missing.yaml: study file not found"):
         load_config(tmp_path / "missing.yaml")
+    (tmp_path / "folder.yaml").mkdir()
+    for folder in (tmp_path, tmp_path / "folder.yaml"):
+        with pytest.raises(ConfigError, match=r": a folder, not a study file$"):
+            load_config(folder)
     latin = tmp_path / "latin.yaml"
     latin.write_bytes("description: Blüten\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"latin.yaml: not UTF-8 text \(byte 15\)$"):

@@ -273,6 +273,13 @@ def test_every_library_exception_is_exported() -> None:
         n for n, c in vars(errors).items() if inspect.isclass(c) and c.__module__ == errors.__name__
     }
     assert classes <= set(hps.__all__) and all(hasattr(hps, n) for n in classes)
+    # dir() lists the lazy functions too (tab completion), before their first use
+    import subprocess
+    import sys
+
+    code = "import hpsearch as h; print(sorted(set(h.__all__) - set(dir(h))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_another_hosts_best_model_comes_from_mlflow_before_a_file_at_its_path_here(
@@ -327,6 +334,10 @@ def test_the_api_takes_paths_as_strings_and_refuses_storage_objects(
     import numpy as np
 
     assert len(best_trials("s", workdir=tmp_path, k=np.int64(3))) == 1  # type: ignore[arg-type]
+    # A trial number given as text matched no trial: "trial 0: no such completed trial".
+    for trial in ("0", 0.0, True, -1):
+        with pytest.raises(hps.ConfigError, match=r"trial: .*: must be a trial number"):
+            hps.load_best_model("s", workdir=tmp_path, trial=trial)  # type: ignore[arg-type]
     # An empty HPSEARCH_WORKDIR is unset, as for the CLI: ./.hpsearch, not ./
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HPSEARCH_WORKDIR", "")

@@ -433,3 +433,5 @@ def test_a_trials_run_logs_no_default_its_choices_leave_unread(
     assert "label_smoothing" not in ce and "focal_gamma" not in ce
     assert ce["momentum"] == "0.9"  # sgd's, read
     assert smoothed["label_smoothing"] == "0.1"
+    # no GPU here: the run says so rather than "all" (CUDA_VISIBLE_DEVICES unset, QA)
+    assert client.get_run(logged["ce"]).data.tags["hpsearch.gpu"] == "none"
