@@ -1133,6 +1133,13 @@ def blame_override(message: str, src: str, overrides: Sequence[str]) -> str:
         key = item.partition("=")[0].strip()
         if field == key or field.startswith(key + ".") or key.startswith(field + "."):
             return f"{message} (from --set {item})"
+    # A sibling's --set made the file's value wrong (search_space.lr.type=int: lr.low's
+    # 0.001 is no whole number): named too, as what came after the file.
+    parent = field.rpartition(".")[0]
+    for item in reversed(overrides):
+        key = item.partition("=")[0].strip()
+        if "." in parent and key.rpartition(".")[0] == parent:
+            return f"{message} (after --set {item})"
     return message
 
 

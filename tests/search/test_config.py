@@ -259,6 +259,20 @@ def test_bad_study_files(tmp_path: Path, sets: list[str], expected: str) -> None
         assert msg.endswith(tuple(f"(from --set {s})" for s in sets)), msg  # not in the file
 
 
+def test_a_sibling_set_that_made_a_file_value_wrong_is_named(tmp_path: Path) -> None:
+    """`--set search_space.lr.type=int` made the file's `lr.low: 0.001` wrong: the message
+    named the file's field alone, and not the --set that did it (QA)."""
+    from hpsearch.config import blame_override
+
+    src = str(tmp_path / "study.yaml")
+    msg = f"{src}: search_space.lr.low: 0.001: Input should be a valid integer"
+    sets = ["budget.n_trials=3", "search_space.lr.type=int"]
+    assert blame_override(msg, src, sets) == f"{msg} (after --set search_space.lr.type=int)"
+    # a top-level section is no sibling: budget.max_epochs did not make dataset.x wrong
+    other = f"{src}: budget.n_trials: 0: must be >= 1"
+    assert blame_override(other, src, ["budget.max_epochs=3"]) == other
+
+
 def test_a_missing_section_is_named_without_the_dict_around_it(tmp_path: Path) -> None:
     p = tmp_path / "nodata.yaml"
     p.write_text("name: x\n")
