@@ -1019,8 +1019,16 @@ def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]], src: str) -> None:
+    """Set each dotted `key` to its value; `search_space.NAME=null` leaves NAME out of the
+    search (the trainer's default is used), as deleting it from the file would."""
     for key, value in overrides:
         parts = key.split(".")
+        if value is None and len(parts) == 2 and parts[0] == "search_space":
+            space = raw.get("search_space")
+            if not isinstance(space, dict) or parts[1] not in space:
+                raise ConfigError(f"{src}: {key}: not searched here: nothing to leave out")
+            raw["search_space"] = {k: v for k, v in space.items() if k != parts[1]}
+            continue
         node: Any = raw
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part) if isinstance(node, dict) else None

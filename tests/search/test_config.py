@@ -732,3 +732,18 @@ def test_params_on_the_command_line_are_a_json_object_or_one_short_line() -> Non
         msg = str(info.value)
         assert msg.startswith("--params: ") and shown in msg and "\n" not in msg, msg
         assert len(msg) < 400, len(msg)  # the argument cut short
+
+
+def test_a_searched_parameter_is_left_out_with_a_null_set() -> None:
+    """`--set search_space.momentum=null` was a "valid dictionary" error: no --set could
+    take a parameter out of a shipped study's search (QA)."""
+    cfg = load_config("tiny", ["search_space.focal_gamma=null"])
+    assert "focal_gamma" not in cfg.search_space and "loss" in cfg.search_space
+    assert load_config("tiny").search_space.keys() > cfg.search_space.keys()  # the file's
+    with pytest.raises(ConfigError, match=r"search_space.nope: not searched here: nothing to"):
+        load_config("tiny", ["search_space.nope=null"])
+    # a parameter another's `when` names stays needed: the rule says so
+    with pytest.raises(ConfigError, match=r"label_smoothing.when.loss: 'loss': a condition"):
+        load_config("tiny", ["search_space.loss=null"])
+    # null is still a value elsewhere: a data folder left to --data-dir
+    assert load_config("tiny", ["dataset.root=null"]).dataset.root is None
