@@ -200,8 +200,14 @@ def _stored(study: str, read: Callable[[str], _T]) -> tuple[str, _T]:
     a study file in ./studies (or a shipped one) of another `name`, reads that one, as
     `launch --study NAME` made it."""
     from hpsearch.config import find_study_file, load_config, study_name
+    from hpsearch.errors import ConfigError
 
-    name = study_name(study)
+    try:
+        name = study_name(study)
+    except ConfigError:  # a file by that name that is no study file: then it is a name
+        if os.sep in study or Path(study).suffix.lower() in (".yaml", ".yml"):
+            raise
+        name = study
     try:
         return name, read(name)
     except StudyNotFoundError as exc:

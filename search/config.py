@@ -691,6 +691,13 @@ def _check_new_file(cfg: StudyConfig, src: str) -> None:
                 f"{src}: sampler.options.{key}: {cfg.sampler.options[key]!r}: not an option "
                 f"here: {why}"
             )
+    # A count (n_startup_trials, n_ei_candidates, ...): Optuna's samplers store a negative
+    # one unchecked, and TPE then ran with no start-up trials at all. None of Optuna's
+    # counts takes -1 for "all".
+    for section, options in (("sampler", cfg.sampler.options), ("pruner", cfg.pruner.options)):
+        for key, value in options.items():
+            if key.startswith("n_") and _is_number(value) and value < 0:
+                raise ConfigError(f"{src}: {section}.options.{key}: {value!r}: must be >= 0")
     if cfg.dataset.num_classes is not None and cfg.dataset.name != "synthetic":
         raise ConfigError(
             f"{src}: dataset.num_classes: {cfg.dataset.num_classes}: only the synthetic "

@@ -909,6 +909,8 @@ class Launcher:
 
     def _spawn(self, slot: _Slot, resolved: Path, tracking_uri: str | None) -> None:
         opts = self.opts
+        if slot.restarts and self._study is not None and (note := self._budget_now()):
+            self._event(note)  # the budget set last, not one a tick old, goes to --trials
         cmd = [
             sys.executable, "-m", "hpsearch.cli", "worker",
             "--study", str(resolved),

@@ -289,12 +289,23 @@ class TrialRun:
                 self.uploader.submit(checkpoint)
 
     def log_epoch(self, record: Any, timestamp_ms: int | None = None) -> None:
-        if self._earlier is not None:  # epochs before this one: the resume's
-            (source, known), self._earlier = self._earlier, None
-            self.tracker.copy_history(int(record.epoch), source, EPOCH_FIELDS, known)
+        self._copy_earlier(int(record.epoch))  # the epochs before this one: the resume's
         self.tracker.log_epoch(int(record.epoch), epoch_metrics(record), timestamp_ms)
         if self.sampler is not None and self.sampler.input_bound:
             self._note_input_bound()
+
+    def _copy_earlier(self, before: int | None) -> None:
+        """Queue the retry's epochs before `before` (its first trained here), once; None:
+        it trained none (a time limit already spent, a stop in its set-up): all the
+        checkpoint's."""
+        if self._earlier is None:
+            return
+        (source, known), self._earlier = self._earlier, None
+        if before is None:
+            if not known:  # a custom trainer's checkpoint: up to which epoch is unknown
+                return
+            before = max(step for step, _ in known) + 1
+        self.tracker.copy_history(before, source, EPOCH_FIELDS, known)
 
     def checkpoint_written(self, path: Path) -> None:
         """The trainer's hook (`TrainOptions.on_checkpoint`, on its writer thread): a resume
@@ -357,6 +368,7 @@ class TrialRun:
         its end (no objective value: a time limit before its first evaluation)."""
         self.ended = True
         ended_ms = int(time.time() * 1000)  # the run's end time: not when the finisher sends it
+        self._copy_earlier(None)  # a retry that trained no epoch of its own
         summary = self._gpu_summary()
         if result.best_val_acc is not None:
             summary["best_val_acc"] = float(result.best_val_acc)
@@ -442,6 +454,7 @@ class TrialRun:
     def finish_failed(self, outcome: str, message: str, tb: str | None) -> None:
         self.ended = True
         ended_ms = int(time.time() * 1000)
+        self._copy_earlier(None)  # a retry that trained no epoch of its own
         summary = self._gpu_summary()
         # A snapshot `checkpoint_uri` made for a trial that then failed (its tell raised, or
         # its value was not finite) is not uploaded: its hard link goes now.

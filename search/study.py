@@ -106,11 +106,6 @@ def _kwargs_for(cls: type, options: dict[str, Any], extra: dict[str, Any]) -> di
             checked[name] = check_option(accepted[name].annotation, value)
         except TypeError as exc:
             raise TypeError(f"{name}: {exc} ({cls.__name__})") from exc
-        # A count (n_startup_trials, n_ei_candidates, ...): Optuna's samplers store a
-        # negative one unchecked, and TPE then ran with no start-up trials at all.
-        number = checked[name]
-        if name.startswith("n_") and isinstance(number, int) and number < 0:
-            raise TypeError(f"{name}: {number!r}: must be >= 0 ({cls.__name__})")
     kwargs = {k: v for k, v in extra.items() if k in accepted}
     kwargs.update(checked)
     return kwargs
@@ -120,7 +115,23 @@ class BudgetedGridSampler(optuna.samplers.GridSampler):
     """Optuna's grid sampler without its `study.stop()` once the grid is covered: that works
     inside `study.optimize` only, and raised from a worker's tell after the trial was stored
     (the trial then read as failed, and the worker died). The study's budget, at most the
-    grid's size (`config.grid_space`), ends a grid study."""
+    grid's size (`config.grid_space`), ends a grid study.
+
+    `seed` shuffles the grid, and a trial's stored `grid_id` indexes the shuffled grid, so
+    every worker, restart and relaunch takes the study's (with a seed of its own each, a
+    grid id meant another point in each: points were trained twice and others never).
+    `pick_seed` draws which unvisited id a trial past the grid's size takes (retries use up
+    trial numbers): the worker's own, so that two workers building trials at once (outside
+    the study lock) seldom take the same one."""
+
+    def __init__(
+        self,
+        search_space: Mapping[str, Sequence[Any]],
+        seed: int | None = None,
+        pick_seed: int | None = None,
+    ) -> None:
+        super().__init__(search_space, seed=seed)
+        self._rng.rng.seed(pick_seed)
 
     def after_trial(
         self,
@@ -179,12 +190,9 @@ def make_sampler(
     }
     cls = classes[s.name]
     extra: dict[str, Any] = {"seed": sampler_seed(s.seed, stream, trials_before)}
-    if s.name == "grid":
+    if s.name == "grid":  # the grid's order is the study's seed (BudgetedGridSampler)
         extra["search_space"] = grid_space(cfg)
-        # The seed shuffles the grid, and a trial's stored `grid_id` indexes it: every
-        # worker, restart and relaunch shuffles it alike (the study's seed), or a grid id
-        # meant another point in each and points were trained twice, others never. The
-        # study lock keeps workers from taking one id at once.
+        extra["pick_seed"] = extra["seed"]
         extra["seed"] = s.seed
     if s.name == "cmaes":
         # Conditional and categorical params fall back to this, quietly.

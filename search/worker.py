@@ -1496,7 +1496,10 @@ def earlier_run(study: optuna.Study, trial: optuna.Trial, linked: Any, db: Db) -
     if linked:
         return str(linked)
     frozen = getattr(trial, "_cached_frozen_trial", None)  # as at ask: root_trial_number
-    failed = frozen.system_attrs.get("failed_trial") if frozen is not None else None
+    attrs = frozen.system_attrs if frozen is not None else {}
+    # The try just before: `failed_trial` is the chain's first (a retry inherits it).
+    history = attrs.get("retry_history")
+    failed = history[-1] if isinstance(history, list) and history else attrs.get("failed_trial")
     if not isinstance(failed, int):
         return None
     key = LATE_RUN_ATTR.format(number=failed)

@@ -586,6 +586,9 @@ class TrialTracker:
         self._offline: dict[str, Any] | None = None
         self._experiment_id = experiment_id
         self._run_key = run_key
+        # ms since the epoch: a retry's earlier epoch its failed try's run lacks is dated so
+        # (`copy_history`), before the retry's own, which may be dated from before now.
+        self._start_ms = start_time_ms if start_time_ms else int(time.time() * 1000)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._queue: deque[_Batch] = deque()
@@ -714,16 +717,15 @@ class TrialTracker:
     ) -> None:
         """Queue a retry's earlier epochs, those at steps below `before_step` (the first
         one it trains): `known` (step, metrics) as its resume checkpoint holds them, dated
-        as run `source_run_id` (its failed try's) logged them where it did; with none
-        known, `keys`' values from that run. Fetched and sent by the sender thread, ahead
-        of the epochs queued after this call; returns immediately."""
+        as run `source_run_id` (its failed try's) logged them where it did, else at this
+        run's start; with none known, `keys`' values from that run. Fetched and sent by
+        the sender thread, ahead of the epochs queued after this call; returns at once."""
         if not self.enabled or self.finished or before_step <= 1:
             return
-        now_ms = int(time.time() * 1000)  # the date of an epoch the source run lacks
-        metrics: list[Metric] = []
+        metrics: list[Metric] = []  # dated at the run's start where the source lacks them
         for step, values in known:
             if step < before_step:
-                metrics += metric_entities(values, step, now_ms)[0]
+                metrics += metric_entities(values, step, self._start_ms)[0]
         if not metrics and not source_run_id:
             return
         source = (source_run_id, tuple(keys), int(before_step)) if source_run_id else None
@@ -1443,6 +1445,10 @@ def _replay_run(client: MlflowClient, record: Mapping[str, Any], spool_dir: Path
             incomplete = True
     if incomplete:
         client.set_tag(run_id, INCOMPLETE_TAG, "true")
+    elif not record.get("create") and INCOMPLETE_TAG in client.get_run(run_id).data.tags:
+        # Sent whole: a mark of what the server lacked meanwhile goes (the launch's end
+        # sweeps runs left RUNNING, this one too, before it sends what was kept).
+        client.delete_tag(run_id, INCOMPLETE_TAG)
     if record.get("traceback"):
         client.log_text(run_id, str(record["traceback"]), "traceback.txt")
     end_ms = record.get("end_ms")

@@ -141,7 +141,10 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         ),
         (["sampler.options={n_startup_trials: true}"], "n_startup_trials: True: must be int"),
         (["sampler.options={n_startup_trials: 2.5}"], "n_startup_trials: 2.5: must be int"),
-        (["sampler.options={n_startup_trials: -3}"], "n_startup_trials: -3: must be >= 0 (TPE"),
+        (
+            ["sampler.options={n_startup_trials: -3}"],
+            "sampler.options.n_startup_trials: -3: must be >= 0",
+        ),
         (  # the seed is offered as an option, then refused as one (QA)
             ["sampler={name: random, options: {n_startup_trials: 1}}"],
             "unknown option(s) n_startup_trials for RandomSampler; accepted: none (seed is "
@@ -747,3 +750,16 @@ def test_a_searched_parameter_is_left_out_with_a_null_set() -> None:
         load_config("tiny", ["search_space.loss=null"])
     # null is still a value elsewhere: a data folder left to --data-dir
     assert load_config("tiny", ["dataset.root=null"]).dataset.root is None
+
+
+def test_a_stored_config_with_a_negative_count_still_loads() -> None:
+    """A negative count is refused in a new study file only: a study's stored config that an
+    earlier version ran with must keep loading (best model, enqueue, train --trial)."""
+    from hpsearch.config import config_from_yaml, config_to_yaml
+
+    text = config_to_yaml(load_config("tiny"))
+    text = text.replace("    n_startup_trials: 2\n", "    n_startup_trials: -1\n", 1)
+    assert "n_startup_trials: -1" in text
+    assert config_from_yaml(text, "stored").sampler.options == {"n_startup_trials": -1}
+    with pytest.raises(ConfigError, match="n_startup_trials: -1: must be >= 0"):
+        load_config("tiny", ["sampler.options.n_startup_trials=-1"])

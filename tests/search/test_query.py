@@ -508,6 +508,11 @@ def test_status_best_and_enqueue_take_the_study_file_a_launch_took(
                        subprocess_env, cwd=tmp_path)  # fmt: skip
         assert out.returncode == 0, (given, out.stderr)
         assert json.loads(out.stdout)["name"] == "flowers-mine"
+    # A file of the study's name that is no study file (notes): the name is read.
+    (tmp_path / "flowers-mine").write_text("notes\n")
+    out = hpsearch(["status", "--study", "flowers-mine", "--workdir", str(work), "--json"],
+                   subprocess_env, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0 and json.loads(out.stdout)["name"] == "flowers-mine", out.stderr
     out = hpsearch(["status", "--study", "bar", "--workdir", str(work)], subprocess_env,
                    cwd=tmp_path)  # fmt: skip
     assert out.returncode == 1

@@ -231,3 +231,10 @@ def test_a_retrys_earlier_run_is_the_one_linked_else_the_one_made_after_it_ended
     assert earlier_run(study, trial, "", db) == "made-later"
     first = study.ask()  # no retry: no failed try
     assert earlier_run(study, first, None, db) is None
+    # A retry of a retry: the try just before (its retry_history's last), not the first.
+    study.add_trial(create_trial(state=TrialState.WAITING,
+                                 system_attrs={"failed_trial": 3, "retry_history": [3, 7]}))  # fmt: skip
+    second = study.ask()
+    assert earlier_run(study, second, "", db) is None
+    study.set_user_attr("mlflow_run_id.7", "the-one-before")
+    assert earlier_run(study, second, "", db) == "the-one-before"

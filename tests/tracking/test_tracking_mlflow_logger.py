@@ -487,8 +487,8 @@ def test_a_retrys_run_gets_the_epochs_before_its_resume_from_its_checkpoint(
     assert failed.run_id is not None
     checkpoint = [(e, epoch_metrics(e)) for e in (1, 2, 3)]
 
+    made_at = int(time.time() * 1000)
     retry = make_tracker(client, experiment_id, parent, 2)
-    copied_at = int(time.time() * 1000)
     retry.copy_history(4, failed.run_id, list(EPOCH), checkpoint)
     for e in (4, 5):
         retry.log_epoch(e, epoch_metrics(e + 10))
@@ -503,7 +503,8 @@ def test_a_retrys_run_gets_the_epochs_before_its_resume_from_its_checkpoint(
     earlier = {m.step: m.timestamp for m in client.get_metric_history(failed.run_id, "lr")}
     copied = {m.step: m.timestamp for m in client.get_metric_history(retry.run_id, "lr")}
     assert (copied[1], copied[3]) == (earlier[1], earlier[3])  # when they were trained
-    assert copied[2] >= copied_at  # not in that run: dated when copied
+    # not in that run: dated at the retry's start, before its own epochs
+    assert made_at <= copied[2] <= copied[4]
     run = client.get_run(retry.run_id)
     assert run.data.tags[HISTORY_TAG] == failed.run_id
     assert INCOMPLETE_TAG not in run.data.tags
@@ -828,9 +829,12 @@ class _SpoolClient:
     def set_tag(self, run_id: str, key: str, value: str) -> None:
         self.calls.append(("tag", (run_id, key, value)))
 
-    def get_run(self, run_id: str) -> None:
+    def get_run(self, run_id: str) -> Any:
         if self.get_fails is not None:
             raise self.get_fails
+        from types import SimpleNamespace
+
+        return SimpleNamespace(data=SimpleNamespace(tags={}))  # no tag on its runs
 
     def log_text(self, run_id: str, text: str, name: str) -> None:
         self.calls.append(("text", (run_id, name)))
@@ -971,3 +975,25 @@ def test_a_kept_runs_artifacts_are_sent_and_a_refused_one_holds_up_nothing(
     write_spool(spool, "r3", [batch], "FINISHED", incomplete=False, traceback=None, artifacts=kept)
     assert replay_spool(gone, spool) == 0  # type: ignore[arg-type]
     assert [p.name for p in spool.iterdir()] == [f"r3{SPOOL_SUFFIX}.failed"]
+
+
+def test_a_kept_run_sent_whole_drops_the_incomplete_mark_the_sweep_gave_it(
+    client: CountingClient, experiment_id: str, tmp_path: Path
+) -> None:
+    """A run kept in the spool folder (the server down at its trial's end) is still RUNNING
+    when the launch's end sweeps the runs of gone workers, which marks a trained trial's
+    incomplete (its plots never came); the kept record then sends them. The mark went
+    with it for good; it goes now, unless the record itself lacks something."""
+    from hpsearch.tracking.mlflow_logger import _Batch, write_spool
+
+    spool = tmp_path / "spool"
+    for kept_incomplete in (False, True):
+        run_id = client.create_run(experiment_id).info.run_id
+        client.set_tag(run_id, INCOMPLETE_TAG, "true")  # the sweep's
+        batch = _Batch(metrics=[Metric("val_acc", 0.5, int(time.time() * 1000), 1)])
+        write_spool(spool, run_id, [batch], "FINISHED", incomplete=kept_incomplete,
+                    traceback=None)  # fmt: skip
+        assert replay_spool(client, spool) == 1
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        assert run.data.tags.get(INCOMPLETE_TAG) == ("true" if kept_incomplete else None)

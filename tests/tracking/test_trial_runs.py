@@ -435,3 +435,31 @@ def test_a_trials_run_logs_no_default_its_choices_leave_unread(
     assert smoothed["label_smoothing"] == "0.1"
     # no GPU here: the run says so rather than "all" (CUDA_VISIBLE_DEVICES unset, QA)
     assert client.get_run(logged["ce"]).data.tags["hpsearch.gpu"] == "none"
+
+
+def test_a_retry_that_trains_no_epoch_still_charts_its_checkpoints(
+    pg_url: str, tmp_path: Path, mlflow_server: LocalServer
+) -> None:
+    """A retry that stops before its first epoch (its time limit already spent, a stop in
+    its set-up) logged no epoch, so its run got none of the checkpoint's: it gets them as
+    it ends."""
+    import json
+
+    cfg = hps.load_config("tiny", [f"name=noepoch-{uuid.uuid4().hex[:8]}"])
+    session = TrackingSession(cfg, resolve_storage(pg_url, tmp_path), mlflow_server.url, "w0")
+    study = optuna.create_study(storage=normalize_url(pg_url), study_name=cfg.name,
+                                direction="maximize")  # fmt: skip
+    history = [{"epoch": e, "train_loss": 2.0 / e, "train_acc": 0.1 * e, "val_loss": 2.5 / e,
+                "val_acc": 0.1 * e, "lr": 0.1, "epoch_seconds": 1.0, "images_per_second": 9.0}
+               for e in (1, 2)]  # fmt: skip
+    ckpt = tmp_path / "c.pt"
+    ckpt.write_text(json.dumps({"epoch": 2, "history": history}))
+    trial = study.ask()
+    run = session.start_trial(trial, suggest(trial, cfg), trial.number + 5, ckpt)  # a retry
+    assert run is not None and run.run_id
+    run.finish_failed("interrupted", "stopped before its first epoch", None)
+    session.close()
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    val = {m.step: m.value for m in client.get_metric_history(run.run_id, "val_acc")}
+    assert val == pytest.approx({1: 0.1, 2: 0.2})
+    assert [m.step for m in client.get_metric_history(run.run_id, "images_per_second")] == [1, 2]
