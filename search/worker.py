@@ -1211,7 +1211,8 @@ def run_trial(
         fetch = not ckpt.exists() or cfg.tracking.upload_checkpoints
         if tracking is not None and root != trial.number and previous_run and fetch:
             tracking.fetch_checkpoint(str(previous_run), ckpt)  # the failed try ran elsewhere
-        earlier = earlier_run(study, trial, previous_run, db) if root != trial.number else None
+        retry = tracking is not None and root != trial.number
+        earlier = earlier_run(study, trial, previous_run, db) if retry else None
         late = (
             _LateRun(tracking, trial, params, root, ckpt, db, run_key, stop, earlier)
             if tracking is not None
