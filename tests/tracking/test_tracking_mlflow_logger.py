@@ -471,6 +471,19 @@ def test_an_offline_run_is_kept_whole_and_made_when_the_server_answers(
     assert _made_run(client, create) == run.info.run_id
 
 
+def _failed_try(
+    client: CountingClient, experiment_id: str, epochs: tuple[int, ...]
+) -> tuple[str, TrialTracker]:
+    """A study run, and trial 1's run as a try that logged `epochs` and was stopped."""
+    parent = open_study_run(client, experiment_id, "s", {}, "x: 1\n")
+    failed = make_tracker(client, experiment_id, parent, 1)
+    for e in epochs:
+        failed.log_epoch(e, epoch_metrics(e))
+    failed.finish("interrupted")
+    assert failed.run_id is not None
+    return parent, failed
+
+
 def test_a_retrys_run_gets_the_epochs_before_its_resume_from_its_checkpoint(
     client: CountingClient, experiment_id: str
 ) -> None:
@@ -479,12 +492,7 @@ def test_a_retrys_run_gets_the_epochs_before_its_resume_from_its_checkpoint(
     checkpoint's (epoch 2 never reached the failed try's run: the try was killed with it
     queued), dated as that run logged them; not the one it trained past its checkpoint
     (epoch 4, trained again by the retry): each step once, with the retry's value."""
-    parent = open_study_run(client, experiment_id, "s", {}, "x: 1\n")
-    failed = make_tracker(client, experiment_id, parent, 1)
-    for e in (1, 3, 4):
-        failed.log_epoch(e, epoch_metrics(e))
-    failed.finish("interrupted")
-    assert failed.run_id is not None
+    parent, failed = _failed_try(client, experiment_id, (1, 3, 4))
     checkpoint = [(e, epoch_metrics(e)) for e in (1, 2, 3)]
 
     made_at = int(time.time() * 1000)
@@ -540,12 +548,7 @@ def test_a_retrys_earlier_epochs_kept_offline_are_sent_when_the_server_answers(
     """The server was down as the retry's run would start: its earlier epochs are kept in
     the spool folder with the run (never dropped for later epochs when the buffer is full),
     dated from the failed try's run when the server answers."""
-    parent = open_study_run(client, experiment_id, "s", {}, "x: 1\n")
-    failed = make_tracker(client, experiment_id, parent, 1)
-    for e in (1, 2, 3):
-        failed.log_epoch(e, epoch_metrics(e))
-    failed.finish("interrupted")
-    assert failed.run_id is not None
+    _, failed = _failed_try(client, experiment_id, (1, 2, 3))
     name = client.get_experiment(experiment_id).name
     spool = tmp_path / "spool"
     dead = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")  # no call is made
