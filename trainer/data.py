@@ -200,6 +200,26 @@ def _cifar(config: StudyConfig, split: str) -> Source:
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 
 
+def _class_folders(split_dir: Path) -> list[str]:
+    """A split's class folders, sorted; hidden ones (`.ipynb_checkpoints`, which Jupyter
+    makes, was class 0 and shifted every other) are not classes."""
+    return sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _images_under(folder: Path) -> list[str]:
+    """A class folder's image files, in its subfolders too (as torchvision's ImageFolder
+    reads them), sorted, hidden files and folders left out."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = [n for n in dirnames if not n.startswith(".")]
+        found += [
+            os.path.join(dirpath, f)
+            for f in filenames
+            if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTS
+        ]
+    return sorted(found)
+
+
 def _imagefolder(config: StudyConfig, split: str) -> Source | None:
     root = _root(config)
     layout = (
@@ -212,19 +232,28 @@ def _imagefolder(config: StudyConfig, split: str) -> Source | None:
     d = root / split
     if not d.is_dir():
         return None  # only test/ is optional
-    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    classes = _class_folders(root / "train")
     if not classes:
         raise DataError(layout.replace("not found", "has no class folders"))
+    if len(classes) < 2:
+        raise DataError(
+            f"dataset imagefolder: {root / 'train'}: one class folder ({classes[0]}); a "
+            "classifier needs at least 2"
+        )
     index = {c: i for i, c in enumerate(classes)}
     items: list[str] = []
     labels: list[int] = []
-    for c in sorted(p.name for p in d.iterdir() if p.is_dir()):
+    for c in _class_folders(d):
         if c not in index:
             raise DataError(f"dataset imagefolder: {d / c}: class not in {root / 'train'}")
-        for f in sorted((d / c).iterdir()):
-            if f.suffix.lower() in IMAGE_EXTS:
-                items.append(str(f))
-                labels.append(index[c])
+        files = _images_under(d / c)
+        if not files and split == "train":  # an output no image trains, counted in accuracy
+            raise DataError(
+                f"dataset imagefolder: {d / c}: no images ({', '.join(IMAGE_EXTS)}); every "
+                "class folder of train/ needs some"
+            )
+        items += files
+        labels += [index[c]] * len(files)
     if not items:
         raise DataError(f"dataset imagefolder: {d}: no images ({', '.join(IMAGE_EXTS)})")
     return Source(
@@ -314,8 +343,17 @@ def cache_path(src: Source, size: int, workdir: Path) -> Path:
     # The labels too: they number the classes of train/'s folders, which val/ and test/
     # file lists do not show (a class added to train/ only renumbers the ones after it).
     key = f"{CACHE_VERSION}|{src.ident}|{list(src.items)!r}|{list(src.class_names)!r}".encode()
-    ident = hashlib.sha1(key + np.ascontiguousarray(src.labels).tobytes()).hexdigest()
-    name = f"{src.dataset}-{src.split}-{size}px-n{len(src)}-{ident[:12]}.npz"
+    ident = hashlib.sha1(key + np.ascontiguousarray(src.labels).tobytes())
+    if src.dataset == "imagefolder":
+        # A user's own files change under the same names (a corrupt image replaced, a
+        # photo re-exported): their sizes and times too, or the cache kept the old ones.
+        for item in src.items:
+            try:
+                st = os.stat(item)
+                ident.update(f"{st.st_size}:{st.st_mtime_ns};".encode())
+            except OSError:  # gone since it was listed: its decode says so
+                ident.update(b"?;")
+    name = f"{src.dataset}-{src.split}-{size}px-n{len(src)}-{ident.hexdigest()[:12]}.npz"
     return Path(workdir) / "cache" / name
 
 

@@ -276,3 +276,50 @@ def test_a_process_that_exits_holding_a_loader_exits(
     assert out.returncode == 1, out.stderr
     assert "a trial's error" in out.stderr
     assert "killed by signal" not in out.stderr, out.stderr  # ended by the loader's shutdown
+
+
+def test_an_image_replaced_under_its_name_is_decoded_again(tmp_path: Path) -> None:
+    """The cache was keyed by file names: a corrupt image replaced by a good one (or a photo
+    re-exported) kept the cache built without it, or with the old pixels (QA)."""
+    _imagefolder(tmp_path / "data", corrupt=True)
+    cfg = make_config({"name": "imagefolder", "root": str(tmp_path / "data")})
+    src = data.get_source(cfg, "train")
+    assert src is not None
+    with pytest.warns(UserWarning, match=r"broken\.jpg"):
+        first = data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="skip")
+    assert len(first.labels) == 6
+    good = np.full((20, 30, 3), 200, dtype=np.uint8)
+    Image.fromarray(good).save(tmp_path / "data" / "train" / "rose" / "broken.jpg", "JPEG")
+    src = data.get_source(cfg, "train")
+    assert src is not None
+    again = data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="fail")
+    assert again.built and len(again.labels) == 7
+    assert data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="fail").built is False
+
+
+def test_an_image_folders_classes_are_its_visible_folders_with_images(tmp_path: Path) -> None:
+    """Jupyter's `.ipynb_checkpoints` became class 0 (every other class's index shifted), a
+    class's images in a subfolder were left out (torchvision's ImageFolder reads them), and
+    an empty class folder or a single class trained without a word (QA)."""
+    root = tmp_path / "data"
+    _imagefolder(root, corrupt=False)
+    (root / "train" / ".ipynb_checkpoints").mkdir()
+    nested = root / "train" / "rose" / "batch2"
+    nested.mkdir()
+    Image.fromarray(np.zeros((20, 20, 3), dtype=np.uint8)).save(nested / "9.png")
+    (root / "train" / "rose" / ".hidden.png").write_bytes(b"not an image")
+    cfg = make_config({"name": "imagefolder", "root": str(root)})
+    src = data.get_source(cfg, "train")
+    assert src is not None and src.class_names == ["daisy", "rose"]
+    assert len(src) == 7 and str(nested / "9.png") in src.items
+    (root / "val" / "tulip").mkdir()  # in val/ only: refused as before
+    (root / "train" / "tulip").mkdir()  # in train/, empty
+    with pytest.raises(DataError, match=r"train/tulip: no images .*every class folder of"):
+        data.get_source(cfg, "train")
+    import shutil
+
+    for split in ("train", "val"):
+        shutil.rmtree(root / split / "tulip")
+        shutil.rmtree(root / split / "rose")
+    with pytest.raises(DataError, match=r"one class folder \(daisy\); a classifier needs at"):
+        data.get_source(cfg, "train")
