@@ -691,6 +691,14 @@ def _check_new_file(cfg: StudyConfig, src: str) -> None:
                 f"{src}: sampler.options.{key}: {cfg.sampler.options[key]!r}: not an option "
                 f"here: {why}"
             )
+    objective = cfg.objective
+    if isinstance(objective.direction, str) and objective.multi:
+        # It went to every metric: [val_acc, train_seconds] with maximize sought slow trials.
+        raise ConfigError(
+            f"{src}: objective.direction: {objective.direction!r}: one direction for "
+            f"{len(objective.metrics)} metrics; give one per metric (a list in their order) "
+            "or none (each metric's own)"
+        )
     # A count (n_startup_trials, n_ei_candidates, ...): Optuna's samplers store a negative
     # one unchecked, and TPE then ran with no start-up trials at all. None of Optuna's
     # counts takes -1 for "all".

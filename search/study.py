@@ -369,6 +369,12 @@ def create_or_load(
         study.set_user_attr(LAUNCH_IDS_ATTR, [*launched, cid])
     if (owner or first or budget) and attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
         study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
+    if first and study.metric_names is None:
+        # Named in Optuna's dashboard and plots ("val_acc", "train_seconds"), not as
+        # "objective 0", "objective 1".
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names(list(cfg.objective.metrics))
     return study
 
 

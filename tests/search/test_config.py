@@ -189,6 +189,15 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
             "objective.metric: 'accuracy': must be one of 'val_acc', 'val_loss'",
         ),
         (
+            # it went to both: train_seconds maximized, slow trials sought (QA)
+            [
+                "objective={metric: [val_acc, train_seconds], direction: maximize}",
+                "pruner.name=none",
+                "sampler.name=nsga2",
+            ],
+            "objective.direction: 'maximize': one direction for 2 metrics; give one per metric",
+        ),
+        (
             ["objective.metric=[val_acc, train_seconds]", "objective.direction=[maximize]"],
             "objective.direction: ['maximize']: needs 2 direction(s), one per objective.metric",
         ),

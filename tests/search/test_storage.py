@@ -1438,3 +1438,12 @@ def _trials(pg_url: str) -> list[optuna.trial.FrozenTrial]:
         return optuna.load_study(study_name="tiny", storage=pg_url).get_trials()
     except KeyError:  # not created yet
         return []
+
+
+def test_a_study_names_its_metrics_for_optunas_dashboard_and_plots(pg_url: str) -> None:
+    """optuna-dashboard and Optuna's plots showed "objective 0", "objective 1" (QA)."""
+    sets = ["objective={metric: [val_acc, train_seconds], direction: [maximize, minimize]}",
+            "pruner.name=none", "pruner.options={}", "sampler.name=nsga2", "sampler.options={}"]  # fmt: skip
+    study = create_or_load(load_config("tiny", sets), pg_url)
+    assert study.metric_names == ["val_acc", "train_seconds"]
+    assert create_or_load(load_config("tiny", sets), pg_url).metric_names == study.metric_names
