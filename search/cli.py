@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -453,7 +454,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         from hpsearch.tracking.server import redact_uri
 
         embedded = opts.tracking_uri is None  # the work folder's server: `ui` serves it again
-        hint = f" (hpsearch ui --workdir {workdir})" if embedded else ""
+        hint = f" (hpsearch ui --workdir {shlex.quote(str(workdir))})" if embedded else ""
         click.echo(f"MLflow: {redact_uri(summary.tracking_uri)}{hint}")
     if summary.stopped_by == "workers_failed" and summary.disk_full:
         raise click.ClickException(f"every worker stopped: {summary.disk_full}")
@@ -662,7 +663,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             click.echo(
                 f"note: no MLflow server runs for {workdir} and none was given "
                 "(--tracking-uri, MLFLOW_TRACKING_URI): trials are not tracked; start "
-                f"`hpsearch ui --workdir {workdir}` first, or pass --no-tracking",
+                f"`hpsearch ui --workdir {shlex.quote(str(workdir))}` first, or pass --no-tracking",
                 err=True,
             )
     # Its launch's embedded server (the launch says so), or the one it joined.

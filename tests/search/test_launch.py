@@ -172,8 +172,9 @@ def test_relaunch_resumes_and_independent_worker_joins(
 
 
 def test_embedded_default_several_workers(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
-    """No --storage, no tracking URI: the journal file and launch's own MLflow server."""
-    work = tmp_path / "w"
+    """No --storage, no tracking URI: the journal file and launch's own MLflow server; in a
+    work folder whose path has a space, which the closing hint quotes (QA)."""
+    work = tmp_path / "my w"
     r = hpsearch(
         [
             "launch",
@@ -206,6 +207,7 @@ def test_embedded_default_several_workers(tmp_path: Path, subprocess_env: dict[s
     assert len(finished(study)) == 6
     assert len({t.user_attrs["pid"] for t in study.get_trials()}) == 3
     assert "MLflow UI: http://127.0.0.1:" in r.stdout
+    assert f"(hpsearch ui --workdir '{work}')" in r.stdout, r.stdout
     assert (work / "mlflow" / "mlflow.db").exists()
 
     # Plots for the trials that trained to their end; a pruned trial has its metrics only.
