@@ -1281,6 +1281,27 @@ def _checkpoint(
 # --- using a trained model ---------------------------------------------------------------
 
 
+class EvalTransform:
+    """What a trial's validation images went through, for one PIL image of one's own: RGB
+    (upright by its EXIF), the shorter side resized to the stored px and a center square
+    crop, resized to the trial's eval px, ImageNet's mean and std: float32 (3, px, px).
+    (With trainer.eval_flip the trial's accuracy averaged the logits of each image and its
+    mirror, `x.flip(-1)`.)"""
+
+    def __init__(self, stored_px: int, eval_px: int) -> None:
+        self.stored_px, self.eval_px = stored_px, eval_px
+
+    def __call__(self, image: Any) -> Tensor:
+        from PIL import ImageOps
+
+        upright = ImageOps.exif_transpose(image) or image
+        x = torch.from_numpy(data.decode_image(upright, self.stored_px)).permute(2, 0, 1)
+        return augment.eval_batch(x.unsqueeze(0), self.eval_px)[0]
+
+    def __repr__(self) -> str:
+        return f"EvalTransform(stored_px={self.stored_px}, eval_px={self.eval_px})"
+
+
 def load_trained_model(
     config: StudyConfig,
     params: Mapping[str, Any],
@@ -1290,7 +1311,9 @@ def load_trained_model(
     """The best model of a trial, in eval mode on `device` (for export or evaluation). Its
     architecture is the one the file records: a relaunch may have changed the study's
     defaults since the trial trained. Loaded with `weights_only=True`: the file may come
-    from a shared MLflow server, and unpickling runs whatever code it names."""
+    from a shared MLflow server, and unpickling runs whatever code it names. For one's own
+    images it carries `class_names` (the output index's name) and `transform`
+    (`EvalTransform`: a PIL image to the input tensor the trial evaluated)."""
     from hpsearch.errors import CheckpointError, DataError
 
     hp = config.resolve_params(params)
@@ -1304,6 +1327,9 @@ def load_trained_model(
         arch = str(blob.get("arch") or hp.arch)
         model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
         model.load_state_dict(blob["model"])
+        names = blob.get("class_names") or [str(i) for i in range(num_classes)]
+        model.class_names = [str(n) for n in names]
+        model.transform = EvalTransform(cache_size(config, hp), eval_size(config, hp))
     except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, RuntimeError) as exc:
         # Damaged, truncated, not a model file of hpsearch's, or naming code to run.
         first = " ".join(str(exc).split())[:200]
