@@ -25,7 +25,13 @@ from typing import Any, TextIO, TypeVar
 
 import click
 from hpsearch import __version__
-from hpsearch.errors import EXIT_DISK_FULL, DiskFullError, HpsearchError, StudyNotFoundError
+from hpsearch.errors import (
+    EXIT_DATA_ERROR,
+    EXIT_DISK_FULL,
+    DiskFullError,
+    HpsearchError,
+    StudyNotFoundError,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 _T = TypeVar("_T")
@@ -703,6 +709,10 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             f"worker {summary.worker_id}: stopped after repeated trial errors"
             + (f"; the last: {summary.last_error}" if summary.last_error else "")
         )
+    if summary.stopped_by == "data_error":  # the launcher restarts it not: the same data
+        err = click.ClickException(f"worker {summary.worker_id}: {summary.last_error}")
+        err.exit_code = EXIT_DATA_ERROR
+        raise err
     if summary.stopped_by == "interrupted" and signals:
         # Not 0: a restart policy (Docker's on-failure, a Kubernetes Job) then starts it
         # again after a node's drain or a daemon's restart; its trial waits to resume.

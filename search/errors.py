@@ -49,3 +49,9 @@ class DiskFullError(CheckpointError):
 # restarts it only once the disk has room: each restart failed the same way, a dozen times
 # over a launch's workers.
 EXIT_DISK_FULL = 74
+
+# The exit code of a worker stopped by a trial's DataError (sysexits' EX_DATAERR): the data
+# is the same for every trial and every restart (a corrupt image under on_corrupt: fail
+# failed each trial, three in a row per worker and three restarts: twelve on two workers).
+# The launcher does not restart it.
+EXIT_DATA_ERROR = 65

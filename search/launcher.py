@@ -31,6 +31,7 @@ import optuna
 from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import (
+    EXIT_DATA_ERROR,
     EXIT_DISK_FULL,
     ConfigError,
     DeviceError,
@@ -262,9 +263,12 @@ def should_restart(
     exit_code: int, restarts: int, max_restarts: int, budget_left: bool, disk_full: bool = False
 ) -> bool:
     """A worker that exited with an error is restarted while it has restarts left, unless
-    it stopped for a full disk (EXIT_DISK_FULL) that is still full: the restart would stop
-    the same way. (A dip while a packed neighbour wrote its checkpoint may be over.)"""
+    it stopped for a full disk (EXIT_DISK_FULL) that is still full, or for its data
+    (EXIT_DATA_ERROR): the restart would stop the same way. (A dip while a packed
+    neighbour wrote its checkpoint may be over.)"""
     if exit_code == EXIT_DISK_FULL and disk_full:
+        return False
+    if exit_code == EXIT_DATA_ERROR:  # the same data fails the same way after a restart
         return False
     return exit_code != 0 and budget_left and restarts < max_restarts
 
@@ -1200,6 +1204,8 @@ class Launcher:
             if full and budget_left:
                 why = "its work folder's disk is full: a restart would stop the same way"
                 slot.disk_full = full
+            if code == EXIT_DATA_ERROR:
+                why = "its data failed: every trial and restart would fail the same way"
             self._event(f"{msg}; not restarted ({why}). Last log line: {tail}")
 
     def _log_path(self, slot: _Slot) -> Path:

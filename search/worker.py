@@ -31,6 +31,7 @@ import optuna
 from hpsearch.config import StudyConfig
 from hpsearch.errors import (
     ConfigError,
+    DataError,
     DiskFullError,
     HpsearchError,
     StorageError,
@@ -718,11 +719,15 @@ def run_worker(
             append_timing(opts.workdir, timing)
             summary.trials.append(trial.number)
             summary.outcomes[outcome] = summary.outcomes.get(outcome, 0) + 1
-            message = _error_message(study, trial) if outcome == "error" else ""
+            failed = outcome in ("error", "data_error")
+            message = _error_message(study, trial) if failed else ""
             summary.last_error = message or summary.last_error
             if on_trial is not None:
                 on_trial(trial.number, outcome, message)
             errors = errors + 1 if outcome == "error" else 0  # in a row: a broken set-up
+            if outcome == "data_error":  # every trial would fail the same: stop now
+                summary.stopped_by = "data_error"
+                break
             if errors >= opts.max_errors:
                 summary.stopped_by = "errors"
                 break
@@ -1282,6 +1287,10 @@ def run_trial(
             if run is not None:
                 run.finish_failed("interrupted", message, None)
             return "interrupted"
+        except DataError as exc:  # the data's, not the trial's: the worker stops (run_worker)
+            run = late.wait() if late is not None else None
+            _fail(study, trial, "error", str(exc), run, traceback.format_exc(), db)
+            return "data_error"
         except HpsearchError as exc:
             run = late.wait() if late is not None else None
             _fail(study, trial, "error", str(exc), run, traceback.format_exc(), db)

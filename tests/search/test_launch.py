@@ -1376,3 +1376,34 @@ def test_a_launch_whose_work_folder_disk_is_full_says_so_in_one_line(
     last = out.strip().splitlines()[-1]
     assert last.startswith("Error: every worker stopped: work folder ") and "10 MiB free" in last
     assert hps.load_study("tiny", workdir=work).get_trials(deepcopy=False) == []
+
+
+def test_a_data_error_stops_the_workers_once_not_every_trial_and_restart(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A corrupt image under on_corrupt: fail failed every trial: three in a row per worker,
+    then three restarts of it: twelve failed trials on two workers for one file (QA). A
+    worker stops at its first (exit 65) and is not restarted; the launch says why."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in ("daisy", "rose"):
+            d = tmp_path / "data" / split / c
+            d.mkdir(parents=True)
+            for i in range(3):
+                arr = rng.integers(0, 255, (20, 30, 3), dtype=np.uint8)
+                Image.fromarray(arr).save(d / f"{i}.png")
+    (tmp_path / "data" / "train" / "rose" / "broken.jpg").write_bytes(b"not a jpeg")
+    data = f"dataset={{name: imagefolder, root: {tmp_path / 'data'}, image_size: 16, on_corrupt: fail}}"
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "2", "--trials", "6",
+                  "--workdir", str(tmp_path / "w"), "--no-tracking", "--set", data],
+                 subprocess_env, timeout=300)  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "restarting" not in out, out
+    assert out.count("not restarted (its data failed") == 2, out
+    assert "broken.jpg" in out
+    trials = hps.load_study("tiny", workdir=tmp_path / "w").trials
+    assert [t.state.name for t in trials] == ["FAIL", "FAIL"], out
