@@ -28,6 +28,7 @@ from hpsearch import __version__
 from hpsearch.errors import (
     EXIT_DATA_ERROR,
     EXIT_DISK_FULL,
+    DataError,
     DiskFullError,
     HpsearchError,
     StudyNotFoundError,
@@ -700,6 +701,10 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
     try:
         summary = run_worker(cfg, spec, opts, stop=stop, on_trial=show)
+    except DataError as exc:  # the same data for each restart: the launcher restarts not
+        err = click.ClickException(str(exc))
+        err.exit_code = EXIT_DATA_ERROR
+        raise err from exc
     finally:
         if shared is not None and shared.release() == "stopped":
             click.echo(f"MLflow server at {shared.url} stopped: this worker was its last user")

@@ -61,6 +61,7 @@ from hpsearch.study import (
     LATE_RUN_ATTR,
     MEMORY_CONSTRAINT,
     budget_counts,
+    check_classes,
     create_or_load,
     enqueue_trials,
     make_sampler,
@@ -650,6 +651,14 @@ def run_worker(
     summary = WorkerSummary(wid)
     train_fn = load_train_fn(opts.train_fn)
     study = connect(cfg, spec, opts)
+    # One's own image folder's classes may change between launches (the built-in datasets'
+    # do not): as the study's trials had them, or no worker starts.
+    if not opts.train_fn and cfg.dataset.name == "imagefolder":
+        from hpsearch.trainer.data import get_source
+
+        src = get_source(cfg, "train")
+        names = list(src.class_names) if src is not None else []
+        with_db_retry(lambda: check_classes(study, cfg, names), what="check the classes")
     # The lock and the budget count use the storage's own pool (RDBStorage sits behind
     # Optuna's cache wrapper); a NullPool engine would connect afresh on every ask.
     lock_engine = getattr(getattr(study._storage, "_backend", study._storage), "engine", None)

@@ -1407,3 +1407,36 @@ def test_a_data_error_stops_the_workers_once_not_every_trial_and_restart(
     assert "broken.jpg" in out
     trials = hps.load_study("tiny", workdir=tmp_path / "w").trials
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"], out
+
+
+def test_a_relaunch_on_an_image_folder_whose_classes_changed_is_refused(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A class added to the folder between launches: the retry's checkpoint did not load
+    (a raw size mismatch), and 5- and 6-class values shared one study (QA). Each worker
+    checks the classes against those the study's trials trained on, and stops (65)."""
+    import numpy as np
+    from PIL import Image
+
+    def add_class(name: str) -> None:
+        rng = np.random.default_rng(len(name))
+        for split in ("train", "val"):
+            d = tmp_path / "data" / split / name
+            d.mkdir(parents=True)
+            for i in range(3):
+                arr = rng.integers(0, 255, (20, 30, 3), dtype=np.uint8)
+                Image.fromarray(arr).save(d / f"{i}.png")
+
+    add_class("daisy")
+    add_class("rose")
+    data = f"dataset={{name: imagefolder, root: {tmp_path / 'data'}, image_size: 16}}"
+    args = ["launch", "--study", "tiny", "--workers", "1", "--workdir", str(tmp_path / "w"),
+            "--no-tracking", "--set", data, "--set", "budget.max_epochs=1"]  # fmt: skip
+    r = hpsearch([*args, "--trials", "1"], subprocess_env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    add_class("aaa_tulip")  # sorted first: every class index shifts
+    r = hpsearch([*args, "--trials", "2"], subprocess_env, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "3 classes (added aaa_tulip) where study 'tiny' trained on 2" in r.stdout, r.stdout
+    assert "restarting" not in r.stdout
+    assert len(hps.load_study("tiny", workdir=tmp_path / "w").trials) == 1
