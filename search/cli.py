@@ -28,7 +28,7 @@ from hpsearch import __version__
 from hpsearch.errors import (
     EXIT_DATA_ERROR,
     EXIT_DISK_FULL,
-    DataError,
+    DatasetError,
     DiskFullError,
     HpsearchError,
     StudyNotFoundError,
@@ -649,7 +649,12 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     if not train_fn:
         from hpsearch.runner import check_dataset
 
-        check_dataset(cfg)
+        try:
+            check_dataset(cfg)
+        except DatasetError as exc:  # as a trial's (below): a restart would stop the same
+            err = click.ClickException(str(exc))
+            err.exit_code = EXIT_DATA_ERROR
+            raise err from exc
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
     if uri and uri.startswith(("http://", "https://")) and not await_study_run:
         # A worker of its own (a launch's workers wait for the run it checked): a server
@@ -701,7 +706,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
     try:
         summary = run_worker(cfg, spec, opts, stop=stop, on_trial=show)
-    except DataError as exc:  # the same data for each restart: the launcher restarts not
+    except DatasetError as exc:  # the same data for each restart: the launcher restarts not
         err = click.ClickException(str(exc))
         err.exit_code = EXIT_DATA_ERROR
         raise err from exc

@@ -692,13 +692,17 @@ def _check_new_file(cfg: StudyConfig, src: str) -> None:
                 f"here: {why}"
             )
     objective = cfg.objective
-    if isinstance(objective.direction, str) and objective.multi:
-        # It went to every metric: [val_acc, train_seconds] with maximize sought slow trials.
-        raise ConfigError(
-            f"{src}: objective.direction: {objective.direction!r}: one direction for "
-            f"{len(objective.metrics)} metrics; give one per metric (a list in their order) "
-            "or none (each metric's own)"
-        )
+    direction = objective.direction
+    if isinstance(direction, str) and objective.multi:
+        # It goes to every metric: [val_acc, train_seconds] with maximize sought slow trials.
+        against = [m for m in objective.metrics if DEFAULT_DIRECTIONS[m] != direction]
+        if against:
+            raise ConfigError(
+                f"{src}: objective.direction: {direction!r}: one direction for "
+                f"{len(objective.metrics)} metrics, and {against[0]} would "
+                f"{direction[:-1]}e too; give one per metric (a list in their order) or none "
+                "(each metric's own)"
+            )
     # A count (n_startup_trials, n_ei_candidates, ...): Optuna's samplers store a negative
     # one unchecked, and TPE then ran with no start-up trials at all. None of Optuna's
     # counts takes -1 for "all".
@@ -930,9 +934,19 @@ def study_name(study: str) -> str:
     without a `--set name=`, else the value itself. Raises ConfigError for such a file that
     is missing or not valid."""
     p = Path(study)
-    if p.suffix.lower() in (".yaml", ".yml") or p.is_file():
-        return load_config(study).name
-    return study
+    if not (p.suffix.lower() in (".yaml", ".yml") or p.is_file()):
+        return study
+    # Its name only: a file a launch took keeps being read so when a later version's rules
+    # for new files would refuse it (the stored config is the study's).
+    path = find_study_file(study)
+    try:
+        raw = load_yaml(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+        raise ConfigError(f"{path}: not a readable study file: {type(exc).__name__}") from exc
+    name = raw.get("name", path.stem) if isinstance(raw, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{path}: name: {name!r}: not a study file's name")
+    return name
 
 
 class StudyLoader(yaml.SafeLoader):

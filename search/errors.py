@@ -19,6 +19,13 @@ class DataError(HpsearchError):
     """The dataset is missing, has the wrong layout or cannot be downloaded."""
 
 
+class DatasetError(DataError):
+    """The study's dataset itself is wrong (missing, a layout, a file that does not decode
+    under on_corrupt: fail, classes changed): every trial would fail on it alike, so a
+    worker stops at the first (EXIT_DATA_ERROR). A trial's own data problem (one arch's
+    pretrained weights) is a plain DataError: the trial fails, the search goes on."""
+
+
 class DeviceError(HpsearchError):
     """The requested device or GPUs are not available."""
 
@@ -50,7 +57,7 @@ class DiskFullError(CheckpointError):
 # over a launch's workers.
 EXIT_DISK_FULL = 74
 
-# The exit code of a worker stopped by a trial's DataError (sysexits' EX_DATAERR): the data
+# The exit code of a worker stopped by a DatasetError (sysexits' EX_DATAERR): the data
 # is the same for every trial and every restart (a corrupt image under on_corrupt: fail
 # failed each trial, three in a row per worker and three restarts: twelve on two workers).
 # The launcher does not restart it.

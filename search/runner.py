@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpsearch.config import StudyConfig, params_from_json
-from hpsearch.errors import ConfigError, DataError, HpsearchError
+from hpsearch.errors import ConfigError, DatasetError, HpsearchError
 
 if TYPE_CHECKING:
     import optuna
@@ -61,7 +61,7 @@ def check_dataset(cfg: StudyConfig, light: bool = False) -> None:
     if light and ds.name == "flowers102" and not ds.download:
         message = flowers_layout_error(Path(ds.root or "data").expanduser())
         if message is not None:
-            raise DataError(message)
+            raise DatasetError(message)
         return
     from hpsearch.trainer.data import get_source
 

@@ -381,29 +381,21 @@ def create_or_load(
 CLASSES_ATTR = "hpsearch.classes"  # study user attribute: the class names trials train on
 
 
-def check_classes(study: optuna.Study, cfg: StudyConfig, names: Sequence[str]) -> None:
+def check_classes(study: optuna.Study, cfg: StudyConfig, names: Sequence[str]) -> list[str]:
     """`names` (the train split's classes, in output order) are the ones the study's trials
-    trained on, which its first worker records: a class added to an image folder between
-    launches made every retry's checkpoint unloadable (a raw size mismatch) and put 5- and
-    6-class values in one study. Raises DataError."""
-    from hpsearch.errors import DataError
+    trained on, which its first worker records (under the study lock); those. A class added
+    to an image folder between launches made every retry's checkpoint unloadable (a raw
+    size mismatch) and put 5- and 6-class values in one study. Raises DatasetError."""
+    from hpsearch.errors import DatasetError
+    from hpsearch.trainer.data import class_change
 
     stored = study.user_attrs.get(CLASSES_ATTR)
     if stored is None:
         study.set_user_attr(CLASSES_ATTR, list(names))
-        return
-    if list(stored) == list(names):
-        return
-    added = [n for n in names if n not in stored]
-    gone = [n for n in stored if n not in names]
-    parts = ([f"added {', '.join(added[:3])}"] if added else []) + (
-        [f"without {', '.join(gone[:3])}"] if gone else []
-    )
-    raise DataError(
-        f"dataset {cfg.dataset.name}: {len(names)} classes ({'; '.join(parts) or 'reordered'}) "
-        f"where study {cfg.name!r} trained on {len(stored)}: its models and values would not "
-        "compare; give this data another study name (--set name=...)"
-    )
+        return list(names)
+    if (changed := class_change(list(stored), names)) is not None:
+        raise DatasetError(f"dataset {cfg.dataset.name}: {changed}")
+    return list(stored)
 
 
 def config_id(resolved: str) -> str:

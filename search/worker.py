@@ -31,7 +31,7 @@ import optuna
 from hpsearch.config import StudyConfig
 from hpsearch.errors import (
     ConfigError,
-    DataError,
+    DatasetError,
     DiskFullError,
     HpsearchError,
     StorageError,
@@ -651,17 +651,24 @@ def run_worker(
     summary = WorkerSummary(wid)
     train_fn = load_train_fn(opts.train_fn)
     study = connect(cfg, spec, opts)
-    # One's own image folder's classes may change between launches (the built-in datasets'
-    # do not): as the study's trials had them, or no worker starts.
+    # The lock and the budget count use the storage's own pool (RDBStorage sits behind
+    # Optuna's cache wrapper); a NullPool engine would connect afresh on every ask.
+    lock_engine = getattr(getattr(study._storage, "_backend", study._storage), "engine", None)
+    # One's own image folder's classes may change between launches, or while a worker runs
+    # (the built-in datasets' do not): as the study's trials had them, at the worker's
+    # start and in each trial (TrainOptions.class_names), or no trial trains.
+    classes: list[str] | None = None
     if not opts.train_fn and cfg.dataset.name == "imagefolder":
         from hpsearch.trainer.data import get_source
 
         src = get_source(cfg, "train")
         names = list(src.class_names) if src is not None else []
-        with_db_retry(lambda: check_classes(study, cfg, names), what="check the classes")
-    # The lock and the budget count use the storage's own pool (RDBStorage sits behind
-    # Optuna's cache wrapper); a NullPool engine would connect afresh on every ask.
-    lock_engine = getattr(getattr(study._storage, "_backend", study._storage), "engine", None)
+
+        def recorded() -> list[str]:
+            with study_lock(spec, cfg.name, lock_engine):
+                return check_classes(study, cfg, names)
+
+        classes = with_db_retry(recorded, what="check the classes")
     # Before this worker's first ask (the launcher queues them too, beside its workers'
     # start): the study's first trials are the file's, whoever asks first.
     with_db_retry(
@@ -722,7 +729,7 @@ def run_worker(
             timing = TrialTiming(trial.number, wid, (time.perf_counter() - asked_at) * 1e3)
             outcome = run_trial(
                 study, trial, cfg, opts, train_fn, tracking, warm, stop, timing,
-                lambda: study_lock(spec, cfg.name, lock_engine), cfg_id,
+                lambda: study_lock(spec, cfg.name, lock_engine), cfg_id, classes,
             )  # fmt: skip
             timing.trial_s = time.perf_counter() - asked_at
             append_timing(opts.workdir, timing)
@@ -1170,10 +1177,12 @@ def run_trial(
     timing: TrialTiming | None = None,
     lock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     cfg_id: str | None = None,
+    classes: list[str] | None = None,
 ) -> str:
     """Train one trial and tell Optuna. Returns the outcome; never raises for a trial's fault.
     `lock` is the study lock, held while an interrupted trial is failed and re-queued;
-    `cfg_id` is `trial_config_id(cfg)` (computed here when not given)."""
+    `cfg_id` is `trial_config_id(cfg)` (computed here when not given); `classes` the
+    study's (`check_classes`), which the trainer's train split must have."""
     timing = timing or TrialTiming(trial.number, opts.resolved_id(), 0.0)
     began = time.perf_counter() - timing.ask_ms / 1e3
     from hpsearch.trainer import TrainOptions
@@ -1270,6 +1279,7 @@ def run_trial(
             on_checkpoint=late.checkpoint_written if late is not None else None,
             warm=warm,
             should_interrupt=stop.is_set,
+            class_names=classes,
         )
         if tracking is not None:
             tracking.trial_training()
@@ -1296,7 +1306,7 @@ def run_trial(
             if run is not None:
                 run.finish_failed("interrupted", message, None)
             return "interrupted"
-        except DataError as exc:  # the data's, not the trial's: the worker stops (run_worker)
+        except DatasetError as exc:  # the data's, not the trial's: the worker stops (run_worker)
             run = late.wait() if late is not None else None
             _fail(study, trial, "error", str(exc), run, traceback.format_exc(), db)
             return "data_error"

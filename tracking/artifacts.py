@@ -262,7 +262,9 @@ def study_plots(
             return float(t.values[0])
 
         target = first_value
-        target_name = "objective 0"
+        # The study's name of its first metric (create_or_load names them), else Optuna's.
+        names = study.metric_names
+        target_name = names[0] if names else "objective 0"
     kwargs: dict[str, Any] = {"target": target, "target_name": target_name} if target else {}
     written: list[Path] = []
     plotly_ok = True

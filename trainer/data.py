@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from hpsearch.config import StudyConfig
-from hpsearch.errors import DataError
+from hpsearch.errors import DataError, DatasetError
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 try:  # POSIX only; elsewhere two processes may both decode (still never a half file).
@@ -100,7 +100,7 @@ def _limit(labels: np.ndarray, limit: int | None) -> np.ndarray:
 
 def get_source(config: StudyConfig, split: str) -> Source | None:
     """The split's items, limited by train_limit/eval_limit. None: the dataset has no such
-    split (an imagefolder without test/). Raises DataError when data is missing."""
+    split (an imagefolder without test/). Raises DatasetError when data is missing."""
     name = config.dataset.name
     src: Source | None
     if name == "flowers102":
@@ -112,7 +112,7 @@ def get_source(config: StudyConfig, split: str) -> Source | None:
     elif name == "synthetic":
         src = _synthetic(config, split)
     else:  # pragma: no cover - config validation forbids it
-        raise DataError(f"dataset {name}: unknown dataset")
+        raise DatasetError(f"dataset {name}: unknown dataset")
     if src is None:
         return None
     limit = config.dataset.train_limit if split == "train" else config.dataset.eval_limit
@@ -130,9 +130,9 @@ def get_source(config: StudyConfig, split: str) -> Source | None:
     )
 
 
-def _download_error(name: str, exc: BaseException, where: Path) -> DataError:
+def _download_error(name: str, exc: BaseException, where: Path) -> DatasetError:
     reason = " ".join(str(exc).split()) or type(exc).__name__
-    return DataError(
+    return DatasetError(
         f"dataset {name}: download to {where} failed ({reason}); "
         "check the network or pass --data-dir with a local copy"
     )
@@ -150,11 +150,11 @@ def _flowers(config: StudyConfig, split: str) -> Source:
             raise _download_error("flowers102", exc, root) from exc
     layout = flowers_layout_error(root)
     if layout is not None:
-        raise DataError(layout)
+        raise DatasetError(layout)
     try:
         ds = Flowers102(str(root), split=split, download=False)
     except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted" (md5 check)
-        raise DataError(flowers_layout_message(root, "failed its checksum")) from exc
+        raise DatasetError(flowers_layout_message(root, "failed its checksum")) from exc
     return Source(
         dataset="flowers102",
         split=split,
@@ -175,7 +175,7 @@ def _cifar(config: StudyConfig, split: str) -> Source:
     try:
         ds = cls(str(root), train=split != "test", download=config.dataset.download)
     except RuntimeError as exc:  # "Dataset not found or corrupted"
-        raise DataError(
+        raise DatasetError(
             f"dataset {name}: {root / folder} not found; expected <root>/{folder}/ "
             "(the python version from the CIFAR site); pass --download or --data-dir"
         ) from exc
@@ -200,6 +200,23 @@ def _cifar(config: StudyConfig, split: str) -> Source:
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 
 
+def class_change(trained: Sequence[str], now: Sequence[str]) -> str | None:
+    """What differs between the classes a study's trials trained on and the train split's
+    now, as a message; None when they are the same, in the same order."""
+    if list(trained) == list(now):
+        return None
+    added = [n for n in now if n not in trained]
+    gone = [n for n in trained if n not in now]
+    parts = ([f"added {', '.join(added[:3])}"] if added else []) + (
+        [f"without {', '.join(gone[:3])}"] if gone else []
+    )
+    return (
+        f"{len(now)} classes ({'; '.join(parts) or 'reordered'}) where the study's trials "
+        f"trained on {len(trained)}: its models and values would not compare; give this "
+        "data another study name (--set name=...)"
+    )
+
+
 def _class_folders(split_dir: Path) -> list[str]:
     """A split's class folders, sorted; hidden ones (`.ipynb_checkpoints`, which Jupyter
     makes, was class 0 and shifted every other) are not classes."""
@@ -210,7 +227,13 @@ def _images_under(folder: Path) -> list[str]:
     """A class folder's image files, in its subfolders too (as torchvision's ImageFolder
     reads them), sorted, hidden files and folders left out."""
     found = []
+    seen: set[tuple[int, int]] = set()  # (device, inode): a link back up is walked once
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
         dirnames[:] = [n for n in dirnames if not n.startswith(".")]
         found += [
             os.path.join(dirpath, f)
@@ -222,21 +245,25 @@ def _images_under(folder: Path) -> list[str]:
 
 def _imagefolder(config: StudyConfig, split: str) -> Source | None:
     root = _root(config)
+    missing = [s for s in ("train", "val") if not (root / s).is_dir()]
+    where = f"{root}/{missing[0]}" if len(missing) == 1 else f"{root}/{{train,val}}"
     layout = (
-        f"dataset imagefolder: {root}/{{train,val}}/ not found; expected "
+        f"dataset imagefolder: {where}/ not found; expected "
         "<root>/train/<class>/*.jpg, <root>/val/<class>/*.jpg, optional <root>/test/; "
         "pass --data-dir"
     )
-    if not (root / "train").is_dir() or not (root / "val").is_dir():
-        raise DataError(layout)
+    if missing:
+        raise DatasetError(layout)
     d = root / split
     if not d.is_dir():
         return None  # only test/ is optional
     classes = _class_folders(root / "train")
     if not classes:
-        raise DataError(layout.replace("not found", "has no class folders"))
+        raise DatasetError(
+            layout.replace(f"{where}/ not found", f"{root}/train/ has no class folders")
+        )
     if len(classes) < 2:
-        raise DataError(
+        raise DatasetError(
             f"dataset imagefolder: {root / 'train'}: one class folder ({classes[0]}); a "
             "classifier needs at least 2"
         )
@@ -245,17 +272,17 @@ def _imagefolder(config: StudyConfig, split: str) -> Source | None:
     labels: list[int] = []
     for c in _class_folders(d):
         if c not in index:
-            raise DataError(f"dataset imagefolder: {d / c}: class not in {root / 'train'}")
+            raise DatasetError(f"dataset imagefolder: {d / c}: class not in {root / 'train'}")
         files = _images_under(d / c)
         if not files and split == "train":  # an output no image trains, counted in accuracy
-            raise DataError(
+            raise DatasetError(
                 f"dataset imagefolder: {d / c}: no images ({', '.join(IMAGE_EXTS)}); every "
                 "class folder of train/ needs some"
             )
         items += files
         labels += [index[c]] * len(files)
     if not items:
-        raise DataError(f"dataset imagefolder: {d}: no images ({', '.join(IMAGE_EXTS)})")
+        raise DatasetError(f"dataset imagefolder: {d}: no images ({', '.join(IMAGE_EXTS)})")
     return Source(
         dataset="imagefolder",
         split=split,
@@ -308,7 +335,7 @@ def decode_image(image: Image.Image, size: int) -> np.ndarray:
 
 
 def open_and_decode(src: Source, i: int, size: int) -> np.ndarray:
-    """Decode item i; corrupt files raise DataError naming the file."""
+    """Decode item i; corrupt files raise DatasetError naming the file."""
     try:
         if src.array is not None:
             return decode_image(Image.fromarray(src.array[int(src.items[i])]), size)
@@ -319,7 +346,7 @@ def open_and_decode(src: Source, i: int, size: int) -> np.ndarray:
             upright: Image.Image = ImageOps.exif_transpose(im) or im
             return decode_image(upright, size)
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
-        raise DataError(f"dataset {src.dataset}: cannot decode {src.name_of(i)}: {exc}") from exc
+        raise DatasetError(f"dataset {src.dataset}: cannot decode {src.name_of(i)}: {exc}") from exc
 
 
 # --- the on-disk cache -----------------------------------------------------------------
@@ -446,7 +473,7 @@ def _checked(dec: Decoded, src: Source, path: Path, on_corrupt: str) -> Decoded:
     under fail, it silently trained without them."""
     missing = len(src) - len(dec.labels)
     if on_corrupt == "fail" and missing > 0:
-        raise DataError(
+        raise DatasetError(
             f"dataset {src.dataset}: {missing} image(s) of its {src.split} split could not be "
             f"decoded when {path} was built (on_corrupt: skip); fix or remove them and delete "
             "that file, or set dataset.on_corrupt: skip"

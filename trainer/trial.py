@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import torchvision
 from hpsearch.background import lower_priority
 from hpsearch.config import Hyperparams, StudyConfig
-from hpsearch.errors import DataError, DeviceError
+from hpsearch.errors import DataError, DatasetError, DeviceError
 from hpsearch.trainer import augment, data
 from hpsearch.trainer.losses import make_loss
 from hpsearch.trainer.models import build_model
@@ -259,7 +259,7 @@ def _loader_items(loader: torch.utils.data.DataLoader[Any]) -> Iterator[Any]:
         lines = str(exc).strip().splitlines()
         if len(lines) < 2 or "DataLoader worker" not in lines[0]:
             raise
-        raise DataError(lines[-1].split(": ", 1)[-1]) from None
+        raise type(exc)(lines[-1].split(": ", 1)[-1]) from None
 
 
 def train_batches(
@@ -706,6 +706,10 @@ def _train(
     sources = {s: data.get_source(config, s) for s in splits}
     train_src, val_src = sources["train"], sources["val"]
     assert train_src is not None and val_src is not None
+    if options.class_names is not None:  # the study's (its first worker recorded them)
+        changed = data.class_change(options.class_names, train_src.class_names)
+        if changed is not None:
+            raise DatasetError(f"dataset {config.dataset.name}: {changed}")
     run.class_names = list(train_src.class_names)
     run.num_classes = num_classes = len(train_src.class_names)
     fast = data.use_fast_path(config, [s for s in sources.values() if s is not None], size)
@@ -1294,6 +1298,9 @@ class EvalTransform:
     def __call__(self, image: Any) -> Tensor:
         from PIL import ImageOps
 
+        if getattr(image, "format", None) == "JPEG":  # decoded as the trial's were
+            with contextlib.suppress(Exception):  # a loaded image takes no draft: as it is
+                image.draft("RGB", (self.stored_px, self.stored_px))
         upright = ImageOps.exif_transpose(image) or image
         x = torch.from_numpy(data.decode_image(upright, self.stored_px)).permute(2, 0, 1)
         return augment.eval_batch(x.unsqueeze(0), self.eval_px)[0]

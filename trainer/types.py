@@ -3,7 +3,7 @@ exchange results stay light)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -148,6 +148,9 @@ class TrainOptions:
     # Called with checkpoint_path on the writer thread once a resume checkpoint is on disk
     # (the file then holds that save, not the previous one); exceptions are only warned of.
     on_checkpoint: Callable[[Path], None] | None = None
+    # The classes the study's trials trained on (in output order): a train split with
+    # others (one's own image folder changed) is a DatasetError, not a model of other shape.
+    class_names: Sequence[str] | None = None
 
 
 def best_model_path_for(checkpoint_path: Path) -> Path:

@@ -195,7 +195,8 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
                 "pruner.name=none",
                 "sampler.name=nsga2",
             ],
-            "objective.direction: 'maximize': one direction for 2 metrics; give one per metric",
+            "objective.direction: 'maximize': one direction for 2 metrics, and train_seconds "
+            "would maximize too; give one per metric",
         ),
         (
             ["objective.metric=[val_acc, train_seconds]", "objective.direction=[maximize]"],
@@ -772,3 +773,10 @@ def test_a_stored_config_with_a_negative_count_still_loads() -> None:
     assert config_from_yaml(text, "stored").sampler.options == {"n_startup_trials": -1}
     with pytest.raises(ConfigError, match="n_startup_trials: -1: must be >= 0"):
         load_config("tiny", ["sampler.options.n_startup_trials=-1"])
+
+
+def test_one_direction_for_several_metrics_that_all_go_that_way_is_taken() -> None:
+    """The rule refuses a direction some metric would go against, not one they all share."""
+    cfg = load_config("tiny", ["objective={metric: [val_loss, train_seconds], direction: minimize}",
+                               "pruner={name: none}", "sampler={name: nsga2}"])  # fmt: skip
+    assert cfg.objective.directions == ("minimize", "minimize")

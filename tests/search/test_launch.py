@@ -1437,6 +1437,34 @@ def test_a_relaunch_on_an_image_folder_whose_classes_changed_is_refused(
     add_class("aaa_tulip")  # sorted first: every class index shifts
     r = hpsearch([*args, "--trials", "2"], subprocess_env, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "3 classes (added aaa_tulip) where study 'tiny' trained on 2" in r.stdout, r.stdout
+    assert "3 classes (added aaa_tulip) where the study's trials trained on 2" in r.stdout, r.stdout
     assert "restarting" not in r.stdout
     assert len(hps.load_study("tiny", workdir=tmp_path / "w").trials) == 1
+
+
+def test_a_trials_own_data_error_fails_that_trial_and_the_search_goes_on(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A DataError of one trial's (its arch's pretrained weights missing offline) is no
+    dataset error: the trial fails and the worker goes on, where a DatasetError stops it
+    (review: one arch's missing weights ended a launch whose other trials trained)."""
+    (tmp_path / "oneoff.py").write_text(
+        "import os\n"
+        "from dummy_trainer import train as dummy\n"
+        "from hpsearch.errors import DataError\n"
+        "def train(config, params, report, options=None):\n"
+        f"    marker = {str(tmp_path / 'raised')!r}\n"
+        "    if not os.path.exists(marker):\n"
+        "        open(marker, 'w').close()\n"
+        "        raise DataError('model resnet34: pretrained weights not found, download failed')\n"
+        "    return dummy(config, params, report, options)\n"
+    )
+    env = {**subprocess_env,
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{subprocess_env.get('PYTHONPATH', '')}"}  # fmt: skip
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "3",
+                  "--workdir", str(tmp_path / "w"), "--train-fn", "oneoff:train",
+                  "--no-tracking", "--set", "budget.max_epochs=1", "--set", "pruner={name: none}"],
+                 env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    states = [t.state.name for t in hps.load_study("tiny", workdir=tmp_path / "w").trials]
+    assert states == ["FAIL", "COMPLETE", "COMPLETE", "COMPLETE"], (states, r.stdout)

@@ -323,3 +323,54 @@ def test_an_image_folders_classes_are_its_visible_folders_with_images(tmp_path: 
         shutil.rmtree(root / split / "rose")
     with pytest.raises(DataError, match=r"one class folder \(daisy\); a classifier needs at"):
         data.get_source(cfg, "train")
+
+
+def test_an_image_folder_without_val_names_what_is_missing(tmp_path: Path) -> None:
+    """`<root>/{train,val}/ not found` when only val/ was missing (QA)."""
+    root = tmp_path / "data"
+    _imagefolder(root, corrupt=False)
+    cfg = make_config({"name": "imagefolder", "root": str(root)})
+    import shutil
+
+    shutil.rmtree(root / "val")
+    with pytest.raises(DataError, match=rf"imagefolder: {root}/val/ not found; expected"):
+        data.get_source(cfg, "train")
+    shutil.rmtree(root / "train")
+    with pytest.raises(DataError, match=r"/\{train,val\}/ not found"):
+        data.get_source(cfg, "train")
+    (root / "train").mkdir()
+    (root / "val").mkdir()
+    with pytest.raises(DataError, match=rf"imagefolder: {root}/train/ has no class folders"):
+        data.get_source(cfg, "train")
+
+
+def test_a_trial_on_classes_other_than_the_studys_is_a_dataset_error(tmp_path: Path) -> None:
+    """A class added while a worker runs: its next trial trained a model of another shape
+    in the same study (review). The trainer checks the study's classes (TrainOptions)."""
+    from hpsearch.errors import DatasetError
+    from hpsearch.trainer import TrainOptions, train
+
+    root = tmp_path / "data"
+    _imagefolder(root, corrupt=False)
+    extra = root / "train" / "aaa"
+    extra.mkdir()
+    Image.fromarray(np.zeros((20, 20, 3), dtype=np.uint8)).save(extra / "0.png")
+    cfg = make_config(
+        {"name": "imagefolder", "root": str(root), "image_size": 16},
+        trainer={"evaluate_test": False}, budget={"max_epochs": 1},
+    )  # fmt: skip
+    opts = TrainOptions(device="cpu", workdir=tmp_path, class_names=["daisy", "rose"])
+    with pytest.raises(DatasetError, match=r"3 classes \(added aaa\) where the study's trials"):
+        train(cfg, {"batch_size": 4}, options=opts)
+
+
+def test_a_link_back_up_a_class_folder_is_walked_once(tmp_path: Path) -> None:
+    """`self -> .` listed each image 41 times (to the OS's link depth); two such links ran
+    on without end, at launch and in every trial (review)."""
+    root = tmp_path / "data"
+    _imagefolder(root, corrupt=False)
+    for name in ("self", "again"):
+        (root / "train" / "rose" / name).symlink_to(".")
+    cfg = make_config({"name": "imagefolder", "root": str(root)})
+    src = data.get_source(cfg, "train")
+    assert src is not None and len(src) == 6
