@@ -1378,23 +1378,28 @@ def test_a_launch_whose_work_folder_disk_is_full_says_so_in_one_line(
     assert hps.load_study("tiny", workdir=work).get_trials(deepcopy=False) == []
 
 
+def _add_class(root: Path, name: str) -> None:
+    """Three small random PNGs of class `name` in train/ and val/ of an image folder."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(len(name))
+    for split in ("train", "val"):
+        d = root / split / name
+        d.mkdir(parents=True)
+        for i in range(3):
+            arr = rng.integers(0, 255, (20, 30, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(d / f"{i}.png")
+
+
 def test_a_data_error_stops_the_workers_once_not_every_trial_and_restart(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
     """A corrupt image under on_corrupt: fail failed every trial: three in a row per worker,
     then three restarts of it: twelve failed trials on two workers for one file (QA). A
     worker stops at its first (exit 65) and is not restarted; the launch says why."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for c in ("daisy", "rose"):
-            d = tmp_path / "data" / split / c
-            d.mkdir(parents=True)
-            for i in range(3):
-                arr = rng.integers(0, 255, (20, 30, 3), dtype=np.uint8)
-                Image.fromarray(arr).save(d / f"{i}.png")
+    for c in ("daisy", "rose"):
+        _add_class(tmp_path / "data", c)
     (tmp_path / "data" / "train" / "rose" / "broken.jpg").write_bytes(b"not a jpeg")
     data = f"dataset={{name: imagefolder, root: {tmp_path / 'data'}, image_size: 16, on_corrupt: fail}}"
     r = hpsearch(["launch", "--study", "tiny", "--workers", "2", "--trials", "6",
@@ -1415,26 +1420,14 @@ def test_a_relaunch_on_an_image_folder_whose_classes_changed_is_refused(
     """A class added to the folder between launches: the retry's checkpoint did not load
     (a raw size mismatch), and 5- and 6-class values shared one study (QA). Each worker
     checks the classes against those the study's trials trained on, and stops (65)."""
-    import numpy as np
-    from PIL import Image
-
-    def add_class(name: str) -> None:
-        rng = np.random.default_rng(len(name))
-        for split in ("train", "val"):
-            d = tmp_path / "data" / split / name
-            d.mkdir(parents=True)
-            for i in range(3):
-                arr = rng.integers(0, 255, (20, 30, 3), dtype=np.uint8)
-                Image.fromarray(arr).save(d / f"{i}.png")
-
-    add_class("daisy")
-    add_class("rose")
+    _add_class(tmp_path / "data", "daisy")
+    _add_class(tmp_path / "data", "rose")
     data = f"dataset={{name: imagefolder, root: {tmp_path / 'data'}, image_size: 16}}"
     args = ["launch", "--study", "tiny", "--workers", "1", "--workdir", str(tmp_path / "w"),
             "--no-tracking", "--set", data, "--set", "budget.max_epochs=1"]  # fmt: skip
     r = hpsearch([*args, "--trials", "1"], subprocess_env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    add_class("aaa_tulip")  # sorted first: every class index shifts
+    _add_class(tmp_path / "data", "aaa_tulip")  # sorted first: every class index shifts
     r = hpsearch([*args, "--trials", "2"], subprocess_env, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "3 classes (added aaa_tulip) where the study's trials trained on 2" in r.stdout, r.stdout
