@@ -39,9 +39,9 @@ _T = TypeVar("_T")
 
 
 def _edge(fn: F) -> F:
-    """Turn library errors into click errors: one line, exit code 1 (DiskFullError: 74), no
-    traceback. A database error the library passed on as it came (a permission Optuna's
-    own calls lack) too."""
+    """Turn library errors into click errors: one line, exit code 1 (DiskFullError: 74; a
+    DatasetError: 65, which a launcher does not restart), no traceback. A database error the
+    library passed on as it came (a permission Optuna's own calls lack) too."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -51,6 +51,8 @@ def _edge(fn: F) -> F:
             err = click.ClickException(str(exc))
             if isinstance(exc, DiskFullError):
                 err.exit_code = EXIT_DISK_FULL  # the launcher restarts it once there is room
+            elif isinstance(exc, DatasetError):
+                err.exit_code = EXIT_DATA_ERROR  # the same data for each restart: none
             raise err from exc
         except OSError as exc:
             # A full disk or a folder it may not write, met outside the library's own checks
@@ -649,12 +651,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     if not train_fn:
         from hpsearch.runner import check_dataset
 
-        try:
-            check_dataset(cfg)
-        except DatasetError as exc:  # as a trial's (below): a restart would stop the same
-            err = click.ClickException(str(exc))
-            err.exit_code = EXIT_DATA_ERROR
-            raise err from exc
+        check_dataset(cfg)  # a DatasetError: exit 65, as a trial's (below)
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
     if uri and uri.startswith(("http://", "https://")) and not await_study_run:
         # A worker of its own (a launch's workers wait for the run it checked): a server
@@ -706,10 +703,6 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
     try:
         summary = run_worker(cfg, spec, opts, stop=stop, on_trial=show)
-    except DatasetError as exc:  # the same data for each restart: the launcher restarts not
-        err = click.ClickException(str(exc))
-        err.exit_code = EXIT_DATA_ERROR
-        raise err from exc
     finally:
         if shared is not None and shared.release() == "stopped":
             click.echo(f"MLflow server at {shared.url} stopped: this worker was its last user")

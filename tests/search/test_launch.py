@@ -1182,7 +1182,7 @@ def test_a_flowers_folder_without_its_labels_is_refused_before_any_worker(
     (base / "setid.mat").write_bytes(b"")
     r = hpsearch(["launch", "--study", "tiny", "--data-dir", str(tmp_path / "data"),
                   "--workdir", str(tmp_path / "w"), "--no-tracking"], subprocess_env)  # fmt: skip
-    assert r.returncode == 1 and "not found or incomplete" in r.stderr, r.stderr
+    assert r.returncode == 65 and "not found or incomplete" in r.stderr, r.stderr
     assert not (tmp_path / "w" / "logs").exists() or not any((tmp_path / "w" / "logs").iterdir())
 
 
