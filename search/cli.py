@@ -760,8 +760,9 @@ def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> Non
     else:
         click.echo("best: - (no completed trial yet)")
     for r in st.running:
-        click.echo(f"running: trial {r['number']} on {r['worker'] or '-'} ({r['host'] or '-'}), "
-                   f"last epoch {_or_dash(r['last_epoch'])}")  # fmt: skip
+        pid = f", pid {r['pid']}" if r["pid"] is not None else ""
+        click.echo(f"running: trial {r['number']} on {r['worker'] or '-'} ({r['host'] or '-'}"
+                   f"{pid}), last epoch {_or_dash(r['last_epoch'])}")  # fmt: skip
     if st.startup_s_median is not None:
         click.echo(f"per-trial start-up (ask to first step): median {st.startup_s_median:.2f} s")
 

@@ -278,6 +278,8 @@ def _status(study: optuna.Study, spec: StorageSpec) -> StudyStatus:
             "number": t.number,
             "worker": t.user_attrs.get("worker"),
             "host": t.user_attrs.get("host"),
+            # Two launches on one host both name their workers host:w0.
+            "pid": t.user_attrs.get("pid"),
             "last_epoch": _last_epoch(t),
         }
         for t in trials

@@ -389,6 +389,31 @@ def test_status_median_start_up_of_an_even_count(tmp_path: Path) -> None:
     assert hps.study_status("s", workdir=tmp_path).startup_s_median == 5.0  # was 9.0
 
 
+def test_status_tells_two_launches_workers_of_one_name_apart_by_pid(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Two launches on one host both name their first worker host:w0; status showed two
+    running trials "on host:w0 (host)" with nothing to tell which process is which."""
+    study = _journal_study(tmp_path, "s", direction="maximize")
+    host = socket.gethostname()
+    for pid in (4242, 4343):
+        trial = study.ask()
+        for key, value in {"worker": f"{host}:w0", "host": host, "pid": pid}.items():
+            trial.set_user_attr(key, value)
+        trial.report(0.5, 1)
+    study.ask()  # claimed, not yet named: nothing to show but its number
+    out = hpsearch(["status", "--study", "s", "--workdir", str(tmp_path)], subprocess_env)
+    assert out.returncode == 0, out.stderr
+    running = [ln for ln in out.stdout.splitlines() if ln.startswith("running:")]
+    assert running == [
+        f"running: trial 0 on {host}:w0 ({host}, pid 4242), last epoch 1",
+        f"running: trial 1 on {host}:w0 ({host}, pid 4343), last epoch 1",
+        "running: trial 2 on - (-), last epoch -",
+    ]
+    rows = hps.study_status("s", workdir=tmp_path).running
+    assert [r["pid"] for r in rows] == [4242, 4343, None]
+
+
 def test_train_trial_n_takes_an_enqueued_trials_params_and_refuses_none(tmp_path: Path) -> None:
     """`hpsearch train --trial N` on a waiting trial (enqueued: its params are in Optuna's
     system attrs) trained with the study's defaults under trial N's name."""
