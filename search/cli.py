@@ -930,6 +930,7 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
 @cli.command()
 @_study_options
 @_storage_option
+@_tracking_options
 @click.option(
     "--params",
     "params_json",
@@ -949,9 +950,13 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
 )
 @_edge
 def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
-          workdir: Path, device: str, storage: str | None, params_json: str | None,
-          trial_number: int | None, seed: int | None) -> None:  # fmt: skip
+          workdir: Path, device: str, storage: str | None, tracking_uri: str | None,
+          no_tracking: bool, params_json: str | None, trial_number: int | None,
+          seed: int | None) -> None:  # fmt: skip
     """One training run with fixed params, no search: for debugging and reproducing a trial.
+    Its MLflow run (in the study's experiment, tagged hpsearch.role=train) sits beside the
+    trials' for comparison; without --tracking-uri, on the work folder's embedded server
+    (started for the run when none serves it).
 
     \b
     Examples:
@@ -959,26 +964,50 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
       hpsearch train --study flowers102 --trial 7 --storage postgresql://postgres@127.0.0.1/test
     """
     from hpsearch.runner import ensure_workdir, run_fixed, trial_config
+    from hpsearch.tracking.server import (
+        LocalServer,
+        SharedServer,
+        join_server,
+        redact_uri,
+        resolve_tracking_uri,
+        start_local_server,
+        store_lock,
+    )
 
+    _check_tracking(tracking_uri, no_tracking)
+    uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
     cfg = _load(study, overrides, data_dir, download)
     ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
+    _check_device(device)
     if trial_number is not None and params_json is None:  # run_fixed refuses both
         cfg = trial_config(cfg, storage, workdir, overrides, download, trial_number)
-    result = run_fixed(
-        cfg, params_json, trial_number, storage, workdir, device, seed,
-        on_epoch=lambda r: click.echo(
-            f"epoch {r.epoch}: train_loss {r.train_loss:.4f} train_acc {r.train_acc:.4f} "
-            + (f"val_acc {r.val_acc:.4f} " if r.val_acc is not None else "")
-            + f"lr {r.lr:.4g} {r.images_per_second:.0f} img/s"
-        ),
-    )  # fmt: skip
-    click.echo(
-        f"{result.stop_reason}: best_val_acc {result.best_val_acc} test_acc {result.test_acc} "
-        f"epochs {result.epochs_run} best model {result.best_model_path}"
-        # The resume checkpoint is deleted once the run finished: named only while kept.
-        + (f" checkpoint {result.checkpoint_path}" if result.checkpoint_path else "")
-        + (f" ({result.message})" if result.message else "")
-    )
+    server: LocalServer | SharedServer | None = None
+    if not no_tracking and uri is None:
+        with store_lock(workdir):  # one writer per SQLite store: a running one is joined
+            server = join_server(workdir) or start_local_server(workdir)
+        uri = server.url
+    shown = redact_uri(uri) if uri is not None else ""
+    try:
+        result = run_fixed(
+            cfg, params_json, trial_number, storage, workdir, device, seed,
+            on_epoch=lambda r: click.echo(
+                f"epoch {r.epoch}: train_loss {r.train_loss:.4f} train_acc {r.train_acc:.4f} "
+                + (f"val_acc {r.val_acc:.4f} " if r.val_acc is not None else "")
+                + f"lr {r.lr:.4g} {r.images_per_second:.0f} img/s"
+            ),
+            tracking_uri=uri,
+            on_run=lambda run_id: click.echo(f"MLflow run {run_id} at {shown}"),
+        )  # fmt: skip
+        click.echo(
+            f"{result.stop_reason}: best_val_acc {result.best_val_acc} test_acc {result.test_acc} "
+            f"epochs {result.epochs_run} best model {result.best_model_path}"
+            # The resume checkpoint is deleted once the run finished: named only while kept.
+            + (f" checkpoint {result.checkpoint_path}" if result.checkpoint_path else "")
+            + (f" ({result.message})" if result.message else "")
+        )
+    finally:
+        if server is not None and server.release() == "stopped":
+            click.echo(f"MLflow server at {server.url} stopped (`hpsearch ui` shows the run)")
 
 
 @cli.command()
@@ -1017,7 +1046,16 @@ def ui(workdir: Path, host: str, port: int) -> None:
         server = join_server(workdir) or serve_ui(workdir, host, port)
     if server.shared():  # a search's: the last of its users stops it
         server.release()
-        click.echo(f"MLflow UI: {server.url} (already served for a running search or worker)")
+        from urllib.parse import urlsplit
+
+        asked = click.get_current_context().get_parameter_source("port")
+        moved = (
+            asked is not click.core.ParameterSource.DEFAULT and urlsplit(server.url).port != port
+        )
+        click.echo(
+            f"MLflow UI: {server.url} (already served for a running search or worker"
+            + (f"; --port {port} not used: one server per work folder's store)" if moved else ")")
+        )
         return
     click.echo(f"MLflow UI: {server.url} (Ctrl-C to stop)")
     stop = threading.Event()

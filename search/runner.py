@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,12 +148,25 @@ def run_fixed(
     cfg: StudyConfig, params_json: str | None, trial_number: int | None, storage: str | None,
     workdir: Path, device: str, seed: int | None,
     on_epoch: Callable[[Any], None] | None = None,
+    tracking_uri: str | None = None,
+    on_run: Callable[[str], None] | None = None,
 ) -> Any:  # fmt: skip
+    """Train once with fixed params; the TrainResult. With `tracking_uri`, an MLflow run
+    of its own in the study's experiment (`runs.FixedRun`; `on_run` gets its id once made)
+    takes its epochs, plots and best model: each run's, where the files below keep the
+    last one's."""
     from hpsearch.trainer import TrainOptions, train
     from hpsearch.trainer.trial import best_model_path_for
 
     params = fixed_params(cfg, params_json, trial_number, storage, workdir)
     label = f"trial-{trial_number}" if trial_number is not None else "fixed"
+    run = None
+    if tracking_uri is not None:
+        from hpsearch.runs import FixedRun
+
+        run = FixedRun.start(cfg, tracking_uri, params, label, trial_number, device)
+        if on_run is not None:
+            on_run(run.run_id)
     ckpt = workdir / "train" / cfg.name / f"{label}.pt"
     # A fresh run each time (resuming is the search's business), but an earlier run's
     # checkpoint and best model are only set aside: when this run fails (missing data, a
@@ -165,12 +179,21 @@ def run_fixed(
         if f.exists():
             f.replace(a)
             earlier = True
+
+    def epoch_done(record: Any) -> None:
+        if run is not None:
+            run.log_epoch(record)
+        if on_epoch is not None:
+            on_epoch(record)
+
     options = TrainOptions(
-        device=device, workdir=workdir, checkpoint_path=ckpt, seed=seed, on_epoch=on_epoch
+        device=device, workdir=workdir, checkpoint_path=ckpt, seed=seed, on_epoch=epoch_done
     )
     try:
         result = train(cfg, params, lambda epoch, value: False, options)
     except BaseException as exc:
+        if run is not None:
+            run.fail(exc, traceback.format_exc())
         if earlier:
             for f, a in zip(files, aside, strict=True):
                 if f.exists():
@@ -188,6 +211,8 @@ def run_fixed(
         for f, a in zip(files, aside, strict=True):
             if a.exists() and not f.exists():
                 a.replace(f)
+    if run is not None:
+        run.finish(result)
     for a in aside:
         a.unlink(missing_ok=True)
     return result

@@ -471,6 +471,126 @@ class TrialRun:
         self.session.finish_later(finish)
 
 
+class FixedRun:
+    """`hpsearch train`'s MLflow run: in the study's experiment, at its top level (no
+    search's child), named after the run's files (`fixed`, `trial-N`) and tagged
+    `hpsearch.role=train` (`hpsearch.reproduces_trial=N` for `--trial N`): its params as a
+    trial's, its epochs (one request each), GPU samples, plots and best model. The
+    tracker's sender never raises: a server that went away leaves the run incomplete,
+    never the training stopped. `start` raises TrackingError when no run could be made."""
+
+    def __init__(self, tracker: Any, sampler: Any, title: str) -> None:
+        self.tracker = tracker
+        self.sampler = sampler
+        self.title = title
+        self.run_id: str = tracker.run_id
+
+    @classmethod
+    def start(
+        cls, cfg: StudyConfig, uri: str, params: Mapping[str, Any], label: str,
+        trial_number: int | None, device: str,
+    ) -> FixedRun:  # fmt: skip
+        from hpsearch.tracking.gpu import sampler_for_tracker, trial_gpu_index
+        from hpsearch.tracking.mlflow_logger import ROLE_TAG, TrialTracker, ensure_experiment
+
+        client = _client(uri)
+        experiment_id = ensure_experiment(client, cfg.name)  # TrackingError: one line
+        tags = {ROLE_TAG: "train"}
+        if trial_number is not None:
+            tags["hpsearch.reproduces_trial"] = str(trial_number)
+        cuda = False
+        if device != "cpu":
+            import torch
+
+            cuda = torch.cuda.is_available()
+        tracker = TrialTracker(
+            client, experiment_id, "", trial_number=None, run_name=label,
+            study_name=cfg.name, params=run_params(cfg, params), worker="train",
+            gpu=None if cuda else "none", tags=tags,
+        )  # fmt: skip
+        if tracker.run_id is None:
+            raise TrackingError(f"MLflow at {redact_uri(uri)} made no run for {label}")
+        t = cfg.tracking
+        sampler: Any = sampler_for_tracker(
+            tracker,
+            interval_s=t.gpu_interval_s,
+            window_s=t.input_bound_window_s,
+            threshold_pct=t.input_bound_threshold,
+            stop_when_input_bound=False,  # one run the user asked for: never cut short
+            trial_device=trial_gpu_index(device, cuda),
+            paused=False,
+        )
+        try:
+            sampler.start()
+        except Exception as exc:  # telemetry never fails a run
+            logger.warning("GPU sampler failed to start: %s", exc)
+            sampler = None
+        return cls(tracker, sampler, f"train {label}")
+
+    def log_epoch(self, record: Any) -> None:
+        self.tracker.log_epoch(int(record.epoch), epoch_metrics(record))
+
+    def _gpu_summary(self) -> dict[str, float]:
+        if self.sampler is None:
+            return {}
+        try:
+            return dict(self.sampler.stop())
+        except Exception as exc:  # telemetry never fails a run
+            logger.warning("GPU sampler stop failed: %s", exc)
+            return {}
+
+    def finish(self, result: Any) -> bool:
+        """End the run as its training ended, with its plots and best model; True when
+        MLflow took all of it."""
+        summary = self._gpu_summary()
+        if result.best_val_acc is not None:
+            summary["best_val_acc"] = float(result.best_val_acc)
+        if result.test_acc is not None:
+            summary["test_acc"] = float(result.test_acc)
+        summary["train_seconds"] = float(result.train_seconds)
+        summary["setup_seconds"] = float(result.setup_seconds)
+        outcome = outcome_for(str(result.stop_reason))
+        tmp = Path(tempfile.mkdtemp(prefix="hpsearch-artifacts-"))
+        try:
+            artifacts: list[Path] = []
+            if outcome in TRAINED_TO_END:
+                try:
+                    artifacts += self._plots(result, tmp)
+                except Exception as exc:  # a plot must not lose the run's metrics
+                    logger.warning("%s: artifacts failed: %s", self.title, scrub(str(exc)))
+            best = result.best_model_path
+            if best is not None and Path(best).is_file():
+                folder = tmp / CHECKPOINT_ARTIFACT
+                folder.mkdir()
+                (folder / "best.pt").symlink_to(Path(best).resolve())
+                artifacts.append(folder)
+            reason = str(result.message) or None
+            return bool(
+                self.tracker.finish(
+                    outcome, result.pruned_at_epoch, summary, artifacts, None, reason=reason
+                )
+            )
+        finally:
+            _rmtree(tmp)
+
+    def _plots(self, result: Any, tmp: Path) -> list[Path]:
+        from hpsearch.tracking.artifacts import trial_artifacts
+
+        history = [dict(vars(r)) for r in result.history]
+        confusion = [list(row) for row in result.confusion or []]
+        names = list(result.class_names) or [str(i) for i in range(len(confusion))]
+        return trial_artifacts(history, confusion, names, self.title, tmp)
+
+    def fail(self, exc: BaseException, tb: str | None) -> None:
+        """End the run FAILED (KILLED for a Ctrl-C), with the error and its traceback."""
+        summary = self._gpu_summary()
+        interrupted = not isinstance(exc, Exception)
+        outcome = "interrupted" if interrupted else "failed"
+        reason = "interrupted" if interrupted else f"{type(exc).__name__}: {exc}"
+        self.tracker.finish(outcome, None, summary, [], None if interrupted else tb,
+                            reason=reason, timeout_s=5.0 if interrupted else None)  # fmt: skip
+
+
 SNAPSHOT_PREFIX = ".upload-"
 FETCH_PREFIX = ".fetch-"  # a resume checkpoint being downloaded (fetch_checkpoint)
 OWNER_FILE = ".owner"  # flock-ed by the process that made the snapshot, while it lives
@@ -783,7 +903,7 @@ class TrackingSession:
         `earlier_run`: a retry's failed try's run; a retry's run gets the epochs before
         its first from its resume checkpoint `ckpt`, dated as that run logged them."""
         from hpsearch.tracking.gpu import sampler_for_tracker
-        from hpsearch.tracking.mlflow_logger import TrialTracker, trial_params
+        from hpsearch.tracking.mlflow_logger import TrialTracker
 
         self.wait_ready()
         if offline:
@@ -795,26 +915,6 @@ class TrackingSession:
             return None  # refused: no try would do better
         elif not connected:
             raise TrackingUnreachable(f"MLflow at {redact_uri(self.uri)} did not answer")
-        hp = self.cfg.resolve_params(params)
-        eff_lr, eff_batch = derived_values(self.cfg, hp)
-        trained, evaluated = self.cfg.trial_sizes(hp)  # px
-        sampled = dict(params)
-        derived_names = ("arch", "image_size")  # logged below with their resolved values
-        # The trainer's defaults, but not a searched parameter this trial did not sample
-        # (its `when` did not hold: focal_gamma under loss ce), nor one its choices leave
-        # unread (label_smoothing under loss ce): it took no part, and a default logged
-        # under its name mixed in with sampled values in the UI's plots.
-        unused = unused_hyperparams(hp)
-        fixed = {
-            k: v
-            for k, v in hp.model_dump().items()
-            if k not in sampled
-            and k not in derived_names
-            and k not in self.cfg.search_space
-            and k not in unused
-            and v is not None
-        }
-
         gpu = self._gpu_label()
 
         def make() -> TrialTracker:
@@ -824,20 +924,7 @@ class TrackingSession:
                 self.parent_run_id or "",
                 trial_number=trial.number,
                 study_name=self.cfg.name,
-                params=trial_params(
-                    sampled,
-                    effective_lr=eff_lr,
-                    effective_batch_size=eff_batch,
-                    dataset=self.cfg.dataset.name,
-                    arch=hp.arch,
-                    image_size=trained,
-                    # how its val_acc and test_acc were taken (trainer.eval_*)
-                    extra={
-                        **fixed,
-                        "eval_image_size": evaluated,
-                        "eval_flip": self.cfg.trainer.eval_flip,
-                    },
-                ),
+                params=run_params(self.cfg, params),
                 worker=self.worker_id,
                 host=socket.gethostname(),
                 gpu=gpu,
@@ -1118,6 +1205,42 @@ class _HeldBest(NamedTuple):
     run_id: str
     weights: Path
     value: float
+
+
+def run_params(cfg: StudyConfig, params: Mapping[str, Any]) -> dict[str, str]:
+    """A run's MLflow params: `params` (a trial's sampled, a train run's given), the derived
+    values (effective lr and batch size, arch, image sizes in px) and the trainer's defaults
+    the run read."""
+    from hpsearch.tracking.mlflow_logger import trial_params
+
+    hp = cfg.resolve_params(params)
+    eff_lr, eff_batch = derived_values(cfg, hp)
+    trained, evaluated = cfg.trial_sizes(hp)  # px
+    derived_names = ("arch", "image_size")  # logged below with their resolved values
+    # The trainer's defaults, but not a searched parameter this trial did not sample
+    # (its `when` did not hold: focal_gamma under loss ce), nor one its choices leave
+    # unread (label_smoothing under loss ce): it took no part, and a default logged
+    # under its name mixed in with sampled values in the UI's plots.
+    unused = unused_hyperparams(hp)
+    fixed = {
+        k: v
+        for k, v in hp.model_dump().items()
+        if k not in params
+        and k not in derived_names
+        and k not in cfg.search_space
+        and k not in unused
+        and v is not None
+    }
+    return trial_params(
+        dict(params),
+        effective_lr=eff_lr,
+        effective_batch_size=eff_batch,
+        dataset=cfg.dataset.name,
+        arch=hp.arch,
+        image_size=trained,
+        # how its val_acc and test_acc were taken (trainer.eval_*)
+        extra={**fixed, "eval_image_size": evaluated, "eval_flip": cfg.trainer.eval_flip},
+    )
 
 
 def trial_tags(trial: optuna.Trial, root: int) -> dict[str, str] | None:

@@ -117,14 +117,16 @@ def trial_artifacts(
     history: Sequence[Mapping[str, Any]],
     confusion: Sequence[Sequence[float]],
     class_names: Sequence[str],
-    number: int,
+    number: int | str,
     folder: Path,
 ) -> list[Path]:
     """A finished trial's files in `folder`: the learning curve (when epochs were logged),
-    and the confusion matrix with per-class accuracy (when there is one)."""
+    and the confusion matrix with per-class accuracy (when there is one). `number`: the
+    trial's, or a run's title (`hpsearch train`'s)."""
     out: list[Path] = []
+    title = f"trial {number}" if isinstance(number, int) else number
     if history:
-        out.append(learning_curve_png(history, folder / "learning_curve.png", f"trial {number}"))
+        out.append(learning_curve_png(history, folder / "learning_curve.png", title))
     if confusion:
         out.append(confusion_matrix_png(confusion, class_names, folder / "confusion_matrix.png"))
         out.append(

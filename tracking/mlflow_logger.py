@@ -542,10 +542,11 @@ class TrialTracker:
         experiment_id: str,
         parent_run_id: str,
         *,
-        trial_number: int,
+        trial_number: int | None,
         study_name: str,
         params: Mapping[str, Any],
         worker: str = "",
+        run_name: str | None = None,
         host: str | None = None,
         gpu: str | None = None,
         tags: Mapping[str, str] | None = None,
@@ -563,6 +564,8 @@ class TrialTracker:
     ) -> None:
         """``spool_dir``: where `finish` keeps what MLflow, still down ``flush_timeout_s``
         after the trial, did not take (`replay_spool` sends it); None drops it.
+        ``trial_number`` None: a run of no trial (`hpsearch train`'s), named ``run_name``
+        (a trial's is trial-N) and kept by no spool folder.
         ``find_first``: look for the run by ``run_key`` before creating one (an earlier
         try's create may have landed). ``quiet``: a create that gives up is logged at debug
         level (its outage was reported already)."""
@@ -570,6 +573,8 @@ class TrialTracker:
         self.client = client
         self.spool_dir = spool_dir
         self.trial_number = trial_number
+        self._run_name = run_name or f"trial-{trial_number}"
+        self._label = f"trial {trial_number}" if trial_number is not None else f"run {run_name}"
         self.max_buffer = max(1, max_buffer)
         self.flush_timeout_s = flush_timeout_s
         self.initial_backoff_s = initial_backoff_s
@@ -607,18 +612,19 @@ class TrialTracker:
 
         run_tags = {
             ROLE_TAG: "trial",
-            "optuna.trial_number": str(trial_number),
             STUDY_TAG: study_name,
             "hpsearch.worker": worker,
             "hpsearch.host": host if host is not None else socket.gethostname(),
             "hpsearch.gpu": gpu if gpu is not None else _default_gpu_label(),
         }
+        if trial_number is not None:
+            run_tags["optuna.trial_number"] = str(trial_number)
         run_tags.update({k: _safe_tag_value(v) for k, v in (tags or {}).items()})
         if parent_run_id:  # offline: found when the run is made (`replay_spool`)
             run_tags[PARENT_TAG] = parent_run_id
         if run_key:
             run_tags[RUN_KEY_TAG] = run_key
-        if offline and spool_dir is not None:
+        if offline and spool_dir is not None and trial_number is not None:
             self._offline = {
                 "experiment": study_name,
                 "tags": run_tags,
@@ -776,7 +782,7 @@ class TrialTracker:
                 with self._cond:
                     leftover, self._queue = list(self._queue), deque()
                 if not self._spool(leftover, status, artifacts, traceback, end_ms):
-                    logger.warning("MLflow: trial %d has no run", self.trial_number)
+                    logger.warning("MLflow: %s has no run", self._label)
                 return False
             wait = self.flush_timeout_s if timeout_s is None else timeout_s
             delivered, leftover = self._join(wait, keep=self.spool_dir is not None)
@@ -807,10 +813,9 @@ class TrialTracker:
                 self._delete_twins(run_id, self._run_key)
             if self.incomplete:
                 logger.warning(
-                    "MLflow: run %s (trial %d) is incomplete: %d batches / %d metrics not "
-                    "delivered",
+                    "MLflow: run %s (%s) is incomplete: %d batches / %d metrics not delivered",
                     run_id,
-                    self.trial_number,
+                    self._label,
                     self.stats.batches_dropped,
                     self.stats.metrics_dropped,
                 )
@@ -879,7 +884,7 @@ class TrialTracker:
                     experiment_id,
                     start_time=start_time_ms,
                     tags=tags,
-                    run_name=f"trial-{self.trial_number}",
+                    run_name=self._run_name,
                 )
                 return str(run.info.run_id)
             except Exception as exc:  # telemetry: a dead server must not stop the trial
@@ -893,8 +898,8 @@ class TrialTracker:
                     level = logging.DEBUG if self.unreachable and self._quiet else logging.WARNING
                     logger.log(
                         level,
-                        "MLflow: could not create the run of trial %d%s: %s",
-                        self.trial_number,
+                        "MLflow: could not create the run of %s%s: %s",
+                        self._label,
                         " yet" if self.unreachable else ", tracking disabled for it",
                         _short(exc),
                     )
@@ -904,6 +909,8 @@ class TrialTracker:
     def _delete_twins(self, run_id: str, key: str) -> None:
         """Delete an empty twin of this run, made where a create was sent twice (MLflow's
         client retries a POST whose reply was lost): one search per run, at its end."""
+        if self.trial_number is None:  # keys are a trial's
+            return
         try:
             twins = runs_by_key(self.client, self._experiment_id, key, self.trial_number)
             keep_one_run(self.client, twins, run_id)
@@ -912,7 +919,7 @@ class TrialTracker:
 
     def _made_after_all(self, experiment_id: str, run_key: str | None) -> str | None:
         """The run a create that failed made after all, found by its key; else None."""
-        if not run_key:
+        if not run_key or self.trial_number is None:
             return None
         try:
             return claim_run_by_key(self.client, experiment_id, run_key, self.trial_number)
@@ -944,9 +951,9 @@ class TrialTracker:
                 self._warned_overflow = True
                 logger.warning(
                     "MLflow: buffer of %d batches full (server unreachable?), dropping the "
-                    "oldest epochs of trial %d",
+                    "oldest epochs of %s",
                     self.max_buffer,
-                    self.trial_number,
+                    self._label,
                 )
         self._cond.notify_all()
 
@@ -988,17 +995,17 @@ class TrialTracker:
                 self.stats.failed_requests += 1
                 if is_permanent_error(exc):
                     logger.warning(
-                        "MLflow: a %s batch of trial %d was rejected, dropped: %s",
+                        "MLflow: a %s batch of %s was rejected, dropped: %s",
                         batch.kind,
-                        self.trial_number,
+                        self._label,
                         _short(exc),
                     )
                     return False
                 if self._outage_since is None:
                     self._outage_since = time.monotonic()
                     logger.warning(
-                        "MLflow: server unreachable, buffering trial %d's metrics and retrying: %s",
-                        self.trial_number,
+                        "MLflow: server unreachable, buffering %s's metrics and retrying: %s",
+                        self._label,
                         _short(exc),
                     )
                 if delays is None:
@@ -1007,9 +1014,9 @@ class TrialTracker:
                 continue
             if self._outage_since is not None:
                 logger.warning(
-                    "MLflow: server reachable again after %.1f s (trial %d)",
+                    "MLflow: server reachable again after %.1f s (%s)",
                     time.monotonic() - self._outage_since,
-                    self.trial_number,
+                    self._label,
                 )
                 self._outage_since = None
             self.stats.batches_delivered += 1
@@ -1096,14 +1103,14 @@ class TrialTracker:
             )  # fmt: skip
         except (OSError, ValueError) as exc:
             shutil.rmtree(_artifacts_dir(self.spool_dir, name), ignore_errors=True)
-            logger.warning("MLflow: cannot keep trial %d's metrics: %s", self.trial_number, exc)
+            logger.warning("MLflow: cannot keep %s's metrics: %s", self._label, exc)
             for batch in batches:
                 self._count_dropped(batch)
             return False
         logger.warning(
-            "MLflow: server still down; trial %d's %d undelivered batch(es) kept in %s, sent "
+            "MLflow: server still down; %s's %d undelivered batch(es) kept in %s, sent "
             "when it answers",
-            self.trial_number,
+            self._label,
             len(batches),
             path,
         )

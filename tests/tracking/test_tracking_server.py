@@ -625,3 +625,30 @@ def test_a_best_model_in_the_embedded_store_is_read_from_disk_once_its_server_st
     })  # fmt: skip
     found = download_best_model(trial, None, tmp_path, tmp_path / "unused")
     assert found.read_bytes() == b"weights" and not (tmp_path / "unused").exists()
+
+
+@pytest.mark.slow
+def test_ui_on_a_folder_a_search_serves_says_its_port_was_not_used(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """`hpsearch ui --port 5999` on a work folder a launch serves joins that server (one
+    writer per SQLite store): it printed the other URL without a word about the port."""
+    from cli_util import hpsearch
+
+    server = start_local_server(tmp_path)  # this process: the "search" using it
+    try:
+        taken = int(server.url.rsplit(":", 1)[1])
+        other = taken + 1 if taken < 65535 else taken - 1
+        out = hpsearch(["ui", "--workdir", str(tmp_path), "--port", str(other)], subprocess_env)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == (
+            f"MLflow UI: {server.url} (already served for a running search or worker; "
+            f"--port {other} not used: one server per work folder's store)"
+        )
+        out = hpsearch(["ui", "--workdir", str(tmp_path)], subprocess_env)  # the default port
+        assert out.stdout.strip() == (
+            f"MLflow UI: {server.url} (already served for a running search or worker)"
+        ), out.stderr
+        assert server.is_running()  # left to its user
+    finally:
+        server.stop()

@@ -1,0 +1,119 @@
+"""`hpsearch train`'s MLflow run (hpsearch.runs.FixedRun): beside the study's trials in its
+experiment, with a trial run's params, epochs, plots and best model. Real Flowers-102, real
+MLflow servers (the work folder's embedded one, and the session's)."""
+
+from __future__ import annotations
+
+import types
+import uuid
+from pathlib import Path
+
+import pytest
+from cli_util import hpsearch
+from hpsearch.tracking.server import LocalServer, running_server_url, start_local_server
+from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_train_run_is_an_mlflow_run_beside_the_trials_each_time_it_runs(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """`hpsearch train` logged nothing to MLflow and its next run overwrote its best model:
+    a run reproduced by hand could not be compared with the trial it reproduced. Now each
+    run is a run of the study's experiment, on the work folder's embedded server (started
+    and stopped for it when none runs), its best model kept there."""
+    work = tmp_path / "w"
+    name = f"train-{uuid.uuid4().hex[:8]}"
+    args = ["train", "--study", "tiny", "--set", f"name={name}", "--workdir", str(work),
+            "--device", "cpu"]  # fmt: skip
+    runs = []
+    for lr, epochs in ((0.05, 2), (0.02, 1)):
+        params = f'{{"lr": {lr}, "batch_size": 64}}'
+        out = hpsearch([*args, "--set", f"budget.max_epochs={epochs}", "--params", params],
+                       subprocess_env)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        made = [ln for ln in out.stdout.splitlines() if ln.startswith("MLflow run ")]
+        assert len(made) == 1, out.stdout
+        runs.append(made[0].split()[2])
+        assert running_server_url(work) is None  # stopped: it was this run's alone
+    server = start_local_server(work)  # as `hpsearch ui` shows them
+    try:
+        _check_train_runs(MlflowClient(tracking_uri=server.url), name, runs)
+    finally:
+        server.stop()
+
+    out = hpsearch([*args, "--no-tracking", "--tracking-uri", "http://127.0.0.1:1"],
+                   subprocess_env)  # fmt: skip
+    assert out.returncode == 1
+    assert out.stderr.strip() == "Error: --no-tracking and --tracking-uri: give one of them"
+
+
+def _check_train_runs(client: MlflowClient, name: str, runs: list[str]) -> None:
+    experiment = client.get_experiment_by_name(name)
+    assert experiment is not None
+    found = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time"])
+    assert [r.info.run_id for r in found] == runs
+    for run, lr, epochs in zip(found, ("0.05", "0.02"), ([1, 2], [1]), strict=True):
+        assert run.info.status == "FINISHED"
+        assert run.info.run_name == "fixed"
+        tags = run.data.tags
+        assert tags["hpsearch.role"] == "train" and tags["hpsearch.gpu"] == "none"
+        assert "mlflow.parentRunId" not in tags and "optuna.trial_number" not in tags
+        params = run.data.params
+        assert (params["lr"], params["batch_size"], params["arch"]) == (lr, "64", "resnet18")
+        assert params["image_size"] == "32" and "effective_lr" in params
+        assert "focal_gamma" not in params  # unread under the default loss, as in a trial's
+        history = client.get_metric_history(run.info.run_id, "val_acc")
+        assert [m.step for m in history] == epochs
+        assert run.data.metrics["best_val_acc"] == max(m.value for m in history)
+        files = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"checkpoint", "learning_curve.png", "confusion_matrix.png"} <= files
+        (best,) = client.list_artifacts(run.info.run_id, "checkpoint")
+        assert best.path == "checkpoint/best.pt" and (best.file_size or 0) > 1_000_000
+
+
+def test_a_train_run_that_fails_is_a_failed_run_with_its_error(
+    tmp_path: Path, mlflow_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that fails ends FAILED with its one-line reason and traceback; one whose server
+    does not answer is refused in one line before any training."""
+    from hpsearch import trainer
+    from hpsearch.config import load_config
+    from hpsearch.errors import HpsearchError, TrackingError
+    from hpsearch.runner import run_fixed
+
+    name = f"train-{uuid.uuid4().hex[:8]}"
+    cfg = load_config("tiny", [f"name={name}"])
+    epochs = []
+
+    def fails_after_an_epoch(cfg: object, params: object, report: object, options: object) -> None:
+        record = types.SimpleNamespace(
+            epoch=1, train_loss=2.5, train_acc=0.1, val_acc=0.2, val_loss=2.4, lr=0.05,
+            epoch_seconds=1.0, images_per_second=100.0,
+        )  # fmt: skip
+        options.on_epoch(record)  # type: ignore[attr-defined]
+        epochs.append(1)
+        raise RuntimeError("test split: out of memory")
+
+    monkeypatch.setattr(trainer, "train", fails_after_an_epoch)
+    made: list[str] = []
+    with pytest.raises(HpsearchError, match=r"training failed: RuntimeError: .* out of memory"):
+        run_fixed(cfg, '{"lr": 0.05}', None, None, tmp_path, "cpu", None,
+                  tracking_uri=mlflow_server.url, on_run=made.append)  # fmt: skip
+    assert epochs == [1]
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    run = client.get_run(made[0])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["hpsearch.reason"] == "RuntimeError: test split: out of memory"
+    assert [m.value for m in client.get_metric_history(made[0], "val_acc")] == [0.2]
+    assert "traceback.txt" in {a.path for a in client.list_artifacts(made[0])}
+
+    def never_called(*args: object) -> None:
+        raise AssertionError("trained without a run")
+
+    monkeypatch.setattr(trainer, "train", never_called)
+    with pytest.raises(TrackingError, match=r"^MLflow: cannot get or create experiment"):
+        run_fixed(cfg, '{"lr": 0.05}', None, None, tmp_path, "cpu", None,
+                  tracking_uri="http://127.0.0.1:9")  # fmt: skip
+    assert not (tmp_path / "train").exists()
