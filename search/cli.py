@@ -963,7 +963,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
       hpsearch train --study tiny --params '{"lr": 0.05, "batch_size": 32}'
       hpsearch train --study flowers102 --trial 7 --storage postgresql://postgres@127.0.0.1/test
     """
-    from hpsearch.runner import ensure_workdir, run_fixed, trial_config
+    from hpsearch.runner import ensure_workdir, fixed_params, run_fixed, trial_config
     from hpsearch.tracking.server import (
         LocalServer,
         SharedServer,
@@ -981,6 +981,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     _check_device(device)
     if trial_number is not None and params_json is None:  # run_fixed refuses both
         cfg = trial_config(cfg, storage, workdir, overrides, download, trial_number)
+    fixed_params(cfg, params_json, trial_number, storage, workdir)  # its errors: no server yet
     server: LocalServer | SharedServer | None = None
     if not no_tracking and uri is None:
         with store_lock(workdir):  # one writer per SQLite store: a running one is joined

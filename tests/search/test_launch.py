@@ -865,6 +865,7 @@ def test_train_trial_n_takes_the_config_the_trial_ran_with(
     best = run.stdout.split(" best model ")[1].split()[0]
     assert Path(best).is_file() and best.endswith(".best.pt"), run.stdout
     assert "checkpoint None" not in run.stdout
+    assert "MLflow run " in run.stdout  # on the work folder's server, started for it
     again = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "2",
                       "--workdir", str(tmp_path), "--train-fn", DUMMY, "--no-tracking",
                       "--set", "dataset.image_size=20", "--set", "dataset.cache_size=28",
