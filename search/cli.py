@@ -360,6 +360,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         Progress,
         auto_workers,
         check_gpus,
+        format_best,
         format_progress,
         hold_launch_lock,
         packing_path,
@@ -452,11 +453,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     _on_signals(launcher.stop, "launch")
     summary = launcher.run()
     c = summary.counts
-    best = (
-        f"{summary.best_value:.4f} (trial {summary.best_trial})"
-        if summary.best_value is not None
-        else "-"
-    )
+    best = format_best(summary.best_value, summary.best_trial, summary.pareto)
     click.echo(f"done ({summary.stopped_by}): complete {c['complete']} pruned {c['pruned']} "
                f"failed {c['fail']} waiting {c['waiting']} | best {best}")  # fmt: skip
     if summary.tracking_uri:

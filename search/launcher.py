@@ -65,6 +65,7 @@ from hpsearch.study import (
     enqueue_trials,
     enqueued_text,
     may_start_trial,
+    pareto_front,
     study_budget,
 )
 from hpsearch.worker import (
@@ -345,6 +346,7 @@ class Progress:
     # read now); a restart or network cut leaves the last figures on show, said so.
     stale_s: float | None = None
     never_read: bool = False  # ... and none were ever read: the figures are zeros
+    pareto: tuple[int, ...] | None = None  # a multi-objective study's front: trial numbers
 
 
 @dataclass
@@ -357,6 +359,7 @@ class LaunchSummary:
     restarts: int = 0
     messages: list[str] = field(default_factory=list)
     disk_full: str | None = None  # why, when every worker stopped for the work folder's disk
+    pareto: tuple[int, ...] | None = None  # a multi-objective study's front: trial numbers
 
 
 @dataclass
@@ -535,6 +538,26 @@ def _best(
         trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     best = best_of(trials, study.direction)
     return (best.value, best.number) if best is not None else (None, None)
+
+
+def _pareto(study: optuna.Study, trials: Sequence[FrozenTrial]) -> tuple[int, ...] | None:
+    """A multi-objective study's Pareto front (trial numbers, by its first objective, best
+    first); None for a single objective, whose best `_best` gives."""
+    if len(study.directions) < 2:
+        return None
+    directions = [d.name.lower() for d in study.directions]
+    return tuple(t.number for t in pareto_front(trials, directions))
+
+
+def format_best(value: float | None, trial: int | None, pareto: tuple[int, ...] | None) -> str:
+    """The best so far for the terminal: `0.8123 (trial 4)`; a multi-objective study's
+    front, `pareto 3 (trials 4, 1, 7)` (its first 5 trials); `-` for none yet."""
+    if value is not None:
+        return f"{value:.4f} (trial {trial})"
+    if pareto:
+        shown = ", ".join(map(str, pareto[:5])) + (", ..." if len(pareto) > 5 else "")
+        return f"pareto {len(pareto)} (trial{'s' if len(pareto) > 1 else ''} {shown})"
+    return "-"
 
 
 class Launcher:
@@ -745,8 +768,9 @@ class Launcher:
             # The set-up failed after the workers had spent the budget (seconds of MLflow's
             # import on a loaded machine): the trials stand, untracked; the launch says why.
             raise self._tracking_error
-        counts = with_db_retry(lambda: budget_counts(self.study.get_trials(deepcopy=False)))
-        best_value, best_trial = with_db_retry(lambda: _best(self.study))
+        trials = with_db_retry(lambda: self.study.get_trials(deepcopy=False))
+        counts = budget_counts(trials)
+        best_value, best_trial = _best(self.study, trials)
         return LaunchSummary(
             counts,
             best_value,
@@ -756,6 +780,7 @@ class Launcher:
             sum(s.restarts for s in self._slots),
             self._messages,
             _all_disk_full([s.disk_full for s in self._slots]),
+            _pareto(self.study, trials),
         )
 
     def _outcome(self, supervised: str) -> str:
@@ -1488,12 +1513,13 @@ class Launcher:
             message,
             stale_s,
             never_read,
+            _pareto(self.study, trials),
         )
 
 
 def format_progress(p: Progress) -> str:
     c = p.counts
-    best = f"{p.best_value:.4f} (trial {p.best_trial})" if p.best_value is not None else "-"
+    best = format_best(p.best_value, p.best_trial, p.pareto)
     eta = f"{p.eta_s:.0f}s" if p.eta_s is not None else "-"
     busy = " ".join(
         f"w{w.slot}:{'t' + str(w.trial) if w.trial is not None else w.state}" for w in p.workers

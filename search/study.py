@@ -821,6 +821,22 @@ def objective_values(
     return [float(v) for v in values if v is not None]
 
 
+def pareto_front(trials: Sequence[FrozenTrial], directions: Sequence[str]) -> list[FrozenTrial]:
+    """The completed trials no other completed trial dominates (a multi-objective study's
+    best, as Optuna's `best_trials`), ordered by the first objective, best first (ties: the
+    earlier trial). `directions`: "maximize" or "minimize", one per objective."""
+    done = [
+        t
+        for t in trials
+        if t.state == TrialState.COMPLETE
+        and t.values is not None
+        and len(t.values) == len(directions)
+    ]
+    front = [t for t in done if not any(dominates(o.values, t.values, directions) for o in done)]
+    sign = -1.0 if directions[0] == "maximize" else 1.0
+    return sorted(front, key=lambda t: (sign * t.values[0], t.number))
+
+
 def dominates(a: Sequence[float], b: Sequence[float], directions: Sequence[str]) -> bool:
     """Whether objective values `a` Pareto-dominate `b`: no worse in every objective and
     better in one. `directions`: "maximize" or "minimize", one per objective."""

@@ -278,6 +278,33 @@ def test_pareto_dominance() -> None:
         dominates([0.1], [0.2], both)
 
 
+def test_the_pareto_front_is_optunas_best_trials_by_the_first_objective() -> None:
+    """The launch's progress showed `best -` all through a multi-objective study: its best
+    is a front (`pareto_front`), which must be the trials Optuna's `best_trials` gives."""
+    import random
+
+    from hpsearch.launcher import format_best
+    from hpsearch.study import pareto_front
+
+    rng = random.Random(7)
+    for directions in (["maximize", "minimize"], ["minimize", "minimize", "maximize"]):
+        study = optuna.create_study(directions=directions)
+        for _ in range(40):
+            values = [float(rng.randint(0, 6)) for _ in directions]  # ties on purpose
+            study.add_trial(optuna.trial.create_trial(values=values))
+        study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL))
+        front = pareto_front(study.trials, directions)
+        assert {t.number for t in front} == {t.number for t in study.best_trials}
+        sign = -1.0 if directions[0] == "maximize" else 1.0
+        assert front == sorted(front, key=lambda t: (sign * t.values[0], t.number))
+    assert pareto_front([], ["maximize", "minimize"]) == []
+    assert format_best(0.81234, 4, None) == "0.8123 (trial 4)"
+    assert format_best(None, None, (4, 1, 7)) == "pareto 3 (trials 4, 1, 7)"
+    assert format_best(None, None, (2,)) == "pareto 1 (trial 2)"
+    assert format_best(None, None, tuple(range(7))) == "pareto 7 (trials 0, 1, 2, 3, 4, ...)"
+    assert format_best(None, None, ()) == format_best(None, None, None) == "-"
+
+
 def test_terminal_values() -> None:
     from hpsearch.cli import format_value
 

@@ -992,6 +992,25 @@ def test_a_grid_study_trains_its_grid_and_ends_cleanly(
     assert "Traceback" not in log and "Cannot tell" not in log, log
 
 
+def test_a_multi_objective_launch_shows_its_pareto_front_not_best_dash(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Its progress and its last line said `best -` from start to end (QA)."""
+    r = hpsearch(["launch", "--study", "tiny", "--workers", "1", "--trials", "3",
+                  "--workdir", str(tmp_path), "--train-fn", DUMMY, "--no-tracking",
+                  "--set", "objective={metric: [val_acc, val_loss], direction: [maximize, minimize]}",
+                  "--set", "pruner.name=none", "--set", "pruner.options={}"],
+                 subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    study = hps.load_study("tiny", workdir=tmp_path)
+    front = sorted(study.best_trials, key=lambda t: (-t.values[0], t.number))
+    assert front, [t.values for t in study.trials]
+    numbers = ", ".join(str(t.number) for t in front)
+    many = "s" if len(front) > 1 else ""
+    done = [ln for ln in r.stdout.splitlines() if ln.startswith("done (")]
+    assert done and done[0].endswith(f"| best pareto {len(front)} (trial{many} {numbers})"), done
+
+
 def test_a_seeded_grid_trains_each_point_once_over_workers_and_relaunches(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
