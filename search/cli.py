@@ -31,6 +31,7 @@ from hpsearch.errors import (
     DatasetError,
     DiskFullError,
     HpsearchError,
+    HpsearchWarning,
     StudyNotFoundError,
 )
 
@@ -389,6 +390,10 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         from hpsearch.runner import check_dataset
 
         check_dataset(cfg, light=True)  # each worker checks fully
+    else:
+        from hpsearch.worker import check_train_fn
+
+        check_train_fn(train_fn)
     # Without --gpus, workers spread over every visible GPU rather than all on the first
     # (not with --device cuda:N, which names one GPU of those visible).
     use_gpus = gpu_list or (visible_gpus() if device in ("auto", "cuda") else [])
@@ -426,6 +431,13 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             n_workers = int(workers)
             if use_gpus and not gpu_list:
                 placement = [use_gpus[i % len(use_gpus)] for i in range(n_workers)]
+            cores = len(os.sched_getaffinity(0))
+            if not use_gpus and not train_fn and n_workers > cores:
+                click.echo(
+                    f"note: --workers {n_workers} on {cores} CPU cores and no GPU: the workers "
+                    f"share the cores, so they train no more in all than {cores} would",
+                    err=True,
+                )
         opts = LaunchOptions(
             workers=n_workers,
             placement=placement,
@@ -1106,6 +1118,23 @@ def _warning_line(
     click.echo(f"warning: {message}", err=True)
 
 
+def _one_line_warnings() -> None:
+    """hpsearch's own warnings (HpsearchWarning) as `warning: ...`, one line without the
+    source line Python adds; any other warning as Python shows it."""
+    shown = warnings.showwarning
+
+    def show(
+        message: Warning | str, category: type[Warning], filename: str, lineno: int,
+        file: TextIO | None = None, line: str | None = None,
+    ) -> None:  # fmt: skip
+        if issubclass(category, HpsearchWarning):
+            _warning_line(message, category, filename, lineno, file, line)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 # Click 8.2 and later raise it for a group called without a command (8.1 shows the help
 # and exits 0 itself); its message is the whole help, not a one-line error.
 _NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
@@ -1120,6 +1149,7 @@ def main() -> None:
     # MLflow draws a progress bar for each artifact download (the launcher copies the best
     # trial's ONNX file to the study run) into the progress lines; a user's setting wins.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    _one_line_warnings()
     try:
         cli.main(standalone_mode=False)
     except _NO_ARGS as exc:  # `hpsearch` alone: its help, as click shows it

@@ -15,13 +15,14 @@ import numbers
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from hpsearch.errors import ConfigError
+from hpsearch.errors import ConfigError, HpsearchWarning
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -866,11 +867,19 @@ def _check_components(cfg: StudyConfig, src: str, stored: bool = False) -> None:
     from hpsearch.study import RehearsalError, make_pruner, make_sampler, rehearse
 
     for section, make in (("sampler", make_sampler), ("pruner", make_pruner)):
-        try:
-            make(cfg)
-        except (TypeError, ValueError) as exc:
-            opts = getattr(cfg, section).options
-            raise ConfigError(f"{src}: {section}.options: {opts!r}: {exc}") from exc
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FutureWarning)
+            try:
+                make(cfg, quiet=False)
+            except (TypeError, ValueError) as exc:
+                opts = getattr(cfg, section).options
+                raise ConfigError(f"{src}: {section}.options: {opts!r}: {exc}") from exc
+        for w in caught:  # Optuna's deprecations: once, here, naming the file's field
+            if issubclass(w.category, FutureWarning):
+                said = " ".join(str(w.message).split()).split(" See https://")[0]
+                warnings.warn(f"{src}: {section}.options: {said}", HpsearchWarning, stacklevel=2)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if stored:
         return
     _check_new_file(cfg, src)

@@ -38,6 +38,11 @@ class TrackingUnreachable(TrackingError):
     """The MLflow server did not answer in time; a later try may reach it."""
 
 
+class HpsearchWarning(UserWarning):
+    """It works, but not as asked (a study file's option Optuna deprecated, fp16 asked on a
+    CPU): the CLI shows it as one line, `warning: ...`."""
+
+
 class StudyNotFoundError(HpsearchError):
     """The named study does not exist in the storage."""
 

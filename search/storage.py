@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import optuna
 import sqlalchemy as sa
-from hpsearch.errors import StorageError
+from hpsearch.errors import HpsearchWarning, StorageError
 from hpsearch.rdb import FastRDBStorage, budget_lock_held
 from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
@@ -603,7 +603,9 @@ def with_db_retry(
                     f"{what}: database unreachable for {give_up_after_s:.0f}s: {_one_line(exc)}"
                 ) from exc
             warnings.warn(
-                f"{what}: database connection lost, retrying in {delay:.1f}s", stacklevel=2
+                f"{what}: database connection lost, retrying in {delay:.1f}s",
+                HpsearchWarning,
+                stacklevel=2,
             )
             time.sleep(delay)
             delay = min(delay * 2, 8.0)

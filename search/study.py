@@ -176,9 +176,11 @@ def trials_before(trials: Sequence[FrozenTrial]) -> int:
 
 
 def make_sampler(
-    cfg: StudyConfig, stream: int = 0, trials_before: int = 0
+    cfg: StudyConfig, stream: int = 0, trials_before: int = 0, *, quiet: bool = True
 ) -> optuna.samplers.BaseSampler:
-    """The study file's sampler, seeded for worker `stream` (`sampler_seed`)."""
+    """The study file's sampler, seeded for worker `stream` (`sampler_seed`). `quiet`:
+    without Optuna's FutureWarnings (deprecated options), which the study file's load
+    turned into one line naming its field (config._check_components)."""
     s = cfg.sampler
     classes: dict[str, type] = {
         "tpe": optuna.samplers.TPESampler,
@@ -201,10 +203,20 @@ def make_sampler(
         # The study file chose these options (TPE's group, multivariate, constant_liar);
         # Optuna's "experimental" notice on every worker start is noise, not news.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if quiet:
+            warnings.simplefilter("ignore", FutureWarning)
         return cls(**_kwargs_for(cls, dict(s.options), extra))
 
 
-def make_pruner(cfg: StudyConfig) -> optuna.pruners.BasePruner:
+def make_pruner(cfg: StudyConfig, *, quiet: bool = True) -> optuna.pruners.BasePruner:
+    """The study file's pruner; `quiet` as `make_sampler`'s."""
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore", FutureWarning)
+        return _make_pruner(cfg)
+
+
+def _make_pruner(cfg: StudyConfig) -> optuna.pruners.BasePruner:
     p = cfg.pruner
     epochs = cfg.budget.max_epochs
     if p.name == "none":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -34,6 +35,7 @@ from hpsearch.errors import (
     DatasetError,
     DiskFullError,
     HpsearchError,
+    HpsearchWarning,
     StorageError,
     TrackingUnreachable,
 )
@@ -176,7 +178,7 @@ def append_timing(workdir: Path, timing: TrialTiming) -> None:
         with path.open("a") as fh:
             fh.write(json.dumps(asdict(timing)) + "\n")
     except OSError as exc:
-        warnings.warn(f"could not record trial timings: {exc}", stacklevel=2)
+        warnings.warn(f"could not record trial timings: {exc}", HpsearchWarning, stacklevel=2)
 
 
 @dataclass
@@ -221,6 +223,27 @@ def _error_message(study: optuna.Study, trial: optuna.Trial) -> str:
     except (optuna.exceptions.OptunaError, SQLAlchemyError, OSError, KeyError):
         return ""
     return " ".join(str(attrs.get(ATTR_MESSAGE, "")).split())[:300]
+
+
+def check_train_fn(spec: str) -> None:
+    """A launch's check of `--train-fn MODULE:FUNCTION` before its workers start, without
+    importing the module (its import may be heavy, or act): its form, and that the module
+    is found on this sys.path, which the workers share. Each worker restarted three times
+    on a typo. Raises HpsearchError."""
+    if not spec:
+        return
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise HpsearchError(f"--train-fn: {spec!r}: expected MODULE:FUNCTION")
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:  # a parent package missing, a bad name
+        raise HpsearchError(f"--train-fn: {spec!r}: {type(exc).__name__}: {exc}") from exc
+    if found is None:
+        raise HpsearchError(
+            f"--train-fn: {spec!r}: no module named {module!r} on the Python path "
+            "(PYTHONPATH, the current folder)"
+        )
 
 
 def load_train_fn(spec: str) -> TrainFn:
@@ -485,7 +508,7 @@ class _Heartbeat:
             try:
                 storage.record_heartbeat(trial_id)
             except Exception as exc:  # best effort: a missed beat only risks a retry
-                warnings.warn(f"heartbeat failed: {_one_line(exc)}", stacklevel=1)
+                warnings.warn(f"heartbeat failed: {_one_line(exc)}", HpsearchWarning, stacklevel=1)
             if self._stop.wait(period):
                 return
 
@@ -598,9 +621,13 @@ class _StaleWatcher:
                     fail_stale_trials(study, self._pending)
             except (SQLAlchemyError, optuna.exceptions.StorageInternalError, StorageError) as exc:
                 self.answering_since = math.nan  # an outage: none failed until it is over
-                warnings.warn(f"stale-trial check failed: {_one_line(exc)}", stacklevel=1)
+                warnings.warn(
+                    f"stale-trial check failed: {_one_line(exc)}", HpsearchWarning, stacklevel=1
+                )
             except Exception as exc:  # best effort: the next check or worker will retry
-                warnings.warn(f"stale-trial check failed: {_one_line(exc)}", stacklevel=1)
+                warnings.warn(
+                    f"stale-trial check failed: {_one_line(exc)}", HpsearchWarning, stacklevel=1
+                )
 
     def _answered(self) -> bool:
         """The database answered a check: whether it has for the grace period."""
@@ -1325,7 +1352,9 @@ def run_trial(
                 # was stopped or cut off: the retry queued there resumes from the checkpoint.
                 # No error of the trial's (it counted toward --max-errors). Only when the
                 # trial stands finished: a train_fn's own such error is its bug.
-                warnings.warn(f"trial was already finished elsewhere: {exc}", stacklevel=2)
+                warnings.warn(
+                    f"trial was already finished elsewhere: {exc}", HpsearchWarning, stacklevel=2
+                )
                 if run is not None:
                     run.finish_failed("failed", f"finished elsewhere while it trained: {exc}", None)
                 return STALE
@@ -1401,7 +1430,7 @@ def _safe_tell(db: Db, fn: Callable[[], Any], landed: Callable[[], bool] | None 
             raise
         if landed is not None and db(landed, "read trial"):
             return True
-        warnings.warn(f"trial was already finished elsewhere: {exc}", stacklevel=2)
+        warnings.warn(f"trial was already finished elsewhere: {exc}", HpsearchWarning, stacklevel=2)
         return False
     return True
 
@@ -1583,7 +1612,7 @@ def _prune_checkpoints(study: optuna.Study, cfg: StudyConfig, workdir: Path) -> 
             if root in path.parents:
                 path.unlink(missing_ok=True)  # another worker of this host may prune it too
     except Exception as exc:  # housekeeping must never fail a worker
-        warnings.warn(f"checkpoint clean-up failed: {exc}", stacklevel=2)
+        warnings.warn(f"checkpoint clean-up failed: {exc}", HpsearchWarning, stacklevel=2)
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from hpsearch.config import StudyConfig
-from hpsearch.errors import DataError, DatasetError
+from hpsearch.errors import DataError, DatasetError, HpsearchWarning
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 try:  # POSIX only; elsewhere two processes may both decode (still never a half file).
@@ -395,7 +395,7 @@ def decode_all(src: Source, size: int, on_corrupt: str, workers: int | None = No
         except DataError as exc:
             if on_corrupt == "fail":
                 raise
-            warnings.warn(f"{exc}; skipped", stacklevel=2)
+            warnings.warn(f"{exc}; skipped", HpsearchWarning, stacklevel=2)
             ok[i] = False
 
     with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
@@ -513,7 +513,7 @@ class StreamDataset(torch.utils.data.Dataset[tuple[torch.Tensor, int] | None]):
         except DataError as exc:
             if self.on_corrupt == "fail":
                 raise
-            warnings.warn(f"{exc}; skipped", stacklevel=2)
+            warnings.warn(f"{exc}; skipped", HpsearchWarning, stacklevel=2)
             return None
         return torch.from_numpy(arr).permute(2, 0, 1), int(self.src.labels[i])  # CHW uint8
 

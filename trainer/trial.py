@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import torchvision
 from hpsearch.background import lower_priority
 from hpsearch.config import Hyperparams, StudyConfig
-from hpsearch.errors import DataError, DatasetError, DeviceError
+from hpsearch.errors import DataError, DatasetError, DeviceError, HpsearchWarning
 from hpsearch.trainer import augment, data
 from hpsearch.trainer.losses import make_loss
 from hpsearch.trainer.models import build_model
@@ -86,7 +86,10 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     fp32 on CPU (CPU autocast is slower than fp32 for convs)."""
     if device.type != "cuda":
         if precision == "fp16":
-            warnings.warn("precision fp16 needs CUDA; using fp32 on CPU", stacklevel=3)
+            warnings.warn(
+                "trainer.precision: fp16 needs CUDA; using fp32 on the CPU", HpsearchWarning,
+                stacklevel=3,
+            )  # fmt: skip
             return None
         return torch.bfloat16 if precision == "bf16" else None
     if precision == "auto":

@@ -780,3 +780,42 @@ def test_one_direction_for_several_metrics_that_all_go_that_way_is_taken() -> No
     cfg = load_config("tiny", ["objective={metric: [val_loss, train_seconds], direction: minimize}",
                                "pruner={name: none}", "sampler={name: nsga2}"])  # fmt: skip
     assert cfg.objective.directions == ("minimize", "minimize")
+
+
+def test_an_option_optuna_deprecated_is_one_warning_at_load_naming_the_field(
+    tmp_path: Path,
+) -> None:
+    """`sampler.options.sigma0` (deprecated by Optuna 4.9) printed Optuna's raw two-line
+    FutureWarning at every load and in every worker's log. Now the load warns once, as
+    the study file's field; building the sampler (each worker) is quiet."""
+    import subprocess
+    import sys
+    import warnings
+
+    from hpsearch.config import find_study_file
+    from hpsearch.errors import HpsearchWarning
+
+    sets = ["sampler={name: cmaes, seed: 0, options: {sigma0: 0.2}}"]
+    with pytest.warns(HpsearchWarning) as caught:
+        cfg = load_config("tiny", sets)
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and said[0].endswith(
+        ": sampler.options: `sigma0` has been deprecated in v4.9.0. This feature will be "
+        "removed in v6.0.0."
+    ), said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_sampler(cfg)
+    # On the command line: one line, `warning: ...`, then the command's own error.
+    code = "import sys; from hpsearch.cli import main; sys.argv[0] = 'hpsearch'; main()"
+    args = ["launch", "--study", "tiny", "--workdir", str(tmp_path), "--no-tracking",
+            "--train-fn", "no_such_module:train", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    assert out.returncode == 1
+    lines = out.stderr.splitlines()
+    assert len(lines) == 2 and lines[0] == f"warning: {said[0]}", out.stderr
+    assert said[0].startswith(str(find_study_file("tiny"))), said  # the file it was read from
+    assert lines[1] == (
+        "Error: --train-fn: 'no_such_module:train': no module named 'no_such_module' on the "
+        "Python path (PYTHONPATH, the current folder)"
+    )

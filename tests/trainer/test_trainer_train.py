@@ -327,6 +327,10 @@ def test_auto_precision_takes_bf16_only_where_it_is_native(
     assert train_module.resolve_precision("auto", torch.device("cuda")) == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert train_module.resolve_precision("auto", torch.device("cuda")) == torch.bfloat16
+    from hpsearch.errors import HpsearchWarning
+
+    with pytest.warns(HpsearchWarning, match=r"^trainer.precision: fp16 needs CUDA; using fp32"):
+        assert train_module.resolve_precision("fp16", torch.device("cpu")) is None
 
 
 class _OOMModel(nn.Module):
