@@ -505,7 +505,7 @@ class FixedRun:
             cuda = torch.cuda.is_available()
         tracker = TrialTracker(
             client, experiment_id, "", trial_number=None, run_name=label,
-            study_name=cfg.name, params=run_params(cfg, params), worker="train",
+            study_name=cfg.name, params=run_params(cfg, params, sampled=False), worker="train",
             gpu=None if cuda else "none", tags=tags,
         )  # fmt: skip
         if tracker.run_id is None:
@@ -1207,10 +1207,11 @@ class _HeldBest(NamedTuple):
     value: float
 
 
-def run_params(cfg: StudyConfig, params: Mapping[str, Any]) -> dict[str, str]:
+def run_params(cfg: StudyConfig, params: Mapping[str, Any], sampled: bool = True) -> dict[str, str]:
     """A run's MLflow params: `params` (a trial's sampled, a train run's given), the derived
     values (effective lr and batch size, arch, image sizes in px) and the trainer's defaults
-    the run read."""
+    the run read. `sampled` False (a train run's): a searched parameter not given trained
+    at its default, which is logged too."""
     from hpsearch.tracking.mlflow_logger import trial_params
 
     hp = cfg.resolve_params(params)
@@ -1227,7 +1228,7 @@ def run_params(cfg: StudyConfig, params: Mapping[str, Any]) -> dict[str, str]:
         for k, v in hp.model_dump().items()
         if k not in params
         and k not in derived_names
-        and k not in cfg.search_space
+        and (k not in cfg.search_space or not sampled)
         and k not in unused
         and v is not None
     }

@@ -63,6 +63,7 @@ def _check_train_runs(client: MlflowClient, name: str, runs: list[str]) -> None:
         params = run.data.params
         assert (params["lr"], params["batch_size"], params["arch"]) == (lr, "64", "resnet18")
         assert params["image_size"] == "32" and "effective_lr" in params
+        assert params["loss"] == "ce"  # searched, not given: trained at the default
         assert "focal_gamma" not in params  # unread under the default loss, as in a trial's
         history = client.get_metric_history(run.info.run_id, "val_acc")
         assert [m.step for m in history] == epochs
