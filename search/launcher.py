@@ -293,10 +293,16 @@ def launch_outcome(supervised: str, budget_spent: bool, deadline_passed: bool) -
     return "timeout" if deadline_passed else "stopped"
 
 
-def eta_seconds(finished: int, total: int, elapsed_s: float) -> float | None:
-    if finished <= 0 or finished >= total:
+def eta_seconds(
+    finished: int, total: int, elapsed_s: float, finished_here: int | None = None
+) -> float | None:
+    """Seconds until `total` trials are finished, at the rate of those finished in the
+    `elapsed_s` this launch has run (`finished_here`; default all `finished`: a resumed
+    study's earlier trials took none of this launch's time)."""
+    here = finished if finished_here is None else finished_here
+    if here <= 0 or finished >= total:
         return None
-    return elapsed_s / finished * (total - finished)
+    return elapsed_s / here * (total - finished)
 
 
 # --- state -----------------------------------------------------------------------------
@@ -1501,6 +1507,15 @@ class Launcher:
         ]
         elapsed = time.monotonic() - getattr(self, "_t0", time.monotonic())
         finished = counts["complete"] + counts["pruned"]
+        since = getattr(self, "_started_at", None)  # naive local time, as Optuna dates trials
+        here = sum(
+            1
+            for t in trials
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+            and since is not None
+            and t.datetime_complete is not None
+            and t.datetime_complete >= since
+        )
         return Progress(
             counts,
             input_bound,
@@ -1509,7 +1524,7 @@ class Launcher:
             best_trial,
             views,
             elapsed,
-            eta_seconds(finished, self._budget, elapsed),
+            eta_seconds(finished, self._budget, elapsed, here),
             message,
             stale_s,
             never_read,

@@ -98,6 +98,11 @@ def test_should_restart_is_bounded() -> None:
 def test_eta() -> None:
     assert eta_seconds(2, 10, 20.0) == pytest.approx(80.0)
     assert eta_seconds(0, 10, 5.0) is None
+    # A resumed study: 4 finished before this launch, 1 in its 60 s; 2 left (QA: "eta 1s"
+    # with three 2-minute trials left, the earlier trials counted at this launch's rate).
+    assert eta_seconds(5, 7, 60.0, finished_here=1) == pytest.approx(120.0)
+    assert eta_seconds(4, 7, 60.0, finished_here=0) is None
+    assert eta_seconds(7, 7, 60.0, finished_here=3) is None
 
 
 def test_storage_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -992,6 +992,27 @@ def test_a_grid_study_trains_its_grid_and_ends_cleanly(
     assert "Traceback" not in log and "Cannot tell" not in log, log
 
 
+def test_a_resumed_launchs_eta_is_at_its_own_rate_not_counting_earlier_trials(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: a relaunch showed "eta 1s" with three 2-minute trials left: it divided its own
+    seconds by every finished trial of the study, the earlier launches' too."""
+    common = ["launch", "--study", "tiny", "--workers", "1", "--workdir", str(tmp_path),
+              "--train-fn", DUMMY, "--no-tracking", "--set", "pruner.name=none",
+              "--set", "pruner.options={}", "--set", "budget.max_epochs=2"]  # fmt: skip
+    first = hpsearch([*common, "--trials", "4"], subprocess_env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1.5")  # a trial: 3 s and more
+    again = hpsearch([*common, "--trials", "6"], env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    shown = re.findall(r"\[ *(\d+)s\] complete 5 .* / 6 \| best .* \| eta (\d+)s", again.stdout)
+    assert shown, again.stdout
+    elapsed, eta = map(int, shown[0])
+    # One trial finished here in `elapsed` s, one left: about as long again (it was
+    # elapsed / 5 at most).
+    assert eta >= max(elapsed - 1, 2), again.stdout
+
+
 def test_a_multi_objective_launch_shows_its_pareto_front_not_best_dash(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
