@@ -662,14 +662,13 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
         check_dataset(cfg)  # a DatasetError: exit 65, as a trial's (below)
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
-    if uri and uri.startswith(("http://", "https://")) and not await_study_run:
-        # A worker of its own (a launch's workers wait for the run it checked): a server
-        # that refuses every call (401, 403) would leave its trials untracked.
-        from hpsearch.errors import TrackingError
-        from hpsearch.tracking.server import api_refusal, redact_uri
+    if uri and not await_study_run:
+        # A worker of its own (a launch's workers wait for the run it checked): a folder,
+        # an unknown scheme or a server that refuses every call (401, 403) left its
+        # trials untracked. One that does not answer now may later: its runs are kept.
+        from hpsearch.tracking.server import check_tracking_uri
 
-        if (refused := api_refusal(uri)) is not None:
-            raise TrackingError(f"MLflow at {redact_uri(uri)}: {refused}")
+        check_tracking_uri(uri, answer=False)
     shared = None
     if not no_tracking and uri is None:
         # The work folder's embedded server, when a launch or `hpsearch ui` runs it: as one
@@ -976,6 +975,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     from hpsearch.tracking.server import (
         LocalServer,
         SharedServer,
+        check_tracking_uri,
         join_server,
         redact_uri,
         resolve_tracking_uri,
@@ -991,6 +991,8 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     if trial_number is not None and params_json is None:  # run_fixed refuses both
         cfg = trial_config(cfg, storage, workdir, overrides, download, trial_number)
     fixed_params(cfg, params_json, trial_number, storage, workdir)  # its errors: no server yet
+    if uri is not None:
+        check_tracking_uri(uri)
     server: LocalServer | SharedServer | None = None
     if not no_tracking and uri is None:
         with store_lock(workdir):  # one writer per SQLite store: a running one is joined

@@ -25,7 +25,6 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import optuna
 from hpsearch.background import lower_priority
@@ -850,32 +849,18 @@ class Launcher:
         if not self.opts.tracking:
             return None
         from hpsearch.tracking.server import (
-            api_refusal,
+            check_tracking_uri,
             free_port,
-            health_ok,
             join_server,
-            redact_uri,
             store_lock,
         )
 
         port, starting = None, None
         if self.opts.tracking_uri:
             uri = self.opts.tracking_uri
-            remote = uri.startswith(("http://", "https://"))
-            allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true")
-            if urlsplit(uri).scheme in ("", "file") and not allowed:
-                # Before any worker starts: MLflow 3 refuses a file store ("maintenance
-                # mode") unless MLFLOW_ALLOW_FILE_STORE is true, found once workers trained.
-                raise TrackingError(
-                    f"tracking URI {redact_uri(uri)!r}: a folder, which MLflow 3 keeps no new "
-                    "runs in; give a server's http://HOST:PORT"
-                )
-            if remote and not health_ok(uri, timeout_s=5.0, any_status=True):
-                # Before any worker starts: their first trials train before the study run
-                # exists (worker._LateRun), and a launch that cannot log would stop them.
-                raise TrackingError(f"MLflow: no server answers at {redact_uri(uri)}")
-            if remote and (refused := api_refusal(uri)) is not None:
-                raise TrackingError(f"MLflow at {redact_uri(uri)}: {refused}")
+            # Before any worker starts: their first trials train before the study run
+            # exists (worker._LateRun), and a launch that cannot log would stop them.
+            check_tracking_uri(uri)
         else:
             # One writer per SQLite store: the store's server when one runs (another
             # launch's, `hpsearch ui`'s, or one a killed launch left), else one started here.

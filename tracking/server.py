@@ -393,6 +393,38 @@ OTHER_AUTH_ENV = (
 )
 
 
+# The schemes MLflow keeps runs under (a database's with its driver: postgresql+psycopg2).
+TRACKING_SCHEMES = frozenset(
+    {"http", "https", "databricks", "sqlite", "postgresql", "mysql", "mssql", "file"}
+)
+
+
+def check_tracking_uri(uri: str, timeout_s: float = 5.0, *, answer: bool = True) -> None:
+    """Refuse, in one line, a tracking URI no run could be logged to, before anything is
+    made: a folder (MLflow 3 keeps no new runs in a file store unless
+    MLFLOW_ALLOW_FILE_STORE is true), a scheme MLflow does not know (`htp://`), a server
+    that does not answer (unless `answer` is False: a worker's runs wait in its spool
+    folder for one that answers later) or whose API refuses this client. A worker given
+    one trained its trials untracked and exited 0. Raises TrackingError."""
+    scheme = urlsplit(uri).scheme.lower()
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true")
+    if scheme in ("", "file") and not allowed:
+        raise TrackingError(
+            f"tracking URI {redact_uri(uri)!r}: a folder, which MLflow 3 keeps no new runs "
+            "in; give a server's http://HOST:PORT"
+        )
+    if scheme and scheme.split("+")[0] not in TRACKING_SCHEMES:
+        raise TrackingError(
+            f"tracking URI {redact_uri(uri)!r}: MLflow keeps no runs under {scheme}://; give "
+            "a server's http://HOST:PORT"
+        )
+    if scheme in ("http", "https"):
+        if answer and not health_ok(uri, timeout_s=timeout_s, any_status=True):
+            raise TrackingError(f"MLflow: no server answers at {redact_uri(uri)}")
+        if (refused := api_refusal(uri, timeout_s)) is not None:
+            raise TrackingError(f"MLflow at {redact_uri(uri)}: {refused}")
+
+
 def api_refusal(url: str, timeout_s: float = 5.0) -> str | None:
     """Why an MLflow server that answers refuses this client's API calls, or None. Its
     /health passes without the Host check and without a login (MLflow 3), so a server that
@@ -1015,11 +1047,13 @@ def serve_ui(
 __all__ = [
     "DEFAULT_UI_PORT",
     "SERVER_ENV",
+    "TRACKING_SCHEMES",
     "Leave",
     "LocalServer",
     "SharedServer",
     "allowed_hosts_for",
     "attach_or_start",
+    "check_tracking_uri",
     "free_port",
     "health_ok",
     "join_server",

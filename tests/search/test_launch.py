@@ -597,6 +597,22 @@ def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
         "a server's http://HOST:PORT"
     ), r.stderr
     assert "Traceback" not in r.stderr and "running" not in r.stdout  # before any worker
+    # A scheme MLflow does not know (QA: a launch made its study first, then failed; a
+    # worker trained its trials untracked and exited 0), and a folder for a worker.
+    for command, uri, said in (
+        ("launch", "htp://foo:5000", "MLflow keeps no runs under htp://"),
+        ("worker", "htp://foo:5000", "MLflow keeps no runs under htp://"),
+        ("worker", str(tmp_path), "a folder, which MLflow 3 keeps no new runs in"),
+    ):
+        r = hpsearch([command, "--study", "tiny", "--workdir", str(work), "--train-fn", DUMMY,
+                      "--tracking-uri", uri, "--set", "budget.max_epochs=1"],
+                     subprocess_env)  # fmt: skip
+        assert r.returncode == 1, (command, r.stdout + r.stderr)
+        assert r.stderr.strip() == f"Error: tracking URI {uri!r}: {said}; give a server's " + (
+            "http://HOST:PORT"
+        ), r.stderr
+        assert not (work / "optuna.journal").exists(), command  # no study made
+    assert not (work / "logs").exists()
 
 
 def test_a_server_refusing_the_api_stops_the_launch_before_any_trial(
