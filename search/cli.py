@@ -235,8 +235,12 @@ def _stored(study: str, read: Callable[[str], _T]) -> tuple[str, _T]:
 
 
 def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
-          trials: int | None = None) -> Any:  # fmt: skip
-    from hpsearch.config import load_config, parse_overrides
+          trials: int | None = None,
+          stored: tuple[str | None, Path] | None = None) -> Any:  # fmt: skip
+    """The study file's config, with --set and --trials on top. `stored` (storage, workdir):
+    a plain name that no study file has may be a study in that storage, whose stored
+    config is taken (`runner.stored_config`: a worker joining by the study's name)."""
+    from hpsearch.config import find_study_file, load_config, parse_overrides
 
     sets = list(overrides)
     if trials is not None:
@@ -253,6 +257,21 @@ def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download
                 )
         sets.append(f"budget.n_trials={trials}")
     try:
+        if stored is not None:
+            try:
+                find_study_file(study)
+            except HpsearchError as missing:
+                from hpsearch.runner import stored_config
+
+                if Path(study).suffix.lower() in (".yaml", ".yml"):  # a file's: not a name
+                    raise
+                cfg = stored_config(study, *stored, sets, data_dir, download)
+                if cfg is None:
+                    raise type(missing)(
+                        f"{missing}; nor is {study!r} a study in the storage with a config "
+                        "a launch stored"
+                    ) from missing
+                return cfg
         return load_config(study, sets, data_dir=data_dir, download=download)
     except HpsearchError as exc:  # the budget the message blames came from --trials
         given = f"(from --set budget.n_trials={trials})"
@@ -642,6 +661,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
           --tracking-uri http://mlflow-host:5000 --data-dir /data
     """
     from hpsearch.config import parse_overrides
+    from hpsearch.launcher import LAUNCHED_ENV
     from hpsearch.runner import ensure_workdir
     from hpsearch.storage import resolve_storage
     from hpsearch.tracking.server import (
@@ -653,7 +673,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     from hpsearch.worker import WorkerOptions, run_worker
 
     _check_tracking(tracking_uri, no_tracking)
-    cfg = _load(study, overrides, data_dir, download, trials)
+    cfg = _load(study, overrides, data_dir, download, trials, stored=(storage, workdir))
     ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     _check_device(device)
     spec = resolve_storage(storage, workdir)
@@ -702,6 +722,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         or any(key.strip() == "budget.n_trials" for key, _ in parse_overrides(overrides)),
         packing=packing,
         sampler_stream=sampler_stream,
+        joined=os.environ.get(LAUNCHED_ENV) != "1",
     )
     stop = threading.Event()
     signals = _on_signals(stop.set, "worker", die_on_second=True)

@@ -136,6 +136,9 @@ def _child_env(base: Mapping[str, str], gpu: str | None) -> dict[str, str]:
     return env
 
 
+LAUNCHED_ENV = "HPSEARCH_LAUNCHED"
+
+
 def worker_env(
     base: Mapping[str, str],
     storage_url: str,
@@ -152,6 +155,7 @@ def worker_env(
     from hpsearch.tracking.server import EMBEDDED_TRACKING_ENV, TRACKING_URI_ENV
 
     env = _child_env(base, gpu)
+    env[LAUNCHED_ENV] = "1"  # a launch's worker, not one of its own (`WorkerOptions.joined`)
     env["HPSEARCH_STORAGE"] = storage_url
     env.pop(EMBEDDED_TRACKING_ENV, None)
     if tracking_uri:

@@ -102,6 +102,36 @@ def trial_config(
     return config_from_yaml(str(stored), src, overrides, cfg.dataset.root, allowed)
 
 
+def stored_config(
+    name: str,
+    storage: str | None,
+    workdir: Path,
+    overrides: Sequence[str] = (),
+    data_dir: str | None = None,
+    download: bool | None = None,
+) -> StudyConfig | None:
+    """The config study `name`'s last launch stored on it, with `overrides` on top and its
+    data found where --data-dir or HPSEARCH_DATA_DIR say (else where the launch's host
+    found it): what a worker joining by the study's name alone trains with, as the
+    launch's workers do (a teammate's host without the file rebuilt it, and its trials
+    trained otherwise). None when the storage holds no such study, or one without a stored
+    config (made by plain Optuna)."""
+    from hpsearch.config import config_from_yaml
+    from hpsearch.errors import StorageError, StudyNotFoundError
+    from hpsearch.query import load_study
+    from hpsearch.study import CONFIG_ATTR
+
+    try:
+        study = load_study(name, storage, workdir)
+    except (StudyNotFoundError, StorageError):
+        return None
+    stored = study.user_attrs.get(CONFIG_ATTR)
+    if not stored:
+        return None
+    src = f"study {name} (the config its last launch stored)"
+    return config_from_yaml(str(stored), src, overrides, data_dir, download)
+
+
 def _trial(study: optuna.Study, number: int) -> FrozenTrial:
     matches = [t for t in study.get_trials(deepcopy=False) if t.number == number]
     if not matches:

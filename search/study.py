@@ -26,6 +26,7 @@ from hpsearch.config import (
     config_to_yaml,
     enqueued_trials,
     grid_space,
+    load_yaml,
 )
 from hpsearch.errors import ConfigError, StudyNotFoundError
 from hpsearch.storage import refresh_trials_now
@@ -388,6 +389,42 @@ def create_or_load(
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.set_metric_names(list(cfg.objective.metrics))
     return study
+
+
+def config_drift(cfg: StudyConfig, stored_yaml: str) -> list[str]:
+    """How trials of `cfg` train otherwise than those of the stored config (a launch's):
+    `field: value (the launch's: other)` per differing field, none of where the data is,
+    whether it may download or the budget's size (as `config_to_yaml(trial_only=True)`)."""
+    import yaml
+
+    mine = load_yaml(config_to_yaml(cfg, trial_only=True))
+    try:
+        theirs = load_yaml(stored_yaml)
+    except yaml.YAMLError:
+        return []
+    if not isinstance(theirs, dict):
+        return []
+    theirs.pop("source", None)
+    dataset, budget = theirs.get("dataset"), theirs.get("budget")
+    if isinstance(dataset, dict):
+        dataset.update(root=None, download=False)
+    if isinstance(budget, dict):
+        budget["n_trials"] = 1
+
+    def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(value, dict) and value:
+            out: dict[str, Any] = {}
+            for key, sub in value.items():
+                out.update(leaves(sub, f"{prefix}.{key}" if prefix else str(key)))
+            return out
+        return {prefix: value}
+
+    a, b = leaves(mine), leaves(theirs)
+    return [
+        f"{key}: {a.get(key)!r} (the launch's: {b.get(key)!r})"
+        for key in sorted(set(a) | set(b))
+        if a.get(key) != b.get(key) and key not in ("name", "description")
+    ]
 
 
 CLASSES_ATTR = "hpsearch.classes"  # study user attribute: the class names trials train on

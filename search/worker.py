@@ -59,11 +59,13 @@ from hpsearch.storage import (
 from hpsearch.study import (
     ATTR_FAILED_HOST,
     ATTR_UNFIT,
+    CONFIG_ATTR,
     CONFIG_ID_ATTR,
     LATE_RUN_ATTR,
     MEMORY_CONSTRAINT,
     budget_counts,
     check_classes,
+    config_drift,
     create_or_load,
     enqueue_trials,
     make_sampler,
@@ -130,6 +132,7 @@ class WorkerOptions:
     set_budget: bool = False  # record config.budget.n_trials on the study (worker --trials)
     packing: Path | None = None  # --workers auto plan: reserve GPU memory before each trial
     sampler_stream: int | None = None  # study.sampler_seed's stream; None: one of its own
+    joined: bool = False  # a worker of its own, not a launch's: told when it trains otherwise
 
     def resolved_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -655,6 +658,17 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
         lambda: create_or_load(cfg, storage, owner=False, budget=opts.set_budget),
         what="create study",
     )
+    launched = study.user_attrs.get(CONFIG_ATTR)
+    if opts.joined and launched and (drift := config_drift(cfg, str(launched))):
+        # Allowed (a quick check at other settings), but its values will not compare.
+        shown = "; ".join(drift[:6]) + ("; ..." if len(drift) > 6 else "")
+        warnings.warn(
+            f"study {cfg.name}: this worker's trials train otherwise than its last launch's "
+            f"({shown}): their values will not compare; `--study {cfg.name}` with no study "
+            "file of that name takes the launch's config",
+            HpsearchWarning,
+            stacklevel=2,
+        )
     before = with_db_retry(
         lambda: trials_before(study.get_trials(deepcopy=False)), what="count trials"
     )

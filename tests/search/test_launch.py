@@ -1008,6 +1008,50 @@ def test_a_grid_study_trains_its_grid_and_ends_cleanly(
     assert "Traceback" not in log and "Cannot tell" not in log, log
 
 
+def test_a_worker_joins_a_study_by_its_name_with_the_launchs_config_and_is_told_of_its_own(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: a teammate's worker could not join by the study's name (the config is stored on
+    the study), rebuilt the file with other --set values, and trained 3-epoch 24 px trials
+    beside the launch's 1-epoch 32 px ones without a word; one of them became "best"."""
+    from hpsearch.study import CONFIG_ID_ATTR
+
+    work = tmp_path / "w"
+    common = ["--workdir", str(work), "--train-fn", DUMMY, "--no-tracking"]
+    r = hpsearch(["launch", "--study", "tiny", "--set", "name=team", "--set",
+                  "budget.max_epochs=1", "--trials", "2", *common], subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = hpsearch(["worker", "--study", "team", "--trials", "3", *common], subprocess_env,
+                 cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stdout + r.stderr
+    study = hps.load_study("team", workdir=work)
+    ids = [t.user_attrs.get(CONFIG_ID_ATTR) for t in study.trials]
+    assert len(ids) == 3 and len(set(ids)) == 1, ids  # the launch's config
+    assert all(max(t.intermediate_values) == 1 for t in study.trials)
+    # Its own file with other settings: allowed (a quick check), but said in one line.
+    r = hpsearch(["worker", "--study", "tiny", "--set", "name=team", "--set",
+                  "budget.max_epochs=2", "--trials", "4", *common], subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    warned = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: ")]
+    assert warned == [
+        "warning: study team: this worker's trials train otherwise than its last launch's "
+        "(budget.max_epochs: 2 (the launch's: 1)): their values will not compare; "
+        "`--study team` with no study file of that name takes the launch's config"
+    ], r.stderr
+    # The launch's own workers are never told (a relaunch's new settings are the launch's).
+    r = hpsearch(["launch", "--study", "tiny", "--set", "name=team", "--set",
+                  "budget.max_epochs=3", "--trials", "5", *common], subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    logs = "".join(p.read_text() for p in (work / "logs").glob("team-worker-*.log"))
+    assert "trial 4" in logs and "train otherwise" not in logs, logs
+    r = hpsearch(["worker", "--study", "nosuch", *common], subprocess_env, cwd=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr.strip().startswith("Error: --study: 'nosuch': no such study file; known")
+    assert r.stderr.strip().endswith(
+        "; nor is 'nosuch' a study in the storage with a config a launch stored"
+    ), r.stderr
+
+
 def test_a_resumed_launchs_eta_is_at_its_own_rate_not_counting_earlier_trials(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
