@@ -549,6 +549,19 @@ def _best(
     return (best.value, best.number) if best is not None else (None, None)
 
 
+def _spent_note(study: optuna.Study, budget: int) -> str:
+    """A relaunch whose budget its study's trials already spent (a file's n_trials below
+    a `--trials` given before): it ran none, said nowhere but `/ 2` beside 3 finished."""
+    counts = with_db_retry(lambda: budget_counts(study.get_trials(deepcopy=False)))
+    finished = counts["complete"] + counts["pruned"]
+    if finished < budget or counts["waiting"] or counts["running"]:
+        return ""
+    return (
+        f"study {study.study_name} has {finished} finished trials, budget.n_trials is "
+        f"{budget}: none runs; --trials N (N above {finished}) runs more"
+    )
+
+
 def _pareto(study: optuna.Study, trials: Sequence[FrozenTrial]) -> tuple[int, ...] | None:
     """A multi-objective study's Pareto front (trial numbers, by its first objective, best
     first); None for a single objective, whose best `_best` gives."""
@@ -733,6 +746,8 @@ class Launcher:
                 # just started have none yet (they are still importing).
                 if orphans := fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):
                     self._event(f"its worker was gone: {self._requeued_text(orphans)}")
+                if note := _spent_note(self.study, self._budget):
+                    self._event(note)
                 supervised = self._supervise(resolved, tracking_uri)
             except Exception:
                 # The launch fails (its MLflow set-up, say), but the workers have trained

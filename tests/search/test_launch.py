@@ -1071,6 +1071,13 @@ def test_a_resumed_launchs_eta_is_at_its_own_rate_not_counting_earlier_trials(
     # One trial finished here in `elapsed` s, one left: about as long again (it was
     # elapsed / 5 at most).
     assert eta >= max(elapsed - 1, 2), again.stdout
+    # A relaunch whose budget is spent says so (QA: `/ 4` beside 5 finished, no word).
+    spent = hpsearch([*common, "--trials", "5"], subprocess_env)
+    assert spent.returncode == 0, spent.stdout + spent.stderr
+    assert (
+        "study tiny has 6 finished trials, budget.n_trials is 5: none runs; --trials N "
+        "(N above 6) runs more"
+    ) in spent.stdout.splitlines(), spent.stdout
 
 
 def test_a_multi_objective_launch_shows_its_pareto_front_not_best_dash(
