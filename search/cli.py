@@ -953,7 +953,8 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
             if r["best_value"] is not None
             else "-"
         )
-        click.echo(f"{r['name']}: {r['n_trials']} trials, best {best_v}")
+        states = ", ".join(f"{n} {state}" for state, n in r["counts"].items())
+        click.echo(f"{r['name']}: {r['n_trials']} trials ({states or 'none yet'}), best {best_v}")
 
 
 @cli.command()

@@ -314,21 +314,28 @@ def list_studies(storage: StorageArg = None, workdir: WorkdirArg = None) -> list
     st = open_storage(spec, pool_size=1, create=False)
     try:
         summaries = optuna.get_all_study_summaries(st, include_best_trial=True)
+        out = []
+        for s in summaries:
+            best = s.best_trial
+            single = best is not None and len(s.directions) == 1
+            # Per state: a retried trial's failed tries are trials too, which the budget
+            # (`launch`'s `/ N`: complete and pruned) does not count.
+            states = [t.state for t in st.get_all_trials(s._study_id, deepcopy=False)]
+            out.append(
+                {
+                    "name": s.study_name,
+                    "n_trials": s.n_trials,
+                    "counts": {
+                        k.name.lower(): states.count(k) for k in TrialState if states.count(k)
+                    },
+                    "directions": [d.name.lower() for d in s.directions],
+                    "best_value": best.value if single and best is not None else None,
+                    "best_trial": best.number if best is not None else None,
+                }
+            )
+        return out
     finally:
         _dispose(st)
-    out = []
-    for s in summaries:
-        best = s.best_trial
-        out.append(
-            {
-                "name": s.study_name,
-                "n_trials": s.n_trials,
-                "directions": [d.name.lower() for d in s.directions],
-                "best_value": best.value if best is not None and len(s.directions) == 1 else None,
-                "best_trial": best.number if best is not None else None,
-            }
-        )
-    return out
 
 
 def _local_best_model(trial: FrozenTrial, workdir: Path) -> Path | None:

@@ -149,6 +149,26 @@ def test_best_json_is_strict_with_exact_params(
     assert "params {'opt': 'sgd', 'warmup': 3}" in r.stdout, r.stdout
 
 
+def test_studies_counts_each_state_as_the_budget_does_not(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: `studies` said "9 trials" where the launch said `/ 7`: a retried trial's failed
+    tries are trials too. Each state is counted now."""
+    study = _journal_study(tmp_path, "s", direction="maximize")
+    for state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.FAIL):
+        value = 0.5 if state == TrialState.COMPLETE else None
+        study.add_trial(create_trial(state=state, value=value, intermediate_values={1: 0.2}))
+    _journal_study(tmp_path, "empty", direction="minimize")
+    r = hpsearch(["studies", "--workdir", str(tmp_path)], subprocess_env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "s: 4 trials (1 complete, 1 pruned, 2 fail), best 0.5 (trial 0)",
+        "empty: 0 trials (none yet), best -",
+    ]
+    rows = list_studies(workdir=tmp_path)
+    assert rows[0]["counts"] == {"complete": 1, "pruned": 1, "fail": 2}
+
+
 def test_a_multi_objective_study_ranks_its_front_and_needs_a_trial_to_load(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
