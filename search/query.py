@@ -494,7 +494,7 @@ def enqueue_trial(
                     raise HpsearchError(
                         f"study {name!r}: budget.n_trials ({n_trials}) has no room for "
                         "another trial (finished, running and queued ones count): raise it "
-                        "with `hpsearch launch --trials N`"
+                        "with `hpsearch launch --trials N` (or `hpsearch worker --trials N`)"
                     )
                 study.enqueue_trial(entry)
                 refresh_trials_now(study)
