@@ -450,7 +450,8 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             n_workers = int(workers)
             if use_gpus and not gpu_list:
                 placement = [use_gpus[i % len(use_gpus)] for i in range(n_workers)]
-            cores = len(os.sched_getaffinity(0))
+            affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+            cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
             if not use_gpus and not train_fn and n_workers > cores:
                 click.echo(
                     f"note: --workers {n_workers} on {cores} CPU cores and no GPU: the workers "
@@ -993,17 +994,15 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
       hpsearch train --study tiny --params '{"lr": 0.05, "batch_size": 32}'
       hpsearch train --study flowers102 --trial 7 --storage postgresql://postgres@127.0.0.1/test
     """
-    from hpsearch.runner import ensure_workdir, fixed_params, run_fixed, trial_config
-    from hpsearch.tracking.server import (
-        LocalServer,
-        SharedServer,
-        check_tracking_uri,
-        join_server,
-        redact_uri,
-        resolve_tracking_uri,
-        start_local_server,
-        store_lock,
+    from hpsearch.runner import (
+        TrainServer,
+        check_dataset,
+        ensure_workdir,
+        fixed_params,
+        run_fixed,
+        trial_config,
     )
+    from hpsearch.tracking.server import check_tracking_uri, redact_uri, resolve_tracking_uri
 
     _check_tracking(tracking_uri, no_tracking)
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
@@ -1012,24 +1011,38 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     _check_device(device)
     if trial_number is not None and params_json is None:  # run_fixed refuses both
         cfg = trial_config(cfg, storage, workdir, overrides, download, trial_number)
-    fixed_params(cfg, params_json, trial_number, storage, workdir)  # its errors: no server yet
+    # Its errors before a server starts and a run is made for nothing.
+    fixed_params(cfg, params_json, trial_number, storage, workdir)
+    check_dataset(cfg, light=True)
     if uri is not None:
         check_tracking_uri(uri)
-    server: LocalServer | SharedServer | None = None
-    if not no_tracking and uri is None:
-        with store_lock(workdir):  # one writer per SQLite store: a running one is joined
-            server = join_server(workdir) or start_local_server(workdir)
-        uri = server.url
+    server = TrainServer(workdir) if not no_tracking and uri is None else None
+    uri = server.url if server is not None else uri
     shown = redact_uri(uri) if uri is not None else ""
+
+    def epoch_done(r: Any) -> None:
+        click.echo(f"epoch {r.epoch}: train_loss {r.train_loss:.4f} train_acc {r.train_acc:.4f} "
+                   + (f"val_acc {r.val_acc:.4f} " if r.val_acc is not None else "")
+                   + f"lr {r.lr:.4g} {r.images_per_second:.0f} img/s")  # fmt: skip
+        if server is not None and (said := server.keep()):
+            click.echo(said, err=True)
+
+    # SIGTERM or SIGHUP (a closed terminal) as Ctrl-C: the run ends KILLED and the server
+    # it started stops (it outlived the command, its run RUNNING for good).
+    signals: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        signals.append(signum)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)  # a second: at once
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
     try:
         result = run_fixed(
             cfg, params_json, trial_number, storage, workdir, device, seed,
-            on_epoch=lambda r: click.echo(
-                f"epoch {r.epoch}: train_loss {r.train_loss:.4f} train_acc {r.train_acc:.4f} "
-                + (f"val_acc {r.val_acc:.4f} " if r.val_acc is not None else "")
-                + f"lr {r.lr:.4g} {r.images_per_second:.0f} img/s"
-            ),
-            tracking_uri=uri,
+            on_epoch=epoch_done, tracking_uri=uri,
             on_run=lambda run_id: click.echo(f"MLflow run {run_id} at {shown}"),
         )  # fmt: skip
         click.echo(
@@ -1039,9 +1052,15 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
             + (f" checkpoint {result.checkpoint_path}" if result.checkpoint_path else "")
             + (f" ({result.message})" if result.message else "")
         )
+    except KeyboardInterrupt:
+        if not signals:
+            raise
     finally:
-        if server is not None and server.release() == "stopped":
+        if server is not None and server.close():
             click.echo(f"MLflow server at {server.url} stopped (`hpsearch ui` shows the run)")
+    if signals:
+        click.echo(f"train: stopped by signal {signals[0]}", err=True)
+        sys.exit(128 + signals[0])
 
 
 @cli.command()
@@ -1087,7 +1106,7 @@ def ui(workdir: Path, host: str, port: int) -> None:
             asked is not click.core.ParameterSource.DEFAULT and urlsplit(server.url).port != port
         )
         click.echo(
-            f"MLflow UI: {server.url} (already served for a running search or worker"
+            f"MLflow UI: {server.url} (already served for a running search, worker or train"
             + (f"; --port {port} not used: one server per work folder's store)" if moved else ")")
         )
         return
@@ -1139,7 +1158,8 @@ def _warning_line(
     file: TextIO | None = None,
     line: str | None = None,
 ) -> None:
-    click.echo(f"warning: {message}", err=True)
+    with contextlib.suppress(OSError):  # a closed stderr: dropped, as Python's own printer
+        click.echo(f"warning: {message}", err=True)
 
 
 def _one_line_warnings() -> None:

@@ -874,8 +874,10 @@ def _check_components(cfg: StudyConfig, src: str, stored: bool = False) -> None:
             except (TypeError, ValueError) as exc:
                 opts = getattr(cfg, section).options
                 raise ConfigError(f"{src}: {section}.options: {opts!r}: {exc}") from exc
-        for w in caught:  # Optuna's deprecations: once, here, naming the file's field
+        for w in caught:  # Optuna's deprecations: once, a file's (not a stored config's)
             if issubclass(w.category, FutureWarning):
+                if stored:
+                    continue
                 said = " ".join(str(w.message).split()).split(" See https://")[0]
                 warnings.warn(f"{src}: {section}.options: {said}", HpsearchWarning, stacklevel=2)
             else:

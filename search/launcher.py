@@ -622,6 +622,9 @@ class Launcher:
         self._finalized: list[str] = []
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
+        # A multi-objective study's front, and the completed trials it is of (`_pareto_of`)
+        self._pareto_key: tuple[int, int] | None = None
+        self._pareto_seen: tuple[int, ...] | None = None
         self._opened_at = time.monotonic()  # set again once the study is open
         self._read_at: float | None = None  # when _last_trials were read
         # The study's n_trials as last read (`_budget_now`): another launch of the study,
@@ -1532,8 +1535,17 @@ class Launcher:
             message,
             stale_s,
             never_read,
-            _pareto(self.study, trials),
+            self._pareto_of(trials),
         )
+
+    def _pareto_of(self, trials: Sequence[FrozenTrial]) -> tuple[int, ...] | None:
+        """`_pareto`, again only when a trial completed since (each progress tick: the front
+        costs O(n^2) in the completed trials, which only ever grow)."""
+        done = [t.number for t in trials if t.state == TrialState.COMPLETE]
+        key = (len(done), max(done, default=-1))
+        if self._pareto_key != key:
+            self._pareto_key, self._pareto_seen = key, _pareto(self.study, trials)
+        return self._pareto_seen
 
 
 def format_progress(p: Progress) -> str:

@@ -174,6 +174,45 @@ def trial_params(trial: FrozenTrial, cfg: StudyConfig) -> dict[str, Any]:
     return params
 
 
+class TrainServer:
+    """The work folder's embedded MLflow server for one `hpsearch train` run: joined when a
+    launch or `hpsearch ui` serves its store (one writer per SQLite file), else started for
+    it. One it started that dies mid-run is started again on its port (`keep`, at each
+    epoch; up to `MAX_RESTARTS`), as a launch does: the run's epochs wait in its tracker
+    meanwhile. `close` leaves it; the last of its users stops it."""
+
+    MAX_RESTARTS = 3
+
+    def __init__(self, workdir: Path) -> None:
+        from hpsearch.tracking.server import join_server, start_local_server, store_lock
+
+        with store_lock(workdir):
+            self.server: Any = join_server(workdir) or start_local_server(workdir)
+        self.url: str = self.server.url
+        self.restarts = 0
+
+    def keep(self) -> str:
+        """Start a dead server of this process's again; what happened, else ''."""
+        from hpsearch.errors import TrackingError
+        from hpsearch.tracking.server import LocalServer, restart_server
+
+        dead = self.server
+        if not isinstance(dead, LocalServer) or dead.is_running():
+            return ""
+        if self.restarts >= self.MAX_RESTARTS:
+            return ""
+        self.restarts += 1
+        try:
+            self.server = restart_server(dead) or dead
+        except TrackingError as exc:
+            return f"MLflow server at {dead.url} exited and did not start again: {exc}"
+        return f"MLflow server at {dead.url} exited; started again ({self.restarts}/3)"
+
+    def close(self) -> bool:
+        """Leave it; True when that stopped it (this run was its last user)."""
+        return bool(self.server.release() == "stopped")
+
+
 def run_fixed(
     cfg: StudyConfig, params_json: str | None, trial_number: int | None, storage: str | None,
     workdir: Path, device: str, seed: int | None,
@@ -222,14 +261,14 @@ def run_fixed(
     try:
         result = train(cfg, params, lambda epoch, value: False, options)
     except BaseException as exc:
-        if run is not None:
-            run.fail(exc, traceback.format_exc())
-        if earlier:
+        if earlier:  # first: the run's end below may wait on MLflow, and a second Ctrl-C
             for f, a in zip(files, aside, strict=True):
                 if f.exists():
                     f.replace(f.with_name(f.name + ".failed"))
                 if a.exists():
                     a.replace(f)
+        if run is not None:
+            run.fail(exc, traceback.format_exc())
         if isinstance(exc, Exception) and not isinstance(exc, HpsearchError):
             # What a trial records as its error (say, batch_size 1 under BatchNorm: "Expected
             # more than 1 value per channel"): one line, as the worker's trial message.

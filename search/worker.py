@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.util
+import importlib.machinery
 import json
 import logging
 import math
@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -230,21 +231,28 @@ def _error_message(study: optuna.Study, trial: optuna.Trial) -> str:
 
 def check_train_fn(spec: str) -> None:
     """A launch's check of `--train-fn MODULE:FUNCTION` before its workers start, without
-    importing the module (its import may be heavy, or act): its form, and that the module
-    is found on this sys.path, which the workers share. Each worker restarted three times
-    on a typo. Raises HpsearchError."""
+    importing anything (a package's import may be heavy, or act): its form, and that its
+    top-level package is found where the workers look (`python -m` puts the current
+    folder first; the launcher's own sys.path starts with its console script's folder).
+    Each worker restarted three times on a typo. Raises HpsearchError."""
     if not spec:
         return
     module, _, name = spec.partition(":")
     if not module or not name:
         raise HpsearchError(f"--train-fn: {spec!r}: expected MODULE:FUNCTION")
+    top = module.split(".")[0]
+    if not top.isidentifier():
+        raise HpsearchError(f"--train-fn: {spec!r}: {module!r} is not a module name")
+    if top in sys.modules or top in sys.builtin_module_names:
+        return
+    where = [os.getcwd(), *(p for p in sys.path if p)]
     try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as exc:  # a parent package missing, a bad name
-        raise HpsearchError(f"--train-fn: {spec!r}: {type(exc).__name__}: {exc}") from exc
+        found = importlib.machinery.PathFinder.find_spec(top, where)
+    except Exception:  # an odd path entry: the workers' import will say
+        return
     if found is None:
         raise HpsearchError(
-            f"--train-fn: {spec!r}: no module named {module!r} on the Python path "
+            f"--train-fn: {spec!r}: no module named {top!r} on the Python path "
             "(PYTHONPATH, the current folder)"
         )
 

@@ -806,6 +806,10 @@ def test_an_option_optuna_deprecated_is_one_warning_at_load_naming_the_field(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make_sampler(cfg)
+        # The config a launch stored, as each worker reads it again: no second warning.
+        from hpsearch.config import config_from_yaml, config_to_yaml
+
+        config_from_yaml(config_to_yaml(cfg), "study tiny")
     # On the command line: one line, `warning: ...`, then the command's own error.
     code = "import sys; from hpsearch.cli import main; sys.argv[0] = 'hpsearch'; main()"
     args = ["launch", "--study", "tiny", "--workdir", str(tmp_path), "--no-tracking",

@@ -515,3 +515,30 @@ def test_a_killed_writers_temp_files_are_found_and_a_live_ones_are_not(tmp_path:
         os.utime(tmp_path / name, (now - age, now - age))
     assert stale_temp_files(tmp_path, now) == [tmp_path / names["dead_old"]]
     assert stale_temp_files(tmp_path / "none", now) == []
+
+
+def test_a_train_fn_is_looked_for_where_the_workers_look_without_importing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the installed `hpsearch` script's sys.path starts with its own folder, not
+    the current one that `python -m` gives the workers: a module beside the user was
+    refused. A package's import is never run (a broken one was a raw traceback)."""
+    from hpsearch.errors import HpsearchError
+    from hpsearch.worker import check_train_fn
+
+    (tmp_path / "mytrain_here.py").write_text("def train(*a):\n    pass\n")
+    (tmp_path / "brokenpkg_here").mkdir()
+    (tmp_path / "brokenpkg_here" / "__init__.py").write_text("def broken(:\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    check_train_fn("mytrain_here:train")
+    check_train_fn("brokenpkg_here.sub:train")  # found; its import is the workers' to fail
+    assert "brokenpkg_here" not in sys.modules
+    check_train_fn("json:loads")  # the standard library
+    for spec, said in (
+        ("nosuch_here:train", "no module named 'nosuch_here' on the Python path"),
+        ("mytrain_here", "expected MODULE:FUNCTION"),
+        ("my-train:train", "'my-train' is not a module name"),
+    ):
+        with pytest.raises(HpsearchError, match=said):
+            check_train_fn(spec)

@@ -642,12 +642,12 @@ def test_ui_on_a_folder_a_search_serves_says_its_port_was_not_used(
         out = hpsearch(["ui", "--workdir", str(tmp_path), "--port", str(other)], subprocess_env)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == (
-            f"MLflow UI: {server.url} (already served for a running search or worker; "
+            f"MLflow UI: {server.url} (already served for a running search, worker or train; "
             f"--port {other} not used: one server per work folder's store)"
         )
         out = hpsearch(["ui", "--workdir", str(tmp_path)], subprocess_env)  # the default port
         assert out.stdout.strip() == (
-            f"MLflow UI: {server.url} (already served for a running search or worker)"
+            f"MLflow UI: {server.url} (already served for a running search, worker or train)"
         ), out.stderr
         assert server.is_running()  # left to its user
     finally:

@@ -118,3 +118,57 @@ def test_a_train_run_that_fails_is_a_failed_run_with_its_error(
         run_fixed(cfg, '{"lr": 0.05}', None, None, tmp_path, "cpu", None,
                   tracking_uri="http://127.0.0.1:9")  # fmt: skip
     assert not (tmp_path / "train").exists()
+
+
+def test_a_train_run_stopped_by_sigterm_ends_killed_and_stops_its_server(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Review: SIGTERM or a closed terminal (SIGHUP) left the server `train` started running
+    with no live user, and its run RUNNING for good; only Ctrl-C unwound. A run of `--trial
+    N` says which trial it reproduces. A missing dataset starts no server and makes no run."""
+    import signal
+    import subprocess
+    import sys
+
+    from cli_util import DUMMY
+
+    work = tmp_path / "w"
+    out = hpsearch(["launch", "--study", "tiny", "--trials", "1", "--workdir", str(work),
+                    "--train-fn", DUMMY, "--no-tracking"], subprocess_env)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    args = ["train", "--study", "tiny", "--trial", "0", "--set", "budget.max_epochs=4",
+            "--workdir", str(work), "--device", "cpu"]  # fmt: skip
+    missing = hpsearch([*args, "--data-dir", str(tmp_path / "none")], subprocess_env)
+    assert missing.returncode == 65, missing.stdout + missing.stderr
+    assert "MLflow" not in missing.stdout and not (work / "mlflow").exists()
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", *args], env=subprocess_env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("epoch 1:"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    shown = "".join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, shown
+    assert "train: stopped by signal 15" in shown, shown
+    assert running_server_url(work) is None, shown  # it was this run's: stopped
+    run_id = next(ln.split()[2] for ln in lines if ln.startswith("MLflow run "))
+    server = start_local_server(work)
+    try:
+        client = MlflowClient(tracking_uri=server.url)
+        run = client.get_run(run_id)
+        assert run.info.status == "KILLED" and run.info.run_name == "trial-0"
+        assert run.data.tags["hpsearch.reproduces_trial"] == "0"
+        assert run.data.tags["hpsearch.outcome"] == "interrupted"
+        assert [m.step for m in client.get_metric_history(run_id, "val_acc")] == [1]
+    finally:
+        server.stop()
