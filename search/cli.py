@@ -406,9 +406,10 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         gpu_list = gpus_through_mask(gpu_list)  # the ids each worker's mask must name
     spec = resolve_storage(storage, workdir)
     if not train_fn:
-        from hpsearch.runner import check_dataset
+        from hpsearch.runner import check_dataset, check_weights
 
         check_dataset(cfg, light=True)  # each worker checks fully
+        check_weights(cfg)
     else:
         from hpsearch.worker import check_train_fn
 
@@ -679,9 +680,10 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     _check_device(device)
     spec = resolve_storage(storage, workdir)
     if not train_fn:
-        from hpsearch.runner import check_dataset
+        from hpsearch.runner import check_dataset, check_weights
 
         check_dataset(cfg)  # a DatasetError: exit 65, as a trial's (below)
+        check_weights(cfg)
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
     if uri and not await_study_run:
         # A worker of its own (a launch's workers wait for the run it checked): a folder,
@@ -997,6 +999,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     from hpsearch.runner import (
         TrainServer,
         check_dataset,
+        check_weights,
         ensure_workdir,
         fixed_params,
         run_fixed,
@@ -1014,6 +1017,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     # Its errors before a server starts and a run is made for nothing.
     fixed_params(cfg, params_json, trial_number, storage, workdir)
     check_dataset(cfg, light=True)
+    check_weights(cfg)
     if uri is not None:
         check_tracking_uri(uri)
     server = TrainServer(workdir) if not no_tracking and uri is None else None

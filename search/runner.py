@@ -70,6 +70,35 @@ def check_dataset(cfg: StudyConfig, light: bool = False) -> None:
         get_source(cfg, split)
 
 
+def check_weights(cfg: StudyConfig) -> None:
+    """`model.weights` against every arch the study trains (the default's, or each searched
+    choice), before any worker starts: a file of another architecture failed every trial
+    alike, three in a row per worker and three restarts (twelve failed trials for a budget
+    of one). Loads torch and the file once per arch. Raises ConfigError."""
+    if not cfg.model.weights:
+        return
+    import torchvision
+    from hpsearch.config import CategoricalParam
+    from hpsearch.trainer.models import load_weights_file
+
+    space = cfg.search_space.get("arch")
+    searched = isinstance(space, CategoricalParam)
+    arches = [str(c) for c in space.choices] if searched else [cfg.resolve_params({}).arch]
+    path = Path(cfg.model.weights).expanduser()
+    src = cfg.source or cfg.name
+    for arch in dict.fromkeys(arches):
+        model = torchvision.models.get_model(arch, weights=None)
+        try:
+            load_weights_file(model, path)
+        except ConfigError as exc:
+            which = (
+                f"arch {arch} (searched: one weights file serves one arch)"
+                if searched
+                else (f"arch {arch}")
+            )
+            raise ConfigError(f"{src}: {exc} (for {which})") from exc
+
+
 def trial_config(
     cfg: StudyConfig,
     storage: str | None,

@@ -1008,6 +1008,37 @@ def test_a_grid_study_trains_its_grid_and_ends_cleanly(
     assert "Traceback" not in log and "Cannot tell" not in log, log
 
 
+def test_a_weights_file_of_another_model_is_refused_before_any_worker(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: a resnet34 (or a broken) `model.weights` file in a resnet18 study failed every
+    trial, three in a row per worker and three restarts: twelve failed trials for a budget
+    of one. It is checked once, against each arch the study trains, before any worker."""
+    import torch
+    import torchvision
+    from hpsearch.config import load_config
+    from hpsearch.errors import ConfigError
+    from hpsearch.runner import check_weights
+
+    other = tmp_path / "linear.pth"
+    torch.save(torch.nn.Linear(2, 2).state_dict(), other)
+    r = hpsearch(["launch", "--study", "tiny", "--workdir", str(tmp_path / "w"), "--no-tracking",
+                  "--set", f"model.weights={other}"], subprocess_env)  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.strip().endswith(
+        f"tiny.yaml: model.weights: {other}: does not match the model (100 missing keys, 2 "
+        "unexpected, e.g. conv1.weight) (for arch resnet18)"
+    ), r.stderr
+    assert not (tmp_path / "w" / "logs").exists()  # no worker started
+    mine = tmp_path / "r18.pth"
+    torch.save(torchvision.models.resnet18(num_classes=5).state_dict(), mine)
+    check_weights(load_config("tiny", [f"model.weights={mine}"]))  # its own arch: fine
+    searched = [f"model.weights={mine}",
+                "search_space.arch={type: categorical, choices: [resnet18, mobilenet_v3_small]}"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"mobilenet_v3_small \(searched: one weights file"):
+        check_weights(load_config("tiny", searched))
+
+
 def test_a_worker_joins_a_study_by_its_name_with_the_launchs_config_and_is_told_of_its_own(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
