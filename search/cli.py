@@ -979,7 +979,11 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
     help="Take the params of trial N of the study in --storage.",
 )
 @click.option(
-    "--seed", type=click.IntRange(0, 2**32 - 1), default=None, help="Seed (default: the study's)."
+    "--seed",
+    type=click.IntRange(0, 2**32 - 1),
+    default=None,
+    help="Seed (default: trial N's with --trial, as its worker seeded it; else the study's "
+    "trainer.seed).",
 )
 @_edge
 def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
@@ -1009,7 +1013,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
 
     _check_tracking(tracking_uri, no_tracking)
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
-    cfg = _load(study, overrides, data_dir, download)
+    cfg = _load(study, overrides, data_dir, download, stored=(storage, workdir))
     ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     _check_device(device)
     if trial_number is not None and params_json is None:  # run_fixed refuses both

@@ -188,6 +188,17 @@ def fixed_params(
     return params
 
 
+def trial_seed(cfg: StudyConfig, trial_number: int, storage: str | None, workdir: Path) -> int:
+    """The seed trial N trained with: `trainer.seed` plus its retry chain's first trial's
+    number, as its worker gave it (`train --trial N` with the study's seed was another
+    run: its values differed from the trial's from the first epoch on)."""
+    from hpsearch.query import load_study
+    from hpsearch.worker import root_trial_number
+
+    trial = _trial(load_study(cfg.name, storage, workdir), trial_number)
+    return int(cfg.trainer.seed) + root_trial_number(trial)
+
+
 def trial_params(trial: FrozenTrial, cfg: StudyConfig) -> dict[str, Any]:
     """The parameters trial N trained with, or will: those it drew, over those fixed for it
     (`study.enqueue_trial`, a retry's: Optuna keeps them in system_attrs until the trial
@@ -257,6 +268,8 @@ def run_fixed(
     from hpsearch.trainer.trial import best_model_path_for
 
     params = fixed_params(cfg, params_json, trial_number, storage, workdir)
+    if seed is None and trial_number is not None and params_json is None:
+        seed = trial_seed(cfg, trial_number, storage, workdir)
     label = f"trial-{trial_number}" if trial_number is not None else "fixed"
     run = None
     if tracking_uri is not None:

@@ -449,6 +449,33 @@ def test_train_trial_n_takes_an_enqueued_trials_params_and_refuses_none(tmp_path
         fixed_params(cfg, None, 1, None, tmp_path)
 
 
+def test_train_trial_n_takes_its_seed_and_its_study_by_name_alone(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: `train --trial 2` trained with the study's seed, not trial 2's (`trainer.seed` +
+    its retry chain's first trial), so it reproduced nothing; and it needed a study file,
+    where `status` takes the stored name."""
+    from hpsearch.config import load_config
+    from hpsearch.runner import trial_seed
+    from hpsearch.study import CONFIG_ATTR, config_to_yaml
+
+    cfg = load_config("tiny", ["name=team", "trainer.seed=100"])
+    study = _journal_study(tmp_path, "team", direction="maximize")
+    study.set_user_attr(CONFIG_ATTR, config_to_yaml(cfg))
+    lr = {"lr": optuna.distributions.FloatDistribution(1e-3, 0.5, log=True)}
+    for _ in range(3):
+        study.add_trial(create_trial(value=0.5, params={"lr": 0.1}, distributions=lr))
+    study.add_trial(create_trial(value=0.6, params={"lr": 0.1}, distributions=lr,
+                                 system_attrs={"failed_trial": 1}))  # fmt: skip  (a retry of 1)
+    assert [trial_seed(cfg, n, None, tmp_path) for n in (0, 2, 3)] == [100, 102, 101]
+    out = hpsearch(["train", "--study", "team", "--trial", "3", "--workdir", str(tmp_path),
+                    "--no-tracking", "--data-dir", str(tmp_path / "none")],
+                   subprocess_env, cwd=tmp_path)  # fmt: skip
+    # Past the study's name (no file has it): stopped at its data, not "no such study file".
+    assert out.returncode == 65, out.stderr
+    assert "flowers-102 not found or incomplete" in out.stderr
+
+
 def test_a_trial_queued_by_hand_runs_first_once_and_within_the_budget(
     pg_url: str, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
