@@ -465,8 +465,11 @@ def test_train_trial_n_takes_its_seed_and_its_study_by_name_alone(
     lr = {"lr": optuna.distributions.FloatDistribution(1e-3, 0.5, log=True)}
     for _ in range(3):
         study.add_trial(create_trial(value=0.5, params={"lr": 0.1}, distributions=lr))
-    study.add_trial(create_trial(value=0.6, params={"lr": 0.1}, distributions=lr,
-                                 system_attrs={"failed_trial": 1}))  # fmt: skip  (a retry of 1)
+    study.add_trial(
+        create_trial(
+            value=0.6, params={"lr": 0.1}, distributions=lr, system_attrs={"failed_trial": 1}
+        )
+    )  # fmt: skip  (a retry of 1)
     assert [trial_seed(cfg, n, None, tmp_path) for n in (0, 2, 3)] == [100, 102, 101]
     out = hpsearch(["train", "--study", "team", "--trial", "3", "--workdir", str(tmp_path),
                     "--no-tracking", "--data-dir", str(tmp_path / "none")],
