@@ -469,7 +469,7 @@ def test_train_trial_n_takes_its_seed_and_its_study_by_name_alone(
         create_trial(
             value=0.6, params={"lr": 0.1}, distributions=lr, system_attrs={"failed_trial": 1}
         )
-    )  # fmt: skip  (a retry of 1)
+    )  # a retry of trial 1
     assert [trial_seed(cfg, n, None, tmp_path) for n in (0, 2, 3)] == [100, 102, 101]
     out = hpsearch(["train", "--study", "team", "--trial", "3", "--workdir", str(tmp_path),
                     "--no-tracking", "--data-dir", str(tmp_path / "none")],
