@@ -672,11 +672,13 @@ def pruning_note(cfg: StudyConfig) -> str | None:
                 f"pruner.options.max_resource: {high}: above budget.max_epochs ({epochs}): "
                 "Hyperband's brackets are sized for trials longer than any trains"
             )
-    if first is not None and first[1] > epochs:
+    # No trial is pruned at its last epoch (reporting.TrialReports: it trained to its end).
+    if first is not None and first[1] >= epochs:
+        when = "after" if first[1] > epochs else "at"
         return (
             f"pruner.options.{first[0]}: {opts.get(first[0], first[1])!r}: the pruner's first "
-            f"decision comes at epoch {first[1]}, after budget.max_epochs ({epochs}): no "
-            "trial will be pruned"
+            f"decision comes at epoch {first[1]}, {when} budget.max_epochs ({epochs}), whose "
+            "trials have trained to their end: no trial will be pruned"
         )
     return None
 

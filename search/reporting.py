@@ -122,8 +122,13 @@ class TrialReports:
     """
 
     def __init__(
-        self, study: optuna.Study, trial: optuna.Trial, db: Db, max_age_s: float = VIEW_MAX_AGE_S
-    ) -> None:
+        self, study: optuna.Study, trial: optuna.Trial, db: Db, max_age_s: float = VIEW_MAX_AGE_S,
+        last_step: int | None = None,
+    ) -> None:  # fmt: skip
+        """`last_step`: the trial's last epoch (budget.max_epochs), whose value is recorded
+        but never judged: a trial pruned there had paid for every epoch, and lost its
+        value, its best model and its place among the completed (as plain Optuna does)."""
+        self._last_step = last_step
         self._study = study
         self._trial = trial
         self._db = db
@@ -182,6 +187,8 @@ class TrialReports:
             cached.intermediate_values[step] = value
             storage, tid = self._study._storage, self._trial._trial_id
             self._submit((lambda: storage.set_trial_intermediate_value(tid, step, value), "report"))
+        if self._last_step is not None and step >= self._last_step:
+            return False  # trained to its end: nothing left to save
 
         def decide() -> bool:
             frozen = copy.copy(cached)

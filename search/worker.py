@@ -1333,7 +1333,7 @@ def run_trial(
         if tracking is not None:
             tracking.trial_training()
         handed_over = time.perf_counter()
-        reports = TrialReports(study, trial, db)
+        reports = TrialReports(study, trial, db, last_step=cfg.budget.max_epochs)
         try:
             # Every reported value is in the database before the trial is told, whatever
             # the outcome: the reports' close() waits for their writes.

@@ -326,7 +326,7 @@ def test_a_missing_section_is_named_without_the_dict_around_it(tmp_path: Path) -
             "search_space.label_smoothing={type: float, low: 0.05, high: 0.2, "
             "when: {mixup_alpha: 0.0, cutmix_alpha: 1.0}}",
         ],
-        ["pruner.options={n_warmup_steps: 2}"],  # decides at the last epoch: it can prune
+        ["pruner.options={n_warmup_steps: 2}"],  # decides at the last epoch: none pruned
         ["pruner={name: hyperband, options: {min_resource: 10}}"],  # prunes none: a note
     ],
 )
@@ -349,11 +349,18 @@ def test_every_sampler_and_pruner_passes_its_made_up_trials_quietly(
     ("sets", "note"),
     [
         ([], None),  # median, n_warmup_steps 1 (the default): decides from epoch 1
-        (["pruner.options={n_warmup_steps: 2}"], None),  # at the last epoch: it can prune
+        (  # at the last epoch, where no trial is pruned (it has trained to its end)
+            ["pruner.options={n_warmup_steps: 2}"],
+            "pruner.options.n_warmup_steps: 2: the pruner's first decision comes at epoch 2, "
+            "at budget.max_epochs (2), whose trials have trained to their end: no trial will "
+            "be pruned",
+        ),
+        (["pruner.options={n_warmup_steps: 2}", "budget.max_epochs=3"], None),
         (
             ["pruner.options={n_warmup_steps: 3}"],
             "pruner.options.n_warmup_steps: 3: the pruner's first decision comes at epoch 3, "
-            "after budget.max_epochs (2): no trial will be pruned",
+            "after budget.max_epochs (2), whose trials have trained to their end: no trial "
+            "will be pruned",
         ),
         (
             ["pruner={name: asha, options: {min_resource: 1, min_early_stopping_rate: 1}}"],

@@ -364,3 +364,23 @@ def test_a_retry_reporting_its_last_restored_epoch_decides_as_optuna(
     assert (values, rungs) == _stored(optunas, a._trial_id)
     if pruner == "median":
         assert got  # a stored 0.99 would have let it go on
+
+
+def test_no_trial_is_pruned_at_its_last_epoch(tmp_path: Path) -> None:
+    """QA: a trial pruned at budget.max_epochs had paid for every epoch and lost its value,
+    its best model and its place among the completed (as plain Optuna does it). Its last
+    value is recorded, never judged; an earlier epoch is judged as Optuna's pruner does."""
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0)
+    study = optuna.create_study(storage=open_storage(spec), direction="maximize", pruner=pruner)
+    for _ in range(2):
+        good = study.ask()
+        for epoch in (1, 2, 3):
+            good.report(0.9, epoch)
+        study.tell(good, 0.9)
+    poor = study.ask()
+    with TrialReports(study, poor, _db, last_step=3) as reports:
+        assert [reports.report(epoch, 0.1) for epoch in (2, 3)] == [True, False]
+    assert study._storage.get_trial(poor._trial_id).intermediate_values == {2: 0.1, 3: 0.1}
+    poor.report(0.1, 3)  # Optuna's own, on the same values: pruned there
+    assert poor.should_prune()
