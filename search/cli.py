@@ -1030,6 +1030,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
 
     def epoch_done(r: Any) -> None:
         click.echo(f"epoch {r.epoch}: train_loss {r.train_loss:.4f} train_acc {r.train_acc:.4f} "
+                   + (f"val_loss {r.val_loss:.4f} " if r.val_loss is not None else "")
                    + (f"val_acc {r.val_acc:.4f} " if r.val_acc is not None else "")
                    + f"lr {r.lr:.4g} {r.images_per_second:.0f} img/s")  # fmt: skip
         if server is not None and (said := server.keep()):
@@ -1054,7 +1055,8 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
             on_run=lambda run_id: click.echo(f"MLflow run {run_id} at {shown}"),
         )  # fmt: skip
         click.echo(
-            f"{result.stop_reason}: best_val_acc {result.best_val_acc} test_acc {result.test_acc} "
+            f"{result.stop_reason}: best_val_acc {result.best_val_acc} "
+            f"best_val_loss {result.best_val_loss} test_acc {result.test_acc} "
             f"epochs {result.epochs_run} best model {result.best_model_path}"
             # The resume checkpoint is deleted once the run finished: named only while kept.
             + (f" checkpoint {result.checkpoint_path}" if result.checkpoint_path else "")

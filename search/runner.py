@@ -181,7 +181,12 @@ def fixed_params(
     if params_json is None:
         return {}
     params = params_from_json(params_json)
-    cfg.resolve_params(params, given_by="--params")  # the study's rules for names and values
+    hp = cfg.resolve_params(params, given_by="--params")  # the study's rules for names, values
+    if hp.batch_size < 2:  # as a study file's: it failed at the first step, a raw torch error
+        raise ConfigError(
+            f"--params: batch_size: {hp.batch_size}: must be >= 2: batch norm cannot train on "
+            "batches of one image"
+        )
     unknown = sorted(set(params) - set(cfg.fixed_params()))
     if unknown:
         raise ConfigError(f"--params: {', '.join(unknown)}: unknown hyperparameter")

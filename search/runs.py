@@ -372,6 +372,8 @@ class TrialRun:
         summary = self._gpu_summary()
         if result.best_val_acc is not None:
             summary["best_val_acc"] = float(result.best_val_acc)
+        if result.best_val_loss is not None:  # a val_loss study's value (QA: nowhere in MLflow)
+            summary["best_val_loss"] = float(result.best_val_loss)
         if result.test_acc is not None:
             summary["test_acc"] = float(result.test_acc)
         summary["train_seconds"] = float(result.train_seconds)
@@ -545,6 +547,8 @@ class FixedRun:
         summary = self._gpu_summary()
         if result.best_val_acc is not None:
             summary["best_val_acc"] = float(result.best_val_acc)
+        if result.best_val_loss is not None:  # a val_loss study's value (QA: nowhere in MLflow)
+            summary["best_val_loss"] = float(result.best_val_loss)
         if result.test_acc is not None:
             summary["test_acc"] = float(result.test_acc)
         summary["train_seconds"] = float(result.train_seconds)

@@ -71,7 +71,7 @@ EPOCH_METRICS = (
     "epoch_seconds",
     "images_per_second",
 )
-SUMMARY_METRICS = ("best_val_acc", "test_acc")
+SUMMARY_METRICS = ("best_val_acc", "best_val_loss", "test_acc")
 
 OUTCOME_STATUS: Mapping[str, str] = {
     "completed": "FINISHED",

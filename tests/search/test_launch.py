@@ -153,6 +153,11 @@ def test_relaunch_resumes_and_independent_worker_joins(
         {
             "name": "tiny",
             "n_trials": 12,
+            "counts": {
+                state.name.lower(): n
+                for state in TrialState
+                if (n := sum(1 for t in study.get_trials() if t.state == state))
+            },
             "directions": ["maximize"],
             "best_value": best_v,
             "best_trial": best_n,
@@ -474,6 +479,11 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
         (
             ["train", "--study", "tiny", "--params", "{bad json"],
             "--params: '{bad json': not valid JSON",
+        ),
+        # QA: a raw "Expected more than 1 value per channel" from torch after the set-up.
+        (
+            ["train", "--study", "tiny", "--params", '{"batch_size": 1}', "--no-tracking"],
+            "--params: batch_size: 1: must be >= 2: batch norm cannot train on batches of one",
         ),
         # It loaded the study named by --trial first: "study 'tiny' not found".
         (

@@ -68,6 +68,8 @@ def _check_train_runs(client: MlflowClient, name: str, runs: list[str]) -> None:
         history = client.get_metric_history(run.info.run_id, "val_acc")
         assert [m.step for m in history] == epochs
         assert run.data.metrics["best_val_acc"] == max(m.value for m in history)
+        losses = client.get_metric_history(run.info.run_id, "val_loss")
+        assert run.data.metrics["best_val_loss"] in [m.value for m in losses]
         files = {a.path for a in client.list_artifacts(run.info.run_id)}
         assert {"checkpoint", "learning_curve.png", "confusion_matrix.png"} <= files
         (best,) = client.list_artifacts(run.info.run_id, "checkpoint")

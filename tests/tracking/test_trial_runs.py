@@ -253,6 +253,7 @@ def test_a_run_kept_offline_takes_its_best_model_to_the_run_made_later(
     made = client.search_runs([experiment.experiment_id], f"tags.`{RUN_KEY_TAG}` = '{key}'")
     assert len(made) == 1 and made[0].info.status == "FINISHED"
     assert made[0].data.metrics["best_val_acc"] == 0.8
+    assert made[0].data.metrics["best_val_loss"] == 1.0  # a val_loss study's value
     uploaded = [a.path for a in client.list_artifacts(made[0].info.run_id, "checkpoint")]
     assert uploaded == ["checkpoint/best.pt"]
     assert list(folder.glob(f"{SNAPSHOT_PREFIX}*")) == [] and best.exists()
