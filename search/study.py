@@ -56,6 +56,7 @@ LATE_RUN_ATTR = "mlflow_run_id.{number}"
 # Optuna constraint set on every trial: > 0 (infeasible) for out-of-memory trials, so that
 # constrained samplers (TPE, NSGA-II, GP) learn the memory boundary.
 MEMORY_CONSTRAINT = "memory"
+CONSTRAINED_SAMPLERS = frozenset({"tpe", "nsga2", "gp"})  # those that read it
 
 
 _PLAIN_TYPES: dict[str, Callable[[Any], bool]] = {

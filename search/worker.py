@@ -62,6 +62,7 @@ from hpsearch.study import (
     ATTR_UNFIT,
     CONFIG_ATTR,
     CONFIG_ID_ATTR,
+    CONSTRAINED_SAMPLERS,
     LATE_RUN_ATTR,
     MEMORY_CONSTRAINT,
     budget_counts,
@@ -1526,7 +1527,9 @@ def _tell(
             run.finish_result(result)
         return reason
     infeasible = 1.0 if reason == "out_of_memory" else 0.0
-    constraint = {MEMORY_CONSTRAINT: infeasible}
+    # Only for the samplers that read it: CMA-ES warned on every trial that it does not.
+    learns = cfg.sampler.name in CONSTRAINED_SAMPLERS
+    constraint = {MEMORY_CONSTRAINT: infeasible} if learns else {}
     _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs, constraint))
     values = objective_values(cfg, result.best_val_acc, result.best_val_loss, result.train_seconds)
     unvalued = values is None  # trained to its end with no value: told PRUNED

@@ -1018,6 +1018,26 @@ def test_a_grid_study_trains_its_grid_and_ends_cleanly(
     assert "Traceback" not in log and "Cannot tell" not in log, log
 
 
+def test_the_memory_constraint_goes_only_to_samplers_that_read_it(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: every CMA-ES trial logged Optuna's "Constraints have been set, but CmaEsSampler
+    will not use them": hpsearch's own out-of-memory constraint, on every trial."""
+    from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
+
+    for sampler in ("cmaes", "tpe"):
+        work = tmp_path / sampler
+        r = hpsearch(["launch", "--study", "tiny", "--trials", "4", "--workdir", str(work),
+                      "--train-fn", DUMMY, "--no-tracking", "--set",
+                      f"sampler={{name: {sampler}, seed: 0}}"], subprocess_env)  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+        log = (work / "logs" / "tiny-worker-0.log").read_text()
+        assert "Constraints have been set" not in log, log
+        trials = hps.load_study("tiny", workdir=work).get_trials()
+        constrained = [t for t in trials if f"{_CONSTRAINTS_KEY}:memory" in t.system_attrs]
+        assert len(constrained) == (4 if sampler == "tpe" else 0), sampler
+
+
 def test_a_weights_file_of_another_model_is_refused_before_any_worker(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
