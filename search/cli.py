@@ -240,7 +240,12 @@ def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     """The study file's config, with --set and --trials on top. `stored` (storage, workdir):
     a plain name that no study file has may be a study in that storage, whose stored
     config is taken (`runner.stored_config`: a worker joining by the study's name)."""
+    import optuna
     from hpsearch.config import find_study_file, load_config, parse_overrides
+
+    # Optuna's "[I ...] A new study created" / "Using an existing study" lines: the
+    # commands say what they open in their own words, and an error stays one line.
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
 
     sets = list(overrides)
     if trials is not None:
