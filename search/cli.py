@@ -378,7 +378,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         from hpsearch.errors import ConfigError
 
         raise ConfigError(f"--max-per-gpu {max_per_gpu}: only with --workers auto")
-    from hpsearch.config import config_to_yaml, pruning_note
+    from hpsearch.config import config_to_yaml, pruning_note, warmup_note
     from hpsearch.launcher import (
         Launcher,
         LaunchOptions,
@@ -400,8 +400,9 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
     cfg = _load(study, overrides, data_dir, download, trials)
     ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
-    if (note := pruning_note(cfg)) is not None:
-        click.echo(f"note: {note}", err=True)
+    for note in (pruning_note(cfg), warmup_note(cfg)):
+        if note is not None:
+            click.echo(f"note: {note}", err=True)
     gpu_list = parse_gpus(gpus)
     if gpu_list or device == "cuda":
         import torch

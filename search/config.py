@@ -461,6 +461,9 @@ def _check_space(cfg: StudyConfig, src: str, stored: bool = False) -> None:
             wanted = cond_value if isinstance(cond_value, list) else [cond_value]
             if not wanted and not stored:
                 raise ConfigError(f"{src}: {cfield}: []: needs at least one value")
+            twice = [w for i, w in enumerate(wanted) if w in wanted[:i]]
+            if twice and not stored:  # as a choice given twice: a typo for another value
+                raise ConfigError(f"{src}: {cfield}: {twice[0]!r}: given twice")
             for w in wanted:
                 if w not in seen[cond_name]:
                     raise ConfigError(
@@ -645,6 +648,30 @@ def _sampling_needs(
     return out
 
 
+def warmup_note(cfg: StudyConfig) -> str | None:
+    """A warm-up as long as the budget's epochs (`warmup_epochs: 10` with `max_epochs: 3`):
+    the learning rate only ever ramps up; not an error (a quick run of a long study), but
+    a launch says so. None when none is."""
+    epochs = cfg.budget.max_epochs
+    spec = cfg.search_space.get("warmup_epochs")
+    if isinstance(spec, FloatParam | IntParam):
+        if spec.low >= epochs:
+            return (
+                f"search_space.warmup_epochs.low: {spec.low}: at or past budget.max_epochs "
+                f"({epochs}): every trial's learning rate only ramps up"
+            )
+        return None
+    if spec is not None:  # categorical: each choice
+        return None
+    warm = cfg.trainer.defaults.warmup_epochs
+    if warm >= epochs:
+        return (
+            f"trainer.defaults.warmup_epochs: {warm:g}: at or past budget.max_epochs "
+            f"({epochs}): the learning rate only ramps up"
+        )
+    return None
+
+
 def pruning_note(cfg: StudyConfig) -> str | None:
     """Why the study's pruner will prune no trial with this epoch budget, or None. Not an
     error: a quick run of a long study (`--set budget.max_epochs=2`) is fine unpruned, but
@@ -683,9 +710,52 @@ def pruning_note(cfg: StudyConfig) -> str | None:
     return None
 
 
+# What makes the trainer read a hyperparameter it may ignore (`unused_hyperparams`).
+READ_ONLY_WITH = {
+    "label_smoothing": "loss label_smoothing",
+    "focal_gamma": "loss focal",
+    "momentum": "optimizer sgd",
+    "augment_strength": "an augment other than none and flip",
+}
+
+
+def _check_read(cfg: StudyConfig, src: str) -> None:
+    """A searched parameter the trainer never reads, under its `when` and what the study
+    draws or fixes of loss, optimizer and augment (label_smoothing searched with
+    `when: {loss: focal}`): its values took no part in any trial, and the sampler modelled
+    them as if they did."""
+    import itertools
+
+    governing = ("loss", "optimizer", "augment")
+    for name, spec in cfg.search_space.items():
+        if name not in READ_ONLY_WITH:
+            continue
+        options: list[list[Any]] = []
+        for g in governing:
+            gspec = cfg.search_space.get(g)
+            if g in (spec.when or {}):
+                value = (spec.when or {})[g]
+                options.append(value if isinstance(value, list) else [value])
+            elif isinstance(gspec, CategoricalParam):
+                options.append(list(gspec.choices))
+            else:
+                options.append([getattr(cfg.trainer.defaults, g)])
+        combos = [dict(zip(governing, c, strict=True)) for c in itertools.product(*options)]
+        if all(
+            name in unused_hyperparams(cfg.trainer.defaults.model_copy(update=combo))
+            for combo in combos
+        ):
+            raise ConfigError(
+                f"{src}: search_space.{name}: searched but never read: the trainer reads it "
+                f"only with {READ_ONLY_WITH[name]}, which no trial of this study has"
+                + (f" under its when {spec.when!r}" if spec.when else "")
+            )
+
+
 def _check_new_file(cfg: StudyConfig, src: str) -> None:
     """Rules of a study file that a study's stored config (`config_from_yaml`) is spared:
     its trials ran under the rules of their day, and it must keep loading."""
+    _check_read(cfg, src)
     reserved = {"seed": "set sampler.seed; each worker draws from a seed derived from it",
                 "search_space": "the grid is the search_space's values"}  # fmt: skip
     for key, why in reserved.items():
@@ -1186,9 +1256,11 @@ def blame_override(message: str, src: str, overrides: Sequence[str]) -> str:
     # A sibling's --set made the file's value wrong (search_space.lr.type=int: lr.low's
     # 0.001 is no whole number): named too, as what came after the file.
     parent = field.rpartition(".")[0]
+    # (A top-level section's only where its name gives its options their meaning.)
+    coupled = "." in parent or parent in ("sampler", "pruner")
     for item in reversed(overrides):
         key = item.partition("=")[0].strip()
-        if "." in parent and key.rpartition(".")[0] == parent:
+        if coupled and key.rpartition(".")[0] == parent:
             return f"{message} (after --set {item})"
     return message
 

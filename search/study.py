@@ -223,7 +223,7 @@ def _make_pruner(cfg: StudyConfig) -> optuna.pruners.BasePruner:
     epochs = cfg.budget.max_epochs
     if p.name == "none":
         if p.options:
-            raise TypeError("pruner 'none' takes no options")
+            raise TypeError("pruner 'none' takes no options: make pruner.options {}")
         return optuna.pruners.NopPruner()
     if p.name == "median":
         cls: type = optuna.pruners.MedianPruner

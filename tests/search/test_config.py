@@ -323,7 +323,7 @@ def test_a_missing_section_is_named_without_the_dict_around_it(tmp_path: Path) -
             "search_space.mixup_alpha={type: categorical, choices: [0, 0.2]}",
             "search_space.cutmix_alpha={type: categorical, choices: [0.0, 1.0], "
             "when: {mixup_alpha: 0}}",
-            "search_space.label_smoothing={type: float, low: 0.05, high: 0.2, "
+            "search_space.warmup_epochs={type: float, low: 0.1, high: 1.0, "
             "when: {mixup_alpha: 0.0, cutmix_alpha: 1.0}}",
         ],
         ["pruner.options={n_warmup_steps: 2}"],  # decides at the last epoch: none pruned
@@ -385,6 +385,32 @@ def test_a_pruner_that_prunes_nothing_in_the_budget_gets_a_note(
     unpruned; `launch` prints the note."""
     got = pruning_note(load_config(write(tmp_path, GOOD), sets))
     assert got == note if note is None else (got is not None and got.startswith(note)), got
+
+
+def test_a_set_that_made_the_files_pruner_options_wrong_is_named_with_the_way_out() -> None:
+    """QA: no word of the --set that made the file's options wrong, nor of the way out."""
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", ["pruner.name=none"])
+    assert str(info.value).endswith(
+        "pruner 'none' takes no options: make pruner.options {} (after --set pruner.name=none)"
+    ), info.value
+
+
+def test_a_warm_up_as_long_as_the_budget_gets_a_note(tmp_path: Path) -> None:
+    """QA: `warmup_epochs: 10` with `max_epochs: 3` trained without a word; the learning
+    rate only ever ramps up."""
+    from hpsearch.config import warmup_note
+
+    note = warmup_note(load_config(write(tmp_path, GOOD), ["trainer.defaults.warmup_epochs=2"]))
+    assert note == (
+        "trainer.defaults.warmup_epochs: 2: at or past budget.max_epochs (2): the learning "
+        "rate only ramps up"
+    )
+    assert warmup_note(load_config(write(tmp_path, GOOD))) is None  # 1 of 2 epochs
+    searched = ["search_space.warmup_epochs={type: float, low: 3, high: 5}"]
+    assert "search_space.warmup_epochs.low: 3.0: at or past" in str(
+        warmup_note(load_config(write(tmp_path, GOOD), searched))
+    )
 
 
 def test_a_bad_value_from_the_file_itself_names_no_override(tmp_path: Path) -> None:
@@ -597,8 +623,8 @@ def test_shipped_studies_found_outside_the_repo(
         (
             [
                 "sampler={name: cmaes, options: {sigma0: .inf}}",
+                "search_space.focal_gamma=null",
                 "search_space.loss={type: categorical, choices: [ce]}",
-                "search_space.focal_gamma.when={loss: ce}",
             ],
             r"sampler.options.sigma0: inf: must be finite",
         ),
@@ -627,6 +653,31 @@ def test_shipped_studies_found_outside_the_repo(
         (["source=/x.yaml"], r"source: unknown key \(hpsearch sets it"),
         # It names files: the error blamed --workdir ("File name too long").
         ([f"name={'a' * 201}"], r"name: a{20}\.\.\. \(201 characters\): must be at most 200"),
+        # QA: accepted; a value given twice in a `when` is a typo for another, as a choice.
+        (["search_space.focal_gamma.when={loss: [focal, focal]}"], r"when.loss: 'focal': given"),
+        # QA: searched dimensions the trainer never reads under their `when` or the study.
+        (
+            [
+                "search_space.label_smoothing={type: float, low: 0.05, high: 0.2, "
+                "when: {loss: focal}}"
+            ],
+            r"search_space.label_smoothing: searched but never read: the trainer reads it only "
+            r"with loss label_smoothing, which no trial of this study has under its when",
+        ),
+        (
+            [
+                "trainer.defaults.optimizer=adamw",
+                "search_space.momentum={type: float, low: 0.8, high: 0.99}",
+            ],
+            r"search_space.momentum: searched but never read: .* only with optimizer sgd",
+        ),
+        (
+            [
+                "trainer.defaults.augment=flip",
+                "search_space.augment_strength={type: float, low: 0.1, high: 1.0}",
+            ],
+            r"augment_strength: searched but never read: .* other than none and flip",
+        ),
     ],
 )
 def test_a_search_that_would_waste_or_fail_its_trials_is_refused_at_load(
