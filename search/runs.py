@@ -61,6 +61,30 @@ OUTCOMES = {"finished": "completed", "error": "failed"}
 TRAINED_TO_END = ("completed", "early_stopped", "time_limit")
 
 
+def gpu_summary(sampler: Any) -> dict[str, float]:
+    """A GPU sampler stopped: its summary metrics (none without one, or when it fails)."""
+    if sampler is None:
+        return {}
+    try:
+        return dict(sampler.stop())
+    except Exception as exc:  # telemetry never fails a trial
+        logger.warning("GPU sampler stop failed: %s", exc)
+        return {}
+
+
+def summary_metrics(result: Any) -> dict[str, float]:
+    """A run's metrics at its end: best_val_acc, best_val_loss (a val_loss study's value),
+    test_acc, train_seconds and setup_seconds, those the result has."""
+    out = {
+        "train_seconds": float(result.train_seconds),
+        "setup_seconds": float(result.setup_seconds),
+    }
+    for name in ("best_val_acc", "best_val_loss", "test_acc"):
+        if (value := getattr(result, name)) is not None:
+            out[name] = float(value)
+    return out
+
+
 def outcome_for(stop_reason: str) -> str:
     return OUTCOMES.get(stop_reason, stop_reason)
 
@@ -335,15 +359,6 @@ class TrialRun:
         if self.uploader is not None:
             self.uploader.close(timeout_s)
 
-    def _gpu_summary(self) -> dict[str, float]:
-        if self.sampler is None:
-            return {}
-        try:
-            return dict(self.sampler.stop())
-        except Exception as exc:  # telemetry never fails a trial
-            logger.warning("GPU sampler stop failed: %s", exc)
-            return {}
-
     def checkpoint_uri(self, result: Any) -> str | None:
         """Decide, before the trial is told, whether its best model goes to MLflow (top k);
         returns the artifact URI to record on the Optuna trial. A run kept offline (the
@@ -369,15 +384,7 @@ class TrialRun:
         self.ended = True
         ended_ms = int(time.time() * 1000)  # the run's end time: not when the finisher sends it
         self._copy_earlier(None)  # a retry that trained no epoch of its own
-        summary = self._gpu_summary()
-        if result.best_val_acc is not None:
-            summary["best_val_acc"] = float(result.best_val_acc)
-        if result.best_val_loss is not None:  # a val_loss study's value (QA: nowhere in MLflow)
-            summary["best_val_loss"] = float(result.best_val_loss)
-        if result.test_acc is not None:
-            summary["test_acc"] = float(result.test_acc)
-        summary["train_seconds"] = float(result.train_seconds)
-        summary["setup_seconds"] = float(result.setup_seconds)
+        summary = {**gpu_summary(self.sampler), **summary_metrics(result)}
         outcome = outcome_for(str(result.stop_reason))
         reason = str(result.message) or None
         best = self._best_to_upload  # a snapshot (checkpoint_uri), or None
@@ -457,7 +464,7 @@ class TrialRun:
         self.ended = True
         ended_ms = int(time.time() * 1000)
         self._copy_earlier(None)  # a retry that trained no epoch of its own
-        summary = self._gpu_summary()
+        summary = gpu_summary(self.sampler)
         # A snapshot `checkpoint_uri` made for a trial that then failed (its tell raised, or
         # its value was not finite) is not uploaded: its hard link goes now.
         best, self._best_to_upload = self._best_to_upload, None
@@ -532,27 +539,10 @@ class FixedRun:
     def log_epoch(self, record: Any) -> None:
         self.tracker.log_epoch(int(record.epoch), epoch_metrics(record))
 
-    def _gpu_summary(self) -> dict[str, float]:
-        if self.sampler is None:
-            return {}
-        try:
-            return dict(self.sampler.stop())
-        except Exception as exc:  # telemetry never fails a run
-            logger.warning("GPU sampler stop failed: %s", exc)
-            return {}
-
     def finish(self, result: Any) -> bool:
         """End the run as its training ended, with its plots and best model; True when
         MLflow took all of it."""
-        summary = self._gpu_summary()
-        if result.best_val_acc is not None:
-            summary["best_val_acc"] = float(result.best_val_acc)
-        if result.best_val_loss is not None:  # a val_loss study's value (QA: nowhere in MLflow)
-            summary["best_val_loss"] = float(result.best_val_loss)
-        if result.test_acc is not None:
-            summary["test_acc"] = float(result.test_acc)
-        summary["train_seconds"] = float(result.train_seconds)
-        summary["setup_seconds"] = float(result.setup_seconds)
+        summary = {**gpu_summary(self.sampler), **summary_metrics(result)}
         outcome = outcome_for(str(result.stop_reason))
         tmp = Path(tempfile.mkdtemp(prefix="hpsearch-artifacts-"))
         try:
@@ -587,7 +577,7 @@ class FixedRun:
 
     def fail(self, exc: BaseException, tb: str | None) -> None:
         """End the run FAILED (KILLED for a Ctrl-C), with the error and its traceback."""
-        summary = self._gpu_summary()
+        summary = gpu_summary(self.sampler)
         interrupted = not isinstance(exc, Exception)
         outcome = "interrupted" if interrupted else "failed"
         reason = "interrupted" if interrupted else f"{type(exc).__name__}: {exc}"
