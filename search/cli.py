@@ -6,6 +6,7 @@ by a full disk: EXIT_DISK_FULL, 74).
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
 import errno
@@ -1042,23 +1043,23 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
         if server is not None and (said := server.keep()):
             click.echo(said, err=True)
 
-    # SIGTERM or SIGHUP (a closed terminal) as Ctrl-C: the run ends KILLED and the server
-    # it started stops (it outlived the command, its run RUNNING for good).
-    signals: list[int] = []
+    # Ctrl-C, SIGTERM or SIGHUP (a closed terminal; not under nohup): the epoch ends and the
+    # run with it, KILLED, its server stopped; a second signal interrupts at once, as a
+    # KeyboardInterrupt that still ends both (the default action left them up, RUNNING).
+    stopping = threading.Event()
 
-    def stop(signum: int, frame: Any) -> None:
-        signals.append(signum)
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)  # a second: at once
-        raise KeyboardInterrupt
+    def stop() -> None:
+        if stopping.is_set():
+            _thread.interrupt_main()
+        stopping.set()
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
+    signals = _on_signals(stop, "train")
     try:
         result = run_fixed(
             cfg, params_json, trial_number, storage, workdir, device, seed,
             on_epoch=epoch_done, tracking_uri=uri,
             on_run=lambda run_id: click.echo(f"MLflow run {run_id} at {shown}"),
+            should_interrupt=stopping.is_set,
         )  # fmt: skip
         click.echo(
             f"{result.stop_reason}: best_val_acc {result.best_val_acc} "
@@ -1075,7 +1076,6 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
         if server is not None and server.close():
             click.echo(f"MLflow server at {server.url} stopped (`hpsearch ui` shows the run)")
     if signals:
-        click.echo(f"train: stopped by signal {signals[0]}", err=True)
         sys.exit(128 + signals[0])
 
 

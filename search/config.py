@@ -737,7 +737,10 @@ def _check_read(cfg: StudyConfig, src: str) -> None:
                 value = (spec.when or {})[g]
                 options.append(value if isinstance(value, list) else [value])
             elif isinstance(gspec, CategoricalParam):
-                options.append(list(gspec.choices))
+                # Drawn under a `when` of its own: the trials it is not drawn in train with
+                # the default.
+                default = [getattr(cfg.trainer.defaults, g)] if gspec.when else []
+                options.append(list(gspec.choices) + default)
             else:
                 options.append([getattr(cfg.trainer.defaults, g)])
         combos = [dict(zip(governing, c, strict=True)) for c in itertools.product(*options)]

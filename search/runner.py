@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import traceback
 from collections.abc import Callable, Sequence
@@ -264,11 +265,13 @@ def run_fixed(
     on_epoch: Callable[[Any], None] | None = None,
     tracking_uri: str | None = None,
     on_run: Callable[[str], None] | None = None,
+    should_interrupt: Callable[[], bool] | None = None,
 ) -> Any:  # fmt: skip
     """Train once with fixed params; the TrainResult. With `tracking_uri`, an MLflow run
     of its own in the study's experiment (`runs.FixedRun`; `on_run` gets its id once made)
     takes its epochs, plots and best model: each run's, where the files below keep the
-    last one's."""
+    last one's. `should_interrupt` (polled between epochs) ends it early, `interrupted`:
+    its files are kept as a failed run's, the earlier run's put back."""
     from hpsearch.trainer import TrainOptions, train
     from hpsearch.trainer.trial import best_model_path_for
 
@@ -303,17 +306,22 @@ def run_fixed(
             on_epoch(record)
 
     options = TrainOptions(
-        device=device, workdir=workdir, checkpoint_path=ckpt, seed=seed, on_epoch=epoch_done
-    )
+        device=device, workdir=workdir, checkpoint_path=ckpt, seed=seed, on_epoch=epoch_done,
+        should_interrupt=should_interrupt,
+    )  # fmt: skip
+
+    def put_back() -> None:  # this run's files as `.failed`, the earlier run's in place
+        for f, a in zip(files, aside, strict=True):
+            if f.exists():
+                f.replace(f.with_name(f.name + ".failed"))
+            if a.exists():
+                a.replace(f)
+
     try:
         result = train(cfg, params, lambda epoch, value: False, options)
     except BaseException as exc:
         if earlier:  # first: the run's end below may wait on MLflow, and a second Ctrl-C
-            for f, a in zip(files, aside, strict=True):
-                if f.exists():
-                    f.replace(f.with_name(f.name + ".failed"))
-                if a.exists():
-                    a.replace(f)
+            put_back()
         if run is not None:
             run.fail(exc, traceback.format_exc())
         if isinstance(exc, Exception) and not isinstance(exc, HpsearchError):
@@ -321,7 +329,18 @@ def run_fixed(
             # more than 1 value per channel"): one line, as the worker's trial message.
             raise HpsearchError(f"training failed: {type(exc).__name__}: {exc}") from exc
         raise
-    if earlier and result.best_val_acc is not None and result.best_model_path is None:
+    if earlier and result.stop_reason == "interrupted":
+        put_back()
+
+        def moved(path: Any) -> Path | None:
+            return None if path is None else Path(path).with_name(Path(path).name + ".failed")
+
+        result = dataclasses.replace(
+            result,
+            best_model_path=moved(result.best_model_path),
+            checkpoint_path=moved(result.checkpoint_path),
+        )
+    elif earlier and result.best_val_acc is not None and result.best_model_path is None:
         # Its best model's write failed (the result's message says so): the earlier run's
         # files come back, as when a run fails.
         for f, a in zip(files, aside, strict=True):

@@ -392,25 +392,28 @@ def create_or_load(
     return study
 
 
-def config_drift(cfg: StudyConfig, stored_yaml: str) -> list[str]:
-    """How trials of `cfg` train otherwise than those of the stored config (a launch's):
-    `field: value (the launch's: other)` per differing field, none of where the data is,
-    whether it may download or the budget's size (as `config_to_yaml(trial_only=True)`)."""
-    import yaml
+# Fields that change how a trial runs, not what its value means (where the data is, its
+# loading, checkpoints, telemetry, numerics' speed-ups) or which trials run (budget size,
+# queue, sampler, pruner, space): a worker may set these its own way (`config_drift`).
+OPERATIONAL_FIELDS = (
+    "name", "description", "enqueue_trials", "sampler", "pruner", "search_space", "tracking",
+    "budget.n_trials", "budget.timeout_s", "dataset.root", "dataset.download",
+    "dataset.fast_path", "dataset.max_cache_mb", "trainer.num_workers", "trainer.checkpoint",
+    "trainer.checkpoint_every_s", "trainer.compile", "trainer.cudnn_benchmark",
+    "trainer.channels_last", "trainer.precision", "trainer.max_micro_batch",
+    "trainer.evaluate_test",
+)  # fmt: skip
 
-    mine = load_yaml(config_to_yaml(cfg, trial_only=True))
+
+def config_drift(cfg: StudyConfig, stored_yaml: str) -> list[str]:
+    """How trials of `cfg` train otherwise than those of the stored config (a launch's),
+    in what makes their values differ: `field: value (the launch's: other)` per field,
+    none of `OPERATIONAL_FIELDS`. The stored config is read as a study's (its missing
+    newer fields take their defaults); one that does not load any more counts as none."""
     try:
-        theirs = load_yaml(stored_yaml)
-    except yaml.YAMLError:
+        stored = config_from_yaml(stored_yaml, "stored")
+    except ConfigError:
         return []
-    if not isinstance(theirs, dict):
-        return []
-    theirs.pop("source", None)
-    dataset, budget = theirs.get("dataset"), theirs.get("budget")
-    if isinstance(dataset, dict):
-        dataset.update(root=None, download=False)
-    if isinstance(budget, dict):
-        budget["n_trials"] = 1
 
     def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
         if isinstance(value, dict) and value:
@@ -420,11 +423,15 @@ def config_drift(cfg: StudyConfig, stored_yaml: str) -> list[str]:
             return out
         return {prefix: value}
 
-    a, b = leaves(mine), leaves(theirs)
+    def operational(key: str) -> bool:
+        return any(key == f or key.startswith(f + ".") for f in OPERATIONAL_FIELDS)
+
+    a = leaves(load_yaml(config_to_yaml(cfg, trial_only=True)))
+    b = leaves(load_yaml(config_to_yaml(stored, trial_only=True)))
     return [
         f"{key}: {a.get(key)!r} (the launch's: {b.get(key)!r})"
         for key in sorted(set(a) | set(b))
-        if a.get(key) != b.get(key) and key not in ("name", "description")
+        if a.get(key) != b.get(key) and not operational(key)
     ]
 
 

@@ -387,6 +387,23 @@ def test_a_pruner_that_prunes_nothing_in_the_budget_gets_a_note(
     assert got == note if note is None else (got is not None and got.startswith(note)), got
 
 
+def test_a_parameter_read_where_its_governing_choice_is_not_drawn_is_accepted(
+    tmp_path: Path,
+) -> None:
+    """Review: a searched loss under a `when` of its own leaves the trials it is not drawn
+    in at the default loss, which may read the parameter: that was refused as never read."""
+    space = {
+        "batch_size": {"type": "categorical", "choices": [32, 64]},
+        "loss": {"type": "categorical", "choices": ["ce", "focal"], "when": {"batch_size": 64}},
+        "label_smoothing": {"type": "float", "low": 0.05, "high": 0.2},
+    }
+    data = {**GOOD, "search_space": space,
+            "trainer": {"defaults": {"loss": "label_smoothing"}}}  # fmt: skip
+    load_config(write(tmp_path, data))
+    with pytest.raises(ConfigError, match="label_smoothing: searched but never read"):
+        load_config(write(tmp_path, {**data, "trainer": {"defaults": {"loss": "ce"}}}))
+
+
 def test_a_set_that_made_the_files_pruner_options_wrong_is_named_with_the_way_out() -> None:
     """QA: no word of the --set that made the file's options wrong, nor of the way out."""
     with pytest.raises(ConfigError) as info:

@@ -1097,8 +1097,14 @@ def test_a_worker_joins_a_study_by_its_name_with_the_launchs_config_and_is_told_
     assert warned == [
         "warning: study team: this worker's trials train otherwise than its last launch's "
         "(budget.max_epochs: 2 (the launch's: 1)): their values will not compare; "
-        "`--study team` with no study file of that name takes the launch's config"
+        "`--study team` alone takes the launch's config"
     ], r.stderr
+    # Review: what is this host's business (its loader, cache, checkpoints) is not told.
+    r = hpsearch(["worker", "--study", "tiny", "--set", "name=team", "--set",
+                  "budget.max_epochs=1", "--set", "trainer.num_workers=2", "--set",
+                  "dataset.fast_path=off", "--set", "tracking.keep_top_k=1", "--set",
+                  "enqueue_trials=[]", "--trials", "4", *common], subprocess_env)  # fmt: skip
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stdout + r.stderr
     # The launch's own workers are never told (a relaunch's new settings are the launch's).
     r = hpsearch(["launch", "--study", "tiny", "--set", "name=team", "--set",
                   "budget.max_epochs=3", "--trials", "5", *common], subprocess_env)  # fmt: skip
