@@ -699,6 +699,12 @@ def pruning_note(cfg: StudyConfig) -> str | None:
                 f"pruner.options.max_resource: {high}: above budget.max_epochs ({epochs}): "
                 "Hyperband's brackets are sized for trials longer than any trains"
             )
+    every = cfg.trainer.eval_every  # trials report at their evaluations only
+    if name != "none" and every >= epochs:
+        return (
+            f"trainer.eval_every: {every}: a trial's only report comes at budget.max_epochs "
+            f"({epochs}), where it has trained to its end: no trial will be pruned"
+        )
     # No trial is pruned at its last epoch (reporting.TrialReports: it trained to its end).
     if first is not None and first[1] >= epochs:
         when = "after" if first[1] > epochs else "at"

@@ -622,6 +622,7 @@ class Launcher:
         self._finalized: list[str] = []
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
+        self._finished_before: int | None = None  # complete + pruned when it opened the study
         # A multi-objective study's front, and the completed trials it is of (`_pareto_of`)
         self._pareto_key: tuple[int, int] | None = None
         self._pareto_seen: tuple[int, ...] | None = None
@@ -683,6 +684,10 @@ class Launcher:
     def _open_study(self) -> None:
         storage = open_storage(self.spec, pool_size=1)
         study = with_db_retry(lambda: create_or_load(self.cfg, storage), what="create study")
+        # Finished before this launch (its workers, just started, are still importing):
+        # the ETA is at this launch's own rate (`eta_seconds`).
+        done = budget_counts(with_db_retry(lambda: study.get_trials(deepcopy=False)))
+        self._finished_before = done["complete"] + done["pruned"]
         queued = with_db_retry(
             lambda: enqueue_trials(
                 study, self.cfg, lambda: study_lock(self.spec, self.cfg.name), owner=True
@@ -1514,15 +1519,8 @@ class Launcher:
         ]
         elapsed = time.monotonic() - getattr(self, "_t0", time.monotonic())
         finished = counts["complete"] + counts["pruned"]
-        since = getattr(self, "_started_at", None)  # naive local time, as Optuna dates trials
-        here = sum(
-            1
-            for t in trials
-            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-            and since is not None
-            and t.datetime_complete is not None
-            and t.datetime_complete >= since
-        )
+        # Counted, not dated: workers of other hosts date their trials in their own zone.
+        here = finished - self._finished_before if self._finished_before is not None else 0
         return Progress(
             counts,
             input_bound,

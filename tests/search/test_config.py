@@ -356,6 +356,10 @@ def test_every_sampler_and_pruner_passes_its_made_up_trials_quietly(
             "be pruned",
         ),
         (["pruner.options={n_warmup_steps: 2}", "budget.max_epochs=3"], None),
+        (  # review: reports come at evaluations only
+            ["trainer.eval_every=2"],
+            "trainer.eval_every: 2: a trial's only report comes at budget.max_epochs (2)",
+        ),
         (
             ["pruner.options={n_warmup_steps: 3}"],
             "pruner.options.n_warmup_steps: 3: the pruner's first decision comes at epoch 3, "
