@@ -1026,9 +1026,9 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     if trial_number is not None and params_json is None:  # run_fixed refuses both
         cfg = trial_config(cfg, storage, workdir, overrides, download, trial_number)
     # Its errors before a server starts and a run is made for nothing.
-    fixed_params(cfg, params_json, trial_number, storage, workdir)
+    params = fixed_params(cfg, params_json, trial_number, storage, workdir)
     check_dataset(cfg, light=True)
-    check_weights(cfg)
+    check_weights(cfg, cfg.resolve_params(params).arch)  # this run's arch
     if uri is not None:
         check_tracking_uri(uri)
     server = TrainServer(workdir) if not no_tracking and uri is None else None

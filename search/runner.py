@@ -71,11 +71,12 @@ def check_dataset(cfg: StudyConfig, light: bool = False) -> None:
         get_source(cfg, split)
 
 
-def check_weights(cfg: StudyConfig) -> None:
+def check_weights(cfg: StudyConfig, arch: str | None = None) -> None:
     """`model.weights` against every arch the study trains (the default's, or each searched
-    choice), before any worker starts: a file of another architecture failed every trial
-    alike, three in a row per worker and three restarts (twelve failed trials for a budget
-    of one). Loads torch and the file once per arch. Raises ConfigError."""
+    choice; `arch` alone when given: one run's), before any worker starts: a file of another
+    architecture failed every trial alike, three in a row per worker and three restarts
+    (twelve failed trials for a budget of one). Loads torch and the file once per arch.
+    Raises ConfigError."""
     if not cfg.model.weights:
         return
     import torchvision
@@ -85,6 +86,8 @@ def check_weights(cfg: StudyConfig) -> None:
     space = cfg.search_space.get("arch")
     searched = isinstance(space, CategoricalParam)
     arches = [str(c) for c in space.choices] if searched else [cfg.resolve_params({}).arch]
+    if arch is not None:
+        arches, searched = [arch], False
     path = Path(cfg.model.weights).expanduser()
     src = cfg.source or cfg.name
     for arch in dict.fromkeys(arches):
@@ -153,8 +156,14 @@ def stored_config(
 
     try:
         study = load_study(name, storage, workdir)
-    except (StudyNotFoundError, StorageError):
+    except StudyNotFoundError:
         return None
+    except StorageError:
+        from hpsearch.storage import resolve_storage
+
+        if resolve_storage(storage, workdir).kind == "journal":  # no journal: no study
+            return None
+        raise  # a database not up (yet): said as such, not "no such study"
     stored = study.user_attrs.get(CONFIG_ATTR)
     if not stored:
         return None

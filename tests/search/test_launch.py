@@ -1067,6 +1067,7 @@ def test_a_weights_file_of_another_model_is_refused_before_any_worker(
                 "search_space.arch={type: categorical, choices: [resnet18, mobilenet_v3_small]}"]  # fmt: skip
     with pytest.raises(ConfigError, match=r"mobilenet_v3_small \(searched: one weights file"):
         check_weights(load_config("tiny", searched))
+    check_weights(load_config("tiny", searched), "resnet18")  # `train`: its run's arch only
 
 
 def test_a_worker_joins_a_study_by_its_name_with_the_launchs_config_and_is_told_of_its_own(
