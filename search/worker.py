@@ -246,16 +246,20 @@ def check_train_fn(spec: str) -> None:
         raise HpsearchError(f"--train-fn: {spec!r}: {module!r} is not a module name")
     if top in sys.modules or top in sys.builtin_module_names:
         return
-    where = [os.getcwd(), *(p for p in sys.path if p)]
-    try:
-        found = importlib.machinery.PathFinder.find_spec(top, where)
-    except Exception:  # an odd path entry: the workers' import will say
-        return
-    if found is None:
-        raise HpsearchError(
-            f"--train-fn: {spec!r}: no module named {top!r} on the Python path "
-            "(PYTHONPATH, the current folder)"
-        )
+    where: list[str] | None = [os.getcwd(), *(p for p in sys.path if p)]
+    parts = module.split(".")
+    for i in range(len(parts)):  # each package's own folders, none of them imported
+        name = ".".join(parts[: i + 1])
+        try:
+            found = importlib.machinery.PathFinder.find_spec(name, where)
+        except Exception:  # an odd path entry: the workers' import will say
+            return
+        if found is None:
+            raise HpsearchError(
+                f"--train-fn: {spec!r}: no module named {name!r}"
+                + (" on the Python path (PYTHONPATH, the current folder)" if i == 0 else "")
+            )
+        where = list(found.submodule_search_locations or [])
 
 
 def load_train_fn(spec: str) -> TrainFn:

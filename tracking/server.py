@@ -399,6 +399,13 @@ TRACKING_SCHEMES = frozenset(
 )
 
 
+def _plugin_schemes() -> set[str]:
+    """Schemes that installed MLflow plugins keep runs under (their tracking stores)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name.lower() for ep in entry_points(group="mlflow.tracking_store")}
+
+
 def check_tracking_uri(uri: str, timeout_s: float = 5.0, *, answer: bool = True) -> None:
     """Refuse, in one line, a tracking URI no run could be logged to, before anything is
     made: a folder (MLflow 3 keeps no new runs in a file store unless
@@ -407,13 +414,15 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, *, answer: bool = True)
     folder for one that answers later) or whose API refuses this client. A worker given
     one trained its trials untracked and exited 0. Raises TrackingError."""
     scheme = urlsplit(uri).scheme.lower()
+    if uri.strip() == "databricks":  # MLflow's own name for the workspace's default profile
+        return
     allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true")
     if scheme in ("", "file") and not allowed:
         raise TrackingError(
             f"tracking URI {redact_uri(uri)!r}: a folder, which MLflow 3 keeps no new runs "
             "in; give a server's http://HOST:PORT"
         )
-    if scheme and scheme.split("+")[0] not in TRACKING_SCHEMES:
+    if scheme and scheme.split("+")[0] not in TRACKING_SCHEMES | _plugin_schemes():
         raise TrackingError(
             f"tracking URI {redact_uri(uri)!r}: MLflow keeps no runs under {scheme}://; give "
             "a server's http://HOST:PORT"

@@ -529,6 +529,7 @@ def test_a_train_fn_is_looked_for_where_the_workers_look_without_importing_it(
     (tmp_path / "mytrain_here.py").write_text("def train(*a):\n    pass\n")
     (tmp_path / "brokenpkg_here").mkdir()
     (tmp_path / "brokenpkg_here" / "__init__.py").write_text("def broken(:\n")
+    (tmp_path / "brokenpkg_here" / "sub.py").write_text("def train(*a):\n    pass\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     check_train_fn("mytrain_here:train")
@@ -537,6 +538,8 @@ def test_a_train_fn_is_looked_for_where_the_workers_look_without_importing_it(
     check_train_fn("json:loads")  # the standard library
     for spec, said in (
         ("nosuch_here:train", "no module named 'nosuch_here' on the Python path"),
+        ("brokenpkg_here.nosub:train", "no module named 'brokenpkg_here.nosub'$"),  # review
+        ("mytrain_here.sub:train", "no module named 'mytrain_here.sub'$"),
         ("mytrain_here", "expected MODULE:FUNCTION"),
         ("my-train:train", "'my-train' is not a module name"),
     ):

@@ -116,6 +116,26 @@ def test_scrub_masks_credentials_of_urls_inside_text(text: str, expected: str) -
     assert scrub(text) == expected
 
 
+def test_a_tracking_uri_mlflow_keeps_no_runs_under_is_refused_and_its_own_forms_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`htp://` trained untracked; MLflow's own `databricks` and a plugin's scheme (review:
+    refused as a folder, as unknown) are taken. No server is asked (`answer=False`)."""
+    from hpsearch.tracking.server import check_tracking_uri
+
+    for uri in ("databricks", "databricks://team", "sqlite:////tmp/x.db",
+                "postgresql+psycopg2://u@h/db", "http://127.0.0.1:9"):  # fmt: skip
+        check_tracking_uri(uri, answer=False)
+    with pytest.raises(TrackingError, match=r"MLflow keeps no runs under htp://"):
+        check_tracking_uri("htp://host:5000", answer=False)
+    with pytest.raises(TrackingError, match=r"a folder, which MLflow 3 keeps no new runs"):
+        check_tracking_uri("mlruns", answer=False)
+    with pytest.raises(TrackingError, match=r"under azureml://"):
+        check_tracking_uri("azureml://ws", answer=False)
+    monkeypatch.setattr(srv, "_plugin_schemes", lambda: {"azureml"})  # a plugin installed
+    check_tracking_uri("azureml://ws", answer=False)
+
+
 def test_the_log_scrubber_never_raises_into_the_code_that_logs() -> None:
     """A logger's filter runs outside its handlers' error handling: a record it cannot
     format must go on to them (which report it) rather than raise in a best-effort path."""
