@@ -700,7 +700,7 @@ def pruning_note(cfg: StudyConfig) -> str | None:
                 "Hyperband's brackets are sized for trials longer than any trains"
             )
     every = cfg.trainer.eval_every  # trials report at their evaluations only
-    if name != "none" and every >= epochs:
+    if name != "none" and 1 < every >= epochs:  # (one epoch in all: nothing to prune anyway)
         return (
             f"trainer.eval_every: {every}: a trial's only report comes at budget.max_epochs "
             f"({epochs}), where it has trained to its end: no trial will be pruned"

@@ -338,7 +338,7 @@ def run_fixed(
             # more than 1 value per channel"): one line, as the worker's trial message.
             raise HpsearchError(f"training failed: {type(exc).__name__}: {exc}") from exc
         raise
-    if earlier and result.stop_reason == "interrupted":
+    if earlier and getattr(result, "stop_reason", None) == "interrupted":
         put_back()
 
         def moved(path: Any) -> Path | None:
