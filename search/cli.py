@@ -6,7 +6,6 @@ by a full disk: EXIT_DISK_FULL, 74).
 
 from __future__ import annotations
 
-import _thread
 import atexit
 import contextlib
 import errno
@@ -27,6 +26,7 @@ from typing import Any, TextIO, TypeVar
 import click
 from hpsearch import __version__
 from hpsearch.errors import (
+    EXIT_CONFIG,
     EXIT_DATA_ERROR,
     EXIT_DISK_FULL,
     DatasetError,
@@ -522,6 +522,7 @@ def _on_signals(
     what: str,
     die_on_second: bool = False,
     first: str = "stopping after the current epoch (Ctrl-C again to kill)",
+    raise_on_second: bool = False,
 ) -> list[int]:
     """First Ctrl-C/SIGTERM/SIGHUP: graceful stop; second: immediate. The launcher's `stop` kills
     its workers when called again, and a third signal ends the launcher at once (it may be
@@ -551,6 +552,8 @@ def _on_signals(
         else:
             said = "killing now (again to exit at once)" if count["n"] == 2 else "exiting"
         click.echo(f"\n{what}: {said}", err=True)
+        if count["n"] == 2 and raise_on_second:  # (`train`: its clean-up runs on the way out)
+            raise KeyboardInterrupt
         if count["n"] > 2 and not die_on_second:
             signal.signal(signum, signal.SIG_DFL)  # (main thread only)
             os.kill(os.getpid(), signum)
@@ -682,6 +685,15 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     from hpsearch.worker import WorkerOptions, run_worker
 
     _check_tracking(tracking_uri, no_tracking)
+    if train_fn:
+        from hpsearch.worker import load_train_fn
+
+        try:
+            load_train_fn(train_fn)
+        except HpsearchError as exc:  # the same after each restart: the launcher makes none
+            err = click.ClickException(str(exc))
+            err.exit_code = EXIT_CONFIG
+            raise err from exc
     cfg = _load(study, overrides, data_dir, download, trials, stored=(storage, workdir))
     ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     _check_device(device)
@@ -961,6 +973,8 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
         best_v = (
             f"{format_value(r['best_value'])} (trial {r['best_trial']})"
             if r["best_value"] is not None
+            else f"pareto {r['pareto_size']}"
+            if r["pareto_size"]
             else "-"
         )
         states = ", ".join(f"{n} {state}" for state, n in r["counts"].items())
@@ -1047,13 +1061,8 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     # run with it, KILLED, its server stopped; a second signal interrupts at once, as a
     # KeyboardInterrupt that still ends both (the default action left them up, RUNNING).
     stopping = threading.Event()
-
-    def stop() -> None:
-        if stopping.is_set():
-            _thread.interrupt_main()
-        stopping.set()
-
-    signals = _on_signals(stop, "train")
+    signals = _on_signals(stopping.set, "train", raise_on_second=True)
+    result = None
     try:
         result = run_fixed(
             cfg, params_json, trial_number, storage, workdir, device, seed,
@@ -1075,8 +1084,8 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     finally:
         if server is not None and server.close():
             click.echo(f"MLflow server at {server.url} stopped (`hpsearch ui` shows the run)")
-    if signals:
-        sys.exit(128 + signals[0])
+    if signals and (result is None or result.stop_reason == "interrupted"):
+        sys.exit(128 + signals[0])  # (a stop in its last epoch: it finished, exit 0)
 
 
 @cli.command()

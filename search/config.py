@@ -665,9 +665,10 @@ def warmup_note(cfg: StudyConfig) -> str | None:
         return None
     warm = cfg.trainer.defaults.warmup_epochs
     if warm >= epochs:
+        given = "warmup_epochs" in cfg.trainer.defaults.model_fields_set
         return (
-            f"trainer.defaults.warmup_epochs: {warm:g}: at or past budget.max_epochs "
-            f"({epochs}): the learning rate only ramps up"
+            f"trainer.defaults.warmup_epochs: {warm:g}{'' if given else ' (the default)'}: at "
+            f"or past budget.max_epochs ({epochs}): the learning rate only ramps up"
         )
     return None
 
@@ -712,6 +713,12 @@ def pruning_note(cfg: StudyConfig) -> str | None:
             f"pruner.options.{first[0]}: {opts.get(first[0], first[1])!r}: the pruner's first "
             f"decision comes at epoch {first[1]}, {when} budget.max_epochs ({epochs}), whose "
             "trials have trained to their end: no trial will be pruned"
+        )
+    startup = whole("n_startup_trials", 3)  # median: trials finished before it judges one
+    if name == "median" and startup is not None and startup >= cfg.budget.n_trials:
+        return (
+            f"pruner.options.n_startup_trials: {startup}: at or past budget.n_trials "
+            f"({cfg.budget.n_trials}): the pruner judges no trial before the budget is spent"
         )
     return None
 

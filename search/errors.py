@@ -67,3 +67,8 @@ EXIT_DISK_FULL = 74
 # failed each trial, three in a row per worker and three restarts: twelve on two workers).
 # The launcher does not restart it.
 EXIT_DATA_ERROR = 65
+
+# The exit code of a worker whose --train-fn does not load (sysexits' EX_CONFIG): a module
+# found before the launch whose function is misspelled, or whose import raises, fails the
+# same way after each restart. The launcher does not restart it.
+EXIT_CONFIG = 78

@@ -30,6 +30,7 @@ import optuna
 from hpsearch.background import lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml
 from hpsearch.errors import (
+    EXIT_CONFIG,
     EXIT_DATA_ERROR,
     EXIT_DISK_FULL,
     ConfigError,
@@ -272,7 +273,7 @@ def should_restart(
     neighbour wrote its checkpoint may be over.)"""
     if exit_code == EXIT_DISK_FULL and disk_full:
         return False
-    if exit_code == EXIT_DATA_ERROR:  # the same data fails the same way after a restart
+    if exit_code in (EXIT_DATA_ERROR, EXIT_CONFIG):  # the same data, the same train_fn
         return False
     return exit_code != 0 and budget_left and restarts < max_restarts
 

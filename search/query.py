@@ -31,6 +31,7 @@ from hpsearch.study import (
     LATE_RUN_ATTR,
     budget_room,
     holding_trial,
+    pareto_front,
     rank_key,
     study_budget,
     trial_config_yaml,
@@ -329,6 +330,17 @@ def list_studies(storage: StorageArg = None, workdir: WorkdirArg = None) -> list
                     "directions": [d.name.lower() for d in s.directions],
                     "best_value": best.value if single and best is not None else None,
                     "best_trial": best.number if best is not None else None,
+                    # A multi-objective study's best: the size of its Pareto front
+                    "pareto_size": (
+                        len(
+                            pareto_front(
+                                st.get_all_trials(s._study_id, deepcopy=False),
+                                [d.name.lower() for d in s.directions],
+                            )
+                        )
+                        if len(s.directions) > 1
+                        else None
+                    ),
                 }
             )
         return out

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpsearch.config import StudyConfig, params_from_json
-from hpsearch.errors import ConfigError, DatasetError, HpsearchError
+from hpsearch.errors import ConfigError, DatasetError, HpsearchError, HpsearchWarning
 
 if TYPE_CHECKING:
     import optuna
@@ -200,7 +201,29 @@ def fixed_params(
     unknown = sorted(set(params) - set(cfg.fixed_params()))
     if unknown:
         raise ConfigError(f"--params: {', '.join(unknown)}: unknown hyperparameter")
+    for name, value in params.items():  # allowed (a probe past its edge), but said
+        if (where := outside_space(cfg, name, value)) is not None:
+            warnings.warn(
+                f"--params: {name}: {value!r}: outside the study's search space ({where})",
+                HpsearchWarning,
+                stacklevel=2,
+            )
     return params
+
+
+def outside_space(cfg: StudyConfig, name: str, value: Any) -> str | None:
+    """Where `value` of a searched `name` falls outside the study's space, else None."""
+    from hpsearch.config import CategoricalParam
+
+    spec = cfg.search_space.get(name)
+    if spec is None:
+        return None
+    if isinstance(spec, CategoricalParam):
+        return None if value in spec.choices else f"choices {spec.choices}"
+    low, high = spec.low, spec.high
+    if isinstance(value, int | float) and not low <= value <= high:
+        return f"{low} to {high}"
+    return None
 
 
 def trial_seed(cfg: StudyConfig, trial_number: int, storage: str | None, workdir: Path) -> int:

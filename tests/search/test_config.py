@@ -348,14 +348,19 @@ def test_every_sampler_and_pruner_passes_its_made_up_trials_quietly(
 @pytest.mark.parametrize(
     ("sets", "note"),
     [
-        ([], None),  # median, n_warmup_steps 1 (the default): decides from epoch 1
+        (["budget.n_trials=10"], None),  # median, n_warmup_steps 1: decides from epoch 1
+        (  # QA: its 3 start-up trials are the whole budget
+            [],
+            "pruner.options.n_startup_trials: 3: at or past budget.n_trials (3): the pruner "
+            "judges no trial before the budget is spent",
+        ),
         (  # at the last epoch, where no trial is pruned (it has trained to its end)
             ["pruner.options={n_warmup_steps: 2}"],
             "pruner.options.n_warmup_steps: 2: the pruner's first decision comes at epoch 2, "
             "at budget.max_epochs (2), whose trials have trained to their end: no trial will "
             "be pruned",
         ),
-        (["pruner.options={n_warmup_steps: 2}", "budget.max_epochs=3"], None),
+        (["pruner.options={n_warmup_steps: 2}", "budget.max_epochs=3", "budget.n_trials=10"], None),
         (  # review: reports come at evaluations only
             ["trainer.eval_every=2"],
             "trainer.eval_every: 2: a trial's only report comes at budget.max_epochs (2)",

@@ -93,6 +93,7 @@ def test_should_restart_is_bounded() -> None:
     assert not should_restart(0, 0, 3, True)
     assert not should_restart(1, 0, 3, False)
     assert not should_restart(65, 0, 3, True)  # its data: every restart fails the same
+    assert not should_restart(78, 0, 3, True)  # its --train-fn: the same
 
 
 def test_eta() -> None:

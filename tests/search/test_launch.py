@@ -161,6 +161,7 @@ def test_relaunch_resumes_and_independent_worker_joins(
             "directions": ["maximize"],
             "best_value": best_v,
             "best_trial": best_n,
+            "pareto_size": None,
         }
     ]
     # A worker given the budget with --set, as --trials gives it, records it and runs to it
@@ -1016,6 +1017,18 @@ def test_a_grid_study_trains_its_grid_and_ends_cleanly(
     assert sorted(t.params["batch_size"] for t in trials) == [32, 48, 64]
     log = (tmp_path / "logs" / "tiny-worker-0.log").read_text()
     assert "Traceback" not in log and "Cannot tell" not in log, log
+
+
+def test_a_train_fn_whose_function_does_not_load_stops_its_worker_without_restarts(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: `--train-fn dummy_trainer:trian` (its module found before the launch) died in
+    each worker and was restarted three times: the same import fails after each."""
+    r = hpsearch(["launch", "--study", "tiny", "--trials", "1", "--workdir", str(tmp_path),
+                  "--train-fn", "dummy_trainer:trian", "--no-tracking"], subprocess_env)  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "worker 0 died (exit code 78)" in r.stdout and "restarting" not in r.stdout, r.stdout
+    assert "'dummy_trainer:trian': cannot import: AttributeError" in r.stdout, r.stdout
 
 
 def test_the_memory_constraint_goes_only_to_samplers_that_read_it(

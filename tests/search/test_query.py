@@ -167,6 +167,12 @@ def test_studies_counts_each_state_as_the_budget_does_not(
     ]
     rows = list_studies(workdir=tmp_path)
     assert rows[0]["counts"] == {"complete": 1, "pruned": 1, "fail": 2}
+    # A multi-objective study's best is its front (QA: `best -`).
+    mo = _journal_study(tmp_path, "mo", directions=["maximize", "minimize"])
+    for values in ([0.9, 5.0], [0.8, 1.0], [0.7, 9.0]):  # the third is dominated
+        mo.add_trial(create_trial(values=values))
+    r = hpsearch(["studies", "--workdir", str(tmp_path)], subprocess_env)
+    assert "mo: 3 trials (3 complete), best pareto 2" in r.stdout.splitlines(), r.stdout
 
 
 def test_a_multi_objective_study_ranks_its_front_and_needs_a_trial_to_load(
@@ -595,3 +601,24 @@ def test_status_best_and_enqueue_take_the_study_file_a_launch_took(
     assert out.stderr.strip() == (
         f"Error: study 'bar' not found in journal:{journal}; studies here: flowers-mine"
     )
+
+
+def test_train_params_outside_the_search_space_are_said_in_one_warning(tmp_path: Path) -> None:
+    """QA: `train --params '{"lr": 5}'` on a study searching lr in [0.001, 0.5] trained to a
+    1e12 val_loss without a word. Allowed (a probe past the space's edge), but said."""
+    import warnings
+
+    from hpsearch.config import load_config
+    from hpsearch.errors import HpsearchWarning
+    from hpsearch.runner import fixed_params
+
+    cfg = load_config("tiny")
+    with pytest.warns(HpsearchWarning) as caught:
+        fixed_params(cfg, '{"lr": 5, "batch_size": 48, "loss": "ce"}', None, None, tmp_path)
+    assert sorted(str(w.message) for w in caught) == [
+        "--params: batch_size: 48: outside the study's search space (choices [32, 64])",
+        "--params: lr: 5: outside the study's search space (0.001 to 0.5)",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed_params(cfg, '{"lr": 0.1, "batch_size": 64}', None, None, tmp_path)

@@ -181,3 +181,36 @@ def test_a_train_run_stopped_by_a_hang_up_ends_killed_and_stops_its_server(
         assert steps in ([1], [1, 2]), steps  # the epoch it was in when the signal came
     finally:
         server.stop()
+
+    # QA: a second Ctrl-C killed it at once (the "again" went to the handler a third
+    # time): the run stayed RUNNING and the earlier run's best model was lost.
+    best = work / "train" / "tiny" / "trial-0.best.pt"
+    earlier = best.read_bytes()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", *args], env=subprocess_env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("epoch 1:"):
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    shown = "".join(lines) + rest
+    assert proc.returncode == 130 and "exiting" not in shown, shown
+    assert best.read_bytes() == earlier, shown  # the earlier run's, back in place
+    assert running_server_url(work) is None, shown
+    run_id = next(ln.split()[2] for ln in lines if ln.startswith("MLflow run "))
+    server = start_local_server(work)
+    try:
+        run = MlflowClient(tracking_uri=server.url).get_run(run_id)
+        assert run.info.status == "KILLED", (run.info.status, shown)
+    finally:
+        server.stop()
