@@ -131,9 +131,6 @@ def test_a_train_run_stopped_by_a_hang_up_ends_killed_and_stops_its_server(
     of `--trial N` says which trial it reproduces. A missing dataset starts no server and
     makes no run."""
     import signal
-    import subprocess
-    import sys
-    import time
 
     from cli_util import DUMMY
 
@@ -147,25 +144,10 @@ def test_a_train_run_stopped_by_a_hang_up_ends_killed_and_stops_its_server(
     assert missing.returncode == 65, missing.stdout + missing.stderr
     assert "MLflow" not in missing.stdout and not (work / "mlflow").exists()
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.cli", *args], env=subprocess_env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    lines = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("epoch 1:"):
-                proc.send_signal(signal.SIGHUP)
-                time.sleep(0.005)
-                proc.send_signal(signal.SIGHUP)  # the same hang-up: not a second stop
-                break
-        rest, _ = proc.communicate(timeout=180)
-    finally:
-        proc.kill()
-    shown = "".join(lines) + rest
-    assert proc.returncode == 128 + signal.SIGHUP, shown
+    # Two SIGHUPs 5 ms apart: the same hang-up, not a second stop.
+    rc, lines = _signalled(args, subprocess_env, [(signal.SIGHUP, 0.005), (signal.SIGHUP, 0)])
+    shown = "".join(lines)
+    assert rc == 128 + signal.SIGHUP, shown
     assert "train: stopping after the current epoch" in shown, shown
     assert "interrupted: best_val_acc" in shown and "killing now" not in shown, shown
     assert running_server_url(work) is None, shown  # it was this run's: stopped
@@ -186,25 +168,9 @@ def test_a_train_run_stopped_by_a_hang_up_ends_killed_and_stops_its_server(
     # time): the run stayed RUNNING and the earlier run's best model was lost.
     best = work / "train" / "tiny" / "trial-0.best.pt"
     earlier = best.read_bytes()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpsearch.cli", *args], env=subprocess_env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    lines = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("epoch 1:"):
-                proc.send_signal(signal.SIGINT)
-                time.sleep(0.5)
-                proc.send_signal(signal.SIGINT)
-                break
-        rest, _ = proc.communicate(timeout=180)
-    finally:
-        proc.kill()
-    shown = "".join(lines) + rest
-    assert proc.returncode == 130 and "exiting" not in shown, shown
+    rc, lines = _signalled(args, subprocess_env, [(signal.SIGINT, 0.5), (signal.SIGINT, 0)])
+    shown = "".join(lines)
+    assert rc == 130 and "exiting" not in shown, shown
     assert best.read_bytes() == earlier, shown  # the earlier run's, back in place
     assert running_server_url(work) is None, shown
     run_id = next(ln.split()[2] for ln in lines if ln.startswith("MLflow run "))
@@ -214,3 +180,32 @@ def test_a_train_run_stopped_by_a_hang_up_ends_killed_and_stops_its_server(
         assert run.info.status == "KILLED", (run.info.status, shown)
     finally:
         server.stop()
+
+
+def _signalled(
+    args: list[str], env: dict[str, str], signals: list[tuple[int, float]]
+) -> tuple[int, list[str]]:
+    """Run `hpsearch ARGS`; once it prints epoch 1, send each signal, then wait so many
+    seconds. Its exit code and every line it printed."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpsearch.cli", *args], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("epoch 1:"):
+                for signum, pause in signals:
+                    proc.send_signal(signum)
+                    time.sleep(pause)
+                break
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    return proc.returncode, [*lines, *rest.splitlines(keepends=True)]
