@@ -268,8 +268,9 @@ def should_restart(
     exit_code: int, restarts: int, max_restarts: int, budget_left: bool, disk_full: bool = False
 ) -> bool:
     """A worker that exited with an error is restarted while it has restarts left, unless
-    it stopped for a full disk (EXIT_DISK_FULL) that is still full, or for its data
-    (EXIT_DATA_ERROR): the restart would stop the same way. (A dip while a packed
+    it stopped for a full disk (EXIT_DISK_FULL) that is still full, for its data
+    (EXIT_DATA_ERROR) or for a --train-fn that does not load (EXIT_CONFIG): the restart
+    would stop the same way. (A dip while a packed
     neighbour wrote its checkpoint may be over.)"""
     if exit_code == EXIT_DISK_FULL and disk_full:
         return False
@@ -550,16 +551,16 @@ def _best(
     return (best.value, best.number) if best is not None else (None, None)
 
 
-def _spent_note(study: optuna.Study, budget: int) -> str:
-    """A relaunch whose budget its study's trials already spent (a file's n_trials below
-    a `--trials` given before): it ran none, said nowhere but `/ 2` beside 3 finished."""
-    counts = with_db_retry(lambda: budget_counts(study.get_trials(deepcopy=False)))
+def spent_note(name: str, counts: Mapping[str, int], budget: int) -> str:
+    """A relaunch whose budget its study's trials (`counts`, as it opened the study)
+    already spent (a file's n_trials below a `--trials` given before): it ran none, said
+    nowhere but `/ 2` beside 3 finished."""
     finished = counts["complete"] + counts["pruned"]
     if finished < budget or counts["waiting"] or counts["running"]:
         return ""
     return (
-        f"study {study.study_name} has {finished} finished trials, budget.n_trials is "
-        f"{budget}: none runs; --trials N (N above {finished}) runs more"
+        f"study {name} has {finished} finished trials, budget.n_trials is {budget}: none "
+        f"runs; --trials N (N above {finished}) runs more"
     )
 
 
@@ -624,6 +625,7 @@ class Launcher:
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
         self._finished_before: int | None = None  # complete + pruned when it opened the study
+        self._counts_at_open: dict[str, int] = {}
         # A multi-objective study's front, and the completed trials it is of (`_pareto_of`)
         self._pareto_key: tuple[int, int] | None = None
         self._pareto_seen: tuple[int, ...] | None = None
@@ -689,6 +691,7 @@ class Launcher:
         # the ETA is at this launch's own rate (`eta_seconds`).
         done = budget_counts(with_db_retry(lambda: study.get_trials(deepcopy=False)))
         self._finished_before = done["complete"] + done["pruned"]
+        self._counts_at_open = done  # (`spent_note`)
         queued = with_db_retry(
             lambda: enqueue_trials(
                 study, self.cfg, lambda: study_lock(self.spec, self.cfg.name), owner=True
@@ -755,7 +758,7 @@ class Launcher:
                 # just started have none yet (they are still importing).
                 if orphans := fail_orphans_on_this_host(self.study, self.spec, opts.max_retries):
                     self._event(f"its worker was gone: {self._requeued_text(orphans)}")
-                if note := _spent_note(self.study, self._budget):
+                if note := spent_note(self.cfg.name, self._counts_at_open, self._budget):
                     self._event(note)
                 supervised = self._supervise(resolved, tracking_uri)
             except Exception:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 import pandas as pd
+import sqlalchemy as sa
 from hpsearch.errors import ConfigError, HpsearchError, StorageError, StudyNotFoundError
 from hpsearch.reporting import ATTR_LAST_EPOCH
 from hpsearch.storage import (
@@ -352,8 +353,6 @@ def _state_counts(st: Any, study_ids: Sequence[int]) -> dict[int, dict[str, int]
     """Trials per state of each study, in TrialState's order, states with none left out:
     in one query on a database (every trial with all its values was read to count them:
     seconds for studies of long trials), else counted from the trials."""
-    import sqlalchemy as sa
-
     raw: dict[int, dict[str, int]] = {i: {} for i in study_ids}
     engine = getattr(st, "engine", None)
     if isinstance(engine, sa.engine.Engine):

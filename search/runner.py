@@ -96,12 +96,8 @@ def check_weights(cfg: StudyConfig, arch: str | None = None) -> None:
         try:
             load_weights_file(model, path)
         except ConfigError as exc:
-            which = (
-                f"arch {arch} (searched: one weights file serves one arch)"
-                if searched
-                else (f"arch {arch}")
-            )
-            raise ConfigError(f"{src}: {exc} (for {which})") from exc
+            searched_note = " (searched: one weights file serves one arch)" if searched else ""
+            raise ConfigError(f"{src}: {exc} (for arch {arch}{searched_note})") from exc
 
 
 def trial_config(

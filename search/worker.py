@@ -232,10 +232,12 @@ def _error_message(study: optuna.Study, trial: optuna.Trial) -> str:
 
 def check_train_fn(spec: str) -> None:
     """A launch's check of `--train-fn MODULE:FUNCTION` before its workers start, without
-    importing anything (a package's import may be heavy, or act): its form, and that its
-    top-level package is found where the workers look (`python -m` puts the current
-    folder first; the launcher's own sys.path starts with its console script's folder).
-    Each worker restarted three times on a typo. Raises HpsearchError."""
+    importing anything (a package's import may be heavy, or act): its form, and that the
+    module, each package of its dotted name in its parent's folders, is found where the
+    workers look (`python -m` puts the current folder first; the launcher's own sys.path
+    starts with its console script's folder). Each worker restarted three times on a typo;
+    a misspelled function is the worker's to find (exit EXIT_CONFIG, not restarted).
+    Raises HpsearchError."""
     if not spec:
         return
     module, _, name = spec.partition(":")

@@ -546,3 +546,16 @@ def test_a_train_fn_is_looked_for_where_the_workers_look_without_importing_it(
     ):
         with pytest.raises(HpsearchError, match=said):
             check_train_fn(spec)
+
+
+def test_a_spent_budget_is_said_only_when_nothing_can_change_it() -> None:
+    from hpsearch.launcher import spent_note
+
+    base = {"complete": 2, "pruned": 1, "fail": 4, "running": 0, "waiting": 0}
+    assert spent_note("s", base, 3) == (
+        "study s has 3 finished trials, budget.n_trials is 3: none runs; --trials N (N above "
+        "3) runs more"
+    )
+    assert spent_note("s", base, 4) == ""  # one more to run
+    assert spent_note("s", {**base, "waiting": 1}, 3) == ""  # a retry to resume
+    assert spent_note("s", {**base, "running": 1}, 3) == ""  # an orphan, failed and resumed
