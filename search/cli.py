@@ -242,7 +242,7 @@ def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     a plain name that no study file has may be a study in that storage, whose stored
     config is taken (`runner.stored_config`: a worker joining by the study's name)."""
     import optuna
-    from hpsearch.config import find_study_file, load_config, parse_overrides
+    from hpsearch.config import find_study_file, is_shipped, load_config, parse_overrides
 
     # Optuna's "[I ...] A new study created" / "Using an existing study" lines: the
     # commands say what they open in their own words, and an error stays one line.
@@ -265,7 +265,7 @@ def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     try:
         if stored is not None:
             try:
-                find_study_file(study)
+                found = find_study_file(study)
             except HpsearchError as missing:
                 from hpsearch.runner import stored_config
 
@@ -278,6 +278,18 @@ def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download
                         "a launch stored"
                     ) from missing
                 return cfg
+            renamed = any(key.strip() == "name" for key, _ in parse_overrides(overrides))
+            if is_shipped(found) and not renamed:
+                # A study of a shipped file's name in the storage: its launch may have set
+                # values on top (--set), which a worker joining by the name alone takes too.
+                # A database not up yet, or a config that no longer loads: the file's (the
+                # worker waits for its database, and then says how its trials differ).
+                from hpsearch.errors import ConfigError, StorageError
+                from hpsearch.runner import stored_config
+
+                with contextlib.suppress(StorageError, ConfigError):
+                    if cfg := stored_config(study, *stored, sets, data_dir, download):
+                        return cfg
         return load_config(study, sets, data_dir=data_dir, download=download)
     except HpsearchError as exc:  # the budget the message blames came from --trials
         given = f"(from --set budget.n_trials={trials})"

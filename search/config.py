@@ -1003,6 +1003,12 @@ def studies_dirs() -> list[Path]:
     return dirs
 
 
+def is_shipped(path: Path) -> bool:
+    """Whether a study file is one shipped with the package (not the user's own)."""
+    shipped = studies_dirs()[1:]
+    return any(path.resolve().parent == d.resolve() for d in shipped)
+
+
 def available_studies() -> list[str]:
     names: set[str] = set()
     for d in studies_dirs():

@@ -39,7 +39,7 @@ def run_dashboard(
         raise HpsearchError(
             "optuna-dashboard is not installed: pip install optuna-dashboard"
         ) from exc
-    from hpsearch.tracking.server import listen_problem
+    from hpsearch.tracking.server import free_port_hint, listen_problem
 
     spec = resolve_storage(storage, workdir)
 
@@ -57,7 +57,9 @@ def run_dashboard(
         )
     opened = when_up(lambda: open_storage(spec, pool_size=1, create=False, pre_ping=True))
     if (problem := listen_problem(host, port)) is not None:
-        raise HpsearchError(f"--host/--port: {host}:{port}: cannot listen there: {problem}")
+        raise HpsearchError(
+            f"--host/--port: {host}:{port}: cannot listen there: {problem}{free_port_hint(host)}"
+        )
     if on_listening is not None:
         on_listening(f"http://{host}:{port}")
     run_server(opened, host=host, port=port)

@@ -299,15 +299,28 @@ def launch_outcome(supervised: str, budget_spent: bool, deadline_passed: bool) -
 
 
 def eta_seconds(
-    finished: int, total: int, elapsed_s: float, finished_here: int | None = None
+    finished: int,
+    total: int,
+    elapsed_s: float,
+    finished_here: int | None = None,
+    running: Sequence[tuple[int, int]] = (),
+    max_epochs: int = 1,
 ) -> float | None:
-    """Seconds until `total` trials are finished, at the rate of those finished in the
-    `elapsed_s` this launch has run (`finished_here`; default all `finished`: a resumed
-    study's earlier trials took none of this launch's time)."""
-    here = finished if finished_here is None else finished_here
+    """Seconds until `total` trials are finished, at the rate of the work done in the
+    `elapsed_s` this launch has run: the trials it finished (`finished_here`; default all
+    `finished`: a resumed study's earlier trials took none of this launch's time) plus the
+    share of `max_epochs` its running trials trained, each given as (last epoch reported,
+    the epoch it had reached before this launch ran it; 0 for a fresh start). Without them
+    the ETA showed nothing until a trial ended, then climbed through each long trial."""
+    here = float(finished if finished_here is None else finished_here)
+    left = float(total - finished)
+    for last, resumed_from in running:
+        last = min(max(last, 0), max_epochs)
+        here += max(last - resumed_from, 0) / max_epochs
+        left -= last / max_epochs
     if here <= 0 or finished >= total:
         return None
-    return elapsed_s / here * (total - finished)
+    return elapsed_s / here * max(left, 0.0)
 
 
 # --- state -----------------------------------------------------------------------------
@@ -625,6 +638,7 @@ class Launcher:
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
         self._finished_before: int | None = None  # complete + pruned when it opened the study
+        self._eta_base: dict[int, int] = {}  # running trial -> epoch reached when first seen
         self._counts_at_open: dict[str, int] = {}
         # A multi-objective study's front, and the completed trials it is of (`_pareto_of`)
         self._pareto_key: tuple[int, int] | None = None
@@ -1525,6 +1539,13 @@ class Launcher:
         finished = counts["complete"] + counts["pruned"]
         # Counted, not dated: workers of other hosts date their trials in their own zone.
         here = finished - self._finished_before if self._finished_before is not None else 0
+        epochs = []
+        for t in trials:
+            if t.state == TrialState.RUNNING and launched_by(t.user_attrs, self._pids):
+                last = int(max(t.intermediate_values, default=0))
+                # A retry starts with its chain's reports: those epochs took none of ours.
+                base = last if t.system_attrs.get("retry_history") else 0
+                epochs.append((last, self._eta_base.setdefault(t.number, base)))
         return Progress(
             counts,
             input_bound,
@@ -1533,7 +1554,7 @@ class Launcher:
             best_trial,
             views,
             elapsed,
-            eta_seconds(finished, self._budget, elapsed, here),
+            eta_seconds(finished, self._budget, elapsed, here, epochs, self.cfg.budget.max_epochs),
             message,
             stale_s,
             never_read,

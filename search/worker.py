@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import optuna
-from hpsearch.config import StudyConfig, find_study_file
+from hpsearch.config import StudyConfig, find_study_file, is_shipped
 from hpsearch.errors import (
     ConfigError,
     DatasetError,
@@ -677,11 +677,12 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
     if opts.joined and launched and (drift := config_drift(cfg, str(launched))):
         # Allowed (a quick check at other settings), but its values will not compare.
         shown = "; ".join(drift[:6]) + ("; ..." if len(drift) > 6 else "")
+        hint = f"; `--study {cfg.name}` alone takes the launch's config"
         try:
-            find_study_file(cfg.name)
-            hint = ""  # a file of the study's name is always read first
+            if not is_shipped(find_study_file(cfg.name)):
+                hint = ""  # the user's own file of the study's name is always read first
         except ConfigError:
-            hint = f"; `--study {cfg.name}` alone takes the launch's config"
+            pass
         warnings.warn(
             f"study {cfg.name}: this worker's trials train otherwise than its last launch's "
             f"({shown}): their values will not compare{hint}",

@@ -313,6 +313,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_hint(host: str) -> str:
+    """`` (--port N is free)`` for a command whose port was taken; '' where ``host`` itself
+    is the problem (not this machine's, or no such name)."""
+    try:
+        return f" (--port {free_port(host)} is free)"
+    except OSError:
+        return ""
+
+
 def listen_problem(host: str, port: int) -> str | None:
     """Why this process could not listen on ``host:port`` (a listener holds it, no such
     address here, a name that does not resolve), or None when it could. TIME_WAIT leftovers
@@ -1049,7 +1058,12 @@ def serve_ui(
     """``hpsearch ui``: start the server on the store of ``workdir`` and return it, this
     process its first user; the CLI prints ``server.url`` and calls ``server.release()`` on
     Ctrl-C. ``port=None`` picks a free port. Call it under :func:`store_lock`, after
-    :func:`join_server` found no server (one writer per SQLite file)."""
+    :func:`join_server` found no server (one writer per SQLite file). A port another
+    program holds is refused with a free one to use instead."""
+    if port is not None and (problem := listen_problem(host, port)) is not None:
+        raise TrackingError(
+            f"cannot serve the MLflow UI on {host}:{port}: {problem}{free_port_hint(host)}"
+        )
     return start_local_server(workdir, host=host, port=port)
 
 
@@ -1064,6 +1078,7 @@ __all__ = [
     "attach_or_start",
     "check_tracking_uri",
     "free_port",
+    "free_port_hint",
     "health_ok",
     "join_server",
     "leave_server",

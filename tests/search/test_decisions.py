@@ -104,6 +104,12 @@ def test_eta() -> None:
     assert eta_seconds(5, 7, 60.0, finished_here=1) == pytest.approx(120.0)
     assert eta_seconds(4, 7, 60.0, finished_here=0) is None
     assert eta_seconds(7, 7, 60.0, finished_here=3) is None
+    # Running trials count by the share of max_epochs they trained here (QA: "eta -" until
+    # a trial ended): 2 of 10 epochs of one trial in 30 s, 4 trials: 4 - 0.2 left at that.
+    assert eta_seconds(0, 4, 30.0, 0, [(2, 0)], 10) == pytest.approx(30.0 / 0.2 * 3.8)
+    # Two running, one a retry that came with 5 epochs of its chain's: 1 + 1 of 10 here.
+    assert eta_seconds(1, 4, 60.0, 1, [(1, 0), (6, 5)], 10) == pytest.approx(60.0 / 1.2 * 2.3)
+    assert eta_seconds(0, 4, 30.0, 0, [(0, 0)], 10) is None  # no epoch yet: no rate
 
 
 def test_storage_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -772,9 +772,11 @@ def test_a_dashboard_on_no_study_or_that_cannot_listen_is_one_line(
         port = s.getsockname()[1]
         r = hpsearch(["dashboard", "--workdir", str(tmp_path), "--port", str(port)], subprocess_env)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert r.stderr.strip() == (
-        f"Error: --host/--port: 127.0.0.1:{port}: cannot listen there: Address already in use"
-    )
+    assert re.fullmatch(
+        f"Error: --host/--port: 127.0.0.1:{port}: cannot listen there: Address already in use "
+        r"\(--port (\d+) is free\)",
+        r.stderr.strip(),
+    ), r.stderr
     assert "optuna-dashboard: http" not in r.stdout  # it never listened
 
 
@@ -1133,6 +1135,38 @@ def test_a_worker_joins_a_study_by_its_name_with_the_launchs_config_and_is_told_
     ), r.stderr
 
 
+def test_a_worker_joins_a_study_of_a_shipped_files_name_with_the_launchs_config(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """`worker --study tiny` took the shipped file, not the values the launch of study
+    tiny set on top of it: told it trained otherwise, it had no way to join by the name."""
+    from hpsearch.study import CONFIG_ID_ATTR
+
+    common = ["--workdir", str(tmp_path / "w"), "--train-fn", DUMMY, "--no-tracking"]
+    r = hpsearch(["launch", "--study", "tiny", "--set", "budget.max_epochs=1", "--trials", "2",
+                  *common], subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = hpsearch(["worker", "--study", "tiny", "--trials", "3", *common], subprocess_env)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stdout + r.stderr
+    study = hps.load_study("tiny", workdir=tmp_path / "w")
+    assert len({t.user_attrs.get(CONFIG_ID_ATTR) for t in study.trials}) == 1
+    assert [max(t.intermediate_values) for t in study.trials] == [1, 1, 1]
+    # A new study of that name in another storage: the shipped file, as before.
+    r = hpsearch(["worker", "--study", "tiny", "--trials", "1", "--workdir", str(tmp_path / "x"),
+                  "--train-fn", DUMMY, "--no-tracking"], subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    fresh = hps.load_study("tiny", workdir=tmp_path / "x").trials
+    assert max(fresh[0].intermediate_values) > 1  # the shipped budget.max_epochs
+    # Its own values on top: told, with the way to join as the launch trains.
+    r = hpsearch(["worker", "--study", "tiny", "--set", "budget.max_epochs=2", "--trials", "4",
+                  *common], subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (
+        "(budget.max_epochs: 2 (the launch's: 1)): their values will not compare; "
+        "`--study tiny` alone takes the launch's config" in r.stderr
+    ), r.stderr
+
+
 def test_a_resumed_launchs_eta_is_at_its_own_rate_not_counting_earlier_trials(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
@@ -1141,23 +1175,23 @@ def test_a_resumed_launchs_eta_is_at_its_own_rate_not_counting_earlier_trials(
     common = ["launch", "--study", "tiny", "--workers", "1", "--workdir", str(tmp_path),
               "--train-fn", DUMMY, "--no-tracking", "--set", "pruner.name=none",
               "--set", "pruner.options={}", "--set", "budget.max_epochs=2"]  # fmt: skip
-    first = hpsearch([*common, "--trials", "4"], subprocess_env)
+    first = hpsearch([*common, "--trials", "8"], subprocess_env)
     assert first.returncode == 0, first.stdout + first.stderr
     env = dict(subprocess_env, HPSEARCH_DUMMY_EPOCH_S="1.5")  # a trial: 3 s and more
-    again = hpsearch([*common, "--trials", "6"], env)
+    again = hpsearch([*common, "--trials", "10"], env)
     assert again.returncode == 0, again.stdout + again.stderr
-    shown = re.findall(r"\[ *(\d+)s\] complete 5 .* / 6 \| best .* \| eta (\d+)s", again.stdout)
+    shown = re.findall(r"\[ *(\d+)s\] complete 9 .* / 10 \| best .* \| eta (\d+)s", again.stdout)
     assert shown, again.stdout
     elapsed, eta = map(int, shown[0])
-    # One trial finished here in `elapsed` s, one left: about as long again (it was
-    # elapsed / 5 at most).
-    assert eta >= max(elapsed - 1, 2), again.stdout
+    # One trial finished here in `elapsed` s and the last one has trained 0 or 1 of its 2
+    # epochs: elapsed or elapsed / 3 left at that rate (it was elapsed / 9).
+    assert eta >= elapsed / 3 - 1, again.stdout
     # A relaunch whose budget is spent says so (QA: `/ 4` beside 5 finished, no word).
     spent = hpsearch([*common, "--trials", "5"], subprocess_env)
     assert spent.returncode == 0, spent.stdout + spent.stderr
     assert (
-        "study tiny has 6 finished trials, budget.n_trials is 5: none runs; --trials N "
-        "(N above 6) runs more"
+        "study tiny has 10 finished trials, budget.n_trials is 5: none runs; --trials N "
+        "(N above 10) runs more"
     ) in spent.stdout.splitlines(), spent.stdout
 
 

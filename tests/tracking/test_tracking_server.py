@@ -259,9 +259,14 @@ def test_port_in_use_is_a_tracking_error(tmp_path: Path) -> None:
         port = s.getsockname()[1]
         with pytest.raises(TrackingError, match=f"on 127.0.0.1:{port}: Address already in use$"):
             start_local_server(tmp_path, port=port)
+        # `hpsearch ui` names a port that is free (QA: it only said "in use").
+        with pytest.raises(TrackingError, match=r"Address already in use \(--port \d+ is free\)$"):
+            serve_ui(tmp_path, port=port)
     # A host that is not this machine's or does not resolve: said so, not "in use".
     with pytest.raises(TrackingError, match=r"on 999.1.1.1:5000: (?!Address already in use)"):
         start_local_server(tmp_path, host="999.1.1.1", port=5000)
+    with pytest.raises(TrackingError, match=r"on nosuch.invalid:5000: [^(]*$"):
+        serve_ui(tmp_path, host="nosuch.invalid", port=5000)
 
 
 def test_a_picked_port_taken_before_the_server_binds_it_is_replaced(
