@@ -236,11 +236,13 @@ def _stored(study: str, read: Callable[[str], _T]) -> tuple[str, _T]:
 
 
 def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
-          trials: int | None = None,
-          stored: tuple[str | None, Path] | None = None) -> Any:  # fmt: skip
+          trials: int | None = None, stored: tuple[str | None, Path] | None = None,
+          relaunch: tuple[str | None, Path] | None = None) -> Any:  # fmt: skip
     """The study file's config, with --set and --trials on top. `stored` (storage, workdir):
     a plain name that no study file has may be a study in that storage, whose stored
-    config is taken (`runner.stored_config`: a worker joining by the study's name)."""
+    config is taken (`runner.stored_config`: a worker joining by the study's name).
+    `relaunch` or `stored`: a file a rule for new study files refuses is taken with a
+    warning when its study is in that storage (launched from it before the rule)."""
     import optuna
     from hpsearch.config import find_study_file, is_shipped, load_config, parse_overrides
 
@@ -290,12 +292,53 @@ def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download
                 with contextlib.suppress(StorageError, ConfigError):
                     if cfg := stored_config(study, *stored, sets, data_dir, download):
                         return cfg
-        return load_config(study, sets, data_dir=data_dir, download=download)
+        return _file_config(study, sets, data_dir, download, stored or relaunch)
     except HpsearchError as exc:  # the budget the message blames came from --trials
         given = f"(from --set budget.n_trials={trials})"
         if trials is None or not str(exc).endswith(given):
             raise
         raise type(exc)(str(exc).removesuffix(given) + f"(from --trials {trials})") from exc
+
+
+def _file_config(
+    study: str, sets: list[str], data_dir: str | None, download: bool | None,
+    storage: tuple[str | None, Path] | None,
+) -> Any:  # fmt: skip
+    """`_load`'s study file. A launch's worker loads the launch's resolved file, which the
+    launch checked, as a stored config is (`lenient`)."""
+    from hpsearch.config import load_config
+    from hpsearch.errors import ConfigError
+    from hpsearch.launcher import LAUNCHED_ENV
+
+    lenient = os.environ.get(LAUNCHED_ENV) == "1"
+    try:
+        return load_config(study, sets, data_dir=data_dir, download=download, lenient=lenient)
+    except ConfigError as exc:
+        refused = exc
+    if storage is None:
+        raise refused
+    try:  # a rule for new files only, when the file loads as a stored config would
+        cfg = load_config(study, sets, data_dir=data_dir, download=download, lenient=True)
+    except ConfigError:
+        raise refused from None
+    from hpsearch.config import config_to_yaml
+    from hpsearch.runner import stored_config
+
+    try:
+        launched = stored_config(cfg.name, *storage)
+    except HpsearchError:  # not in a storage that answers: a new study, as far as we know
+        launched = None
+    # Only as its study was launched from it (budget.n_trials and where the data is aside):
+    # an edit is held to the rules of today.
+    if launched is None or config_to_yaml(cfg, True) != config_to_yaml(launched, True):
+        raise refused
+    warnings.warn(
+        f"{refused}; allowed for study {cfg.name}, launched from it before this rule "
+        "(a new study file is refused so)",
+        HpsearchWarning,
+        stacklevel=2,
+    )
+    return cfg
 
 
 def _check_device(device: str) -> None:
@@ -411,7 +454,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
     # Before the --workers auto probe (minutes): a URI that cannot work is said at once.
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
-    cfg = _load(study, overrides, data_dir, download, trials)
+    cfg = _load(study, overrides, data_dir, download, trials, relaunch=(storage, workdir))
     ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     for note in (pruning_note(cfg), warmup_note(cfg)):
         if note is not None:

@@ -1185,8 +1185,11 @@ def load_config(
     overrides: Sequence[str] = (),
     data_dir: str | None = None,
     download: bool | None = None,
+    lenient: bool = False,
 ) -> StudyConfig:
-    """Read, override and validate a study file. Raises ConfigError with one line."""
+    """Read, override and validate a study file. Raises ConfigError with one line.
+    `lenient`: spared the rules for new study files, as a study's stored config is (a file
+    a launch already checked, or one a study was launched from before such a rule)."""
     path = find_study_file(str(study))
     src = str(path)
     try:
@@ -1202,7 +1205,7 @@ def load_config(
     if not isinstance(raw, dict):
         raise ConfigError(f"{src}: <root>: {type(raw).__name__}: must be a mapping")
     raw.setdefault("name", path.stem)
-    return _build_config(raw, src, overrides, data_dir, download)
+    return _build_config(raw, src, overrides, data_dir, download, stored=lenient)
 
 
 def config_from_yaml(

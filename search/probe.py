@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     from hpsearch.errors import HpsearchError
 
     try:
-        result = run_probe(load_config(args.study), args.steps)
+        # The launch's resolved file, which it checked (`lenient`: as its workers load it).
+        result = run_probe(load_config(args.study, lenient=True), args.steps)
     except HpsearchError as exc:
         sys.stderr.write(f"probe: {exc}\n")
         return 1

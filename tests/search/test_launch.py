@@ -1167,6 +1167,52 @@ def test_a_worker_joins_a_study_of_a_shipped_files_name_with_the_launchs_config(
     ), r.stderr
 
 
+def test_a_study_launched_before_a_rule_for_new_files_relaunches_from_its_unchanged_file(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """A rule newer than a study (here: a `when` value given twice) refused to relaunch it from
+    the very file it was launched from, which its stored config is spared."""
+    from hpsearch.config import config_to_yaml, load_config
+    from hpsearch.study import CONFIG_ATTR
+
+    text = (Path(hps.__file__).parent / "studies" / "tiny.yaml").read_text()
+    old = tmp_path / "old.yaml"
+    twice = "when: {loss: [label_smoothing, label_smoothing]}"
+    old.write_text(
+        text.replace("name: tiny", "name: old").replace("when: {loss: label_smoothing}", twice)
+    )
+    work = tmp_path / "w"
+    common = ["launch", "--study", str(old), "--workers", "1", "--workdir", str(work),
+              "--train-fn", DUMMY, "--no-tracking"]  # fmt: skip
+    r = hpsearch([*common, "--trials", "1"], subprocess_env)
+    assert (
+        r.returncode == 1
+        and "label_smoothing.when.loss: 'label_smoothing': given twice" in r.stderr
+    ), r.stderr
+    assert not work.exists()  # refused before anything was made
+    # The study as an earlier hpsearch launched it from that file.
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(old.read_text().replace(twice, "when: {loss: label_smoothing}"))
+    r = hpsearch(["launch", "--study", str(ok), "--workers", "1", "--workdir", str(work),
+                  "--train-fn", DUMMY, "--no-tracking", "--trials", "1"], subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    study = hps.load_study("old", workdir=work)
+    study.set_user_attr(CONFIG_ATTR, config_to_yaml(load_config(old, lenient=True)))
+    r = hpsearch([*common, "--trials", "2"], subprocess_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    warned = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: ")]
+    assert warned == [
+        f"warning: {old}: search_space.label_smoothing.when.loss: 'label_smoothing': given "
+        "twice; allowed for study "
+        "old, launched from it before this rule (a new study file is refused so)"
+    ], r.stderr
+    last = r.stdout.splitlines()[-1]  # its workers took the file too
+    assert last.startswith("done (budget): complete") and "failed 0" in last, r.stdout
+    # Edited since: held to today's rules.
+    r = hpsearch([*common, "--trials", "3", "--set", "budget.max_epochs=1"], subprocess_env)
+    assert r.returncode == 1 and "given twice" in r.stderr and "allowed" not in r.stderr
+
+
 def test_a_resumed_launchs_eta_is_at_its_own_rate_not_counting_earlier_trials(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
