@@ -244,7 +244,7 @@ def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     `relaunch` or `stored`: a file a rule for new study files refuses is taken with a
     warning when its study is in that storage (launched from it before the rule)."""
     import optuna
-    from hpsearch.config import find_study_file, is_shipped, load_config, parse_overrides
+    from hpsearch.config import find_study_file, is_shipped, parse_overrides
 
     # Optuna's "[I ...] A new study created" / "Using an existing study" lines: the
     # commands say what they open in their own words, and an error stays one line.
