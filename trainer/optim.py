@@ -13,7 +13,6 @@ from torch import nn
 PLATEAU_FACTOR = 0.2  # lr multiplier after `PLATEAU_PATIENCE` evals without a better val loss
 PLATEAU_PATIENCE = 2
 PLATEAU_MIN_SCALE = 1e-3
-ONECYCLE_DEFAULT_WARMUP = 0.25  # fraction of all steps when warmup_epochs is 0
 
 
 def scaled_lr(lr: float, batch_size: int, base_batch_size: int, rule: str) -> float:
@@ -43,16 +42,23 @@ def micro_batches(batch_size: int, max_micro_batch: int | None) -> tuple[int, in
     return math.ceil(batch_size / steps), steps
 
 
+def warmup_steps(warmup_epochs: float, steps_per_epoch: int) -> int:
+    """Optimizer steps of a warm-up of `warmup_epochs` (fractions allowed): none for 0, else
+    at least one (0.1 epoch of 3 steps rounded to none; onecycle then warmed up over a
+    quarter of the trial, and a search over 0..1 saw two schedules)."""
+    if warmup_epochs <= 0:
+        return 0
+    return max(1, round(warmup_epochs * steps_per_epoch))
+
+
 def lr_factor(schedule: str, step: int, total_steps: int, warmup_steps: int) -> float:
     """Multiplier of the peak lr before optimizer step `step` (0-based), per step.
 
     cosine: linear warmup then half-cosine to 0; onecycle: linear up then linear down to 0
-    (warmup 0 -> 25% of steps up); constant and plateau: linear warmup then 1 (plateau's
+    (no warmup: down from the peak); constant and plateau: linear warmup then 1 (plateau's
     reductions are applied on top, see `Schedule`).
     """
     total_steps = max(total_steps, 1)
-    if schedule == "onecycle" and warmup_steps == 0:
-        warmup_steps = max(1, round(ONECYCLE_DEFAULT_WARMUP * total_steps))
     warmup_steps = min(warmup_steps, total_steps)
     if step < warmup_steps:
         return (step + 1) / warmup_steps

@@ -37,7 +37,13 @@ from hpsearch.errors import DataError, DatasetError, DeviceError, HpsearchWarnin
 from hpsearch.trainer import augment, data
 from hpsearch.trainer.losses import make_loss
 from hpsearch.trainer.models import build_model
-from hpsearch.trainer.optim import Schedule, make_optimizer, micro_batches, scaled_lr
+from hpsearch.trainer.optim import (
+    Schedule,
+    make_optimizer,
+    micro_batches,
+    scaled_lr,
+    warmup_steps,
+)
 from hpsearch.trainer.types import (
     CheckpointError,
     EpochRecord,
@@ -813,7 +819,7 @@ def _train(
         hp.schedule,
         lr,
         total_steps=steps_per_epoch * config.budget.max_epochs,
-        warmup_steps=round(hp.warmup_epochs * steps_per_epoch),
+        warmup_steps=warmup_steps(hp.warmup_epochs, steps_per_epoch),
     )
     scaler = torch.amp.GradScaler(device.type) if amp == torch.float16 else None
     loss_fn = make_loss(hp)
