@@ -472,7 +472,10 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
         check_dataset(cfg, light=True)  # each worker checks fully
         check_weights(cfg)
-    else:
+    from hpsearch.runner import check_relaunch
+
+    check_relaunch(cfg, storage, workdir)
+    if train_fn:
         from hpsearch.worker import check_train_fn
 
         check_train_fn(train_fn)

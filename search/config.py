@@ -1254,10 +1254,15 @@ def _build_config(
         for key, value in pairs
     )
     if isinstance(raw.get("dataset"), dict):
-        if data_dir:
-            raw["dataset"]["root"] = data_dir
-        elif env_dir and not set_root:
-            raw["dataset"]["root"] = env_dir
+        given = data_dir or (env_dir if not set_root else None)
+        if given:
+            raw["dataset"]["root"] = given
+        root = raw["dataset"].get("root")
+        if isinstance(root, str) and root and (given or not stored):
+            # From the folder it is given in (a stored config's root is its launch's): a
+            # relative one stored on the study failed a `train --trial` or a worker started
+            # in another folder (QA).
+            raw["dataset"]["root"] = os.path.abspath(os.path.expanduser(root))
         if download is not None:
             raw["dataset"]["download"] = download
     raw["source"] = src

@@ -24,7 +24,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,10 @@ except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
+# Pillow warns of any image over 89 MP as a possible "decompression bomb" (two lines, from
+# each decoding thread): here the user's own scans and panoramas, decoded on purpose. Over
+# 179 MP it refuses them, which `open_and_decode` reports as the file's decode error.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 SPLITS = ("train", "val", "test")
 CIFAR_VAL_SIZE = 5000  # CIFAR has no val split: the last 5000 of a fixed shuffle of train
@@ -324,6 +328,8 @@ def decode_image(image: Image.Image, size: int) -> np.ndarray:
     PIL's bilinear resize filters over the whole footprint when shrinking (antialiased), so
     a 144 px JPEG becomes a clean 73 px crop.
     """
+    if image.mode.startswith("I"):  # 16/32-bit grey: RGB clips it at 255 (white)
+        image = Image.fromarray(wide_grey_to_u8(np.asarray(image), image.mode), "L")
     image = image.convert("RGB")
     w, h = image.size
     scale = size / min(w, h)
@@ -332,6 +338,15 @@ def decode_image(image: Image.Image, size: int) -> np.ndarray:
     left, top = (nw - size) // 2, (nh - size) // 2
     image = image.crop((left, top, left + size, top + size))
     return np.array(image, dtype=np.uint8)  # a writable copy
+
+
+def wide_grey_to_u8(values: np.ndarray, mode: str) -> np.ndarray:
+    """A 16-bit (mode I;16*) or 32-bit (I) grey image as 8 bits: 16-bit full scale is 65535,
+    and an I image takes 255, 65535 or its own maximum, the first that holds its values."""
+    v = np.clip(values.astype(np.float64), 0, None)
+    top = v.max(initial=0.0)
+    full = 65535.0 if mode.startswith("I;16") or 255 < top <= 65535 else max(top, 255.0)
+    return np.round(v * (255.0 / full)).astype(np.uint8)
 
 
 def open_and_decode(src: Source, i: int, size: int) -> np.ndarray:
@@ -345,6 +360,11 @@ def open_and_decode(src: Source, i: int, size: int) -> np.ndarray:
                 im.draft("RGB", (size, size))
             upright: Image.Image = ImageOps.exif_transpose(im) or im
             return decode_image(upright, size)
+    except Image.DecompressionBombError as exc:  # over 2 x PIL's MAX_IMAGE_PIXELS (179 MP)
+        raise DatasetError(
+            f"dataset {src.dataset}: cannot decode {src.name_of(i)}: {exc.args[0].split(',')[0]} "
+            "(Pillow's decompression-bomb guard: scale it down)"
+        ) from exc
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
         raise DatasetError(f"dataset {src.dataset}: cannot decode {src.name_of(i)}: {exc}") from exc
 
@@ -360,6 +380,7 @@ class Decoded:
     labels: np.ndarray
     class_names: list[str]
     built: bool = False  # True when this call decoded it (False: read from the cache)
+    skipped: list[str] = field(default_factory=list)  # files left out (on_corrupt: skip)
 
 
 def decoded_nbytes(n: int, size: int) -> int:
@@ -401,9 +422,35 @@ def decode_all(src: Source, size: int, on_corrupt: str, workers: int | None = No
     with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
         for _ in pool.map(one, range(len(src))):
             pass
-    if not ok.all():
-        return Decoded(out[ok], src.labels[ok], src.class_names, built=True)
-    return Decoded(out, src.labels.copy(), src.class_names, built=True)
+    skipped = [src.name_of(int(i)) for i in np.flatnonzero(~ok)]
+    if skipped:
+        dec = Decoded(out[ok], src.labels[ok], src.class_names, built=True, skipped=skipped)
+    else:
+        dec = Decoded(out, src.labels.copy(), src.class_names, built=True)
+    check_decodable(dec.labels, src, skipped)
+    return dec
+
+
+def check_decodable(labels: np.ndarray, src: Source, skipped: Sequence[str]) -> None:
+    """Raises DatasetError for a split of which no image decoded (its metrics were 0 over
+    0 images: a val_loss study ranked it best), or a train class none of whose images did
+    (the model had an output nothing trained). `labels`: the decoded images' labels."""
+    if not len(src) or not skipped:
+        return
+    if not len(labels):
+        raise DatasetError(
+            f"dataset {src.dataset}: none of the {len(src)} images of its {src.split} split "
+            f"could be decoded (e.g. {skipped[0]})"
+        )
+    if src.split == "train":
+        lost = sorted(set(np.unique(src.labels).tolist()) - set(np.unique(labels).tolist()))
+        if lost:
+            names = ", ".join(src.class_names[c] for c in lost[:3])
+            more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+            raise DatasetError(
+                f"dataset {src.dataset}: class {names}{more}: none of its train images could "
+                "be decoded; a class the model cannot learn"
+            )
 
 
 @contextlib.contextmanager
@@ -422,7 +469,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 def _read_cache(path: Path) -> Decoded:
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(str(z["meta"]))
-        return Decoded(z["images"], z["labels"], meta["class_names"])
+        skipped = meta.get("skipped", [])  # (none recorded by caches of older versions)
+        return Decoded(z["images"], z["labels"], meta["class_names"], skipped=skipped)
 
 
 def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str = "skip") -> Decoded:
@@ -453,7 +501,9 @@ def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str =
             path,
         )
         dec = decode_all(src, size, on_corrupt)
-        meta = json.dumps({"class_names": dec.class_names, "items": len(src)})
+        meta = json.dumps(
+            {"class_names": dec.class_names, "items": len(src), "skipped": dec.skipped}
+        )
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as fh:
@@ -472,11 +522,20 @@ def _checked(dec: Decoded, src: Source, path: Path, on_corrupt: str) -> Decoded:
     """A cache built under on_corrupt: skip left out the files it could not decode; read
     under fail, it silently trained without them."""
     missing = len(src) - len(dec.labels)
+    named = f": {', '.join(dec.skipped[:3])}{' ...' if len(dec.skipped) > 3 else ''}"
     if on_corrupt == "fail" and missing > 0:
         raise DatasetError(
             f"dataset {src.dataset}: {missing} image(s) of its {src.split} split could not be "
-            f"decoded when {path} was built (on_corrupt: skip); fix or remove them and delete "
-            "that file, or set dataset.on_corrupt: skip"
+            f"decoded when {path} was built (on_corrupt: skip){named if dec.skipped else ''}; "
+            "fix or remove them and delete that file, or set dataset.on_corrupt: skip"
+        )
+    if missing > 0:  # said again at each load: the first build's warnings are long gone
+        check_decodable(dec.labels, src, dec.skipped or ["?"])
+        warnings.warn(
+            f"dataset {src.dataset}: {missing} image(s) of its {src.split} split left out, as "
+            f"they could not be decoded when its cache was built{named if dec.skipped else ''}",
+            HpsearchWarning,
+            stacklevel=2,
         )
     return dec
 

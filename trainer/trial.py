@@ -343,6 +343,8 @@ def evaluate(
             n += len(y)
     finally:  # an evaluation that failed (out of memory, retried) leaves it training
         model.train(was_training)
+    if n == 0 and split.n > 0:  # streamed, each image skipped (on_corrupt: skip): no 0/0
+        raise DatasetError(f"none of the {split.n} images of an eval split could be decoded")
     n = max(n, 1)
     return correct.item() / n, loss_sum.item() / n, confusion.view(num_classes, num_classes)
 
@@ -963,6 +965,11 @@ def _train(
             if timeout is not None and elapsed() > timeout:
                 cut_short = i + 1 < steps_per_epoch  # else the epoch is whole: evaluated
                 break
+        if seen == 0 and train_split.n > 0 and not cut_short:
+            # Streamed, each image skipped (on_corrupt: skip): an epoch of no steps.
+            raise DatasetError(
+                f"none of the {train_split.n} images of the train split could be decoded"
+            )
         bad_step = int(first_bad.item())
         if bad_step >= 0:
             bad = loss_sum.item()

@@ -79,6 +79,22 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     sets = ["dataset.name=synthetic", "dataset.image_size=16"]
     assert load_config(bare, sets).dataset.root == "/from/env"
     assert load_config(p, data_dir="/from/cli").dataset.root == "/from/cli"
+    # Relative: from the folder it was given in, so that the study's stored config holds
+    # where the data is for a worker or `train --trial` started elsewhere (QA).
+    monkeypatch.chdir(tmp_path)
+    assert load_config(p, data_dir="rel").dataset.root == str(tmp_path / "rel")
+    monkeypatch.setenv("HPSEARCH_DATA_DIR", "~/d")
+    assert load_config(p).dataset.root == str(Path.home() / "d")
+    monkeypatch.delenv("HPSEARCH_DATA_DIR")
+    assert load_config(p, ["dataset.root=../up"]).dataset.root == str(tmp_path.parent / "up")
+    # A stored config's root is its launch's (an older study's relative one, as it was).
+    stored = config_to_yaml(load_config(p, ["dataset.root=data"])).replace(
+        str(tmp_path / "data"), "data"
+    )
+    assert config_from_yaml(stored, "stored").dataset.root == "data"
+    assert config_from_yaml(stored, "stored", data_dir="here").dataset.root == str(
+        tmp_path / "here"
+    )
 
 
 @pytest.mark.parametrize(

@@ -1688,7 +1688,11 @@ def test_a_relaunch_on_an_image_folder_whose_classes_changed_is_refused(
 ) -> None:
     """A class added to the folder between launches: the retry's checkpoint did not load
     (a raw size mismatch), and 5- and 6-class values shared one study (QA). Each worker
-    checks the classes against those the study's trials trained on, and stops (65)."""
+    checks the classes against those the study's trials trained on, and stops (65); the
+    launch checks first, before it replaces the study's config and budget (QA: a worker
+    joining by the name then trained the refused config)."""
+    from hpsearch.study import CONFIG_ATTR, N_TRIALS_ATTR
+
     _add_class(tmp_path / "data", "daisy")
     _add_class(tmp_path / "data", "rose")
     data = f"dataset={{name: imagefolder, root: {tmp_path / 'data'}, image_size: 16}}"
@@ -1696,11 +1700,20 @@ def test_a_relaunch_on_an_image_folder_whose_classes_changed_is_refused(
             "--no-tracking", "--set", data, "--set", "budget.max_epochs=1"]  # fmt: skip
     r = hpsearch([*args, "--trials", "1"], subprocess_env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    before = dict(hps.load_study("tiny", workdir=tmp_path / "w").user_attrs)
     _add_class(tmp_path / "data", "aaa_tulip")  # sorted first: every class index shifts
-    r = hpsearch([*args, "--trials", "2"], subprocess_env, timeout=300)
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "3 classes (added aaa_tulip) where the study's trials trained on 2" in r.stdout, r.stdout
-    assert "restarting" not in r.stdout
+    r = hpsearch([*args, "--trials", "2", "--set", "dataset.eval_limit=2"], subprocess_env)
+    assert r.returncode == 65, r.stdout + r.stderr
+    assert "3 classes (added aaa_tulip) where the study's trials trained on 2" in r.stderr
+    study = hps.load_study("tiny", workdir=tmp_path / "w")
+    assert len(study.trials) == 1
+    assert study.user_attrs[CONFIG_ATTR] == before[CONFIG_ATTR]
+    assert study.user_attrs[N_TRIALS_ATTR] == before[N_TRIALS_ATTR] == 1
+    # A worker of its own finds it so too, and stops (65).
+    w = hpsearch(["worker", "--study", "tiny", "--workdir", str(tmp_path / "w"), "--no-tracking",
+                  "--set", data, "--set", "budget.max_epochs=1"], subprocess_env, timeout=300)  # fmt: skip
+    assert w.returncode == 65, w.stdout + w.stderr
+    assert "3 classes (added aaa_tulip)" in w.stdout + w.stderr
     assert len(hps.load_study("tiny", workdir=tmp_path / "w").trials) == 1
 
 

@@ -155,6 +155,61 @@ def test_corrupt_image_skip_warns_and_fail_raises(tmp_path: Path) -> None:
     )
 
 
+def test_the_files_a_cache_left_out_are_named_at_each_load(tmp_path: Path) -> None:
+    """QA: after the first run nothing said which images a skip left out, and under fail
+    the message said how many, not which."""
+    _imagefolder(tmp_path / "data", corrupt=True)
+    cfg = make_config({"name": "imagefolder", "root": str(tmp_path / "data")})
+    src = data.get_source(cfg, "train")
+    assert src is not None
+    with pytest.warns(UserWarning, match=r"broken\.jpg'; skipped"):
+        data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="skip")
+    with pytest.warns(
+        UserWarning, match=r"1 image\(s\) of its train split left out, .*broken\.jpg"
+    ):
+        assert not data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="skip").built
+    with pytest.raises(DataError, match=r"built \(on_corrupt: skip\): .*broken\.jpg; fix"):
+        data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="fail")
+
+
+def test_a_split_or_train_class_of_which_no_image_decodes_is_a_data_error(
+    tmp_path: Path,
+) -> None:
+    """QA: every val image corrupt gave val_loss 0.0 over 0 images (a val_loss study ranked
+    it best); every image of one train class, a model with an output nothing trained."""
+    from hpsearch.trainer import TrainOptions, train
+
+    _imagefolder(tmp_path / "data", corrupt=False)
+    for f in (tmp_path / "data" / "val").glob("*/*.png"):
+        f.write_bytes(b"garbage")
+    cfg = make_config({"name": "imagefolder", "root": str(tmp_path / "data")})
+    val = data.get_source(cfg, "val")
+    assert val is not None
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(DataError, match=r"none of the 6 images of its val split could be decoded"),
+    ):
+        data.load_or_build_cache(val, 16, tmp_path / "w", on_corrupt="skip")
+    assert not list((tmp_path / "w" / "cache").glob("*.npz"))  # no cache of nothing
+    # Streamed: the evaluation finds none.
+    streamed = make_config(
+        {"name": "imagefolder", "root": str(tmp_path / "data"), "image_size": 16,
+         "fast_path": "off"},
+        trainer={"num_workers": 0, "evaluate_test": False}, budget={"max_epochs": 1},
+    )  # fmt: skip
+    with pytest.warns(UserWarning), pytest.raises(DataError, match="none of the 6 images"):
+        train(streamed, {"batch_size": 6}, options=TrainOptions(device="cpu", workdir=tmp_path))
+    for f in (tmp_path / "data" / "train" / "rose").glob("*.png"):
+        f.write_bytes(b"garbage")
+    train_src = data.get_source(cfg, "train")
+    assert train_src is not None
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(DataError, match=r"class rose: none of its train images could be decoded"),
+    ):
+        data.load_or_build_cache(train_src, 16, tmp_path / "w", on_corrupt="skip")
+
+
 def test_a_corrupt_image_in_a_dataloader_worker_is_one_line(tmp_path: Path) -> None:
     """on_corrupt: fail on the streaming path: the DataLoader re-raised the worker's error
     with its traceback in the message, and the file's name came after 500 characters."""
@@ -374,3 +429,33 @@ def test_a_link_back_up_a_class_folder_is_walked_once(tmp_path: Path) -> None:
     cfg = make_config({"name": "imagefolder", "root": str(root)})
     src = data.get_source(cfg, "train")
     assert src is not None and len(src) == 6
+
+
+def test_a_16_bit_grey_image_keeps_its_tones(tmp_path: Path) -> None:
+    """QA: a 16-bit grey PNG (PIL mode I;16) decoded as solid white: RGB clips at 255."""
+    ramp = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)  # 0 .. 65472
+    Image.fromarray(ramp).save(tmp_path / "g16.png")
+    with Image.open(tmp_path / "g16.png") as im:
+        assert im.mode.startswith("I")
+        out = data.decode_image(im, 32)
+    expected = np.round(ramp / 257.0)
+    assert np.abs(out[..., 0].astype(int) - expected).max() <= 1
+    assert (out[..., 0] == out[..., 2]).all() and out.min() == 0 and out.max() >= 254
+    # A 32-bit one whose values are 8-bit ones: as they are.
+    small = Image.fromarray(np.full((8, 8), 100, dtype=np.int32), "I")
+    assert (data.decode_image(small, 8) == 100).all()
+    assert data.wide_grey_to_u8(np.array([0, 70000, -5]), "I").tolist() == [0, 255, 0]
+
+
+def test_an_image_over_pillows_size_guard_is_a_decode_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QA: a 180 MP image failed every trial with a raw DecompressionBombError naming no
+    file, and the launch restarted its worker three times."""
+    _imagefolder(tmp_path / "data", corrupt=False)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 20 x 30 px: over twice that
+    cfg = make_config({"name": "imagefolder", "root": str(tmp_path / "data")})
+    src = data.get_source(cfg, "train")
+    assert src is not None
+    with pytest.raises(DataError, match=r"cannot decode .*0\.png: Image size \(600 pixels\)"):
+        data.open_and_decode(src, 0, 16)
