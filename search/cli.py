@@ -434,7 +434,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         from hpsearch.errors import ConfigError
 
         raise ConfigError(f"--max-per-gpu {max_per_gpu}: only with --workers auto")
-    from hpsearch.config import config_to_yaml, pruning_note, warmup_note
+    from hpsearch.config import config_to_yaml, direction_note, pruning_note, warmup_note
     from hpsearch.launcher import (
         Launcher,
         LaunchOptions,
@@ -456,7 +456,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
     cfg = _load(study, overrides, data_dir, download, trials, relaunch=(storage, workdir))
     ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
-    for note in (pruning_note(cfg), warmup_note(cfg)):
+    for note in (pruning_note(cfg), warmup_note(cfg), direction_note(cfg)):
         if note is not None:
             click.echo(f"note: {note}", err=True)
     gpu_list = parse_gpus(gpus)
@@ -1098,7 +1098,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     if trial_number is not None and params_json is None:  # run_fixed refuses both
         cfg = trial_config(cfg, storage, workdir, overrides, download, trial_number)
     # Its errors before a server starts and a run is made for nothing.
-    params = fixed_params(cfg, params_json, trial_number, storage, workdir)
+    params = fixed_params(cfg, params_json, trial_number, storage, workdir, warn=False)
     check_dataset(cfg, light=True)
     check_weights(cfg, cfg.resolve_params(params).arch)  # this run's arch
     if uri is not None:

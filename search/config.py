@@ -648,6 +648,23 @@ def _sampling_needs(
     return out
 
 
+def direction_note(cfg: StudyConfig) -> str | None:
+    """An objective metric sought the other way than its own (`val_loss` maximized): the
+    worst trials rank best. Not an error (a study begun before val_loss minimized by
+    default goes on with `direction: maximize`), but a launch says so. None when none is."""
+    against = [
+        f"{metric} {direction}d"
+        for metric, direction in zip(cfg.objective.metrics, cfg.objective.directions, strict=True)
+        if DEFAULT_DIRECTIONS[metric] != direction
+    ]
+    if not against:
+        return None
+    return (
+        f"objective.direction: {', '.join(against)}: the worst trials rank best (each "
+        "metric's own direction is taken when none is given)"
+    )
+
+
 def warmup_note(cfg: StudyConfig) -> str | None:
     """A warm-up as long as the budget's epochs (`warmup_epochs: 10` with `max_epochs: 3`):
     the learning rate only ever ramps up; not an error (a quick run of a long study), but

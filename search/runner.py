@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpsearch.config import StudyConfig, params_from_json
+from hpsearch.config import READ_ONLY_WITH, StudyConfig, params_from_json, unused_hyperparams
 from hpsearch.errors import ConfigError, DatasetError, HpsearchError, HpsearchWarning
 
 if TYPE_CHECKING:
@@ -208,8 +208,11 @@ def _trial(study: optuna.Study, number: int) -> FrozenTrial:
 
 def fixed_params(
     cfg: StudyConfig, params_json: str | None, trial_number: int | None, storage: str | None,
-    workdir: Path,
+    workdir: Path, warn: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
+    """A fixed run's params: --params checked by the study's rules (ConfigError), a value
+    outside its search space or one the run would not read warned of (`warn`), or trial
+    `trial_number`'s."""
     if params_json is not None and trial_number is not None:
         raise ConfigError("--params and --trial: give one of them, not both")
     if trial_number is not None:
@@ -228,8 +231,16 @@ def fixed_params(
     unknown = sorted(set(params) - set(cfg.fixed_params()))
     if unknown:
         raise ConfigError(f"--params: {', '.join(unknown)}: unknown hyperparameter")
-    for name, value in params.items():  # allowed (a probe past its edge), but said
-        if (where := outside_space(cfg, name, value)) is not None:
+    unread = unused_hyperparams(hp)
+    for name, value in params.items() if warn else ():  # allowed, but said
+        if name in unread:  # (a study file refuses it: a searched parameter never read)
+            warnings.warn(
+                f"--params: {name}: {value!r}: not read: the trainer reads it only with "
+                f"{READ_ONLY_WITH[name]}",
+                HpsearchWarning,
+                stacklevel=2,
+            )
+        elif (where := outside_space(cfg, name, value)) is not None:  # a probe past its edge
             warnings.warn(
                 f"--params: {name}: {value!r}: outside the study's search space ({where})",
                 HpsearchWarning,

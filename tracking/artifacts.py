@@ -35,6 +35,14 @@ CURVE_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+def _quiet_missing_glyphs() -> None:
+    """A class name in a script DejaVu Sans lacks (CJK, emoji) draws as a box, which the
+    per-class CSV spells out; matplotlib warned in two lines per missing glyph and plot.
+    A filter of the process, put first again before each plot: not catch_warnings, which
+    is not thread-safe (plots are drawn off the training thread)."""
+    warnings.filterwarnings("ignore", r"Glyph \d+ .*missing from font", UserWarning)
+
+
 def _save(fig: Figure, path: Path, dpi: int = 110) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +83,7 @@ def learning_curve_png(history: Sequence[Mapping[str, Any]], path: Path, title: 
     """Loss / accuracy / learning-rate panels from per-epoch dicts (keys as logged:
     ``train_loss``, ``val_loss``, ``train_acc``, ``val_acc``, ``lr``; x = ``epoch`` when present,
     else the position). Panels without data are left out; non-finite values are gaps."""
+    _quiet_missing_glyphs()
     xs = [
         _number(row.get("epoch")) if row.get("epoch") is not None else float(i)
         for i, row in enumerate(history)
@@ -184,6 +193,7 @@ def confusion_matrix_png(
 ) -> Path:
     """Heat map of the confusion matrix (rows = true, columns = predicted), row-normalised by
     default; cell values are written for up to 20 classes, tick labels for up to 60."""
+    _quiet_missing_glyphs()
     n = _check_matrix(cm, class_names)
     values = [[float(v) for v in row] for row in cm]
     if normalize:
@@ -304,6 +314,7 @@ def study_plots(
 
 
 def _matplotlib_plot(study: optuna.Study, name: str, path: Path, kwargs: dict[str, Any]) -> bool:
+    _quiet_missing_glyphs()
     import matplotlib.pyplot as plt
     import optuna.visualization.matplotlib as ovm
 

@@ -203,7 +203,11 @@ def load_split(
         return split
     dataset = data.StreamDataset(src, size, on_corrupt)
     sampler = data.EpochSampler(len(src), seed, shuffle=train)
-    workers = config.trainer.num_workers
+    # At most the cores this process may run on: more only take turns on them (and torch
+    # warns, in several lines, once per loader).
+    affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    workers = min(config.trainer.num_workers, cores)
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size if train else EVAL_BATCH,

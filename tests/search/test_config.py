@@ -10,6 +10,7 @@ from hpsearch.config import (
     available_studies,
     config_from_yaml,
     config_to_yaml,
+    direction_note,
     load_config,
     load_yaml,
     parse_overrides,
@@ -512,6 +513,12 @@ def test_a_metric_without_a_direction_goes_its_own_way_and_only_true_false_are_b
         write(tmp_path, GOOD), ["objective={metric: val_loss, direction: maximize}"]
     )
     assert given.objective.directions == ("maximize",)  # as written
+    # ... and a launch says so (QA: `best 63.99` without a word).
+    assert direction_note(given) == (
+        "objective.direction: val_loss maximized: the worst trials rank best (each metric's "
+        "own direction is taken when none is given)"
+    )
+    assert direction_note(loss) is None and direction_note(both) is None
     assert load_config(write(tmp_path, GOOD), ["budget.n_trials=1e2"]).budget.n_trials == 100
     assert load_config(write(tmp_path, GOOD), ["dataset.fast_path=off"]).dataset.fast_path == "off"
     assert load_yaml("a: [yes, no, on, off, true, False, TRUE]") == {

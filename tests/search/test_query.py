@@ -622,3 +622,12 @@ def test_train_params_outside_the_search_space_are_said_in_one_warning(tmp_path:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fixed_params(cfg, '{"lr": 0.1, "batch_size": 64}', None, None, tmp_path)
+        # The CLI's check before a server starts: run_fixed warns, once (QA: said twice).
+        fixed_params(cfg, '{"lr": 5}', None, None, tmp_path, warn=False)
+    # One the run would not read, as a study file refuses a searched one (QA).
+    with pytest.warns(HpsearchWarning) as caught:
+        fixed_params(cfg, '{"loss": "focal", "label_smoothing": 0.1}', None, None, tmp_path)
+    assert [str(w.message) for w in caught] == [
+        "--params: label_smoothing: 0.1: not read: the trainer reads it only with loss "
+        "label_smoothing"
+    ]

@@ -224,3 +224,17 @@ def test_a_failed_export_leaves_the_file_there_as_it_was(
     export_onnx(Tiny(), torch.randn(2, 4), path)  # a verified export replaces it
     assert path.read_bytes() != b"the good one"
     assert [p.name for p in tmp_path.iterdir()] == ["best_model.onnx"]
+
+
+def test_class_names_the_font_lacks_draw_without_warnings(tmp_path: Path) -> None:
+    """QA: each class name in a script DejaVu Sans lacks (CJK, emoji) printed two lines of
+    matplotlib's warning per glyph and plot on the console of `train`."""
+    import warnings
+
+    from hpsearch.tracking.artifacts import confusion_matrix_png
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        confusion_matrix_png([[1, 0], [0, 1]], ["桜", "Gänseblümchen 🌼"], tmp_path / "cm.png")
+    assert [str(w.message) for w in caught] == []
+    assert (tmp_path / "cm.png").stat().st_size > 0
