@@ -294,7 +294,7 @@ def launched_workers(run: LaunchRun) -> tuple[int | None, str]:
     """How many workers the launch ran (its "study S: T trials, W workers" line) and, with
     --workers auto, the reason it gave."""
     log = run.log.read_text(errors="replace") if run.log is not None and run.log.is_file() else ""
-    found = re.search(r"^study \S+: \d+ trials, (\d+) workers", log, re.MULTILINE)
+    found = re.search(r"^study \S+: \d+ trials?, (\d+) workers?", log, re.MULTILINE)
     reason = re.search(r"^--workers auto: (.*)$", log, re.MULTILINE)
     return (int(found.group(1)) if found else None), (reason.group(1) if reason else "")
 

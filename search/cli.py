@@ -341,6 +341,11 @@ def _file_config(
     return cfg
 
 
+def _n(count: int, noun: str) -> str:
+    """`1 trial`, `2 trials`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _check_device(device: str) -> None:
     if device == "cuda":
         import torch
@@ -542,7 +547,8 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             started_at=started,
         )
 
-        click.echo(f"study {cfg.name}: {cfg.budget.n_trials} trials, {n_workers} workers, "
+        click.echo(f"study {cfg.name}: {_n(cfg.budget.n_trials, 'trial')}, "
+                   f"{_n(n_workers, 'worker')}, "
                    f"storage {spec.display}")  # fmt: skip
         launcher = Launcher(cfg, spec, opts, on_progress=show, launch_lock=launch_lock)
     except BaseException:
@@ -815,7 +821,8 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     finally:
         if shared is not None and shared.release() == "stopped":
             click.echo(f"MLflow server at {shared.url} stopped: this worker was its last user")
-    click.echo(f"worker {summary.worker_id}: {len(summary.trials)} trials ({summary.stopped_by})")
+    click.echo(f"worker {summary.worker_id}: {_n(len(summary.trials), 'trial')} "
+               f"({summary.stopped_by})")  # fmt: skip
     if summary.stopped_by == "errors":
         raise click.ClickException(
             f"worker {summary.worker_id}: stopped after repeated trial errors"
@@ -1026,7 +1033,14 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
         click.echo(_json(rows))
         return
     if not rows:
-        click.echo("no studies")
+        from hpsearch.storage import has_optuna_tables, resolve_storage
+
+        spec = resolve_storage(storage, workdir)
+        # Said where: a forgotten --storage read the work folder's journal, which has none.
+        why = "" if has_optuna_tables(spec) else (
+            " (no journal there yet)" if spec.kind == "journal" else " (no Optuna tables there)"
+        )  # fmt: skip
+        click.echo(f"no studies in {spec.display}{why}")
     for r in rows:
         best_v = (
             f"{format_value(r['best_value'])} (trial {r['best_trial']})"
@@ -1036,7 +1050,8 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
             else "-"
         )
         states = ", ".join(f"{n} {state}" for state, n in r["counts"].items())
-        click.echo(f"{r['name']}: {r['n_trials']} trials ({states or 'none yet'}), best {best_v}")
+        click.echo(f"{r['name']}: {_n(r['n_trials'], 'trial')} ({states or 'none yet'}), "
+                   f"best {best_v}")  # fmt: skip
 
 
 @cli.command()

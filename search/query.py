@@ -147,10 +147,11 @@ def _ranked(study: optuna.Study) -> list[FrozenTrial]:
     return sorted(done, key=rank_key(study.direction))
 
 
-def checkpoint_uri(trial: FrozenTrial) -> str | None:
+def checkpoint_uri(trial: FrozenTrial, workdir: Path | None = None) -> str | None:
     """The best model logged to MLflow, else the trial's best-model file: None once that
     file is deleted (outside the top tracking.keep_top_k since), as seen on the host that
-    ran the trial (another host's file is not seen from here)."""
+    ran the trial (another host's file is not seen from here). A file not where it was
+    written is looked for under `workdir` (a work folder moved, or mounted elsewhere)."""
     uri = trial.user_attrs.get("checkpoint_uri")
     if uri:
         return str(uri)
@@ -159,12 +160,27 @@ def checkpoint_uri(trial: FrozenTrial) -> str | None:
         return None
     path = Path(str(local))
     here = trial.user_attrs.get("host") in (None, socket.gethostname())
-    return None if here and path.is_absolute() and not path.exists() else str(local)
+    if here and path.is_absolute() and not path.exists():
+        moved = _under_workdir(path, workdir) if workdir is not None else None
+        return str(moved) if moved is not None else None
+    return str(local)
 
 
-def trial_row(t: FrozenTrial, study_attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def _under_workdir(path: Path, workdir: Path) -> Path | None:
+    """`path` (`.../checkpoints/<study>/<file>`) under `workdir` instead, when it is there."""
+    parts = path.parts
+    if "checkpoints" not in parts:
+        return None
+    under = workdir.joinpath(*parts[len(parts) - 1 - parts[::-1].index("checkpoints") :])
+    return under if under.is_file() else None
+
+
+def trial_row(
+    t: FrozenTrial, study_attrs: Mapping[str, Any] | None = None, workdir: Path | None = None
+) -> dict[str, Any]:
     """One trial's columns (`FIXED_COLUMNS` and its params). `study_attrs`: its study's user
-    attributes, which link the MLflow run made after a trial had ended (`LATE_RUN_ATTR`)."""
+    attributes, which link the MLflow run made after a trial had ended (`LATE_RUN_ATTR`);
+    `workdir`: where its best-model file is looked for when not where it was written."""
     row: dict[str, Any] = {
         "number": t.number,
         "value": t.value if t.values is None or len(t.values) == 1 else list(t.values),
@@ -182,7 +198,7 @@ def trial_row(t: FrozenTrial, study_attrs: Mapping[str, Any] | None = None) -> d
         row[k] = t.user_attrs.get(k)
     if not row["mlflow_run_id"] and study_attrs:  # a retry's is "" until it links its own
         row["mlflow_run_id"] = study_attrs.get(LATE_RUN_ATTR.format(number=t.number)) or None
-    row["checkpoint_uri"] = checkpoint_uri(t)
+    row["checkpoint_uri"] = checkpoint_uri(t, workdir)
     return row
 
 
@@ -196,7 +212,7 @@ def top_trials(
     """`best_trials` as rows (`trial_row`), each with only its own trial's parameters."""
     k = _check_k(k)
     with _reading(name, storage, workdir) as study:
-        return _top_rows(study, k)
+        return _top_rows(study, k, _workdir(workdir))
 
 
 def _check_k(k: object) -> int:
@@ -210,9 +226,9 @@ def _check_k(k: object) -> int:
     return n
 
 
-def _top_rows(study: optuna.Study, k: int) -> list[dict[str, Any]]:
+def _top_rows(study: optuna.Study, k: int, workdir: Path) -> list[dict[str, Any]]:
     attrs = study.user_attrs
-    return [trial_row(t, attrs) for t in _ranked(study)[:k]]
+    return [trial_row(t, attrs, workdir) for t in _ranked(study)[:k]]
 
 
 def best_trials(
@@ -224,7 +240,7 @@ def best_trials(
     study gives its Pareto front, ordered by the first objective."""
     k = _check_k(k)
     with _reading(name, storage, workdir) as study:
-        rows = _top_rows(study, k)
+        rows = _top_rows(study, k, _workdir(workdir))
         params = sorted(f"params_{p}" for p in _param_names(study))
     return pd.DataFrame(rows, columns=[*FIXED_COLUMNS[:3], *params, *FIXED_COLUMNS[3:]])
 
@@ -264,17 +280,17 @@ class StudyStatus:
 def study_status(name: str, storage: StorageArg = None, workdir: WorkdirArg = None) -> StudyStatus:
     spec = _spec(storage, workdir)
     with _reading(name, storage, workdir) as study:
-        return _status(study, spec)
+        return _status(study, spec, _workdir(workdir))
 
 
-def _status(study: optuna.Study, spec: StorageSpec) -> StudyStatus:
+def _status(study: optuna.Study, spec: StorageSpec, workdir: Path) -> StudyStatus:
     name = study.study_name
     trials = study.get_trials(deepcopy=False)
     counts = {s.name.lower(): 0 for s in TrialState}
     for t in trials:
         counts[t.state.name.lower()] += 1
     ranked = _ranked(study)
-    best = trial_row(ranked[0], study.user_attrs) if ranked else None
+    best = trial_row(ranked[0], study.user_attrs, workdir) if ranked else None
     running = [
         {
             "number": t.number,
@@ -370,20 +386,17 @@ def _state_counts(st: Any, study_ids: Sequence[int]) -> dict[int, dict[str, int]
 
 
 def _local_best_model(trial: FrozenTrial, workdir: Path) -> Path | None:
-    """The trial's best-model file when it is on this machine. Older studies stored the
-    path relative to the launch's folder: then it is looked for under `workdir`."""
+    """The trial's best-model file when it is on this machine, else under `workdir` (older
+    studies stored the path relative to the launch's folder)."""
     stored = trial.user_attrs.get("best_model")
     if not stored:
         return None
     path = Path(str(stored))
-    if path.is_absolute():
-        return path if path.exists() else None
-    parts = path.parts  # not looked for in the current folder: another study's may be there
-    if "checkpoints" in parts:
-        under = workdir.joinpath(*parts[parts.index("checkpoints") :])
-        if under.exists():
-            return under
-    return None
+    if path.is_absolute() and path.exists():
+        return path
+    # Not looked for in the current folder (another study's may be there): under the work
+    # folder, moved or mounted elsewhere since (QA), or an older study's relative path.
+    return _under_workdir(path, workdir)
 
 
 def load_best_model(

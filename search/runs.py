@@ -1773,10 +1773,16 @@ def download_best_model(
         stored = sorted(artifacts.glob(f"*/{run_id}/artifacts/{CHECKPOINT_ARTIFACT}/best.pt"))
         if stored:
             return stored[0]
+        if list(artifacts.glob(f"*/{run_id}")):  # the run is there, its file is not
+            raise HpsearchError(
+                f"trial {trial.number}: MLflow run {run_id} in the store of {workdir} has no "
+                f"{CHECKPOINT_ARTIFACT}/best.pt any more (deleted from its artifacts?)"
+            )
+        where = "holds no MLflow store" if not artifacts.is_dir() else "has no run of it"
         raise HpsearchError(
             f"trial {trial.number}: its model is in MLflow run {run_id}, not on this machine, "
             f"and no tracking URI was given (tracking_uri=, MLFLOW_TRACKING_URI); the work "
-            f"folder {workdir} holds no MLflow store with that run"
+            f"folder {workdir} {where} (workdir= names the one the study ran in)"
         )
     try:
         with _http_policy():

@@ -603,7 +603,7 @@ def with_db_retry(
                     f"{what}: database unreachable for {give_up_after_s:.0f}s: {_one_line(exc)}"
                 ) from exc
             warnings.warn(
-                f"{what}: database connection lost, retrying in {delay:.1f}s",
+                f"{what}: database unreachable, retrying in {delay:.1f}s",
                 HpsearchWarning,
                 stacklevel=2,
             )

@@ -297,6 +297,14 @@ def test_packing_asks_for_no_retries(common: ModuleType) -> None:
     assert "max_restarts=0, max_retries=0" in text
 
 
+def test_the_workers_a_launch_ran_are_read_from_its_log(common: ModuleType, tmp_path: Path) -> None:
+    log = tmp_path / "launch.log"
+    run = common.LaunchRun(returncode=0, wall_s=1.0, started=T0, log=log)
+    for line, n in (("study tiny: 4 trials, 2 workers,", 2), ("study t: 1 trial, 1 worker,", 1)):
+        log.write_text(f"{line} storage journal:/x\n--workers auto: fits 2\n")
+        assert common.launched_workers(run) == (n, "fits 2")
+
+
 def test_worker_deaths_are_read_from_the_launch_log(common: ModuleType, tmp_path: Path) -> None:
     log = tmp_path / "launch.log"
     log.write_text(

@@ -853,7 +853,7 @@ def test_a_dashboard_started_while_its_database_restarts_waits_for_it(
         proc.wait(timeout=30)
     assert waited >= 3.0
     said = log.read_text()
-    assert re.search(r"^warning: storage \S+: database connection lost, retrying in", said, re.M)
+    assert re.search(r"^warning: storage \S+: database unreachable, retrying in", said, re.M)
     assert "UserWarning" not in said, said  # one line each, not Python's two
     wrong = pg_url.rsplit("/", 1)[0] + "/no_such_db_dash"
     t0 = time.monotonic()

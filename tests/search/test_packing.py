@@ -828,7 +828,7 @@ def test_launch_workers_auto_without_a_gpu_runs_one(
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "--workers auto: no GPU visible; running 1 worker" in r.stdout
-    assert "2 trials, 1 workers" in r.stdout
+    assert "2 trials, 1 worker," in r.stdout
     bad = hpsearch(["launch", "--study", "tiny", "--workers", "two"], env)
     assert bad.returncode != 0
     assert "'two': expected a whole number >= 1 or 'auto'" in bad.stderr

@@ -173,6 +173,13 @@ def test_studies_counts_each_state_as_the_budget_does_not(
         mo.add_trial(create_trial(values=values))
     r = hpsearch(["studies", "--workdir", str(tmp_path)], subprocess_env)
     assert "mo: 3 trials (3 complete), best pareto 2" in r.stdout.splitlines(), r.stdout
+    # None: said where it looked (QA: a forgotten --storage read "no studies").
+    (tmp_path / "new").mkdir()
+    r = hpsearch(["studies", "--workdir", str(tmp_path / "new")], subprocess_env)
+    journal = tmp_path / "new" / "optuna.journal"
+    assert r.returncode == 0 and r.stdout.strip() == (
+        f"no studies in journal:{journal} (no journal there yet)"
+    ), r.stdout + r.stderr
 
 
 def test_a_multi_objective_study_ranks_its_front_and_needs_a_trial_to_load(
@@ -631,3 +638,27 @@ def test_train_params_outside_the_search_space_are_said_in_one_warning(tmp_path:
         "--params: label_smoothing: 0.1: not read: the trainer reads it only with loss "
         "label_smoothing"
     ]
+
+
+def test_a_moved_work_folders_best_model_is_found_under_it(tmp_path: Path) -> None:
+    """QA: with tracking off, a work folder moved (or mounted elsewhere) lost its models:
+    `best --json` said null and load_best_model "no model of it was kept", the file there."""
+    import socket
+
+    import optuna
+    from hpsearch.query import _local_best_model, checkpoint_uri
+
+    moved = tmp_path / "moved" / ".hpsearch"
+    f = moved / "checkpoints" / "tiny" / "trial-00002-9479fccd.best.pt"
+    f.parent.mkdir(parents=True)
+    f.write_bytes(b"weights")
+    was = tmp_path / "gone" / ".hpsearch" / "checkpoints" / "tiny" / f.name
+    trial = optuna.trial.create_trial(
+        value=0.5, user_attrs={"best_model": str(was), "host": socket.gethostname()}
+    )
+    assert checkpoint_uri(trial) is None  # where it was written: gone
+    assert checkpoint_uri(trial, moved) == str(f)
+    assert _local_best_model(trial, moved) == f
+    assert checkpoint_uri(trial, tmp_path / "other") is None
+    f.unlink()  # deleted (outside keep_top_k): none, as before
+    assert checkpoint_uri(trial, moved) is None and _local_best_model(trial, moved) is None

@@ -434,7 +434,7 @@ def test_a_restart_inside_the_budget_lock_never_overshoots_the_budget(
             with_db_retry(lambda: _ask_within_budget(b, spec, 1, lambda: None), what="ask B")
         )
 
-    with warnings.catch_warnings():  # with_db_retry's "connection lost, retrying"
+    with warnings.catch_warnings():  # with_db_retry's "unreachable, retrying"
         warnings.simplefilter("ignore")
         got_a = with_db_retry(
             lambda: _ask_within_budget(a, spec, 1, restart_then_b_asks), what="ask A"

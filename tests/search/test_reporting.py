@@ -246,7 +246,7 @@ def test_an_outage_over_before_the_next_report_does_not_stop_the_trial(
     def db(fn: Any, what: str) -> Any:  # the outage limit: 1 s
         return with_db_retry(fn, give_up_after_s=1.0, what=what)
 
-    with warnings.catch_warnings():  # with_db_retry's "connection lost, retrying"
+    with warnings.catch_warnings():  # with_db_retry's "unreachable, retrying"
         warnings.simplefilter("ignore")
         with (
             caplog.at_level("WARNING", logger="hpsearch.reporting"),

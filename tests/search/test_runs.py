@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from hpsearch.runs import _Finisher
 
 
@@ -238,3 +239,35 @@ def test_a_retrys_earlier_run_is_the_one_linked_else_the_one_made_after_it_ended
     assert earlier_run(study, second, "", db) is None
     study.set_user_attr("mlflow_run_id.7", "the-one-before")
     assert earlier_run(study, second, "", db) == "the-one-before"
+
+
+def test_a_missing_best_model_says_whether_the_store_its_run_or_its_file_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QA: a run whose best.pt was deleted was said to be in no MLflow store of the work
+    folder, which held it."""
+    import optuna
+    from hpsearch.errors import HpsearchError
+    from hpsearch.runs import download_best_model
+    from hpsearch.tracking.server import store_paths
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_id = "03a9ba0e0e564b4da1a7af16a4e90eb0"
+    trial = optuna.trial.create_trial(
+        value=0.5,
+        user_attrs={
+            "mlflow_run_id": run_id,
+            "checkpoint_uri": f"runs:/{run_id}/checkpoint/best.pt",
+        },
+    )
+    with pytest.raises(HpsearchError, match=r"holds no MLflow store \(workdir= names"):
+        download_best_model(trial, None, tmp_path, tmp_path / "dl")
+    _, artifacts, _ = store_paths(tmp_path)
+    (artifacts / "1" / "other").mkdir(parents=True)
+    with pytest.raises(HpsearchError, match=r"has no run of it"):
+        download_best_model(trial, None, tmp_path, tmp_path / "dl")
+    (artifacts / "1" / run_id / "artifacts" / "checkpoint").mkdir(parents=True)
+    with pytest.raises(HpsearchError, match=r"has no checkpoint/best.pt any more"):
+        download_best_model(trial, None, tmp_path, tmp_path / "dl")
+    (artifacts / "1" / run_id / "artifacts" / "checkpoint" / "best.pt").write_bytes(b"w")
+    assert download_best_model(trial, None, tmp_path, tmp_path / "dl").read_bytes() == b"w"

@@ -321,7 +321,7 @@ def test_a_retrys_claim_whose_reply_is_lost_leaves_no_trial_the_stale_check_miss
         return done
 
     monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", claim_reply_lost)
-    with warnings.catch_warnings():  # with_db_retry's "connection lost, retrying"
+    with warnings.catch_warnings():  # with_db_retry's "unreachable, retrying"
         warnings.simplefilter("ignore")
         trial = with_db_retry(
             lambda: W._next_trial(study, cfg, spec, engine_of(study), W._Budget(study, cfg)),
@@ -399,7 +399,7 @@ def test_a_tell_whose_reply_is_lost_counts_as_told(
     value = 0.9 if told == TrialState.COMPLETE else None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "finished elsewhere" warning either
-        warnings.filterwarnings("ignore", ".*connection lost")  # with_db_retry's own
+        warnings.filterwarnings("ignore", ".*database unreachable, retrying")  # with_db_retry's own
         ok = W._safe_tell(
             db, lambda: tell(study, trial, value, state=told), W._finished_as(study, trial, told)
         )
