@@ -568,6 +568,10 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         click.echo(f"MLflow: {redact_uri(summary.tracking_uri)}{hint}")
     if summary.stopped_by == "workers_failed" and summary.disk_full:
         raise click.ClickException(f"every worker stopped: {summary.disk_full}")
+    if summary.stopped_by == "workers_failed" and summary.data_error:
+        from hpsearch.errors import DatasetError  # exit 65, as a dataset refused up front
+
+        raise DatasetError(f"every worker stopped, its data failed: {summary.data_error}")
     if summary.stopped_by == "workers_failed":
         raise click.ClickException("every worker crashed; see the messages above and "
                                    f"{workdir}/logs/")  # fmt: skip

@@ -259,8 +259,9 @@ def hold_launch_lock(workdir: Path, name: str) -> IO[str]:
 STOPPED_EXIT_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
-def _all_disk_full(reasons: list[str | None]) -> str | None:
-    """The reason when every worker stopped for the work folder's disk (none started: None)."""
+def _all_stopped_for(reasons: list[str | None]) -> str | None:
+    """The reason when every worker stopped for the work folder's disk, or for its data
+    (none started: None)."""
     return reasons[0] if reasons and all(reasons) else None
 
 
@@ -384,6 +385,7 @@ class LaunchSummary:
     messages: list[str] = field(default_factory=list)
     disk_full: str | None = None  # why, when every worker stopped for the work folder's disk
     pareto: tuple[int, ...] | None = None  # a multi-objective study's front: trial numbers
+    data_error: str | None = None  # a worker's last log line, when every one's data failed
 
 
 @dataclass
@@ -398,6 +400,7 @@ class _Slot:
     killed_on_stop: bool = False  # SIGKILLed by a second stop: its trials were interrupted
     group_killed: bool = False  # its process's group killed, as its exit was seen (_poll)
     disk_full: str | None = None  # why it was not restarted after EXIT_DISK_FULL
+    data_error: str | None = None  # its log's last line, when it stopped with EXIT_DATA_ERROR
 
     @property
     def worker_id(self) -> str:
@@ -829,8 +832,9 @@ class Launcher:
             tracking_uri,
             sum(s.restarts for s in self._slots),
             self._messages,
-            _all_disk_full([s.disk_full for s in self._slots]),
+            _all_stopped_for([s.disk_full for s in self._slots]),
             _pareto(self.study, trials),
+            _all_stopped_for([s.data_error for s in self._slots]),
         )
 
     def _outcome(self, supervised: str) -> str:
@@ -1267,6 +1271,7 @@ class Launcher:
                 slot.disk_full = full
             if code == EXIT_DATA_ERROR:
                 why = "its data failed: every trial and restart would fail the same way"
+                slot.data_error = tail.removeprefix("Error: ")
             self._event(f"{msg}; not restarted ({why}). Last log line: {tail}")
 
     def _log_path(self, slot: _Slot) -> Path:

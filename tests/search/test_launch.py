@@ -1674,11 +1674,16 @@ def test_a_data_error_stops_the_workers_once_not_every_trial_and_restart(
     r = hpsearch(["launch", "--study", "tiny", "--workers", "2", "--trials", "6",
                   "--workdir", str(tmp_path / "w"), "--no-tracking", "--set", data],
                  subprocess_env, timeout=300)  # fmt: skip
-    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.returncode == 65, r.stdout + r.stderr  # as a dataset refused up front (QA: 1)
     out = r.stdout + r.stderr
     assert "restarting" not in out, out
     assert out.count("not restarted (its data failed") == 2, out
-    assert "broken.jpg" in out
+    last = r.stderr.strip().splitlines()[-1]
+    assert re.match(
+        r"Error: every worker stopped, its data failed: worker \S+: dataset imagefolder: "
+        r"cannot decode .*broken\.jpg",
+        last,
+    ), last
     trials = hps.load_study("tiny", workdir=tmp_path / "w").trials
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"], out
 
