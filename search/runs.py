@@ -1639,7 +1639,27 @@ def export_model_onnx(cfg: StudyConfig, params: Mapping[str, Any], weights: Path
     model = load_trained_model(cfg, dict(params), weights, device="cpu")
     if size is None:
         size = cfg.trial_sizes(cfg.resolve_params(dict(params)))[1]  # its accuracy's size
-    return Path(export_onnx(model, torch.randn(2, 3, size, size), out))
+    return Path(
+        export_onnx(model, torch.randn(2, 3, size, size), out, metadata=onnx_metadata(model, size))
+    )
+
+
+def onnx_metadata(model: Any, size: int) -> dict[str, str]:
+    """What a model's ONNX file says of itself (QA: nothing, so its logits could be named
+    only through `load_best_model`): its outputs' class names and its input, as
+    `EvalTransform` makes it. JSON or plain text values, as ONNX's metadata_props hold."""
+    from hpsearch.trainer.augment import MEAN, STD
+
+    stored = getattr(getattr(model, "transform", None), "stored_px", size)
+    return {
+        "hpsearch.class_names": json.dumps(list(getattr(model, "class_names", []))),
+        "hpsearch.input": (
+            f"float32 NCHW RGB, {size} x {size} px: the shorter side resized to {stored} px, "
+            f"a center square crop, resized to {size} px, scaled to 0..1, then (x - mean) / std"
+        ),
+        "hpsearch.mean": json.dumps(list(MEAN)),
+        "hpsearch.std": json.dumps(list(STD)),
+    }
 
 
 def _run_eval_size(client: Any, run_id: str) -> int | None:

@@ -13,6 +13,7 @@ import io
 import os
 import tempfile
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ def export_onnx(
     rtol: float = 1e-3,
     dynamic_batch: bool = True,
     verify_batch: int | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> Path:
     """Export ``model`` (a copy, on CPU, in eval mode) to ONNX at ``path`` and verify it: run
     onnxruntime and PyTorch on a batch (``example_input``, or ``verify_batch`` random samples of
@@ -41,6 +43,8 @@ def export_onnx(
     Uses the TorchScript exporter first (a ResNet in a third of a second, where the
     torch.export-based one takes seconds at the end of every launch) and falls back to the
     torch.export-based exporter (needs onnxscript, works offline) where it fails or is gone.
+    `metadata`: the model's metadata_props (ONNX's key-value strings: its class names and
+    preprocessing, which a server reading the file has no other way to know).
     Raises TrackingError when both exporters fail or the outputs do not match."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,10 +56,21 @@ def export_onnx(
     tmp = Path(name)
     try:
         _export_and_verify(model, example_input, tmp, atol, rtol, dynamic_batch, verify_batch)
+        if metadata:
+            _set_metadata(tmp, metadata)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _set_metadata(path: Path, metadata: Mapping[str, str]) -> None:
+    import onnx
+
+    proto = onnx.load(str(path))
+    del proto.metadata_props[:]
+    onnx.helper.set_model_props(proto, {str(k): str(v) for k, v in metadata.items()})
+    onnx.save(proto, str(path))
 
 
 def _export_and_verify(

@@ -135,6 +135,12 @@ def test_study_in_mlflow_and_best_model(
         x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
         (logits,) = sess.run(None, {sess.get_inputs()[0].name: x})
         assert logits.shape == (2, 102)
+        # It names its outputs and its input (QA: only load_best_model could).
+        meta = sess.get_modelmeta().custom_metadata_map
+        names = json.loads(meta["hpsearch.class_names"])
+        assert len(names) == 102 and names[0] == "pink primrose", names[:3]
+        assert meta["hpsearch.input"].startswith("float32 NCHW RGB, 32 x 32 px: the shorter")
+        assert json.loads(meta["hpsearch.mean"]) == [0.485, 0.456, 0.406]
 
         # best_trials carries the run ids; load_best_model gives the logged accuracy back.
         df = hps.best_trials("tiny", storage=pg_url, k=2)
