@@ -183,13 +183,14 @@ def test_a_split_or_train_class_of_which_no_image_decodes_is_a_data_error(
     for f in (tmp_path / "data" / "val").glob("*/*.png"):
         f.write_bytes(b"garbage")
     cfg = make_config({"name": "imagefolder", "root": str(tmp_path / "data")})
-    val = data.get_source(cfg, "val")
-    assert val is not None
-    with (
-        pytest.warns(UserWarning),
-        pytest.raises(DataError, match=r"none of the 6 images of its val split could be decoded"),
-    ):
-        data.load_or_build_cache(val, 16, tmp_path / "w", on_corrupt="skip")
+
+    def refused(split: str, match: str) -> None:
+        src = data.get_source(cfg, split)
+        assert src is not None
+        with pytest.warns(UserWarning), pytest.raises(DataError, match=match):
+            data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="skip")
+
+    refused("val", r"none of the 6 images of its val split could be decoded")
     assert not list((tmp_path / "w" / "cache").glob("*.npz"))  # no cache of nothing
     # Streamed: the evaluation finds none.
     streamed = make_config(
@@ -201,13 +202,7 @@ def test_a_split_or_train_class_of_which_no_image_decodes_is_a_data_error(
         train(streamed, {"batch_size": 6}, options=TrainOptions(device="cpu", workdir=tmp_path))
     for f in (tmp_path / "data" / "train" / "rose").glob("*.png"):
         f.write_bytes(b"garbage")
-    train_src = data.get_source(cfg, "train")
-    assert train_src is not None
-    with (
-        pytest.warns(UserWarning),
-        pytest.raises(DataError, match=r"class rose: none of its train images could be decoded"),
-    ):
-        data.load_or_build_cache(train_src, 16, tmp_path / "w", on_corrupt="skip")
+    refused("train", r"class rose: none of its train images could be decoded")
 
 
 def test_a_corrupt_image_in_a_dataloader_worker_is_one_line(tmp_path: Path) -> None:
