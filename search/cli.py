@@ -237,10 +237,11 @@ def _stored(study: str, read: Callable[[str], _T]) -> tuple[str, _T]:
 
 def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
           trials: int | None = None, stored: tuple[str | None, Path] | None = None,
-          relaunch: tuple[str | None, Path] | None = None) -> Any:  # fmt: skip
+          relaunch: tuple[str | None, Path] | None = None, join: bool = False) -> Any:  # fmt: skip
     """The study file's config, with --set and --trials on top. `stored` (storage, workdir):
     a plain name that no study file has may be a study in that storage, whose stored
-    config is taken (`runner.stored_config`: a worker joining by the study's name).
+    config is taken (`runner.stored_config`: a worker joining by the study's name); with
+    `join` (a worker), a shipped study file's name too, where the storage holds that study.
     `relaunch` or `stored`: a file a rule for new study files refuses is taken with a
     warning when its study is in that storage (launched from it before the rule)."""
     import optuna
@@ -281,16 +282,26 @@ def _load(study: str, overrides: tuple[str, ...], data_dir: str | None, download
                     ) from missing
                 return cfg
             renamed = any(key.strip() == "name" for key, _ in parse_overrides(overrides))
-            if is_shipped(found) and not renamed:
+            if join and is_shipped(found) and not renamed:
                 # A study of a shipped file's name in the storage: its launch may have set
                 # values on top (--set), which a worker joining by the name alone takes too.
-                # A database not up yet, or a config that no longer loads: the file's (the
-                # worker waits for its database, and then says how its trials differ).
-                from hpsearch.errors import ConfigError, StorageError
+                # A database still starting is waited for, as the worker's own start does
+                # (else it trained the file's config for good); a stored config that no
+                # longer loads leaves the file's (the worker says how its trials differ).
+                from hpsearch.errors import ConfigError
                 from hpsearch.runner import stored_config
+                from hpsearch.storage import (
+                    resolve_storage,
+                    transient_connect_error,
+                    with_db_retry,
+                )
 
-                with contextlib.suppress(StorageError, ConfigError):
-                    if cfg := stored_config(study, *stored, sets, data_dir, download):
+                with contextlib.suppress(ConfigError):
+                    if cfg := with_db_retry(
+                        lambda: stored_config(study, *stored, sets, data_dir, download),
+                        what=f"storage {resolve_storage(*stored).display}",
+                        transient=transient_connect_error,
+                    ):
                         return cfg
         return _file_config(study, sets, data_dir, download, stored or relaunch)
     except HpsearchError as exc:  # the budget the message blames came from --trials
@@ -479,7 +490,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         check_weights(cfg)
     from hpsearch.runner import check_relaunch
 
-    check_relaunch(cfg, storage, workdir)
+    check_relaunch(cfg, storage, workdir, classes=not train_fn)
     if train_fn:
         from hpsearch.worker import check_train_fn
 
@@ -762,7 +773,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             err = click.ClickException(str(exc))
             err.exit_code = EXIT_CONFIG
             raise err from exc
-    cfg = _load(study, overrides, data_dir, download, trials, stored=(storage, workdir))
+    cfg = _load(study, overrides, data_dir, download, trials, stored=(storage, workdir), join=True)
     ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     _check_device(device)
     spec = resolve_storage(storage, workdir)

@@ -1222,7 +1222,7 @@ def load_config(
     if not isinstance(raw, dict):
         raise ConfigError(f"{src}: <root>: {type(raw).__name__}: must be a mapping")
     raw.setdefault("name", path.stem)
-    return _build_config(raw, src, overrides, data_dir, download, stored=lenient)
+    return _build_config(raw, src, overrides, data_dir, download, stored=lenient, file=True)
 
 
 def config_from_yaml(
@@ -1253,7 +1253,10 @@ def _build_config(
     data_dir: str | None,
     download: bool | None,
     stored: bool = False,
+    file: bool = False,
 ) -> StudyConfig:
+    """`stored`: spared the rules for new study files; `file`: read from a study file (its
+    root is taken from the current folder, where a stored config's is its launch's)."""
     for key in raw:
         if not isinstance(key, str):
             raise ConfigError(f"{src}: {key!r}: unknown key")
@@ -1275,7 +1278,7 @@ def _build_config(
         if given:
             raw["dataset"]["root"] = given
         root = raw["dataset"].get("root")
-        if isinstance(root, str) and root and (given or not stored):
+        if isinstance(root, str) and root and (given or file):
             # From the folder it is given in (a stored config's root is its launch's): a
             # relative one stored on the study failed a `train --trial` or a worker started
             # in another folder (QA).

@@ -324,6 +324,21 @@ def eta_seconds(
     return elapsed_s / here * max(left, 0.0)
 
 
+def running_epochs(trials: Sequence[FrozenTrial], seen: dict[int, int]) -> list[tuple[int, int]]:
+    """For `eta_seconds`: each RUNNING trial's (last epoch reported, epoch it had reached
+    before this launch ran it). A retry starts with its chain's reports, which took none of
+    this launch's time: the epoch it showed when first seen, kept in `seen` (trial number
+    -> epoch) across calls; a fresh trial's is 0."""
+    out = []
+    for t in trials:
+        if t.state != TrialState.RUNNING:
+            continue
+        last = int(max(t.intermediate_values, default=0))
+        base = last if t.system_attrs.get("retry_history") else 0
+        out.append((last, seen.setdefault(t.number, base)))
+    return out
+
+
 # --- state -----------------------------------------------------------------------------
 
 
@@ -575,7 +590,8 @@ def spent_note(name: str, counts: Mapping[str, int], budget: int) -> str:
     if finished < budget or counts["waiting"] or counts["running"]:
         return ""
     return (
-        f"study {name} has {finished} finished trials, budget.n_trials is {budget}: none "
+        f"study {name} has {finished} finished trial{'' if finished == 1 else 's'}, "
+        f"budget.n_trials is {budget}: none "
         f"runs; --trials N (N above {finished}) runs more"
     )
 
@@ -1544,13 +1560,8 @@ class Launcher:
         finished = counts["complete"] + counts["pruned"]
         # Counted, not dated: workers of other hosts date their trials in their own zone.
         here = finished - self._finished_before if self._finished_before is not None else 0
-        epochs = []
-        for t in trials:
-            if t.state == TrialState.RUNNING and launched_by(t.user_attrs, self._pids):
-                last = int(max(t.intermediate_values, default=0))
-                # A retry starts with its chain's reports: those epochs took none of ours.
-                base = last if t.system_attrs.get("retry_history") else 0
-                epochs.append((last, self._eta_base.setdefault(t.number, base)))
+        mine = [t for t in trials if launched_by(t.user_attrs, self._pids)]
+        epochs = running_epochs(mine, self._eta_base)
         return Progress(
             counts,
             input_bound,

@@ -121,7 +121,10 @@ def _dispose(storage: Any) -> None:
 
 
 @contextlib.contextmanager
-def _reading(name: str, storage: StorageArg, workdir: WorkdirArg) -> Iterator[optuna.Study]:
+def reading_study(
+    name: str, storage: StorageArg = None, workdir: WorkdirArg = None
+) -> Iterator[optuna.Study]:
+    """`load_study` for a read: its storage's connections are closed on leaving."""
     study, st = _open(name, storage, workdir)
     try:
         yield study
@@ -169,9 +172,9 @@ def checkpoint_uri(trial: FrozenTrial, workdir: Path | None = None) -> str | Non
 def _under_workdir(path: Path, workdir: Path) -> Path | None:
     """`path` (`.../checkpoints/<study>/<file>`) under `workdir` instead, when it is there."""
     parts = path.parts
-    if "checkpoints" not in parts:
+    if len(parts) < 3 or parts[-3] != "checkpoints":
         return None
-    under = workdir.joinpath(*parts[len(parts) - 1 - parts[::-1].index("checkpoints") :])
+    under = workdir.joinpath(*parts[-3:])
     return under if under.is_file() else None
 
 
@@ -211,7 +214,7 @@ def top_trials(
 ) -> list[dict[str, Any]]:
     """`best_trials` as rows (`trial_row`), each with only its own trial's parameters."""
     k = _check_k(k)
-    with _reading(name, storage, workdir) as study:
+    with reading_study(name, storage, workdir) as study:
         return _top_rows(study, k, _workdir(workdir))
 
 
@@ -239,7 +242,7 @@ def best_trials(
     columns are there when no trial has completed yet (an empty frame). A multi-objective
     study gives its Pareto front, ordered by the first objective."""
     k = _check_k(k)
-    with _reading(name, storage, workdir) as study:
+    with reading_study(name, storage, workdir) as study:
         rows = _top_rows(study, k, _workdir(workdir))
         params = sorted(f"params_{p}" for p in _param_names(study))
     return pd.DataFrame(rows, columns=[*FIXED_COLUMNS[:3], *params, *FIXED_COLUMNS[3:]])
@@ -279,7 +282,7 @@ class StudyStatus:
 
 def study_status(name: str, storage: StorageArg = None, workdir: WorkdirArg = None) -> StudyStatus:
     spec = _spec(storage, workdir)
-    with _reading(name, storage, workdir) as study:
+    with reading_study(name, storage, workdir) as study:
         return _status(study, spec, _workdir(workdir))
 
 
@@ -426,7 +429,7 @@ def load_best_model(
 
     dev = resolve_device(str(device))  # before any download: a bad device fails at once
     trial = _trial_number(trial)
-    with _reading(name, storage, workdir) as study:
+    with reading_study(name, storage, workdir) as study:
         best = _chosen(study, name, trial)
         raw_cfg = trial_config_yaml(study.user_attrs, best)  # the config it trained with
     if not raw_cfg:

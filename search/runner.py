@@ -72,35 +72,32 @@ def check_dataset(cfg: StudyConfig, light: bool = False) -> None:
         get_source(cfg, split)
 
 
-def check_relaunch(cfg: StudyConfig, storage: str | None, workdir: Path) -> None:
+def check_relaunch(
+    cfg: StudyConfig, storage: str | None, workdir: Path, classes: bool = True
+) -> None:
     """A launch of a study already in the storage, refused before it writes anything: its
-    workers found a changed search space or an image folder's changed classes only after
-    the launch had replaced the study's config and budget and reopened its MLflow run, so
-    that a worker joining by the name then trained the refused config. Nothing for a new
-    study, or a storage that does not answer now (the launch says so itself). Raises
-    ConfigError or DatasetError."""
+    workers found a changed search space or an image folder's changed classes (`classes`;
+    not for a --train-fn's own data) only after the launch had replaced the study's config
+    and budget and reopened its MLflow run, so that a worker joining by the name then
+    trained the refused config. Nothing for a new study, or a storage that does not answer
+    now (the launch says so itself). Raises ConfigError or DatasetError."""
     from hpsearch.errors import StorageError, StudyNotFoundError
-    from hpsearch.query import load_study
+    from hpsearch.query import reading_study
     from hpsearch.study import CLASSES_ATTR, check_space_fits
 
     try:
-        study = load_study(cfg.name, storage, workdir)
+        with reading_study(cfg.name, storage, workdir) as study:  # its connection closed after
+            check_space_fits(cfg, study.get_trials(deepcopy=False))
+            trained = study.user_attrs.get(CLASSES_ATTR)
     except (StudyNotFoundError, StorageError):
         return
-    try:
-        check_space_fits(cfg, study.get_trials(deepcopy=False))
-        trained = study.user_attrs.get(CLASSES_ATTR)
-        if trained is None or cfg.dataset.name != "imagefolder":  # the others' are fixed
-            return
-        from hpsearch.trainer.data import class_change, get_source
+    if not classes or trained is None or cfg.dataset.name != "imagefolder":  # others: fixed
+        return
+    from hpsearch.trainer.data import class_change, get_source
 
-        src = get_source(cfg, "train")
-        if src is not None and (changed := class_change(list(trained), src.class_names)):
-            raise DatasetError(f"dataset {cfg.dataset.name}: {changed}")
-    finally:
-        engine = getattr(study._storage, "engine", None)  # its pooled connection, now
-        if engine is not None:
-            engine.dispose()
+    src = get_source(cfg, "train")
+    if src is not None and (changed := class_change(list(trained), src.class_names)):
+        raise DatasetError(f"dataset {cfg.dataset.name}: {changed}")
 
 
 def check_weights(cfg: StudyConfig, arch: str | None = None) -> None:

@@ -440,7 +440,7 @@ def check_decodable(labels: np.ndarray, src: Source, skipped: Sequence[str]) -> 
     if not len(labels):
         raise DatasetError(
             f"dataset {src.dataset}: none of the {len(src)} images of its {src.split} split "
-            f"could be decoded (e.g. {skipped[0]})"
+            "could be decoded" + (f" (e.g. {skipped[0]})" if skipped[0] else "")
         )
     if src.split == "train":
         lost = sorted(set(np.unique(src.labels).tolist()) - set(np.unique(labels).tolist()))
@@ -530,7 +530,7 @@ def _checked(dec: Decoded, src: Source, path: Path, on_corrupt: str) -> Decoded:
             "fix or remove them and delete that file, or set dataset.on_corrupt: skip"
         )
     if missing > 0:  # said again at each load: the first build's warnings are long gone
-        check_decodable(dec.labels, src, dec.skipped or ["?"])
+        check_decodable(dec.labels, src, dec.skipped or [""])  # (older caches: unnamed)
         warnings.warn(
             f"dataset {src.dataset}: {missing} image(s) of its {src.split} split left out, as "
             f"they could not be decoded when its cache was built{named if dec.skipped else ''}",

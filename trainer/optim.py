@@ -42,10 +42,13 @@ def micro_batches(batch_size: int, max_micro_batch: int | None) -> tuple[int, in
     return math.ceil(batch_size / steps), steps
 
 
+ONECYCLE_DEFAULT_WARMUP = 0.25  # fraction of all steps when warmup_epochs is 0
+
+
 def warmup_steps(warmup_epochs: float, steps_per_epoch: int) -> int:
     """Optimizer steps of a warm-up of `warmup_epochs` (fractions allowed): none for 0, else
-    at least one (0.1 epoch of 3 steps rounded to none; onecycle then warmed up over a
-    quarter of the trial, and a search over 0..1 saw two schedules)."""
+    at least one (0.1 epoch of 3 steps rounded to none, which onecycle takes for its
+    default quarter of the trial: a search over 0.1..1 saw two schedules)."""
     if warmup_epochs <= 0:
         return 0
     return max(1, round(warmup_epochs * steps_per_epoch))
@@ -55,10 +58,13 @@ def lr_factor(schedule: str, step: int, total_steps: int, warmup_steps: int) -> 
     """Multiplier of the peak lr before optimizer step `step` (0-based), per step.
 
     cosine: linear warmup then half-cosine to 0; onecycle: linear up then linear down to 0
-    (no warmup: down from the peak); constant and plateau: linear warmup then 1 (plateau's
+    (warmup 0 -> 25% of steps up, as a one-cycle schedule always warms up: PyTorch's
+    OneCycleLR takes 30%); constant and plateau: linear warmup then 1 (plateau's
     reductions are applied on top, see `Schedule`).
     """
     total_steps = max(total_steps, 1)
+    if schedule == "onecycle" and warmup_steps == 0:
+        warmup_steps = max(1, round(ONECYCLE_DEFAULT_WARMUP * total_steps))
     warmup_steps = min(warmup_steps, total_steps)
     if step < warmup_steps:
         return (step + 1) / warmup_steps

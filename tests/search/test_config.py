@@ -88,6 +88,9 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert load_config(p).dataset.root == str(Path.home() / "d")
     monkeypatch.delenv("HPSEARCH_DATA_DIR")
     assert load_config(p, ["dataset.root=../up"]).dataset.root == str(tmp_path.parent / "up")
+    # ... a file taken under the rules of its study's day too (review).
+    lenient = load_config(p, ["dataset.root=data"], lenient=True).dataset.root
+    assert lenient == str(tmp_path / "data")
     # A stored config's root is its launch's (an older study's relative one, as it was).
     stored = config_to_yaml(load_config(p, ["dataset.root=data"])).replace(
         str(tmp_path / "data"), "data"

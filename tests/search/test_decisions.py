@@ -15,6 +15,7 @@ from hpsearch.launcher import (
     check_gpus,
     eta_seconds,
     parse_gpus,
+    running_epochs,
     should_restart,
 )
 from hpsearch.storage import normalize_url, redact, resolve_storage
@@ -110,6 +111,27 @@ def test_eta() -> None:
     # Two running, one a retry that came with 5 epochs of its chain's: 1 + 1 of 10 here.
     assert eta_seconds(1, 4, 60.0, 1, [(1, 0), (6, 5)], 10) == pytest.approx(60.0 / 1.2 * 2.3)
     assert eta_seconds(0, 4, 30.0, 0, [(0, 0)], 10) is None  # no epoch yet: no rate
+
+
+def test_running_epochs_count_a_retrys_inherited_reports_as_done_before() -> None:
+    from optuna.trial import FrozenTrial, TrialState, create_trial
+
+    def running(number: int, reports: dict[int, float], retry: bool = False) -> FrozenTrial:
+        t = create_trial(
+            state=TrialState.RUNNING,
+            intermediate_values=reports,
+            system_attrs={"retry_history": [0]} if retry else {},
+        )
+        t.number = number
+        return t
+
+    seen: dict[int, int] = {}
+    fresh, retry = running(1, {1: 0.2, 2: 0.3}), running(2, {1: 0.1, 2: 0.2, 3: 0.3}, True)
+    done = create_trial(value=0.5, intermediate_values={1: 0.5})
+    assert running_epochs([fresh, retry, done], seen) == [(2, 0), (3, 3)]
+    # Later: the retry trained two epochs here; its base stays what it came with.
+    later = running(2, {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4, 5: 0.5}, True)
+    assert running_epochs([later, running(3, {})], seen) == [(5, 3), (0, 0)]
 
 
 def test_storage_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1167,6 +1167,24 @@ def test_a_worker_joins_a_study_of_a_shipped_files_name_with_the_launchs_config(
     ), r.stderr
 
 
+def test_a_worker_joining_by_a_shipped_name_waits_for_a_database_still_starting(
+    pg_url: str, subprocess_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Review: a worker whose database was not up yet took the shipped file's config for
+    good, though the study it then joined had the launch's."""
+    common = ["--workdir", str(tmp_path), "--train-fn", DUMMY, "--no-tracking"]
+    r = hpsearch(["launch", "--study", "tiny", "--storage", pg_url, "--trials", "1",
+                  "--set", "budget.max_epochs=1", *common], subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    later = url_up_later(pg_url, 3.0)
+    r = hpsearch(["worker", "--study", "tiny", "--storage", later, "--trials", "2", *common],
+                 subprocess_env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "database unreachable, retrying" in r.stderr and "train otherwise" not in r.stderr
+    trials = hps.load_study("tiny", storage=pg_url).trials
+    assert [max(t.intermediate_values) for t in trials] == [1, 1]
+
+
 def test_a_study_launched_before_a_rule_for_new_files_relaunches_from_its_unchanged_file(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:

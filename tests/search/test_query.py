@@ -395,10 +395,15 @@ def test_readers_leave_no_database_connection_open(pg_url: str) -> None:
     eng = sa.create_engine(url, poolclass=sa.pool.NullPool)
     gc.disable()  # what a busy process may not collect for a while
     try:
+        from hpsearch.config import load_config
+        from hpsearch.runner import check_relaunch
+
+        relaunched = load_config("tiny", ["name=s"])
         for _ in range(3):
             hps.study_status("s", storage=pg_url)
             best_trials("s", storage=pg_url)
             list_studies(pg_url)
+            check_relaunch(relaunched, pg_url, Path("."))  # a launch's (review: held one)
         sql = sa.text(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = :d AND pid <> pg_backend_pid()"
         )
@@ -660,5 +665,12 @@ def test_a_moved_work_folders_best_model_is_found_under_it(tmp_path: Path) -> No
     assert checkpoint_uri(trial, moved) == str(f)
     assert _local_best_model(trial, moved) == f
     assert checkpoint_uri(trial, tmp_path / "other") is None
+    # A study named "checkpoints" (review: the last such part was taken for the folder).
+    g = moved / "checkpoints" / "checkpoints" / f.name
+    g.parent.mkdir()
+    g.write_bytes(b"w")
+    gone = tmp_path / "gone" / ".hpsearch" / "checkpoints" / "checkpoints" / f.name
+    named = optuna.trial.create_trial(value=0.5, user_attrs={"best_model": str(gone)})
+    assert _local_best_model(named, moved) == g
     f.unlink()  # deleted (outside keep_top_k): none, as before
     assert checkpoint_uri(trial, moved) is None and _local_best_model(trial, moved) is None

