@@ -459,7 +459,9 @@ def fail_trial(
     storage = study._storage
     with study_lock(spec, study.study_name):
         try:
-            storage.set_trial_user_attr(trial._trial_id, ATTR_OUTCOME, "failed")
+            # The word its MLflow run is tagged with (`mark_run_failed_within`).
+            outcome = "interrupted" if interrupted else "failed"
+            storage.set_trial_user_attr(trial._trial_id, ATTR_OUTCOME, outcome)
             storage.set_trial_user_attr(trial._trial_id, ATTR_MESSAGE, reason)
             failed = storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
         except optuna.exceptions.UpdateFinishedTrialError:
@@ -479,7 +481,7 @@ def failed_here_before(trial: FrozenTrial, reason: str) -> bool:
     queued no retry, and the dead worker's epochs were lost."""
     return (
         trial.state == TrialState.FAIL
-        and trial.user_attrs.get(ATTR_OUTCOME) == "failed"
+        and trial.user_attrs.get(ATTR_OUTCOME) in ("failed", "interrupted")
         and trial.user_attrs.get(ATTR_MESSAGE) == reason
     )
 

@@ -18,7 +18,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +33,7 @@ from hpsearch.tracking.server import redact_uri, scrub
 from hpsearch.trainer.types import best_model_path_for
 from hpsearch.worker import (
     ATTR_BEST_MODEL,
+    ATTR_HISTORY,
     ATTR_HOST,
     ATTR_MESSAGE,
     ATTR_OUTCOME,
@@ -40,6 +41,7 @@ from hpsearch.worker import (
     ATTR_PID_START,
     ATTR_RUN_ID,
     ATTR_RUN_KEY,
+    ATTR_TEST_ACC,
     ATTR_WORKER,
 )
 from optuna.storages import BaseStorage
@@ -82,6 +84,35 @@ def summary_metrics(result: Any) -> dict[str, float]:
     for name in ("best_val_acc", "best_val_loss", "test_acc"):
         if (value := getattr(result, name)) is not None:
             out[name] = float(value)
+    return out
+
+
+def summary_from_history(
+    history: Sequence[Mapping[str, Any]], metric: str, test_acc: Any = None
+) -> dict[str, float]:
+    """`summary_metrics` as a trial's stored epochs give them back (its `history` attribute,
+    one dict per epoch, as `EpochRecord`): its best epoch by `metric` (val_loss the lowest,
+    else val_acc the highest; the first on ties, as the trainer keeps it), train_seconds
+    the sum of its epochs' (set-up time is not stored). For a run whose worker died before
+    it sent them: sorting the runs by best_val_acc put the study's best last."""
+
+    def finite(value: Any) -> bool:
+        return isinstance(value, int | float) and math.isfinite(value)
+
+    out: dict[str, float] = {}
+    seconds = [float(e["epoch_seconds"]) for e in history if finite(e.get("epoch_seconds"))]
+    if seconds:
+        out["train_seconds"] = sum(seconds)
+    key = "val_loss" if metric == "val_loss" else "val_acc"
+    scored = [e for e in history if finite(e.get(key))]
+    if scored:
+        sign = 1.0 if key == "val_loss" else -1.0
+        best = min(scored, key=lambda e: sign * float(e[key]))  # min keeps the first tie
+        for name in ("val_acc", "val_loss"):
+            if finite(best.get(name)):
+                out[f"best_{name}"] = float(best[name])
+    if finite(test_acc):
+        out["test_acc"] = float(test_acc)
     return out
 
 
@@ -1488,6 +1519,8 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
         logger.warning("could not end the runs of gone workers: %s", scrub(str(exc)))
         return []
     host, ended = socket.gethostname(), []
+    names = study.metric_names or []
+    metric = names[0] if len(study.directions) == 1 and names else "val_acc"
     for run in running:
         t = owners.get(run.info.run_id) or keys.get(run.data.tags.get(RUN_KEY_TAG) or "")
         if t is None or not t.state.is_finished() or t.user_attrs.get(ATTR_HOST) != host:
@@ -1504,11 +1537,25 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
         try:
             if outcome in TRAINED_TO_END:  # its worker died before sending its plots
                 client.set_tag(run.info.run_id, INCOMPLETE_TAG, "true")
+            history = t.user_attrs.get(ATTR_HISTORY) or []
+            summary = summary_from_history(history, metric, t.user_attrs.get(ATTR_TEST_ACC))
+            summary = {k: v for k, v in summary.items() if k not in run.data.metrics}
+            if summary:  # ... and its summary metrics, which Optuna holds
+                last = max((int(e.get("epoch", 0)) for e in history), default=0)
+                client.log_batch(run.info.run_id, metrics=_summary_entities(summary, last))
             _end_run(client, run.info.run_id, outcome, reason)
             ended.append(run.info.run_id)
         except Exception as exc:  # the others are still ended
             logger.warning("could not end MLflow run %s: %s", run.info.run_id, scrub(str(exc)))
     return ended
+
+
+def _summary_entities(summary: Mapping[str, float], step: int) -> list[Any]:
+    """MLflow metrics of `summary` at `step` (the last epoch, as a worker logs them), now."""
+    from mlflow.entities import Metric
+
+    now_ms = int(time.time() * 1000)
+    return [Metric(k, float(v), now_ms, step) for k, v in summary.items()]
 
 
 def _upload_told_best(client: Any, run_id: str, trial: FrozenTrial) -> None:

@@ -271,3 +271,25 @@ def test_a_missing_best_model_says_whether_the_store_its_run_or_its_file_is_miss
         download_best_model(trial, None, tmp_path, tmp_path / "dl")
     (artifacts / "1" / run_id / "artifacts" / "checkpoint" / "best.pt").write_bytes(b"w")
     assert download_best_model(trial, None, tmp_path, tmp_path / "dl").read_bytes() == b"w"
+
+
+def test_summary_metrics_from_a_trials_stored_epochs() -> None:
+    from hpsearch.runs import summary_from_history
+
+    history = [
+        {"epoch": 1, "val_acc": 0.2, "val_loss": 3.0, "epoch_seconds": 1.0},
+        {"epoch": 2, "val_acc": None, "val_loss": None, "epoch_seconds": 1.5},  # not evaluated
+        {"epoch": 3, "val_acc": 0.4, "val_loss": float("inf"), "epoch_seconds": 2.0},
+        {"epoch": 4, "val_acc": 0.4, "val_loss": 2.0, "epoch_seconds": 2.0},
+    ]
+    assert summary_from_history(history, "val_acc", 0.35) == {
+        "train_seconds": 6.5,
+        "best_val_acc": 0.4,
+        "test_acc": 0.35,
+    }  # the first of the tied best epochs: its val_loss is not finite, so none
+    assert summary_from_history(history, "val_loss") == {
+        "train_seconds": 6.5,
+        "best_val_acc": 0.4,
+        "best_val_loss": 2.0,
+    }
+    assert summary_from_history([], "val_acc", None) == {}
