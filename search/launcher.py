@@ -1593,8 +1593,12 @@ def format_progress(p: Progress) -> str:
     c = p.counts
     best = format_best(p.best_value, p.best_trial, p.pareto)
     eta = f"{p.eta_s:.0f}s" if p.eta_s is not None else "-"
+    # A live worker with no trial is "idle" (starting, asking, or past the budget): its
+    # state word, "running", read as a trial count beside `running 0` (QA).
     busy = " ".join(
-        f"w{w.slot}:{'t' + str(w.trial) if w.trial is not None else w.state}" for w in p.workers
+        f"w{w.slot}:"
+        + (f"t{w.trial}" if w.trial is not None else "idle" if w.state == "running" else w.state)
+        for w in p.workers
     )
     slow = "".join(f" | input-bound t{n} ({u:.0f}% GPU)" for n, u in sorted(p.input_bound.items()))
     stale = (

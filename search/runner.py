@@ -272,6 +272,21 @@ def trial_seed(cfg: StudyConfig, trial_number: int, storage: str | None, workdir
     return int(cfg.trainer.seed) + root_trial_number(trial)
 
 
+def trial_threads(
+    cfg: StudyConfig, trial_number: int, storage: str | None, workdir: Path
+) -> int | None:
+    """The CPU threads trial N trained with (its worker's share of the cores, which a launch
+    sets), or None where its worker recorded none: on a CPU, `train --trial N` with all
+    the cores summed in another order and its values differed from epoch 1 on (QA)."""
+    from hpsearch.query import load_study
+    from hpsearch.worker import ATTR_THREADS
+
+    threads = _trial(load_study(cfg.name, storage, workdir), trial_number).user_attrs.get(
+        ATTR_THREADS
+    )
+    return threads if isinstance(threads, int) and threads > 0 else None
+
+
 def trial_params(trial: FrozenTrial, cfg: StudyConfig) -> dict[str, Any]:
     """The parameters trial N trained with, or will: those it drew, over those fixed for it
     (`study.enqueue_trial`, a retry's: Optuna keeps them in system_attrs until the trial
@@ -343,8 +358,11 @@ def run_fixed(
     from hpsearch.trainer.trial import best_model_path_for
 
     params = fixed_params(cfg, params_json, trial_number, storage, workdir)
-    if seed is None and trial_number is not None and params_json is None:
-        seed = trial_seed(cfg, trial_number, storage, workdir)
+    threads = None
+    if trial_number is not None and params_json is None:
+        if seed is None:
+            seed = trial_seed(cfg, trial_number, storage, workdir)
+        threads = trial_threads(cfg, trial_number, storage, workdir)
     label = f"trial-{trial_number}" if trial_number is not None else "fixed"
     run = None
     if tracking_uri is not None:
@@ -384,7 +402,12 @@ def run_fixed(
             if a.exists():
                 a.replace(f)
 
+    import torch
+
+    own_threads = torch.get_num_threads()
     try:
+        if threads is not None:
+            torch.set_num_threads(threads)
         result = train(cfg, params, lambda epoch, value: False, options)
     except BaseException as exc:
         if earlier:  # first: the run's end below may wait on MLflow, and a second Ctrl-C
@@ -396,6 +419,8 @@ def run_fixed(
             # more than 1 value per channel"): one line, as the worker's trial message.
             raise HpsearchError(f"training failed: {type(exc).__name__}: {exc}") from exc
         raise
+    finally:
+        torch.set_num_threads(own_threads)
     if earlier and getattr(result, "stop_reason", None) == "interrupted":
         put_back()
 

@@ -544,7 +544,9 @@ class FixedRun:
 
             cuda = torch.cuda.is_available()
         tracker = TrialTracker(
-            client, experiment_id, "", trial_number=None, run_name=label,
+            # Not `trial-N`: beside the trial runs of that name, the UI told them apart by
+            # nesting alone (QA).
+            client, experiment_id, "", trial_number=None, run_name=f"train-{label}",
             study_name=cfg.name, params=run_params(cfg, params, sampled=False), worker="train",
             gpu=None if cuda else "none", tags=tags,
         )  # fmt: skip
@@ -1138,7 +1140,10 @@ class TrackingSession:
             os.replace(checkpoint, dest)
             return True
         except Exception as exc:  # nothing to resume from: the retry starts over
-            logger.warning("no resume checkpoint in run %s: %s", previous_run_id, scrub(str(exc)))
+            # Said where one was to be there: a study that uploads none has none to find
+            # (QA: "Failed to download artifacts" read as an error in every such retry).
+            log = logger.warning if self.cfg.tracking.upload_checkpoints else logger.debug
+            log("no resume checkpoint in run %s: %s", previous_run_id, scrub(str(exc)))
             return False
         finally:
             if tmp is not None:

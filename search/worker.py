@@ -102,6 +102,7 @@ ATTR_HISTORY = "history"
 ATTR_TEST_ACC = "test_acc"
 ATTR_RESUMED_FROM = "resumed_from_epoch"
 ATTR_STARTUP = "startup_s"
+ATTR_THREADS = "torch_threads"  # torch's intra-op CPU threads the trial trained with
 ATTR_CHECKPOINT_URI = "checkpoint_uri"  # the best model in MLflow
 
 
@@ -1281,6 +1282,10 @@ def run_trial(
             ATTR_RUN_KEY: run_key,
             CONFIG_ID_ATTR: cfg_id or trial_config_id(cfg),
         }
+        if (torch := sys.modules.get("torch")) is not None:  # (the built-in trainer's)
+            # Its CPU threads (the launch gives each worker its share of the cores): sums
+            # of another order give other values, which `train --trial N` reproduces so.
+            attrs[ATTR_THREADS] = int(torch.get_num_threads())
         previous_run = trial.user_attrs.get(ATTR_RUN_ID)  # copied from the failed trial
         if previous_run:
             # Not this try's run: cleared until its own is linked, so that the launcher

@@ -48,6 +48,7 @@ MAX_PARAM_VAL_LENGTH = 6000
 MAX_TAG_VAL_LENGTH = 8000
 
 ROLE_TAG = "hpsearch.role"
+KIND_TAG, KIND_TRAINING = "mlflow.experimentKind", "custom_model_development"
 STUDY_TAG = "hpsearch.study"
 INCOMPLETE_TAG = "hpsearch.tracking_incomplete"
 OUTCOME_TAG = "hpsearch.outcome"
@@ -372,7 +373,9 @@ def ensure_experiment(client: MlflowClient, study_name: str) -> str:
                 client.restore_experiment(exp.experiment_id)
             return str(exp.experiment_id)
         try:
-            return str(client.create_experiment(study_name))
+            # A training experiment: MLflow 3's UI opened one without the tag on its GenAI
+            # traces view, the runs a click away (QA).
+            return str(client.create_experiment(study_name, tags={KIND_TAG: KIND_TRAINING}))
         except MlflowException as exc:  # another worker created it first
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise

@@ -269,6 +269,11 @@ def test_progress_line_names_input_bound_trials() -> None:
     assert format_progress(old).endswith(" | database unreachable: figures 12s old")
     none = Progress(counts, {}, 10, None, None, workers, 3.0, None, stale_s=3.2, never_read=True)
     assert format_progress(none).endswith(" | database unreachable for 3s: nothing read yet")
+    # A live worker with no trial is idle, not "running" beside `running 0` (QA).
+    idle = [WorkerView(0, 11, "0", None, "running"), WorkerView(1, None, "0", None, "crashed")]
+    assert format_progress(Progress(counts, {}, 10, None, None, idle, 1.0, None)).endswith(
+        "| eta - | w0:idle w1:crashed"
+    )
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")

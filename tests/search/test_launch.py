@@ -1723,6 +1723,8 @@ def test_a_relaunch_on_an_image_folder_whose_classes_changed_is_refused(
             "--no-tracking", "--set", data, "--set", "budget.max_epochs=1"]  # fmt: skip
     r = hpsearch([*args, "--trials", "1"], subprocess_env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    (trained,) = hps.load_study("tiny", workdir=tmp_path / "w").trials
+    assert trained.user_attrs["torch_threads"] >= 1  # what `train --trial 0` takes
     before = dict(hps.load_study("tiny", workdir=tmp_path / "w").user_attrs)
     _add_class(tmp_path / "data", "aaa_tulip")  # sorted first: every class index shifts
     r = hpsearch([*args, "--trials", "2", "--set", "dataset.eval_limit=2"], subprocess_env)

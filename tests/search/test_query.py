@@ -474,7 +474,7 @@ def test_train_trial_n_takes_its_seed_and_its_study_by_name_alone(
     its retry chain's first trial), so it reproduced nothing; and it needed a study file,
     where `status` takes the stored name."""
     from hpsearch.config import load_config
-    from hpsearch.runner import trial_seed
+    from hpsearch.runner import trial_seed, trial_threads
     from hpsearch.study import CONFIG_ATTR, config_to_yaml
 
     cfg = load_config("tiny", ["name=team", "trainer.seed=100"])
@@ -489,6 +489,11 @@ def test_train_trial_n_takes_its_seed_and_its_study_by_name_alone(
         )
     )  # a retry of trial 1
     assert [trial_seed(cfg, n, None, tmp_path) for n in (0, 2, 3)] == [100, 102, 101]
+    # ... and its CPU threads, where its worker recorded them (QA: all the cores summed in
+    # another order, and the values differed from epoch 1 on).
+    study.add_trial(create_trial(value=0.6, params={"lr": 0.1}, distributions=lr,
+                                 user_attrs={"torch_threads": 1}))  # fmt: skip
+    assert [trial_threads(cfg, n, None, tmp_path) for n in (3, 4)] == [None, 1]
     out = hpsearch(["train", "--study", "team", "--trial", "3", "--workdir", str(tmp_path),
                     "--no-tracking", "--data-dir", str(tmp_path / "none")],
                    subprocess_env, cwd=tmp_path)  # fmt: skip

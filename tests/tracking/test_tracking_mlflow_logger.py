@@ -188,6 +188,8 @@ def test_ensure_experiment_and_study_run_reused(client: CountingClient, tmp_path
     assert ensure_experiment(client, "study-a") == exp
     experiment = client.get_experiment(exp)
     assert experiment.name == "study-a"
+    # A training experiment: MLflow's UI opened it on its GenAI traces view (QA).
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     tags = {
         "hpsearch.sampler": "tpe",
         "hpsearch.pruner": "asha",

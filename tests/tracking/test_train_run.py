@@ -56,7 +56,7 @@ def _check_train_runs(client: MlflowClient, name: str, runs: list[str]) -> None:
     assert [r.info.run_id for r in found] == runs
     for run, lr, epochs in zip(found, ("0.05", "0.02"), ([1, 2], [1]), strict=True):
         assert run.info.status == "FINISHED"
-        assert run.info.run_name == "fixed"
+        assert run.info.run_name == "train-fixed"
         tags = run.data.tags
         assert tags["hpsearch.role"] == "train" and tags["hpsearch.gpu"] == "none"
         assert "mlflow.parentRunId" not in tags and "optuna.trial_number" not in tags
@@ -156,7 +156,7 @@ def test_a_train_run_stopped_by_a_hang_up_ends_killed_and_stops_its_server(
     try:
         client = MlflowClient(tracking_uri=server.url)
         run = client.get_run(run_id)
-        assert run.info.status == "KILLED" and run.info.run_name == "trial-0"
+        assert run.info.status == "KILLED" and run.info.run_name == "train-trial-0"
         assert run.data.tags["hpsearch.reproduces_trial"] == "0"
         assert run.data.tags["hpsearch.outcome"] == "interrupted"
         steps = [m.step for m in client.get_metric_history(run_id, "val_acc")]
