@@ -1190,10 +1190,10 @@ def test_a_study_launched_before_a_rule_for_new_files_relaunches_from_its_unchan
 ) -> None:
     """A rule newer than a study (here: a `when` value given twice) refused to relaunch it from
     the very file it was launched from, which its stored config is spared."""
-    from hpsearch.config import config_to_yaml, load_config
+    from hpsearch.config import config_to_yaml, find_study_file, load_config
     from hpsearch.study import CONFIG_ATTR
 
-    text = (Path(hps.__file__).parent / "studies" / "tiny.yaml").read_text()
+    text = find_study_file("tiny").read_text()  # the shipped one
     old = tmp_path / "old.yaml"
     twice = "when: {loss: [label_smoothing, label_smoothing]}"
     old.write_text(
