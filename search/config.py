@@ -110,6 +110,13 @@ class Hyperparams(_Frozen):
 HPARAM_NAMES = tuple(Hyperparams.model_fields)
 
 
+def reported_metric_of(metrics: Sequence[str] | None) -> str:
+    """`StudyConfig.reported_metric` of a study's objective metrics (or its Optuna metric
+    names): val_loss where it is sought and val_acc is not, else val_acc."""
+    names = list(metrics or [])
+    return "val_loss" if "val_loss" in names and "val_acc" not in names else "val_acc"
+
+
 def unused_hyperparams(hp: Hyperparams) -> frozenset[str]:
     """The values the trainer does not read given the trial's other choices (the smoothing
     of a loss that is not label_smoothing, SGD's momentum under AdamW). A default of these
@@ -318,8 +325,7 @@ class StudyConfig(_Frozen):
         epoch (its weights, its told values): val_loss where the objectives have it and not
         val_acc (alone, or beside train_seconds), else val_acc (a multi-objective study
         prunes nothing; a pruner with train_seconds is refused)."""
-        metrics = self.objective.metrics
-        return "val_loss" if "val_loss" in metrics and "val_acc" not in metrics else "val_acc"
+        return reported_metric_of(self.objective.metrics)
 
     def fixed_params(self) -> dict[str, Any]:
         """Hyperparameter values used for everything the search space leaves out."""

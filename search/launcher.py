@@ -76,6 +76,7 @@ from hpsearch.worker import (
     ATTR_PID_START,
     ATTR_RUN_ID,
     ATTR_WORKER,
+    dead_outcome,
     disk_full,
     free_disk_bytes,
     retried_trials,
@@ -459,8 +460,8 @@ def fail_trial(
     storage = study._storage
     with study_lock(spec, study.study_name):
         try:
-            # The word its MLflow run is tagged with (`mark_run_failed_within`).
-            outcome = "interrupted" if interrupted else "failed"
+            # The word its MLflow run is tagged with (`runs.mark_run_failed`).
+            outcome = dead_outcome(reason, interrupted)
             storage.set_trial_user_attr(trial._trial_id, ATTR_OUTCOME, outcome)
             storage.set_trial_user_attr(trial._trial_id, ATTR_MESSAGE, reason)
             failed = storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
@@ -895,7 +896,11 @@ class Launcher:
             close_study_run(
                 client, run_id, "FINISHED" if stopped_by in ENDED_AS_ASKED else "KILLED"
             )
-        if exp is not None and (ended := end_dangling_runs(client, exp.experiment_id, self.study)):
+        if exp is not None and (
+            ended := end_dangling_runs(
+                client, exp.experiment_id, self.study, self.cfg.reported_metric
+            )
+        ):
             self._messages.append(f"ended {len(ended)} MLflow run(s) their gone workers left")
         # After those (a kept run ended so gets its told best model uploaded), and over them:
         # a kept run's own metrics, status and end time are its worker's.
@@ -1418,7 +1423,9 @@ class Launcher:
             # run key, or made), linked while the trial still runs: a finished trial takes
             # no attributes.
             try:
-                run_id = record_dead_trial_run_within(self.cfg, uri, t, reason)
+                run_id = record_dead_trial_run_within(
+                    self.cfg, uri, t, reason, interrupted=interrupted
+                )
             except TrackingError as exc:  # a server that hangs: not again for the others
                 self._event(f"{exc}; no MLflow runs for the dead workers' other trials")
                 run_id, uri = None, None
@@ -1436,7 +1443,7 @@ class Launcher:
             ):
                 failed.append(t.number)
                 try:
-                    mark_run_failed_within(uri, t, reason)
+                    mark_run_failed_within(uri, t, reason, interrupted=interrupted)
                 except TrackingError as exc:
                     self._event(f"{exc}; the end-of-study sweep ends that run")
                     uri = None

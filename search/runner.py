@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import traceback
 import warnings
@@ -142,13 +143,13 @@ def trial_config(
     with `--set dataset.image_size=64` was reproduced at the study file's size), its data
     found where `cfg` finds it (the file, --data-dir, HPSEARCH_DATA_DIR). A study with no
     stored config (made by plain Optuna) keeps `cfg`."""
-    from hpsearch.config import config_from_yaml
-    from hpsearch.query import load_study
+    from hpsearch.config import config_from_yaml, load_yaml
+    from hpsearch.query import reading_study
     from hpsearch.study import CONFIG_ATTR, trial_config_yaml
 
-    study = load_study(cfg.name, storage, workdir)
-    attrs = study.user_attrs
-    trial = _trial(study, trial_number) if trial_number is not None else None
+    with reading_study(cfg.name, storage, workdir) as study:
+        attrs = study.user_attrs
+        trial = _trial(study, trial_number) if trial_number is not None else None
     stored = trial_config_yaml(attrs, trial) if trial is not None else attrs.get(CONFIG_ATTR)
     if not stored:
         return cfg
@@ -157,7 +158,20 @@ def trial_config(
     )
     # A trial's recorded config says nothing of downloads: the file's (or --download) does.
     allowed = download if download is not None else cfg.dataset.download
-    return config_from_yaml(str(stored), src, overrides, cfg.dataset.root, allowed)
+    # Nor of where its data is: the file's (--data-dir, HPSEARCH_DATA_DIR), else where the
+    # launch found it (review: `./data` was looked for, beside the launch's own folder).
+    root = cfg.dataset.root or _launch_root(attrs.get(CONFIG_ATTR), load_yaml)
+    return config_from_yaml(str(stored), src, overrides, root, allowed)
+
+
+def _launch_root(launched: Any, load: Callable[[str], Any]) -> str | None:
+    """`dataset.root` of a study's stored config (its last launch's), or None."""
+    try:
+        data = load(str(launched)) if launched else None
+    except Exception:  # (yaml's errors) a config that does not parse names no root
+        return None
+    root = data.get("dataset", {}).get("root") if isinstance(data, dict) else None
+    return root if isinstance(root, str) and root else None
 
 
 def stored_config(
@@ -213,9 +227,10 @@ def fixed_params(
     if params_json is not None and trial_number is not None:
         raise ConfigError("--params and --trial: give one of them, not both")
     if trial_number is not None:
-        from hpsearch.query import load_study
+        from hpsearch.query import reading_study
 
-        return trial_params(_trial(load_study(cfg.name, storage, workdir), trial_number), cfg)
+        with reading_study(cfg.name, storage, workdir) as study:
+            return trial_params(_trial(study, trial_number), cfg)
     if params_json is None:
         return {}
     params = params_from_json(params_json)
@@ -265,10 +280,11 @@ def trial_seed(cfg: StudyConfig, trial_number: int, storage: str | None, workdir
     """The seed trial N trained with: `trainer.seed` plus its retry chain's first trial's
     number, as its worker gave it (`train --trial N` with the study's seed was another
     run: its values differed from the trial's from the first epoch on)."""
-    from hpsearch.query import load_study
+    from hpsearch.query import reading_study
     from hpsearch.worker import root_trial_number
 
-    trial = _trial(load_study(cfg.name, storage, workdir), trial_number)
+    with reading_study(cfg.name, storage, workdir) as study:
+        trial = _trial(study, trial_number)
     return int(cfg.trainer.seed) + root_trial_number(trial)
 
 
@@ -278,12 +294,11 @@ def trial_threads(
     """The CPU threads trial N trained with (its worker's share of the cores, which a launch
     sets), or None where its worker recorded none: on a CPU, `train --trial N` with all
     the cores summed in another order and its values differed from epoch 1 on (QA)."""
-    from hpsearch.query import load_study
+    from hpsearch.query import reading_study
     from hpsearch.worker import ATTR_THREADS
 
-    threads = _trial(load_study(cfg.name, storage, workdir), trial_number).user_attrs.get(
-        ATTR_THREADS
-    )
+    with reading_study(cfg.name, storage, workdir) as study:
+        threads = _trial(study, trial_number).user_attrs.get(ATTR_THREADS)
     return threads if isinstance(threads, int) and threads > 0 else None
 
 
@@ -403,8 +418,24 @@ def run_fixed(
                 a.replace(f)
 
     import torch
+    from hpsearch.trainer.trial import resolve_device
 
     own_threads = torch.get_num_threads()
+    if threads is not None and resolve_device(device).type == "cpu":
+        # As many as this host lets it use: a trial of a larger host's (or a GPU worker's,
+        # which had all its host's cores) would oversubscribe these cores.
+        affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+        cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+        if threads > cores:
+            warnings.warn(
+                f"trial {trial_number} trained with {threads} CPU threads; this host has "
+                f"{cores} cores: its values may differ in the last digits",
+                HpsearchWarning,
+                stacklevel=2,
+            )
+        threads = min(threads, cores)
+    else:  # on a GPU its values never depended on them
+        threads = None
     try:
         if threads is not None:
             torch.set_num_threads(threads)

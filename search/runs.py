@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import optuna
 from hpsearch.background import Renderer, import_in_idle_time, lower_priority
-from hpsearch.config import StudyConfig, config_to_yaml, unused_hyperparams
+from hpsearch.config import StudyConfig, config_to_yaml, reported_metric_of, unused_hyperparams
 from hpsearch.errors import HpsearchError, TrackingError, TrackingUnreachable
 from hpsearch.packing import holder_alive, pid_alive
 from hpsearch.storage import StorageSpec
@@ -43,6 +43,7 @@ from hpsearch.worker import (
     ATTR_RUN_KEY,
     ATTR_TEST_ACC,
     ATTR_WORKER,
+    dead_outcome,
 )
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
@@ -1142,8 +1143,15 @@ class TrackingSession:
         except Exception as exc:  # nothing to resume from: the retry starts over
             # Said where one was to be there: a study that uploads none has none to find
             # (QA: "Failed to download artifacts" read as an error in every such retry).
-            log = logger.warning if self.cfg.tracking.upload_checkpoints else logger.debug
-            log("no resume checkpoint in run %s: %s", previous_run_id, scrub(str(exc)))
+            if self.cfg.tracking.upload_checkpoints:
+                logger.warning(
+                    "no resume checkpoint in run %s: %s", previous_run_id, scrub(str(exc))
+                )
+            else:
+                logger.info(
+                    "no resume checkpoint uploaded (tracking.upload_checkpoints: false): "
+                    "the retry starts from epoch 1 unless this host has one"
+                )
             return False
         finally:
             if tmp is not None:
@@ -1319,7 +1327,7 @@ def _bounded(fn: Callable[[threading.Event], Any], timeout_s: float, what: str) 
 
 def record_dead_trial_run_within(
     cfg: StudyConfig, uri: str | None, trial: FrozenTrial, reason: str,
-    timeout_s: float = DEAD_RUN_WAIT_S,
+    timeout_s: float = DEAD_RUN_WAIT_S, *, interrupted: bool = False,
 ) -> str | None:  # fmt: skip
     """`record_dead_trial_run`, given up after `timeout_s` (the launcher's loop waits on
     it) with TrackingError; an abandoned call makes no run, which could no longer be linked
@@ -1327,21 +1335,22 @@ def record_dead_trial_run_within(
     if not uri or trial.user_attrs.get(ATTR_RUN_ID):
         return None
     return _bounded(
-        lambda abandoned: record_dead_trial_run(cfg, uri, trial, reason, abandoned),
+        lambda abandoned: record_dead_trial_run(cfg, uri, trial, reason, abandoned, interrupted),
         timeout_s,
         f"trial {trial.number}: recording its MLflow run",
     )
 
 
 def mark_run_failed_within(
-    uri: str | None, trial: FrozenTrial, reason: str, timeout_s: float = DEAD_RUN_WAIT_S
-) -> None:
+    uri: str | None, trial: FrozenTrial, reason: str, timeout_s: float = DEAD_RUN_WAIT_S,
+    *, interrupted: bool = False,
+) -> None:  # fmt: skip
     """`mark_run_failed`, given up after `timeout_s` with TrackingError (the run stays
     RUNNING; the launcher's end-of-study sweep ends dangling runs)."""
     if not uri or not trial.user_attrs.get(ATTR_RUN_ID):
         return
     _bounded(
-        lambda _: mark_run_failed(uri, trial, reason),
+        lambda _: mark_run_failed(uri, trial, reason, interrupted),
         timeout_s,
         f"trial {trial.number}: ending its MLflow run",
     )
@@ -1353,12 +1362,14 @@ def record_dead_trial_run(
     trial: FrozenTrial,
     reason: str,
     abandoned: threading.Event | None = None,
+    interrupted: bool = False,
 ) -> str | None:
     """The MLflow run of a trial whose worker died before it linked the run (Optuna's
-    `mlflow_run_id`), ended FAILED (KILLED for "interrupted"); the caller links it. The run
-    the worker made is found by the trial's `mlflow_run_key` when it got that far; else one
-    is made now from what Optuna holds: params, worker, host, start time and reported values
-    (a worker's first trial trains while its MLflow session is set up: worker._LateRun).
+    `mlflow_run_id`), ended FAILED (KILLED when stopped: `dead_outcome`); the caller links
+    it. The run the worker made is found by the trial's `mlflow_run_key` when it got that
+    far; else one is made now from what Optuna holds: params, worker, host, start time and
+    reported values (a worker's first trial trains while its MLflow session is set up:
+    worker._LateRun).
     None when the trial had a linked run, or without MLflow."""
     if not uri or trial.user_attrs.get(ATTR_RUN_ID):
         return None
@@ -1376,7 +1387,7 @@ def record_dead_trial_run(
     if not health_ok(uri, any_status=True):
         logger.warning("trial %s: no MLflow run recorded: the server does not answer", trial.number)
         return None
-    outcome = _dead_outcome(reason)
+    outcome = dead_outcome(reason, interrupted)
     try:
         client = _client(uri)
         experiment_id = ensure_experiment(client, cfg.name)
@@ -1418,13 +1429,15 @@ def record_dead_trial_run(
         return None
 
 
-def mark_run_failed(uri: str | None, trial: FrozenTrial, reason: str) -> None:
+def mark_run_failed(
+    uri: str | None, trial: FrozenTrial, reason: str, interrupted: bool = False
+) -> None:
     """The MLflow run of a trial whose worker died (FAILED) or was stopped (KILLED)."""
     run_id = trial.user_attrs.get(ATTR_RUN_ID)
     if not uri or not run_id:
         return
     try:
-        _end_run(_client(uri), str(run_id), _dead_outcome(reason), reason)
+        _end_run(_client(uri), str(run_id), dead_outcome(reason, interrupted), reason)
     except Exception as exc:  # best effort: the Optuna state is what counts
         logger.warning("could not mark MLflow run %s: %s", run_id, scrub(str(exc)))
 
@@ -1493,7 +1506,9 @@ def link_late_run(storage: BaseStorage, create: Mapping[str, Any], run_id: str) 
     return True
 
 
-def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> list[str]:
+def end_dangling_runs(
+    client: Any, experiment_id: str, study: optuna.Study, metric: str | None = None
+) -> list[str]:
     """End the trial runs still RUNNING in MLflow whose trials are finished in Optuna and
     whose workers, of this host and gone, can no longer end them: a worker killed
     while its told trial's run waited to be ended, or a trial failed by the orphan or stale
@@ -1501,8 +1516,10 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
     it. A run is the trial's by its link (`mlflow_run_id`), else by its key tag (the
     trial's `mlflow_run_key`): a create that landed as its worker gave up waiting for it,
     or exited, was never linked. A trial that trained to its end lacks the plots its
-    worker sends with the end: its run is tagged incomplete. One search in the study's
-    experiment; the runs ended. Best effort."""
+    worker sends with the end: its run is tagged incomplete, and given the summary metrics
+    its trial's record holds, its best epoch by `metric` (the study's `reported_metric`;
+    None: told by the study's metric names). One search in the study's experiment; the
+    runs ended. Best effort."""
     from hpsearch.tracking.mlflow_logger import INCOMPLETE_TAG, ROLE_TAG, RUN_KEY_TAG
 
     try:
@@ -1524,8 +1541,8 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
         logger.warning("could not end the runs of gone workers: %s", scrub(str(exc)))
         return []
     host, ended = socket.gethostname(), []
-    names = study.metric_names or []
-    metric = names[0] if len(study.directions) == 1 and names else "val_acc"
+    if metric is None:
+        metric = reported_metric_of(study.metric_names)
     for run in running:
         t = owners.get(run.info.run_id) or keys.get(run.data.tags.get(RUN_KEY_TAG) or "")
         if t is None or not t.state.is_finished() or t.user_attrs.get(ATTR_HOST) != host:
@@ -1539,15 +1556,13 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
             _upload_told_best(client, run.info.run_id, t)
         except Exception as exc:  # the run is still ended
             logger.warning("could not upload trial %s's best model: %s", t.number, scrub(str(exc)))
+        try:  # ... and its summary metrics, which Optuna holds (not to hold up its end)
+            _log_told_summary(client, run, t, metric)
+        except Exception as exc:
+            logger.warning("could not log trial %s's summary: %s", t.number, scrub(str(exc)))
         try:
             if outcome in TRAINED_TO_END:  # its worker died before sending its plots
                 client.set_tag(run.info.run_id, INCOMPLETE_TAG, "true")
-            history = t.user_attrs.get(ATTR_HISTORY) or []
-            summary = summary_from_history(history, metric, t.user_attrs.get(ATTR_TEST_ACC))
-            summary = {k: v for k, v in summary.items() if k not in run.data.metrics}
-            if summary:  # ... and its summary metrics, which Optuna holds
-                last = max((int(e.get("epoch", 0)) for e in history), default=0)
-                client.log_batch(run.info.run_id, metrics=_summary_entities(summary, last))
             _end_run(client, run.info.run_id, outcome, reason)
             ended.append(run.info.run_id)
         except Exception as exc:  # the others are still ended
@@ -1555,12 +1570,23 @@ def end_dangling_runs(client: Any, experiment_id: str, study: optuna.Study) -> l
     return ended
 
 
-def _summary_entities(summary: Mapping[str, float], step: int) -> list[Any]:
-    """MLflow metrics of `summary` at `step` (the last epoch, as a worker logs them), now."""
+def _log_told_summary(client: Any, run: Any, trial: FrozenTrial, metric: str) -> None:
+    """A trial run's summary metrics from its trial's record (`summary_from_history`), those
+    it lacks, at its last epoch's step as a worker logs them."""
     from mlflow.entities import Metric
 
+    history = trial.user_attrs.get(ATTR_HISTORY)
+    if not isinstance(history, list):
+        return
+    epochs = [e for e in history if isinstance(e, dict)]
+    summary = summary_from_history(epochs, metric, trial.user_attrs.get(ATTR_TEST_ACC))
+    summary = {k: v for k, v in summary.items() if k not in run.data.metrics}
+    if not summary:
+        return
+    steps = [e["epoch"] for e in epochs if isinstance(e.get("epoch"), int)]
     now_ms = int(time.time() * 1000)
-    return [Metric(k, float(v), now_ms, step) for k, v in summary.items()]
+    entities = [Metric(k, float(v), now_ms, max(steps, default=0)) for k, v in summary.items()]
+    client.log_batch(run.info.run_id, metrics=entities)
 
 
 def _upload_told_best(client: Any, run_id: str, trial: FrozenTrial) -> None:
@@ -1598,11 +1624,6 @@ def dangling_outcome(trial: FrozenTrial) -> str:
     if trial.state == TrialState.FAIL and status != "FAILED" and outcome != "interrupted":
         return "failed"
     return outcome
-
-
-def _dead_outcome(reason: str) -> str:
-    """A gone worker's trial: KILLED when it was stopped ("interrupted"), else FAILED."""
-    return "interrupted" if reason == "interrupted" else "failed"
 
 
 def _end_run(client: Any, run_id: str, outcome: str, reason: str) -> None:

@@ -392,7 +392,7 @@ ATTR_INTERRUPTED_TRIES = "hpsearch:interrupted_tries"
 # try's test accuracy and checkpoint.
 TRY_ATTRS = frozenset({ATTR_WORKER, ATTR_HOST, ATTR_PID, ATTR_PID_START, ATTR_OUTCOME,
                        ATTR_MESSAGE, ATTR_TEST_ACC, ATTR_HISTORY, ATTR_BEST_MODEL,
-                       ATTR_STARTUP, ATTR_CHECKPOINT_URI})  # fmt: skip
+                       ATTR_STARTUP, ATTR_CHECKPOINT_URI, ATTR_THREADS})  # fmt: skip
 
 
 class ChainRetryCallback(RetryHeartbeatStaleTrialCallback):
@@ -541,6 +541,15 @@ class _Heartbeat:
 # failure of a dead worker's trial. A stale-failed trial has none, or the outcome its worker
 # wrote just before a tell that never came.
 FAILED_ON_PURPOSE = frozenset({"error", "interrupted", "failed"})
+
+
+def dead_outcome(reason: str, interrupted: bool = False) -> str:
+    """The outcome of a trial whose worker is gone, in Optuna and in MLflow alike:
+    "interrupted" (KILLED) when it was stopped (a second stop's kill, or one past the
+    grace, whose reason is "interrupted"), else "failed" (FAILED)."""
+    return "interrupted" if interrupted or reason == "interrupted" else "failed"
+
+
 # A trial's outcome in its worker (not stored: the trial stands as another worker failed it)
 # when the stale check failed it while it trained.
 STALE = "failed elsewhere (stale)"

@@ -371,6 +371,9 @@ def ensure_experiment(client: MlflowClient, study_name: str) -> str:
         if exp is not None:
             if exp.lifecycle_stage == "deleted":
                 client.restore_experiment(exp.experiment_id)
+            if KIND_TAG not in (exp.tags or {}):  # one made before the tag (a user's kept)
+                with contextlib.suppress(MlflowException):
+                    client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND_TRAINING)
             return str(exp.experiment_id)
         try:
             # A training experiment: MLflow 3's UI opened one without the tag on its GenAI

@@ -592,3 +592,13 @@ def test_a_spent_budget_is_said_only_when_nothing_can_change_it() -> None:
     assert spent_note("s", base, 4) == ""  # one more to run
     assert spent_note("s", {**base, "waiting": 1}, 3) == ""  # a retry to resume
     assert spent_note("s", {**base, "running": 1}, 3) == ""  # an orphan, failed and resumed
+
+
+def test_a_gone_workers_trial_has_one_outcome_in_optuna_and_mlflow() -> None:
+    """QA and review: a second stop's kill was "failed" in Optuna beside "interrupted" in
+    MLflow, and one seen as a death by signal the other way round."""
+    from hpsearch.worker import dead_outcome
+
+    assert dead_outcome("worker died (signal 9)") == "failed"
+    assert dead_outcome("worker died (signal 9)", interrupted=True) == "interrupted"
+    assert dead_outcome("interrupted") == "interrupted"  # killed past the grace

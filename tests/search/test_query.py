@@ -679,3 +679,22 @@ def test_a_moved_work_folders_best_model_is_found_under_it(tmp_path: Path) -> No
     assert _local_best_model(named, moved) == g
     f.unlink()  # deleted (outside keep_top_k): none, as before
     assert checkpoint_uri(trial, moved) is None and _local_best_model(trial, moved) is None
+
+
+def test_train_trial_n_finds_its_data_where_the_launch_did(tmp_path: Path) -> None:
+    """Review: a trial's recorded config holds no root, so `train --trial N` without
+    --data-dir looked in ./data, not where the launch had found the data."""
+    from hpsearch.config import config_to_yaml, load_config
+    from hpsearch.runner import trial_config
+    from hpsearch.study import CONFIG_ATTR, CONFIG_ID_ATTR, CONFIG_OF_ATTR, config_id
+
+    launched = load_config("tiny", ["dataset.root=/launch/data"])
+    own = config_to_yaml(launched, trial_only=True)
+    study = _journal_study(tmp_path, "tiny", direction="maximize")
+    study.set_user_attr(CONFIG_ATTR, config_to_yaml(launched))
+    study.set_user_attr(CONFIG_OF_ATTR + config_id(own), own)
+    study.add_trial(create_trial(value=0.5, user_attrs={CONFIG_ID_ATTR: config_id(own)}))
+    plain = load_config("tiny")  # the shipped file: no root
+    assert trial_config(plain, None, tmp_path, trial_number=0).dataset.root == "/launch/data"
+    given = load_config("tiny", data_dir="/here")
+    assert trial_config(given, None, tmp_path, trial_number=0).dataset.root == "/here"

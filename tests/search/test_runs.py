@@ -293,3 +293,10 @@ def test_summary_metrics_from_a_trials_stored_epochs() -> None:
         "best_val_loss": 2.0,
     }
     assert summary_from_history([], "val_acc", None) == {}
+    # A study known by its metric names alone: a multi-objective val_loss study's best
+    # epoch is by val_loss too (review), as StudyConfig.reported_metric has it.
+    from hpsearch.config import reported_metric_of
+
+    assert reported_metric_of(["val_loss", "train_seconds"]) == "val_loss"
+    assert reported_metric_of(["val_acc", "val_loss"]) == "val_acc"
+    assert reported_metric_of(None) == "val_acc"

@@ -188,8 +188,15 @@ def test_ensure_experiment_and_study_run_reused(client: CountingClient, tmp_path
     assert ensure_experiment(client, "study-a") == exp
     experiment = client.get_experiment(exp)
     assert experiment.name == "study-a"
-    # A training experiment: MLflow's UI opened it on its GenAI traces view (QA).
+    # A training experiment: MLflow's UI opened it on its GenAI traces view (QA); one made
+    # before the tag takes it too, and a kind a user set is kept.
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    old = client.create_experiment("study-old")
+    mine = client.create_experiment("study-mine", tags={"mlflow.experimentKind": "finetuning"})
+    assert ensure_experiment(client, "study-old") == old
+    assert ensure_experiment(client, "study-mine") == mine
+    kinds = [client.get_experiment(e).tags["mlflow.experimentKind"] for e in (old, mine)]
+    assert kinds == ["custom_model_development", "finetuning"]
     tags = {
         "hpsearch.sampler": "tpe",
         "hpsearch.pruner": "asha",
