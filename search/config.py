@@ -84,6 +84,9 @@ def _boolean(value: Any) -> Any:
 Bool = Annotated[bool, BeforeValidator(_boolean)]
 
 
+F32_MAX = 3.4028234663852886e38  # float32's largest finite value
+
+
 class Hyperparams(_Frozen):
     """Every value the trainer reads from a trial. Searched ones come from Optuna; the rest
     from `trainer.defaults`."""
@@ -91,20 +94,22 @@ class Hyperparams(_Frozen):
     arch: Literal[ARCHS] = "resnet18"  # type: ignore[valid-type]
     image_size: Int | None = Field(default=None, ge=8, le=1024)  # px; None = dataset.image_size
     optimizer: Literal[OPTIMIZERS] = "sgd"  # type: ignore[valid-type]
-    lr: Float = Field(default=0.1, gt=0)  # at base_batch_size, before lr_scaling
+    # Past float32's largest (3.4e38) a value fails every trial at its first step (torch:
+    # "cannot be converted to type float without overflow"), in every worker (QA).
+    lr: Float = Field(default=0.1, gt=0, le=F32_MAX)  # at base_batch_size, before lr_scaling
     momentum: Float = Field(default=0.9, ge=0, lt=1)
-    weight_decay: Float = Field(default=5e-4, ge=0)
+    weight_decay: Float = Field(default=5e-4, ge=0, le=F32_MAX)
     batch_size: Int = Field(default=128, ge=1)  # a new study file: >= 2 (_check_new_file)
     lr_scaling: Literal[LR_SCALINGS] = "none"  # type: ignore[valid-type]
     loss: Literal[LOSSES] = "ce"  # type: ignore[valid-type]
     label_smoothing: Float = Field(default=0.1, ge=0, lt=1)
-    focal_gamma: Float = Field(default=2.0, ge=0)
+    focal_gamma: Float = Field(default=2.0, ge=0, le=F32_MAX)
     augment: Literal[AUGMENTS] = "crop_flip"  # type: ignore[valid-type]
     augment_strength: Float = Field(default=0.5, ge=0, le=1)  # 0..1 of each op's max magnitude
-    mixup_alpha: Float = Field(default=0.0, ge=0)
-    cutmix_alpha: Float = Field(default=0.0, ge=0)
+    mixup_alpha: Float = Field(default=0.0, ge=0, le=F32_MAX)
+    cutmix_alpha: Float = Field(default=0.0, ge=0, le=F32_MAX)
     schedule: Literal[SCHEDULES] = "cosine"  # type: ignore[valid-type]
-    warmup_epochs: Float = Field(default=1.0, ge=0)
+    warmup_epochs: Float = Field(default=1.0, ge=0, le=F32_MAX)
 
 
 HPARAM_NAMES = tuple(Hyperparams.model_fields)
@@ -378,7 +383,16 @@ def _format_validation(source: str, exc: ValidationError, prefix: str = "") -> s
         msg = "unknown key"
     elif err["type"] == "literal_error":
         msg = msg.replace("Input should be", "must be one of")
-    return f"{source}: {field or '<root>'}: {value!r}: {msg}"
+    return f"{source}: {field or '<root>'}: {value!r}: {_f32_limit(msg, err)}"
+
+
+def _f32_limit(msg: str, err: Mapping[str, Any]) -> str:
+    """`msg` of a value over F32_MAX with the limit as 3.4e38 (pydantic writes 39 digits),
+    and why there is one."""
+    if (err.get("ctx") or {}).get("le") != F32_MAX:
+        return msg
+    msg = re.sub(r"\d{30,}(\.\d+)?", "3.4e38", msg)
+    return f"{msg} (float32's largest: a trial's first step fails past it)"
 
 
 # --- search-space rules that need the whole file ---------------------------------------
@@ -967,7 +981,7 @@ def _check_value(src: str, field: str, name: str, value: Any) -> None:
     try:
         Hyperparams(**{name: value})
     except ValidationError as exc:
-        msg = exc.errors()[0]["msg"]
+        msg = _f32_limit(str(exc.errors()[0]["msg"]), exc.errors()[0])
         raise ConfigError(f"{src}: {field}: {value!r}: {name}: {msg}") from exc
 
 

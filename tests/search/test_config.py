@@ -109,6 +109,16 @@ def test_data_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         (["budget.max_epochs=abc"], "budget.max_epochs: 'abc': must be a number, not a string"),
         (["budget.n_trials=0"], "budget.n_trials: 0: Input should be greater than or equal to 1"),
         (["search_space.lr.low=1"], "search_space.lr.low: 1.0: must be <= high (0.5)"),
+        # Finite, but past float32: every trial failed at its first step (QA).
+        (
+            ["search_space.lr.high=1e300"],
+            "search_space.lr.high: 1e+300: lr: Input should be less than or equal to 3.4e38 "
+            "(float32's largest: a trial's first step fails past it)",
+        ),
+        (
+            ["trainer.defaults.weight_decay=1e39"],
+            "trainer.defaults.weight_decay: 1e+39: Input should be less than or equal to 3.4e38",
+        ),
         (["search_space.lr.low=-1"], "search_space.lr.low: -1.0: log=True needs low > 0"),
         (["search_space.lr.type=floaty"], "search_space.lr.type: 'floaty'"),
         (
