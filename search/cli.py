@@ -96,12 +96,12 @@ def _study_options(fn: F) -> F:
             "--set", "overrides", multiple=True, metavar="KEY=VALUE",
             help="Override a study field, e.g. --set budget.max_epochs=2 (repeatable).",
         ),
-        click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+        click.option("--data-dir", type=_Folder(), default=None,
                      help="Dataset root (else --set dataset.root, else HPSEARCH_DATA_DIR, "
                           "else the study file)."),
         click.option("--download", is_flag=True, default=None,
                      help="Allow downloading the dataset if it is missing."),
-        click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+        click.option("--workdir", type=_Folder(path_type=Path),
                      default=Path(".hpsearch"), show_default=True, envvar="HPSEARCH_WORKDIR",
                      help="Work folder: journal storage, data cache, checkpoints, MLflow store "
                           "(else HPSEARCH_WORKDIR)."),
@@ -115,7 +115,7 @@ def _study_options(fn: F) -> F:
 
 def _workdir_option(fn: F) -> F:
     return click.option(
-        "--workdir", type=click.Path(file_okay=False, path_type=Path),
+        "--workdir", type=_Folder(path_type=Path),
         default=Path(".hpsearch"), envvar="HPSEARCH_WORKDIR",
         help="Work folder (journal storage, MLflow store); else HPSEARCH_WORKDIR, "
              "else ./.hpsearch.",
@@ -124,10 +124,27 @@ def _workdir_option(fn: F) -> F:
 
 def _not_empty(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """An empty --storage (an unset shell variable: --storage "$DB") would read the journal
-    file in --workdir, another study's storage, without a word."""
+    file in --workdir, another study's storage, without a word; an empty --tracking-uri
+    took the embedded server, an empty --host listened on every interface (QA)."""
     if value is not None and not value.strip():
-        raise click.BadParameter("empty; give a URL, or leave the option out", ctx, param)
+        what = {"storage": "a URL", "tracking_uri": "a URI", "host": "an address"}.get(
+            param.name or "", "a value"
+        )
+        raise click.BadParameter(f"empty; give {what}, or leave the option out", ctx, param)
     return value
+
+
+class _Folder(click.Path):
+    """click.Path of a folder that refuses an empty value: "" was the current folder (an
+    unset variable, --workdir "$W", put the work folder's files there), or no data dir."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(file_okay=False, **kwargs)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("empty; give a folder, or leave the option out", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 def _storage_option(fn: F) -> F:
@@ -192,7 +209,7 @@ def _trial_options(fn: F) -> F:
 def _tracking_options(fn: F) -> F:
     fn = click.option("--no-tracking", is_flag=True, help="Do not log to MLflow at all.")(fn)
     return click.option(
-        "--tracking-uri", default=None, metavar="URI",
+        "--tracking-uri", default=None, metavar="URI", callback=_not_empty,
         help="MLflow tracking server; else MLFLOW_TRACKING_URI, else the work folder's "
         "embedded server (launch starts it; a worker joins it when it runs).",
     )(fn)  # fmt: skip
@@ -471,10 +488,10 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     # Before the --workers auto probe (minutes): a URI that cannot work is said at once.
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
     cfg = _load(study, overrides, data_dir, download, trials, relaunch=(storage, workdir))
-    ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
-    for note in (pruning_note(cfg), warmup_note(cfg), direction_note(cfg)):
-        if note is not None:
-            click.echo(f"note: {note}", err=True)
+    if uri is not None:  # (the launcher checks again as it starts, a moment later)
+        from hpsearch.tracking.server import check_tracking_uri
+
+        check_tracking_uri(uri)
     gpu_list = parse_gpus(gpus)
     if gpu_list or device == "cuda":
         import torch
@@ -491,6 +508,12 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     from hpsearch.runner import check_relaunch
 
     check_relaunch(cfg, storage, workdir, classes=not train_fn)
+    # After every check (QA: a refused launch left an empty work folder, and a note before
+    # its error line).
+    ensure_workdir(workdir)
+    for note in (pruning_note(cfg), warmup_note(cfg), direction_note(cfg)):
+        if note is not None:
+            click.echo(f"note: {note}", err=True)
     if train_fn:
         from hpsearch.worker import check_train_fn
 
@@ -774,7 +797,6 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
             err.exit_code = EXIT_CONFIG
             raise err from exc
     cfg = _load(study, overrides, data_dir, download, trials, stored=(storage, workdir), join=True)
-    ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     _check_device(device)
     spec = resolve_storage(storage, workdir)
     if not train_fn:
@@ -790,6 +812,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         from hpsearch.tracking.server import check_tracking_uri
 
         check_tracking_uri(uri, answer=False)
+    ensure_workdir(workdir)  # after the checks: a refused worker leaves no folder
     shared = None
     if not no_tracking and uri is None:
         # The work folder's embedded server, when a launch or `hpsearch ui` runs it: as one
@@ -1123,7 +1146,6 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     _check_tracking(tracking_uri, no_tracking)
     uri = None if no_tracking else resolve_tracking_uri(tracking_uri)
     cfg = _load(study, overrides, data_dir, download, stored=(storage, workdir))
-    ensure_workdir(workdir)  # after the study's checks: a refused file leaves no folder
     _check_device(device)
     if trial_number is not None and params_json is None:  # run_fixed refuses both
         cfg = trial_config(cfg, storage, workdir, overrides, download, trial_number)
@@ -1133,6 +1155,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
     check_weights(cfg, cfg.resolve_params(params).arch)  # this run's arch
     if uri is not None:
         check_tracking_uri(uri)
+    ensure_workdir(workdir)  # after the checks: a refused run leaves no folder
     server = TrainServer(workdir) if not no_tracking and uri is None else None
     uri = server.url if server is not None else uri
     shown = redact_uri(uri) if uri is not None else ""
@@ -1158,10 +1181,14 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
             on_run=lambda run_id: click.echo(f"MLflow run {run_id} at {shown}"),
             should_interrupt=stopping.is_set,
         )  # fmt: skip
+
+        def shown(value: Any) -> str:
+            return "-" if value is None else str(value)
+
         click.echo(
-            f"{result.stop_reason}: best_val_acc {result.best_val_acc} "
-            f"best_val_loss {result.best_val_loss} test_acc {result.test_acc} "
-            f"epochs {result.epochs_run} best model {result.best_model_path}"
+            f"{result.stop_reason}: best_val_acc {shown(result.best_val_acc)} "
+            f"best_val_loss {shown(result.best_val_loss)} test_acc {shown(result.test_acc)} "
+            f"epochs {result.epochs_run} best model {shown(result.best_model_path)}"
             # The resume checkpoint is deleted once the run finished: named only while kept.
             + (f" checkpoint {result.checkpoint_path}" if result.checkpoint_path else "")
             + (f" ({result.message})" if result.message else "")
@@ -1174,11 +1201,17 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
             click.echo(f"MLflow server at {server.url} stopped (`hpsearch ui` shows the run)")
     if signals and (result is None or result.stop_reason == "interrupted"):
         sys.exit(128 + signals[0])  # (a stop in its last epoch: it finished, exit 0)
+    if result is not None and result.stop_reason in ("diverged", "out_of_memory"):
+        # No model to use: a script took exit 0 for a trained one (QA). (In a study, such
+        # a trial is told PRUNED and the search goes on.)
+        raise click.ClickException(f"the run {result.stop_reason}: {result.message or 'no model'}")
 
 
 @cli.command()
 @_workdir_option
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, callback=_not_empty, help="Address to bind."
+)
 @click.option(
     "--port", type=click.IntRange(1, 65535), default=5000, show_default=True, help="Port."
 )
@@ -1238,7 +1271,9 @@ def ui(workdir: Path, host: str, port: int) -> None:
 @cli.command()
 @_storage_option
 @_workdir_option
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, callback=_not_empty, help="Address to bind."
+)
 @click.option(
     "--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="Port."
 )

@@ -1160,8 +1160,16 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
 def params_from_json(text: str, option: str = "--params") -> dict[str, Any]:
     """Hyperparameters given on the command line as a JSON object, or one-line ConfigError."""
     shown = repr(text) if len(text) <= 200 else repr(text[:200]) + "..."
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        # A key given twice: the last won without a word (as a study file's is refused).
+        seen = [k for i, (k, _) in enumerate(pairs) if k in (p[0] for p in pairs[:i])]
+        if seen:
+            raise ConfigError(f"{option}: {shown}: key {seen[0]!r} given twice")
+        return dict(pairs)
+
     try:
-        params = json.loads(text)
+        params = json.loads(text, object_pairs_hook=unique)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{option}: {shown}: not valid JSON: {exc.msg}") from exc
     except (ValueError, RecursionError) as exc:  # a number of 4300+ digits, deep nesting

@@ -80,18 +80,24 @@ def check_relaunch(
     workers found a changed search space or an image folder's changed classes (`classes`;
     not for a --train-fn's own data) only after the launch had replaced the study's config
     and budget and reopened its MLflow run, so that a worker joining by the name then
-    trained the refused config. Nothing for a new study, or a storage that does not answer
-    now (the launch says so itself). Raises ConfigError or DatasetError."""
+    trained the refused config. Nothing for a new study (or journal file). A database that
+    refuses or is not there is said now too, before the launch writes its first file (QA:
+    its workers' logs were there first). Raises ConfigError, DatasetError or StorageError."""
     from hpsearch.errors import StorageError, StudyNotFoundError
     from hpsearch.query import reading_study
+    from hpsearch.storage import resolve_storage
     from hpsearch.study import CLASSES_ATTR, check_space_fits
 
     try:
         with reading_study(cfg.name, storage, workdir) as study:  # its connection closed after
             check_space_fits(cfg, study.get_trials(deepcopy=False))
             trained = study.user_attrs.get(CLASSES_ATTR)
-    except (StudyNotFoundError, StorageError):
+    except StudyNotFoundError:
         return
+    except StorageError:
+        if resolve_storage(storage, workdir).kind == "rdb":
+            raise
+        return  # a journal the launch makes
     if not classes or trained is None or cfg.dataset.name != "imagefolder":  # others: fixed
         return
     from hpsearch.trainer.data import class_change, get_source

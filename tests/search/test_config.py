@@ -859,6 +859,7 @@ def test_params_on_the_command_line_are_a_json_object_or_one_short_line() -> Non
         ("[1]", "must be a JSON object"),
         ('{"lr": 1' + "0" * 5000 + "}", "not valid JSON: Exceeds the limit"),  # a number
         ("[" * 100_000, "not valid JSON: maximum recursion depth"),
+        ('{"lr": 0.01, "lr": 0.02}', "key 'lr' given twice"),  # the last won (QA)
     ):
         with pytest.raises(ConfigError) as info:
             params_from_json(text)

@@ -568,13 +568,36 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
     assert not (work / "optuna.journal").exists()
     # A refused study file leaves no work folder behind (it was made first).
     fresh = tmp_path / "fresh"
+    # ... nor does a refused option, device, storage, tracking URI or params (QA).
     for args in (
         ["launch", "--study", "nosuch"],
         ["worker", "--study", "tiny", "--set", "budget.max_epochs=0"],
         ["train", "--study", "nosuch"],
+        ["launch", "--study", "tiny", "--gpus", "0"],
+        ["launch", "--study", "tiny", "--device", "cuda"],
+        ["worker", "--study", "tiny", "--device", "cuda"],
+        ["launch", "--study", "tiny", "--tracking-uri", "htp://x"],
+        ["launch", "--study", "tiny", "--storage", pg_url + "_nosuch_db"],
+        ["train", "--study", "tiny", "--params", '{"lr": 0.1, "lr": 0.2}'],
+        ["train", "--study", "tiny", "--params", '{"batch_size": 0}'],
     ):
-        r = hpsearch([*args, "--workdir", str(fresh)], subprocess_env)
+        r = hpsearch([*args, "--workdir", str(fresh), "--train-fn", DUMMY]
+                     if args[0] != "train" else [*args, "--workdir", str(fresh)],
+                     subprocess_env)  # fmt: skip
         assert r.returncode != 0 and not fresh.exists(), (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)  # no note first
+    # Empty values: an unset variable (--workdir "$W") put the work folder's files in the
+    # current folder, an empty --host listened on every interface (QA).
+    for args, option in (
+        (["launch", "--study", "tiny", "--workdir", ""], "--workdir"),
+        (["launch", "--study", "tiny", "--data-dir", ""], "--data-dir"),
+        (["launch", "--study", "tiny", "--tracking-uri", ""], "--tracking-uri"),
+        (["ui", "--host", ""], "--host"),
+        (["dashboard", "--host", ""], "--host"),
+    ):
+        r = hpsearch(args, subprocess_env, cwd=tmp_path)
+        assert r.returncode == 2 and f"Invalid value for '{option}': empty; give" in r.stderr
+    assert not (tmp_path / "optuna.journal").exists()
 
 
 def test_unreachable_tracking_server_stops_the_launch_before_any_trial(
@@ -1768,3 +1791,17 @@ def test_a_trials_own_data_error_fails_that_trial_and_the_search_goes_on(
     assert r.returncode == 0, r.stdout + r.stderr
     states = [t.state.name for t in hps.load_study("tiny", workdir=tmp_path / "w").trials]
     assert states == ["FAIL", "COMPLETE", "COMPLETE", "COMPLETE"], (states, r.stdout)
+
+
+def test_a_train_run_that_diverges_exits_non_zero(
+    tmp_path: Path, subprocess_env: dict[str, str], flowers_root: Path
+) -> None:
+    """QA: `train` exited 0 on a diverged run (no model), printing Python's None."""
+    r = hpsearch(["train", "--study", "tiny", "--params", '{"lr": 1e9}', "--no-tracking",
+                  "--workdir", str(tmp_path), "--data-dir", str(flowers_root),
+                  "--set", "budget.max_epochs=1", "--set", "dataset.eval_limit=102"],
+                 subprocess_env)  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1].startswith("diverged: best_val_acc - best_val_loss - ")
+    last = r.stderr.strip().splitlines()[-1]  # (after the warning: lr outside the space)
+    assert last.startswith("Error: the run diverged: loss is nan at epoch 1"), r.stderr
