@@ -505,6 +505,10 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
 
         check_dataset(cfg, light=True)  # each worker checks fully
         check_weights(cfg)
+    else:
+        from hpsearch.worker import check_train_fn
+
+        check_train_fn(train_fn)
     from hpsearch.runner import check_relaunch
 
     check_relaunch(cfg, storage, workdir, classes=not train_fn)
@@ -514,10 +518,6 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     for note in (pruning_note(cfg), warmup_note(cfg), direction_note(cfg)):
         if note is not None:
             click.echo(f"note: {note}", err=True)
-    if train_fn:
-        from hpsearch.worker import check_train_fn
-
-        check_train_fn(train_fn)
     # Without --gpus, workers spread over every visible GPU rather than all on the first
     # (not with --device cuda:N, which names one GPU of those visible).
     use_gpus = gpu_list or (visible_gpus() if device in ("auto", "cuda") else [])

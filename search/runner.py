@@ -85,9 +85,16 @@ def check_relaunch(
     its workers' logs were there first). Raises ConfigError, DatasetError or StorageError."""
     from hpsearch.errors import StorageError, StudyNotFoundError
     from hpsearch.query import reading_study
-    from hpsearch.storage import resolve_storage
+    from hpsearch.storage import resolve_storage, storage_file
     from hpsearch.study import CLASSES_ATTR, check_space_fits
 
+    spec = resolve_storage(storage, workdir)
+    if (file := storage_file(spec)) is not None and not file.exists():  # the launch makes it
+        if spec.kind == "rdb" and not file.parent.is_dir():  # (a journal's: with the folder)
+            raise StorageError(
+                f"storage {spec.display}: cannot connect: folder {file.parent} does not exist"
+            )
+        return
     try:
         with reading_study(cfg.name, storage, workdir) as study:  # its connection closed after
             check_space_fits(cfg, study.get_trials(deepcopy=False))
@@ -95,7 +102,7 @@ def check_relaunch(
     except StudyNotFoundError:
         return
     except StorageError:
-        if resolve_storage(storage, workdir).kind == "rdb":
+        if spec.kind == "rdb":
             raise
         return  # a journal the launch makes
     if not classes or trained is None or cfg.dataset.name != "imagefolder":  # others: fixed

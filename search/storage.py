@@ -98,6 +98,9 @@ _RAW_DATABASE = re.compile(
 )
 
 
+PG_DRIVERS = ("", "psycopg2", "psycopg", "pg8000")  # SQLAlchemy's PostgreSQL dialects
+
+
 def resolve_storage(
     cli_value: str | None, workdir: Path, *, given_as: str = "--storage"
 ) -> StorageSpec:
@@ -130,10 +133,21 @@ def resolve_storage(
     )
     if "@" in authority.rpartition("@")[0].partition(":")[2]:  # the password's part
         raise raw_at
-    if not (scheme.startswith(("postgresql", "postgres")) or scheme.startswith("sqlite")):
+    base, _, driver = scheme.lower().partition("+")
+    # Exactly these: a prefix let `postgresq://` through to SQLAlchemy's "Can't load
+    # plugin: sqlalchemy.dialects:postgresq" (QA).
+    drivers = {"postgresql": PG_DRIVERS, "postgres": PG_DRIVERS, "sqlite": ("", "pysqlite")}
+    if driver not in drivers.get(base, ()):
         raise StorageError(
             f"{origin}: {redact(value)!r}: unsupported scheme {scheme!r}; use {SUPPORTED}"
         )
+    if base == "sqlite":
+        db_path = rest[1:].split("?")[0]  # sqlite:///rel.db, sqlite:////abs.db
+        if not db_path or db_path == ":memory:":
+            raise StorageError(
+                f"{origin}: {value!r}: an in-memory SQLite database is one process's, which "
+                "workers cannot share; give a file: sqlite:///path/to/optuna.db"
+            )
     url = normalize_url(value)
     try:
         parsed = make_url(url)
@@ -148,6 +162,18 @@ def resolve_storage(
     ):
         raise raw_at
     return StorageSpec("rdb", url, redact(url))
+
+
+def _cannot_connect(spec: StorageSpec, exc: BaseException) -> StorageError:
+    """`storage S: cannot connect: ...`; for a SQLite file whose folder is not there, that
+    (SQLite says "unable to open database file")."""
+    if spec.url.startswith("sqlite") and (path := make_url(spec.url).database):
+        folder = Path(path).expanduser().parent
+        if not folder.is_dir():
+            return StorageError(
+                f"storage {spec.display}: cannot connect: folder {folder} does not exist"
+            )
+    return StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -286,7 +312,7 @@ def open_storage(
                     heartbeat_stale_trial_callback=failed_trial_callback,
                 )
     except (SQLAlchemyError, NoSuchModuleError) as exc:
-        raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
+        raise _cannot_connect(spec, exc) from exc
     except ImportError as exc:
         raise StorageError(f"storage {spec.display}: driver missing: {exc}") from exc
     except RuntimeError as exc:  # Optuna: the tables' schema is another Optuna version's
@@ -438,14 +464,14 @@ def has_optuna_tables(spec: StorageSpec) -> bool:
     try:
         engine = sa.create_engine(spec.url, **_one_shot_engine_kwargs(spec))
     except (SQLAlchemyError, NoSuchModuleError) as exc:
-        raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
+        raise _cannot_connect(spec, exc) from exc
     except ImportError as exc:
         raise StorageError(f"storage {spec.display}: driver missing: {exc}") from exc
     try:
         with engine.connect() as conn:
             return bool(sa.inspect(conn).has_table("studies"))
     except SQLAlchemyError as exc:
-        raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
+        raise _cannot_connect(spec, exc) from exc
     finally:
         engine.dispose()
 
@@ -461,7 +487,7 @@ def _refuse_foreign_schema(spec: StorageSpec) -> None:
         with engine.connect() as conn:
             names = sorted(sa.inspect(conn).get_table_names())
     except SQLAlchemyError as exc:
-        raise StorageError(f"storage {spec.display}: cannot connect: {_one_line(exc)}") from exc
+        raise _cannot_connect(spec, exc) from exc
     finally:
         engine.dispose()
     if "alembic_version" in names:

@@ -552,6 +552,13 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
             "--trials 3 and --set budget: n_trials=5 disagree",
         ),
         (["studies", "--storage", str(tmp_path / "typo.journal")], "typo.journal: no such file"),
+        # A prefix of postgresql passed, for SQLAlchemy's "Can't load plugin" (QA).
+        (["studies", "--storage", "postgresq://u@h/db"], "unsupported scheme 'postgresq'"),
+        (["studies", "--storage", "sqlite://"], "an in-memory SQLite database is one process's"),
+        (
+            ["launch", "--study", "tiny", "--storage", "sqlite:////nonexistent/dir/x.db"],
+            "cannot connect: folder /nonexistent/dir does not exist",
+        ),
     ]
     for args, expected in cases:
         r = hpsearch(
@@ -580,6 +587,7 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
         ["launch", "--study", "tiny", "--storage", pg_url + "_nosuch_db"],
         ["train", "--study", "tiny", "--params", '{"lr": 0.1, "lr": 0.2}'],
         ["train", "--study", "tiny", "--params", '{"batch_size": 0}'],
+        ["launch", "--study", "tiny", "--storage", "sqlite:////nonexistent/dir/x.db"],
     ):
         r = hpsearch([*args, "--workdir", str(fresh), "--train-fn", DUMMY]
                      if args[0] != "train" else [*args, "--workdir", str(fresh)],
