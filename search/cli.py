@@ -134,6 +134,13 @@ def _not_empty(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return value
 
 
+def _printable(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A name that status prints on one line: no newline or other control character."""
+    if any(not ch.isprintable() for ch in value):
+        raise click.BadParameter(f"{value!r}: only printable characters", ctx, param)
+    return value
+
+
 class _Folder(click.Path):
     """click.Path of a folder that refuses an empty value: "" was the current folder (an
     unset variable, --workdir "$W", put the work folder's files there), or no data dir."""
@@ -715,7 +722,10 @@ def _isatty(fd: int) -> bool:
 @_storage_option
 @_tracking_options
 @_trial_options
-@click.option("--worker-id", default="", help="Name shown in status and tags (default host:pid).")
+@click.option(
+    "--worker-id", default="", callback=_printable,
+    help="Name shown in status and tags (default host:pid).",
+)  # fmt: skip
 @click.option(
     "--trials",
     "-n",
@@ -1066,7 +1076,12 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
     """
     from hpsearch.query import list_studies
 
-    rows = list_studies(storage, workdir)
+    # The default folder not there yet: no studies (a --workdir given that is not there is
+    # a typo, and said so).
+    given = click.get_current_context().get_parameter_source("workdir")
+    rows = list_studies(
+        storage, workdir if given is not click.core.ParameterSource.DEFAULT else None
+    )
     if as_json:
         click.echo(_json(rows))
         return

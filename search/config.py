@@ -1060,7 +1060,10 @@ def find_study_file(study: str) -> Path:
         if p.is_dir():
             raise ConfigError(f"{study}: a folder, not a study file")
         if not p.is_file():
-            raise ConfigError(f"{study}: study file not found")
+            # /dev/null, a FIFO: there, but no file to read (QA: "not found")
+            raise ConfigError(
+                f"{study}: not a regular file" if p.exists() else f"{study}: study file not found"
+            )
         return p
     for d in studies_dirs():
         cand = d / f"{study}.yaml"
@@ -1083,7 +1086,9 @@ def study_name(study: str) -> str:
     path = find_study_file(study)
     try:
         raw = load_yaml(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+    except yaml.YAMLError as exc:  # where, as a load says it (QA: the class's name alone)
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from exc
+    except (UnicodeDecodeError, OSError) as exc:
         raise ConfigError(f"{path}: not a readable study file: {type(exc).__name__}") from exc
     name = raw.get("name", path.stem) if isinstance(raw, dict) else None
     if not isinstance(name, str) or not name:

@@ -555,6 +555,8 @@ def test_bad_inputs_one_line_nonzero_nothing_written(
         # A prefix of postgresql passed, for SQLAlchemy's "Can't load plugin" (QA).
         (["studies", "--storage", "postgresq://u@h/db"], "unsupported scheme 'postgresq'"),
         (["studies", "--storage", "sqlite://"], "an in-memory SQLite database is one process's"),
+        (["launch", "--study", "/dev/null"], "/dev/null: not a regular file"),  # not "not found"
+        (["worker", "--study", "tiny", "--worker-id", "a\nb"], "only printable characters"),
         (
             ["launch", "--study", "tiny", "--storage", "sqlite:////nonexistent/dir/x.db"],
             "cannot connect: folder /nonexistent/dir does not exist",

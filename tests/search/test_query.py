@@ -180,6 +180,10 @@ def test_studies_counts_each_state_as_the_budget_does_not(
     assert r.returncode == 0 and r.stdout.strip() == (
         f"no studies in journal:{journal} (no journal there yet)"
     ), r.stdout + r.stderr
+    # ... the default work folder too, not there yet (QA: "no such folder", exit 1).
+    env = {k: v for k, v in subprocess_env.items() if k != "HPSEARCH_WORKDIR"}
+    r = hpsearch(["studies"], env, cwd=tmp_path / "new")
+    assert r.returncode == 0 and r.stdout.startswith("no studies in journal:"), r.stderr
 
 
 def test_a_multi_objective_study_ranks_its_front_and_needs_a_trial_to_load(
