@@ -935,9 +935,12 @@ def test_a_sqlite_study_is_locked_like_a_journal(tmp_path: Path) -> None:
     memory = resolve_storage("sqlite:///file::memory:?cache=shared&uri=true", tmp_path)
     assert _ask_lock_path(memory) is None
     before = set(tmp_path.iterdir())
-    with study_lock(resolve_storage("sqlite://", tmp_path), "tiny") as held:
+    with study_lock(memory, "tiny") as held:
         assert held is None  # in memory: one process, nothing to lock
     assert set(tmp_path.iterdir()) == before
+    # A private in-memory one (`sqlite://`) no worker could share: refused (QA).
+    with pytest.raises(StorageError, match="an in-memory SQLite database is one process's"):
+        resolve_storage("sqlite://", tmp_path)
 
 
 def test_a_database_whose_studies_table_is_not_optunas_is_one_error(
