@@ -121,13 +121,10 @@ def outcome_for(stop_reason: str) -> str:
     return OUTCOMES.get(stop_reason, stop_reason)
 
 
-def epoch_metrics(record: Any) -> dict[str, float]:
-    out = {}
-    for name in EPOCH_FIELDS:
-        value = getattr(record, name, None)
-        if value is not None:
-            out[name] = float(value)
-    return out
+def epoch_metrics(record: Any) -> dict[str, Any]:
+    """An epoch record's metrics as given: one that is no number (a custom trainer's
+    `lr=scheduler.get_last_lr()`, a list) is the tracker's to drop with a warning."""
+    return {n: v for n in EPOCH_FIELDS if (v := getattr(record, n, None)) is not None}
 
 
 def _client(uri: str) -> Any:
@@ -287,8 +284,11 @@ class _Finisher:
         self._thread = threading.Thread(target=self._run, daemon=True, name="run-finisher")
         self._thread.start()
 
-    def submit(self, job: Callable[[], None]) -> None:
-        self._go.clear()
+    def submit(self, job: Callable[[], None], hold: bool = True) -> None:
+        """`hold` False: a job that holds no trial's end back (the kept runs' replay); it
+        does not hold back those queued before it either."""
+        if hold:
+            self._go.clear()
         self._queue.put(job)
 
     def release(self) -> None:
@@ -345,8 +345,11 @@ class TrialRun:
                 self.uploader.submit(checkpoint)
 
     def log_epoch(self, record: Any, timestamp_ms: int | None = None) -> None:
-        self._copy_earlier(int(record.epoch))  # the epochs before this one: the resume's
-        self.tracker.log_epoch(int(record.epoch), epoch_metrics(record), timestamp_ms)
+        try:
+            self._copy_earlier(int(record.epoch))  # the epochs before this one: the resume's
+            self.tracker.log_epoch(int(record.epoch), epoch_metrics(record), timestamp_ms)
+        except Exception as exc:  # telemetry never kills training (a custom record)
+            logger.warning("MLflow: trial %d's epoch not logged: %s", self.trial.number, exc)
         if self.sampler is not None and self.sampler.input_bound:
             self._note_input_bound()
 
@@ -571,7 +574,10 @@ class FixedRun:
         return cls(tracker, sampler, f"train {label}")
 
     def log_epoch(self, record: Any) -> None:
-        self.tracker.log_epoch(int(record.epoch), epoch_metrics(record))
+        try:
+            self.tracker.log_epoch(int(record.epoch), epoch_metrics(record))
+        except Exception as exc:  # telemetry never kills training
+            logger.warning("MLflow: an epoch of %s not logged: %s", self.title, exc)
 
     def finish(self, result: Any) -> bool:
         """End the run as its training ended, with its plots and best model; True when
@@ -988,7 +994,7 @@ class TrackingSession:
                 self._down_tries = 0
         if not offline and self._spooled() and not self._replay_queued:  # it answers again
             self._replay_queued = True
-            self._finisher.submit(self._replay)
+            self._finisher.submit(self._replay, hold=False)
         if early_gpu is not None:
             sampler, relay = early_gpu
             relay.attach(tracker)
@@ -1225,7 +1231,7 @@ class TrackingSession:
             self._export_held_onnx()
         finally:
             if self._setup_done:  # after the runs queued before it, which may keep theirs
-                self._finisher.submit(self._replay)
+                self._finisher.submit(self._replay, hold=False)
             self._finisher.close()
             self.renderer.close()
 

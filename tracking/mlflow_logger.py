@@ -214,7 +214,7 @@ def trial_params(
 
 
 def metric_entities(
-    metrics: Mapping[str, float], step: int, timestamp_ms: int
+    metrics: Mapping[str, Any], step: int, timestamp_ms: int
 ) -> tuple[list[Metric], list[str]]:
     """``Metric`` objects for the numeric values (NaN/inf kept: a diverged loss is data), and the
     names of values that were not numbers (dropped)."""
@@ -662,7 +662,7 @@ class TrialTracker:
         return self.run_id is not None or self._offline is not None
 
     def log_epoch(
-        self, step: int, metrics: Mapping[str, float], timestamp_ms: int | None = None
+        self, step: int, metrics: Mapping[str, Any], timestamp_ms: int | None = None
     ) -> None:
         """Queue one epoch's metrics (step = epoch), timed now or at `timestamp_ms` (ms since
         the epoch); returns immediately. GPU samples and tags that arrived since the previous
@@ -795,15 +795,29 @@ class TrialTracker:
             server_down = not delivered
             if server_down and self._spool(leftover, status, artifacts, traceback, end_ms):
                 return False  # no set_tag or status: each would wait out the server again
+
+            def kept(done: bool | None, rest: Sequence[Path], tb: str | None) -> bool:
+                """The server failed meanwhile (`done` None): the rest, and the run's end,
+                are kept for later, not lost with the run left RUNNING."""
+                if done is not None:
+                    return False
+                if self._spool([], status, rest, tb, end_ms):
+                    return True
+                self.incomplete = True
+                return False
+
             if not server_down:
-                for path in artifacts:
-                    self._upload(run_id, Path(path))
+                for i, path in enumerate(artifacts):
+                    if kept(self._upload(run_id, Path(path)), artifacts[i:], traceback):
+                        return False
                 if traceback:
                     text = scrub(traceback)  # its frames' messages may hold a URL's password
-                    self._best_effort(
+                    sent = self._best_effort(
                         "upload traceback.txt",
                         lambda: self.client.log_text(run_id, text, "traceback.txt"),
                     )
+                    if kept(sent, (), traceback):
+                        return False
             elif artifacts or traceback:
                 self.incomplete = True
             if self.incomplete:
@@ -811,10 +825,12 @@ class TrialTracker:
                     "tag the run incomplete",
                     lambda: self.client.set_tag(run_id, INCOMPLETE_TAG, "true"),
                 )
-            self._best_effort(
+            ended = self._best_effort(
                 f"set status {status}",
                 lambda: self.client.set_terminated(run_id, status=status, end_time=end_ms),
             )
+            if kept(ended, (), None):
+                return False  # its status is sent when the server answers
             if self._run_key and not server_down:
                 self._delete_twins(run_id, self._run_key)
             if self.incomplete:
@@ -1048,7 +1064,10 @@ class TrialTracker:
     def _join(self, timeout_s: float, keep: bool = False) -> tuple[bool, list[_Batch]]:
         """Wait for the sender to drain; abort it after ``timeout_s``. (True, []) if all was
         delivered; else False and, with ``keep``, what was not (the batch in flight from
-        its first unsent chunk), else nothing (it is counted as dropped)."""
+        its first unsent chunk), else nothing (it is counted as dropped). A sender still
+        inside a request 5 s after the abort (a server that hangs) may yet land that
+        chunk: it is kept too, as a copy sent twice loses nothing where one not kept
+        would (MLflow's SQL stores drop a metric logged twice alike)."""
         thread = self._thread
         if thread is None:
             return True, []
@@ -1069,7 +1088,7 @@ class TrialTracker:
                 self._count_dropped(batch)
             return False, []
         kept = []
-        for batch in left:  # a chunk the server took is not sent twice
+        for batch in left:  # a chunk the server took is not kept
             if batch.history is not None:  # not fetched yet: fetched when it is sent
                 kept.append(batch)
                 continue
@@ -1114,33 +1133,56 @@ class TrialTracker:
                 self._count_dropped(batch)
             return False
         logger.warning(
-            "MLflow: server still down; %s's %d undelivered batch(es) kept in %s, sent "
-            "when it answers",
+            "MLflow: server down; what %s's run lacks (%d batch(es), %d artifact(s), its "
+            "status) kept in %s, sent when it answers",
             self._label,
             len(batches),
+            len(kept),
             path,
         )
         return True
 
-    def _upload(self, run_id: str, path: Path) -> None:
+    def _upload(self, run_id: str, path: Path) -> bool | None:
+        """As `_best_effort`; a missing file is skipped (True)."""
         if path.is_dir():
-            self._best_effort(
+            return self._best_effort(
                 f"upload {path}",
                 lambda: self.client.log_artifacts(run_id, str(path), artifact_path=path.name),
+                upload=True,
             )
-        elif path.exists():
-            self._best_effort(f"upload {path}", lambda: self.client.log_artifact(run_id, str(path)))
-        else:
-            logger.warning("MLflow: artifact %s does not exist, skipped", path)
+        if path.exists():
+            return self._best_effort(
+                f"upload {path}", lambda: self.client.log_artifact(run_id, str(path)), upload=True
+            )
+        logger.warning("MLflow: artifact %s does not exist, skipped", path)
+        return True
 
-    def _best_effort(self, what: str, fn: Callable[[], object]) -> bool:
+    def _best_effort(
+        self, what: str, fn: Callable[[], object], *, upload: bool = False
+    ) -> bool | None:
+        """`fn()`: True when done; False when refused for good (the run is incomplete);
+        None when the server failed (down, 5xx, a timeout), where the spool folder keeps
+        it for later if there is one (the caller's to do; else the run is incomplete)."""
         try:
             fn()
             return True
         except Exception as exc:  # telemetry never kills training
+            local = isinstance(exc, OSError) and not isinstance(exc, RequestException)
+            if upload:
+                for_good = (
+                    local
+                    or _refused_upload(exc)
+                    or (self.run_id is not None and _route_missing(self.client, self.run_id, exc))
+                )
+            else:
+                for_good = is_permanent_error(exc)
+            if not for_good and self.spool_dir is not None:
+                logger.info("MLflow: could not %s for run %s: %s", what, self.run_id,
+                            _short(exc))  # fmt: skip
+                return None
             self.incomplete = True
             logger.warning("MLflow: could not %s for run %s: %s", what, self.run_id, _short(exc))
-            return False
+            return False if for_good else None
 
 
 SPOOL_SUFFIX = ".spool.json"
@@ -1294,9 +1336,10 @@ def replay_spool(
     is told of each run made here for a record kept offline: (its create, the run id). The
     number of runs sent. Never raises."""
     _reclaim_abandoned(spool_dir)
+    claimer = _claimer()  # now: a forked process is another claimer
     sent = 0
     for path in sorted(spool_dir.glob(f"*{SPOOL_SUFFIX}") if spool_dir.is_dir() else ()):
-        claimed = path.with_name(f".{path.name}.{_CLAIMER}.sending")
+        claimed = path.with_name(f".{path.name}.{claimer}.sending")
         try:
             os.rename(path, claimed)
         except OSError:  # another process took it
@@ -1309,8 +1352,10 @@ def replay_spool(
                 with contextlib.suppress(OSError):
                     os.rename(claimed, path)
                 continue
-            if isinstance(exc, ValueError | KeyError | TypeError) or is_gone(exc):
-                with contextlib.suppress(OSError):  # unreadable, or no such run there
+            if isinstance(exc, ValueError | KeyError | TypeError) or _refused_record(exc):
+                # Unreadable, no such run there, or refused (a run deleted in the UI, to
+                # its trash): set aside, not put back, where it held up every later file.
+                with contextlib.suppress(OSError):
                     os.rename(claimed, path.with_name(path.name + ".failed"))
                 run_id = path.name.removesuffix(SPOOL_SUFFIX)  # its files would pin disk
                 shutil.rmtree(_artifacts_dir(spool_dir, run_id), ignore_errors=True)
@@ -1331,8 +1376,20 @@ def replay_spool(
     return sent
 
 
-# A claim names its process, <host>.<pid>: one of this host that is gone is put back.
-_CLAIMER = f"{socket.gethostname()}.{os.getpid()}"
+def _refused_record(exc: BaseException) -> bool:
+    """An error of this kept record alone, which no later try changes: MLflow's 4xx (a run
+    that `is_gone`, or not active: deleted to the trash). Not a login's 401/403 (every
+    record fails alike), 408/429 (later) or a proxy's 404 (MLflow behind it is down)."""
+    return is_permanent_error(exc) and _http_status(exc) not in (401, 403)
+
+
+def _claimer() -> str:
+    """A claim names its process, <host>.<pid>-<start ticks>: one of this host that is gone
+    is put back; its PID alone may have been reused by another process since."""
+    from hpsearch.packing import process_start
+
+    pid = os.getpid()
+    return f"{socket.gethostname()}.{pid}-{process_start(pid) or 0}"
 
 
 def _reclaim_abandoned(spool_dir: Path) -> None:
@@ -1342,8 +1399,11 @@ def _reclaim_abandoned(spool_dir: Path) -> None:
     host = socket.gethostname()
     for claimed in spool_dir.glob(f".*{SPOOL_SUFFIX}.*.sending") if spool_dir.is_dir() else ():
         name, _, claimer = claimed.name[1:].removesuffix(".sending").partition(SPOOL_SUFFIX + ".")
-        claim_host, _, pid = claimer.rpartition(".")
-        if claim_host != host or not pid.isdigit() or holder_alive(int(pid), None):
+        claim_host, _, process = claimer.rpartition(".")
+        pid, _, start = process.partition("-")  # no start: an earlier version's claim
+        if claim_host != host or not pid.isdigit():
+            continue
+        if holder_alive(int(pid), int(start) if start.isdigit() and int(start) else None):
             continue
         with contextlib.suppress(OSError):
             os.rename(claimed, spool_dir / (name + SPOOL_SUFFIX))

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hpsearch.runs import _Finisher
@@ -20,6 +21,20 @@ def test_a_finished_runs_ending_waits_for_the_next_trial_to_train() -> None:
         assert not done.wait(0.5)  # the next trial's ask and start-up go first
         f.release()
         assert done.wait(5)
+    finally:
+        f.close()
+
+
+def test_the_kept_runs_replay_holds_back_no_trials_ending() -> None:
+    """The replay queued as the next trial starts, just after its `release` (its run's
+    create answered late): the ending queued before it runs now, not after `hold_s`."""
+    done, replayed = threading.Event(), threading.Event()
+    f = _Finisher(hold_s=30)
+    try:
+        f.submit(done.set)
+        f.release()
+        f.submit(replayed.set, hold=False)
+        assert done.wait(5) and replayed.wait(5)
     finally:
         f.close()
 
@@ -300,3 +315,32 @@ def test_summary_metrics_from_a_trials_stored_epochs() -> None:
     assert reported_metric_of(["val_loss", "train_seconds"]) == "val_loss"
     assert reported_metric_of(["val_acc", "val_loss"]) == "val_acc"
     assert reported_metric_of(None) == "val_acc"
+
+
+def test_a_custom_trainers_epoch_record_of_no_number_never_fails_its_trial() -> None:
+    """`lr=scheduler.get_last_lr()` (a list) raised TypeError into training from the
+    metrics' conversion; the tracker drops what is no number, with a warning."""
+    from types import SimpleNamespace
+
+    from hpsearch.runs import TrialRun
+    from hpsearch.tracking.mlflow_logger import metric_entities
+
+    got: list[Any] = []
+
+    class Tracker:
+        def log_epoch(self, step: int, metrics: Any, timestamp_ms: Any = None) -> None:
+            got.append(metric_entities(metrics, step, 0))
+
+        def copy_history(self, *a: Any) -> None:
+            raise AssertionError("no earlier epochs")
+
+    run = TrialRun.__new__(TrialRun)
+    run.tracker, run.sampler, run._earlier = Tracker(), None, None
+    run.trial = SimpleNamespace(number=0)
+    record = SimpleNamespace(epoch=1, train_loss=0.5, train_acc=0.8, val_loss=0.4,
+                             val_acc=0.9, lr=[0.1, 0.01], epoch_seconds=3.0,
+                             images_per_second=100.0)  # fmt: skip
+    run.log_epoch(record)
+    (metrics, dropped) = got[0]
+    assert dropped == ["lr"] and {m.key for m in metrics} >= {"val_acc", "train_loss"}
+    run.log_epoch(SimpleNamespace(epoch="one"))  # no step at all: warned, not raised

@@ -901,6 +901,127 @@ def test_kept_runs_are_sent_once_with_their_end_time_and_a_dead_claim_is_taken_b
     assert [p.name for p in spool.iterdir()] == [f"r3{SPOOL_SUFFIX}.failed"]
 
 
+class _DeletedRunClient(_SpoolClient):
+    """A server on which run `deleted` is in the trash: MLflow answers 400 to its writes."""
+
+    deleted = "r1"
+
+    def _refuse(self, run_id: str) -> None:
+        if run_id == self.deleted:
+            raise RestException({"error_code": "INVALID_PARAMETER_VALUE",
+                                 "message": "The run r1 must be in the 'active' state."})  # fmt: skip
+
+    def set_tag(self, run_id: str, key: str, value: str) -> None:
+        self._refuse(run_id)
+        super().set_tag(run_id, key, value)
+
+    def set_terminated(self, run_id: str, status: str, end_time: int | None) -> None:
+        self._refuse(run_id)
+        super().set_terminated(run_id, status, end_time)
+
+
+def test_a_kept_run_deleted_in_the_ui_is_set_aside_and_those_after_it_are_sent(
+    tmp_path: Path,
+) -> None:
+    """It used to be put back as if the server were down: every later kept run waited
+    behind it for good, RUNNING, and its files were uploaded again at each try."""
+    from hpsearch.tracking.mlflow_logger import _Batch, write_spool
+
+    spool = tmp_path / "spool"
+    batch = _Batch(metrics=[Metric("val_acc", 0.5, 5, 1)])
+    for run in ("r1", "r2"):
+        write_spool(spool, run, [batch], "FINISHED", incomplete=True, traceback=None)
+    client = _DeletedRunClient()
+    assert replay_spool(client, spool) == 1  # type: ignore[arg-type]
+    assert [c[1][:2] for c in client.calls if c[0] == "end"] == [("r2", "FINISHED")]
+    assert sorted(p.name for p in spool.iterdir()) == [f"r1{SPOOL_SUFFIX}.failed"]
+    assert replay_spool(client, spool) == 0  # type: ignore[arg-type]
+    # A login refused (401) is every run's: the file waits for the next try.
+    write_spool(spool, "r3", [batch], "FINISHED", incomplete=False, traceback=None)
+    login = _SpoolClient(RestException({"error_code": "UNAUTHENTICATED", "message": "x"}))
+    assert replay_spool(login, spool) == 0  # type: ignore[arg-type]
+    assert f"r3{SPOOL_SUFFIX}" in {p.name for p in spool.iterdir()}
+
+
+def test_a_claim_by_a_reused_pid_is_taken_back(tmp_path: Path) -> None:
+    """A process that died sending left its claim; this PID, now another process's
+    (here this very process, of another start time), does not keep it claimed."""
+    from hpsearch.packing import process_start
+    from hpsearch.tracking.mlflow_logger import write_spool
+
+    spool = tmp_path / "spool"
+    write_spool(spool, "r1", [], "KILLED", incomplete=False, traceback=None)
+    start = (process_start(os.getpid()) or 0) + 1
+    (spool / f"r1{SPOOL_SUFFIX}").rename(
+        spool / f".r1{SPOOL_SUFFIX}.{socket.gethostname()}.{os.getpid()}-{start}.sending"
+    )
+    up = _SpoolClient()
+    assert replay_spool(up, spool) == 1 and list(spool.iterdir()) == []  # type: ignore[arg-type]
+
+
+class _FailingAfterFlush(_SpoolClient):
+    """A server that took the epochs, then went down as the run's end was sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        from types import SimpleNamespace
+
+        self._run = SimpleNamespace(info=SimpleNamespace(run_id="r1"))
+
+    def create_run(self, *a: Any, **k: Any) -> Any:
+        return self._run
+
+    def search_runs(self, *a: Any, **k: Any) -> list[Any]:
+        return []
+
+    def _check(self) -> None:
+        if self.down:
+            raise MlflowException("API request failed with exception ConnectionError")
+
+    def log_batch(self, run_id: str, metrics: Any, params: Any, tags: Any,
+                  synchronous: bool) -> None:  # fmt: skip
+        self._check()
+        super().log_batch(run_id, metrics, params, tags, synchronous)
+
+    def log_artifacts(self, run_id: str, path: str, artifact_path: str) -> None:
+        self.down = True  # the first upload is where it fails
+        self._check()
+
+    def set_tag(self, run_id: str, key: str, value: str) -> None:
+        self._check()
+        super().set_tag(run_id, key, value)
+
+    def set_terminated(self, run_id: str, status: str, end_time: int | None) -> None:
+        self._check()
+        super().set_terminated(run_id, status, end_time)
+
+
+def test_a_server_failing_during_a_runs_end_keeps_its_models_and_status_for_later(
+    tmp_path: Path,
+) -> None:
+    """The flush went through, then the uploads failed: the model was lost and the run
+    left RUNNING, with nothing kept. Now the rest is kept and sent when it answers."""
+    client = _FailingAfterFlush()
+    spool = tmp_path / "spool"
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "best.pt").write_bytes(b"weights")
+    tracker = TrialTracker(
+        client,  # type: ignore[arg-type]
+        "1", "p", trial_number=3, study_name="s", params={"lr": 0.1}, host="h", gpu="none",
+        spool_dir=spool, run_key="k1",
+    )  # fmt: skip
+    tracker.log_epoch(1, {"val_acc": 0.5})
+    assert tracker.finish("completed", artifacts=[folder], end_time_ms=1234) is False
+    assert not any(c[0] == "end" for c in client.calls)
+    shutil.rmtree(folder)  # the caller deletes its snapshot: the spool holds a copy
+    up = _SpoolClient()
+    assert replay_spool(up, spool) == 1 and list(spool.iterdir()) == []  # type: ignore[arg-type]
+    assert ("folder", ("r1", "checkpoint")) in up.calls
+    assert up.calls[-1] == ("end", ("r1", "FINISHED", 1234))
+
+
 def test_runs_kept_in_the_folder_earlier_versions_shared_are_left_to_the_server_lacking_them(
     tmp_path: Path,
 ) -> None:
