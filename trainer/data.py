@@ -130,7 +130,9 @@ def get_source(config: StudyConfig, split: str) -> Source | None:
         labels=src.labels[keep],
         class_names=src.class_names,
         array=src.array,
-        ident=src.ident,
+        # Another subset of the same folder: its caches are another family's, which a
+        # study on the whole folder's builds do not replace.
+        ident=f"{src.ident}|limit={limit}",
     )
 
 
@@ -392,17 +394,46 @@ def cache_path(src: Source, size: int, workdir: Path) -> Path:
     # file lists do not show (a class added to train/ only renumbers the ones after it).
     key = f"{CACHE_VERSION}|{src.ident}|{list(src.items)!r}|{list(src.class_names)!r}".encode()
     ident = hashlib.sha1(key + np.ascontiguousarray(src.labels).tobytes())
-    if src.dataset == "imagefolder":
-        # A user's own files change under the same names (a corrupt image replaced, a
-        # photo re-exported): their sizes and times too, or the cache kept the old ones.
-        for item in src.items:
-            try:
-                st = os.stat(item)
-                ident.update(f"{st.st_size}:{st.st_mtime_ns};".encode())
-            except OSError:  # gone since it was listed: its decode says so
-                ident.update(b"?;")
-    name = f"{src.dataset}-{src.split}-{size}px-n{len(src)}-{ident.hexdigest()[:12]}.npz"
-    return Path(workdir) / "cache" / name
+    if src.dataset != "imagefolder":
+        name = f"{src.dataset}-{src.split}-{size}px-n{len(src)}-{ident.hexdigest()[:12]}.npz"
+        return Path(workdir) / "cache" / name
+    # A user's own files change under the same names (a corrupt image replaced, a photo
+    # re-exported): their sizes and times too, or the cache kept the old ones.
+    for item in src.items:
+        try:
+            st = os.stat(item)
+            ident.update(f"{st.st_size}:{st.st_mtime_ns};".encode())
+        except OSError:  # gone since it was listed: its decode says so
+            ident.update(b"?;")
+    prefix = _family_prefix(src, size, workdir)
+    return prefix.with_name(f"{prefix.name}n{len(src)}-{ident.hexdigest()[:12]}.npz")
+
+
+def _family_prefix(src: Source, size: int, workdir: Path) -> Path:
+    """The start of the names of an image folder's caches of this split and size: what
+    its files held at each build. A build replaces the others (`_prune_replaced`)."""
+    family = hashlib.sha1(f"{CACHE_VERSION}|{src.ident}".encode()).hexdigest()[:8]
+    return Path(workdir) / "cache" / f"{src.dataset}-{src.split}-{size}px-r{family}-"
+
+
+def _prune_replaced(path: Path, src: Source, size: int, workdir: Path) -> None:
+    """Delete this image folder's caches of the split and size that `path` replaces (its
+    files changed since: each was as large as the new one, and no run reads it again).
+    One that a process is building is left, as is one of an earlier version's name."""
+    prefix = _family_prefix(src, size, workdir)
+    for old in prefix.parent.glob(f"{prefix.name}*.npz"):
+        if old == path:
+            continue
+        lock = old.with_suffix(".lock")
+        try:
+            with open(lock, "a+b") as fh:
+                if fcntl is not None:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                old.unlink(missing_ok=True)
+                lock.unlink(missing_ok=True)
+        except OSError:  # held (being built), or not ours to delete: left
+            continue
+        log.info("deleted %s: its image folder changed since (%s replaces it)", old, path.name)
 
 
 def decode_all(src: Source, size: int, on_corrupt: str, workers: int | None = None) -> Decoded:
@@ -515,7 +546,9 @@ def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str =
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return dec
+    if src.dataset == "imagefolder":
+        _prune_replaced(path, src, size, workdir)
+    return dec
 
 
 def _checked(dec: Decoded, src: Source, path: Path, on_corrupt: str) -> Decoded:

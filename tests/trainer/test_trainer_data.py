@@ -345,6 +345,22 @@ def test_an_image_replaced_under_its_name_is_decoded_again(tmp_path: Path) -> No
     again = data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="fail")
     assert again.built and len(again.labels) == 7
     assert data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="fail").built is False
+    # The cache it replaces is deleted (each edit left one as large behind), not a subset's
+    # of the same folder (train_limit) nor another size's.
+    part = make_config({"name": "imagefolder", "root": str(tmp_path / "data"), "train_limit": 2})
+    sub = data.get_source(part, "train")
+    assert sub is not None and len(sub) == 2
+    data.load_or_build_cache(sub, 16, tmp_path / "w", on_corrupt="fail")
+    data.load_or_build_cache(src, 24, tmp_path / "w", on_corrupt="fail")
+    assert len(list((tmp_path / "w" / "cache").glob("*.npz"))) == 3
+    Image.fromarray(good // 2).save(tmp_path / "data" / "train" / "rose" / "broken.jpg", "JPEG")
+    src = data.get_source(cfg, "train")
+    assert src is not None
+    assert data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="fail").built
+    caches = sorted(p.name for p in (tmp_path / "w" / "cache").iterdir())
+    assert len([n for n in caches if n.endswith(".npz")]) == 3, caches
+    assert data.cache_path(src, 16, tmp_path / "w").name in caches
+    assert len([n for n in caches if n.endswith(".lock")]) == 3, caches  # its lock went too
 
 
 def test_an_image_folders_classes_are_its_visible_folders_with_images(tmp_path: Path) -> None:
