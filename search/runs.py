@@ -786,6 +786,10 @@ class TrackingSession:
         self._setup_error: BaseException | None = None
         self._setup_thread: threading.Thread | None = None
         self._setup_done = False
+        # A trial's end waits for its run's start: the wait for the study run gives up
+        # on a server that went down (`_await_study_run`).
+        self._trial_ending = threading.Event()
+        self._await_until = 0.0  # monotonic s: until then the launcher opens the study run
         self._onnx_held: _HeldBest | None = None
         if background:
             self._setup_thread = threading.Thread(
@@ -856,7 +860,7 @@ class TrackingSession:
         from hpsearch.tracking.server import health_ok
         from mlflow.exceptions import MlflowException
 
-        deadline = time.monotonic() + limit_s
+        self._await_until = deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and not self._stop.is_set():
             if health_ok(self.uri, timeout_s=1.0):
                 try:
@@ -865,7 +869,16 @@ class TrackingSession:
                         return
                 except MlflowException as exc:  # the server is starting; ask again
                     logger.debug("study run not there yet: %s", scrub(str(exc)))
+            elif self._trial_ending.is_set():
+                # Down (or still starting) as a trial has ended: its tell waited out the
+                # limit, 240 s of an idle GPU. Its run is kept in the spool folder until
+                # the server answers; until the limit `_connect` opens no study run.
+                return
             self._stop.wait(0.2)
+
+    def trial_ending(self) -> None:
+        """A trial has ended and waits for its run's start (`_LateRun.wait`)."""
+        self._trial_ending.set()
 
     def finish_later(self, job: Callable[[], None]) -> None:
         self._finisher.submit(job)
@@ -889,6 +902,10 @@ class TrackingSession:
         try:
             self.experiment_id = ensure_experiment(self.client, self.cfg.name)
             runs = find_study_runs(self.client, self.experiment_id)
+            if not runs and time.monotonic() < self._await_until:
+                # A wait for the launcher's study run cut short (a trial ended meanwhile):
+                # the launcher's is still to come, not a second one of ours.
+                raise TrackingUnreachable("the launch's study run is not there yet")
             self.parent_run_id = runs[0] if runs else open_study_run(self.cfg, self.spec, self.uri)
         except (TrackingError, HpsearchError, MlflowException, OSError) as exc:
             refused = is_permanent_error(exc) or (

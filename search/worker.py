@@ -1185,6 +1185,7 @@ class _LateRun:
         with self._lock:
             self._ending = True
         self._wake.set()
+        self._tracking.trial_ending()
         stopped_at: float | None = None
         while not self._done.is_set():
             if self._tracking.setup_failed() is not None:  # no run for any trial (the

@@ -64,6 +64,9 @@ class Session:
     def setup_failed(self) -> BaseException | None:
         return None
 
+    def trial_ending(self) -> None:
+        pass
+
     def start_trial(self, *args: Any, **kwargs: Any) -> SlowRun:
         return self.run
 
@@ -444,3 +447,42 @@ def test_a_server_that_refuses_is_not_tried_again(tmp_path: Path) -> None:
                 assert session._connect() is False and session.answers() is answers
             finally:
                 session.close()
+
+
+def test_a_trial_ending_cuts_short_the_wait_for_the_study_run_on_a_server_that_is_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QA: a launch's worker waits up to 240 s for the launch's study run (the embedded
+    server may still be starting); with the server down, its first trial, trained, sat
+    untold that long. Its end now cuts the wait short (its run kept for later), and no
+    second study run is opened while the launch's may still come."""
+    import hpsearch.runs as runs
+    import hpsearch.tracking.mlflow_logger as ml
+    from hpsearch.config import load_config
+    from hpsearch.storage import StorageSpec
+    from hpsearch.tracking.server import free_port
+
+    spec = StorageSpec("journal", str(tmp_path / "j"), "journal")
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing answers there
+    session = runs.TrackingSession(load_config("tiny"), spec, uri, "w0",
+                                   await_study_run_s=120, background=True)  # fmt: skip
+    try:
+        time.sleep(1.5)
+        assert not session.ready()  # waiting, as for a server still starting
+        t0 = time.monotonic()
+        session.trial_ending()
+        session.wait_ready()
+        assert time.monotonic() - t0 < 30 and session.parent_run_id is None
+        # The server answers now, without the launch's study run yet: not opened here.
+        monkeypatch.setattr(ml, "ensure_experiment", lambda client, name: "1")
+        monkeypatch.setattr(ml, "find_study_runs", lambda client, exp: [])
+
+        def second(*a: Any) -> str:
+            raise AssertionError("a second study run")
+
+        monkeypatch.setattr(runs, "open_study_run", second)
+        assert session._connect() is False
+        monkeypatch.setattr(ml, "find_study_runs", lambda client, exp: ["launchs"])
+        assert session._connect() is True and session.parent_run_id == "launchs"
+    finally:
+        session.close()
