@@ -1133,20 +1133,21 @@ class Launcher:
     def _keep_server(self) -> None:
         """Restart the embedded MLflow server, on its port, where it died mid-study (the
         kernel's out-of-memory killer, a stray kill): the UI comes back, and the workers,
-        which keep on disk what they cannot send, send it once it answers. Only a server
-        this launch started; at most SERVER_RESTARTS times. On a thread: a start takes
-        seconds, and supervising goes on."""
-        from hpsearch.tracking.server import LocalServer
+        which keep on disk what they cannot send, send it once it answers. A server this
+        launch started, or one it joined (a killed launch's, left running: its starter
+        restarts none); at most SERVER_RESTARTS times. On a thread: a start takes seconds,
+        and supervising goes on."""
+        from hpsearch.tracking.server import LocalServer, SharedServer
 
         server = self._server
         if (
-            not isinstance(server, LocalServer)
+            not isinstance(server, LocalServer | SharedServer)
             or server.is_running()
             or (self._restarting is not None and self._restarting.is_alive())
             or self._stop_requests
         ):
             return
-        code = server.proc.returncode
+        code = server.proc.returncode if isinstance(server, LocalServer) else "unknown"
         if self._server_restarts >= SERVER_RESTARTS:
             if self._server_restarts == SERVER_RESTARTS:  # said once
                 self._server_restarts += 1
@@ -1166,10 +1167,12 @@ class Launcher:
     def _server_dead(self) -> bool:
         """The embedded server died and was not started again (or died as the launch
         stopped, when none is restarted)."""
-        from hpsearch.tracking.server import LocalServer
+        from hpsearch.tracking.server import LocalServer, SharedServer
 
         server = self._server
-        return self._server_gone or (isinstance(server, LocalServer) and not server.is_running())
+        return self._server_gone or (
+            isinstance(server, LocalServer | SharedServer) and not server.is_running()
+        )
 
     def _restart_server(self, dead: Any) -> None:
         from hpsearch.tracking.server import restart_server

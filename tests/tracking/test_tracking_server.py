@@ -625,6 +625,41 @@ def test_a_server_restarted_after_it_died_keeps_its_other_users(tmp_path: Path) 
             os.killpg(int(pid), signal.SIGKILL)
 
 
+def test_a_joined_server_whose_starter_was_killed_is_restarted_by_its_user(
+    tmp_path: Path,
+) -> None:
+    """QA: a relaunch after `kill -9` joined the killed launch's server; when that died
+    mid-study nobody started it again (only its starter did), and the last trials' runs
+    waited on disk for another launch."""
+    import os
+    import signal
+
+    from hpsearch.tracking.server import LocalServer, SharedServer, join_server, restart_server
+
+    code = (
+        "import os, sys; from pathlib import Path; "
+        "from hpsearch.tracking.server import start_local_server; "
+        "start_local_server(Path(sys.argv[1])); os._exit(0)"  # killed: no clean-up
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=240)
+    joined = join_server(tmp_path)
+    assert isinstance(joined, SharedServer)
+    again: LocalServer | SharedServer | None = None
+    try:
+        os.killpg(joined.pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while joined.is_running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        again = restart_server(joined)
+        assert isinstance(again, LocalServer) and again.url == joined.url  # its users' URI
+        assert srv.health_ok(again.url)
+        assert again.release() == "stopped"
+    finally:
+        with contextlib.suppress(Exception):
+            pid = json.loads(state_path(tmp_path).read_text())["pgid"]
+            os.killpg(int(pid), signal.SIGKILL)
+
+
 def test_a_best_model_in_the_embedded_store_is_read_from_disk_once_its_server_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
