@@ -595,7 +595,7 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     except BaseException:
         launch_lock.close()  # the launcher releases it once it runs
         raise
-    _on_signals(launcher.stop, "launch")
+    signals = _on_signals(launcher.stop, "launch")
     summary = launcher.run()
     c = summary.counts
     best = format_best(summary.best_value, summary.best_trial, summary.pareto)
@@ -617,7 +617,9 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         raise click.ClickException("every worker crashed; see the messages above and "
                                    f"{workdir}/logs/")  # fmt: skip
     if summary.stopped_by == "interrupted":
-        sys.exit(130)
+        # As `worker` and `train`: 130, 143 or 129 for Ctrl-C, SIGTERM or SIGHUP, so that a
+        # supervisor tells its own stop from a user's (QA: SIGTERM gave 130).
+        sys.exit(128 + signals[0] if signals else 130)
     if summary.stopped_by == "stopped":
         raise click.ClickException("the workers stopped with trials of the budget left; "
                                    "launch again to resume")  # fmt: skip

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from hpsearch.errors import (
     ConfigError,
     DeviceError,
     HpsearchError,
+    HpsearchWarning,
     StorageError,
     TrackingError,
 )
@@ -796,7 +798,13 @@ class Launcher:
                     self._event(f"its worker was gone: {self._requeued_text(orphans)}")
                 if note := spent_note(self.cfg.name, self._counts_at_open, self._budget):
                     self._event(note)
-                supervised = self._supervise(resolved, tracking_uri)
+                with warnings.catch_warnings():
+                    # Each retry's line, between the progress lines, which already say the
+                    # database is away and how long since their figures were read.
+                    warnings.filterwarnings(
+                        "ignore", r".*database unreachable, retrying in", HpsearchWarning
+                    )
+                    supervised = self._supervise(resolved, tracking_uri)
             except Exception:
                 # The launch fails (its MLflow set-up, say), but the workers have trained
                 # meanwhile: they stop as on a Ctrl-C, each handing its trial back, before
@@ -1568,7 +1576,11 @@ class Launcher:
             )
             for s in self._slots
         ]
-        elapsed = time.monotonic() - getattr(self, "_t0", time.monotonic())
+        t0 = getattr(self, "_t0", time.monotonic())
+        elapsed = time.monotonic() - t0
+        # The ETA of the figures shown: while the database is away, as of their reading (it
+        # climbed with each second of the outage, over trials that kept training).
+        worked = elapsed if stale_s is None else max(0.0, elapsed - stale_s)
         finished = counts["complete"] + counts["pruned"]
         # Counted, not dated: workers of other hosts date their trials in their own zone.
         here = finished - self._finished_before if self._finished_before is not None else 0
@@ -1582,7 +1594,7 @@ class Launcher:
             best_trial,
             views,
             elapsed,
-            eta_seconds(finished, self._budget, elapsed, here, epochs, self.cfg.budget.max_epochs),
+            eta_seconds(finished, self._budget, worked, here, epochs, self.cfg.budget.max_epochs),
             message,
             stale_s,
             never_read,

@@ -84,9 +84,13 @@ def test_the_progress_line_says_its_figures_are_old_while_the_database_is_away(
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        wait_for(lambda: running_with_epochs(pg_url, "tiny", 1), 120, "a trial 1 epoch in")
+        first = wait_for(lambda: running_with_epochs(pg_url, "tiny", 1), 120, "a trial 1 epoch in")
         if outage == "away":
-            cut_off(pg_url, 5.0).join()  # progress is read every 2 s: at least two reads fail
+            away = cut_off(pg_url, 6.0)  # progress is read every 2 s: at least two reads fail
+            time.sleep(1.0)
+            # QA: its worker killed meanwhile, the launcher's retries printed a line each.
+            os.kill(int(first.user_attrs["pid"]), signal.SIGKILL)
+            away.join()
         else:
             terminate_backends(pg_url)  # the launcher's pooled connection is dead
         out, _ = proc.communicate(timeout=240)
@@ -94,7 +98,8 @@ def test_the_progress_line_says_its_figures_are_old_while_the_database_is_away(
         proc.kill()
     assert proc.returncode == 0, out
     trials = hps.load_study("tiny", storage=pg_url).get_trials()
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2, out
+    states = [t.state for t in trials if t.state != TrialState.FAIL]
+    assert states == [TrialState.COMPLETE] * 2, out
     lines = out.splitlines()
     if outage == "connections_ended":
         assert "unreachable" not in out, out
@@ -102,6 +107,12 @@ def test_the_progress_line_says_its_figures_are_old_while_the_database_is_away(
     stale = [i for i, line in enumerate(lines) if "database unreachable: figures" in line]
     assert stale, out
     assert re.search(r"\| database unreachable: figures \d+s old$", lines[stale[0]]), out
+    assert "retrying in" not in out, out  # QA: each retry's line between those (5 a time)
+    # QA: the ETA climbed with each second of the outage: now that of the figures shown.
+    etas = [re.search(r"eta (\d+)s", line) for line in lines[: stale[-1] + 1]]
+    fresh = [int(m.group(1)) for i, m in enumerate(etas) if m and i < stale[0]]
+    old = [int(m.group(1)) for i, m in enumerate(etas) if m and i in stale]
+    assert not (fresh and old) or max(old) <= fresh[-1] + 1, out  # (when both show one)
     after = [line for line in lines[stale[-1] + 1 :] if re.match(r"\[\s*\d+s\] ", line)]
     assert after, out  # a fresh progress line once the database is back
 
