@@ -953,8 +953,8 @@ def test_train_trial_n_takes_the_config_the_trial_ran_with(
     attrs = hps.load_study("tiny", workdir=tmp_path).user_attrs
     assert len([k for k in attrs if k.startswith(CONFIG_OF_ATTR)]) == 2  # 24 and 20 px
     rerun = hpsearch(["train", "--study", "tiny", "--trial", "0", "--workdir", str(tmp_path),
-                      "--data-dir", str(flowers_root), "--set", "dataset.eval_limit=102"],
-                     subprocess_env)  # fmt: skip
+                      "--data-dir", str(flowers_root), "--set", "dataset.eval_limit=102",
+                      "--no-tracking"], subprocess_env)  # fmt: skip
     assert rerun.returncode == 0 and " epochs 1 " in rerun.stdout, rerun.stdout + rerun.stderr
 
 

@@ -151,33 +151,29 @@ def test_a_train_run_stopped_by_a_hang_up_ends_killed_and_stops_its_server(
     assert "train: stopping after the current epoch" in shown, shown
     assert "interrupted: best_val_acc" in shown and "killing now" not in shown, shown
     assert running_server_url(work) is None, shown  # it was this run's: stopped
-    run_id = next(ln.split()[2] for ln in lines if ln.startswith("MLflow run "))
-    server = start_local_server(work)
-    try:
-        client = MlflowClient(tracking_uri=server.url)
-        run = client.get_run(run_id)
-        assert run.info.status == "KILLED" and run.info.run_name == "train-trial-0"
-        assert run.data.tags["hpsearch.reproduces_trial"] == "0"
-        assert run.data.tags["hpsearch.outcome"] == "interrupted"
-        steps = [m.step for m in client.get_metric_history(run_id, "val_acc")]
-        assert steps in ([1], [1, 2]), steps  # the epoch it was in when the signal came
-    finally:
-        server.stop()
+    hung_up = next(ln.split()[2] for ln in lines if ln.startswith("MLflow run "))
 
     # QA: a second Ctrl-C killed it at once (the "again" went to the handler a third
     # time): the run stayed RUNNING and the earlier run's best model was lost.
     best = work / "train" / "tiny" / "trial-0.best.pt"
     earlier = best.read_bytes()
     rc, lines = _signalled(args, subprocess_env, [(signal.SIGINT, 0.5), (signal.SIGINT, 0)])
-    shown = "".join(lines)
-    assert rc == 130 and "exiting" not in shown, shown
-    assert best.read_bytes() == earlier, shown  # the earlier run's, back in place
-    assert running_server_url(work) is None, shown
-    run_id = next(ln.split()[2] for ln in lines if ln.startswith("MLflow run "))
-    server = start_local_server(work)
+    again = "".join(lines)
+    assert rc == 130 and "exiting" not in again, again
+    assert best.read_bytes() == earlier, again  # the earlier run's, back in place
+    assert running_server_url(work) is None, again
+    twice = next(ln.split()[2] for ln in lines if ln.startswith("MLflow run "))
+    server = start_local_server(work)  # (one start for both runs' checks: seconds each)
     try:
-        run = MlflowClient(tracking_uri=server.url).get_run(run_id)
-        assert run.info.status == "KILLED", (run.info.status, shown)
+        client = MlflowClient(tracking_uri=server.url)
+        run = client.get_run(hung_up)
+        assert run.info.status == "KILLED" and run.info.run_name == "train-trial-0"
+        assert run.data.tags["hpsearch.reproduces_trial"] == "0"
+        assert run.data.tags["hpsearch.outcome"] == "interrupted"
+        steps = [m.step for m in client.get_metric_history(hung_up, "val_acc")]
+        assert steps in ([1], [1, 2]), steps  # the epoch it was in when the signal came
+        run = client.get_run(twice)
+        assert run.info.status == "KILLED", (run.info.status, again)
     finally:
         server.stop()
 
