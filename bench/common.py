@@ -521,19 +521,94 @@ def drop_database(base: str, name: str) -> None:
 # --------------------------------------------------------------------------- CPU accounting
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+PROC = Path("/proc")
 
 
-def _proc_cpu(pid: int) -> tuple[float, str] | None:
-    """(user + system CPU seconds, cmdline) of a live process; None once it is gone."""
+@dataclass(frozen=True)
+class ProcInfo:
+    """One process as /proc shows it."""
+
+    ppid: int
+    start: int  # clock ticks after boot: (pid, start) names a process, a pid alone is reused
+    cpu_s: float  # user + system CPU seconds so far
+    cmd: str  # command line, or "(comm)" once it exits (its cmdline then reads empty)
+
+
+def parse_stat(stat: str) -> tuple[int, int, float]:
+    """(ppid, start ticks, user + system CPU s) from a /proc/PID/stat or task/TID/stat line."""
+    fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": field 3 is fields[0]
+    return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def read_process(pid: int, proc: Path = PROC) -> ProcInfo | None:
+    """The process `pid`, or None once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read().decode(errors="replace")
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        stat = (proc / str(pid) / "stat").read_bytes().decode(errors="replace")
+        raw = (proc / str(pid) / "cmdline").read_bytes()
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK, cmd or stat.split()[1]
+    try:
+        ppid, start, cpu = parse_stat(stat)
+    except (IndexError, ValueError):  # torn or not a stat line
+        return None
+    cmd = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    return ProcInfo(ppid, start, cpu, cmd or stat[stat.find("(") : stat.rfind(")") + 1])
+
+
+def process_table(proc: Path = PROC) -> dict[int, ProcInfo]:
+    """Every process now running, by pid."""
+    try:
+        pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+    except OSError:  # no /proc (not Linux): nothing is counted
+        return {}
+    table = {}
+    for pid in pids:
+        info = read_process(pid, proc)
+        if info is not None:
+            table[pid] = info
+    return table
+
+
+def serves_database(cmd: str, databases: Sequence[str]) -> bool:
+    """Whether `cmd` is the process title of a PostgreSQL backend connected to one of
+    `databases`: "postgres: [CLUSTER: ]USER DATABASE HOST(PORT) STATE"."""
+    if not databases or not cmd.startswith("postgres: "):
+        return False
+    words = cmd.split()[1:]
+    if words and words[0].endswith(":"):  # cluster_name (Debian's "15/main:")
+        words = words[1:]
+    return len(words) >= 2 and words[1] in databases
+
+
+def own_processes(
+    table: Mapping[int, ProcInfo], roots: Sequence[int], databases: Sequence[str] = ()
+) -> set[int]:
+    """The pids in `table` that a bench run owns: the descendants of `roots` (not the roots
+    themselves) and the PostgreSQL backends serving its `databases`. Every other process on
+    the machine (a CI, another user's jobs, other databases' backends, PostgreSQL's shared
+    background processes) is left out."""
+    children: dict[int, list[int]] = {}
+    for pid, info in table.items():
+        children.setdefault(info.ppid, []).append(pid)
+    out: set[int] = set()
+    todo = [c for r in roots for c in children.get(r, [])]
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo += children.get(pid, [])
+    out |= {pid for pid, info in table.items() if serves_database(info.cmd, databases)}
+    return out
+
+
+def database_of(url: str) -> str | None:
+    """The database a postgresql:// URL names, if any."""
+    from urllib.parse import urlsplit
+
+    if not url.startswith(("postgresql", "postgres:")):
+        return None
+    name = urlsplit(url).path.strip("/")
+    return name or None
 
 
 def classify(cmd: str) -> str:
@@ -554,41 +629,44 @@ def classify(cmd: str) -> str:
 
 
 class CpuSampler:
-    """CPU seconds by process role (see `classify`) over a span of time: a thread samples
-    /proc every `interval_s`. A process that exits between samples loses at most that much
-    of its CPU; long-lived ones (PostgreSQL, an MLflow server) are counted exactly as the
-    difference across the span. Linux only; elsewhere `totals()` is empty."""
+    """CPU seconds by process role (see `classify`) over a span of time, of the bench's own
+    processes only (`own_processes`: the descendants of this process, so the launcher, its
+    workers and their helpers, the plain loops and the MLflow server the bench started, and
+    the PostgreSQL backends serving `databases`): a thread samples /proc every `interval_s`.
+    A process that exits between samples loses at most that much of its CPU; long-lived ones
+    (an MLflow server, a backend) are counted exactly as the difference across the span. A
+    process once seen as the bench's stays counted when its parent exits (reparented).
+    Linux only; elsewhere `totals()` is empty."""
 
-    def __init__(self, interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        interval_s: float = 0.2,
+        databases: Sequence[str] = (),
+        proc: Path = PROC,
+        root: int | None = None,  # whose descendants count (default: this process)
+    ) -> None:
         self.interval_s = interval_s
-        self._base: dict[int, float] = {}
-        self._last: dict[int, tuple[float, str]] = {}
+        self.databases = tuple(databases)
+        self._proc = proc
+        self._root = os.getpid() if root is None else root
+        self._base: dict[tuple[int, int], float] = {}  # (pid, start) -> CPU s at start()
+        self._last: dict[tuple[int, int], tuple[float, str]] = {}  # the bench's, last seen
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._own = os.getpid()
-
-    def _pids(self) -> list[int]:
-        try:
-            return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-        except OSError:
-            return []
 
     def _sample(self) -> None:
-        for pid in self._pids():
-            if pid == self._own:
-                continue
-            got = _proc_cpu(pid)
-            if got is not None:
-                known = self._last.get(pid)
+        table = process_table(self._proc)
+        mine = own_processes(table, [self._root], self.databases)
+        for pid, info in table.items():
+            key = (pid, info.start)
+            if pid in mine or key in self._last:
+                known = self._last.get(key)
                 # An exiting process's cmdline reads empty: keep the one seen while it ran.
-                cmd = known[1] if known is not None and got[1].startswith("(") else got[1]
-                self._last[pid] = (got[0], cmd)
+                cmd = known[1] if known is not None and info.cmd.startswith("(") else info.cmd
+                self._last[key] = (info.cpu_s, cmd)
 
     def start(self) -> CpuSampler:
-        for pid in self._pids():
-            got = _proc_cpu(pid)
-            if got is not None:
-                self._base[pid] = got[0]
+        self._base = {(pid, i.start): i.cpu_s for pid, i in process_table(self._proc).items()}
 
         def loop() -> None:
             while not self._stop.wait(self.interval_s):
@@ -607,9 +685,9 @@ class CpuSampler:
 
     def totals(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for pid, (cpu, cmd) in self._last.items():
+        for key, (cpu, cmd) in self._last.items():
             role = classify(cmd)
-            spent = cpu - self._base.get(pid, 0.0)
+            spent = cpu - self._base.get(key, 0.0)
             if spent > 0:
                 out[role] = out.get(role, 0.0) + spent
         return {k: round(v, 2) for k, v in sorted(out.items())}
