@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import platform
 import re
@@ -55,6 +56,55 @@ def parse_workers(value: str) -> str:
     if text == "auto" or (text.isdigit() and int(text) >= 1):
         return text
     raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= 1 or auto")
+
+
+def positive_int(value: str) -> int:
+    """argparse type of a count: a whole number >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= 1") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 1")
+    return number
+
+
+def nonnegative_int(value: str) -> int:
+    """argparse type of a count that may be 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= 0") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 0")
+    return number
+
+
+def _finite(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a number") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a finite number")
+    return number
+
+
+def positive_float(value: str) -> float:
+    """argparse type of a duration or period: a number > 0 (0 would mean "no limit" to some
+    of what it is passed to, e.g. a worker's timeout_s)."""
+    number = _finite(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be greater than 0")
+    return number
+
+
+def nonnegative_float(value: str) -> float:
+    """argparse type of a duration that may be 0."""
+    number = _finite(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 0")
+    return number
 
 
 def resolve_device(name: str) -> str:

@@ -65,6 +65,8 @@ from common import (
     drop_database,
     percentile,
     pg_version,
+    positive_float,
+    positive_int,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,9 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="override a study field, both sides (repeatable)",
     )
-    p.add_argument("--trials", type=int, default=None, help="trials per side (default: study's)")
-    p.add_argument("--epochs", type=int, default=None, help="budget.max_epochs (default: study's)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes per side")
+    p.add_argument(
+        "--trials", type=positive_int, default=None, help="trials per side (default: study's)"
+    )
+    p.add_argument(
+        "--epochs", type=positive_int, default=None, help="budget.max_epochs (default: study's)"
+    )
+    p.add_argument("--workers", type=positive_int, default=1, help="worker processes per side")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
         "--data-dir",
@@ -121,7 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=".hpsearch",
         help="the shared decoded-image cache lives in DIR/cache (built by the warm-up)",
     )
-    p.add_argument("--repeats", type=int, default=1, help="pairs of runs, order alternating")
+    p.add_argument(
+        "--repeats", type=positive_int, default=1, help="pairs of runs, order alternating"
+    )
     p.add_argument("--order", default="plain-first", choices=["plain-first", "hpsearch-first"])
     p.add_argument(
         "--plain-checkpoint",
@@ -129,17 +137,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the plain loop writes the trainer's per-epoch checkpoints too (isolates what "
         "fault tolerance costs from what coordination costs)",
     )
-    p.add_argument("--side-timeout", type=float, default=1800.0, help="seconds per side")
+    p.add_argument("--side-timeout", type=positive_float, default=1800.0, help="seconds per side")
     p.add_argument("--keep", action="store_true", help="keep the temp folder and databases")
     p.add_argument("--json", dest="json_path", default=None, help="write all numbers here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: a subprocess
     args = p.parse_args(argv)
-    for name in ("trials", "epochs", "workers", "repeats"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name}: {value}: must be at least 1")
-    if args.side_timeout <= 0:
-        p.error(f"--side-timeout: {args.side_timeout:g}: must be positive")
     if not args.pg.startswith(("postgresql://", "postgres://")):
         p.error(f"--pg: {args.pg!r}: expected postgresql://user@host:port")
     # The sides run in a scratch folder (cwd): a relative path would name another folder there.

@@ -67,6 +67,8 @@ from common import (
     load_launched_study,
     load_study_config,
     parse_workers,
+    positive_float,
+    positive_int,
     raise_keyboard_interrupt,
     resolve_device,
     run_launch,
@@ -107,8 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--workers", type=parse_workers, nargs="+", default=["1", "2", "4"], help="counts, or auto"
     )
-    p.add_argument("--trials-per-worker", type=int, default=2, help="k: W*k trials per launch")
-    p.add_argument("--epochs", type=int, default=5, help="epochs of every trial")
+    p.add_argument(
+        "--trials-per-worker", type=positive_int, default=2, help="k: W*k trials per launch"
+    )
+    p.add_argument("--epochs", type=positive_int, default=5, help="epochs of every trial")
     p.add_argument(
         "--params",
         default=None,
@@ -126,18 +130,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the work folders")
     p.add_argument(
         "--launch-timeout",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="SEC",
         help="stop a launch that runs longer (its trials count as they stand)",
     )
-    p.add_argument("--gpu-interval", type=float, default=0.5, help="NVML sampling period, s")
+    p.add_argument(
+        "--gpu-interval", type=positive_float, default=0.5, help="NVML sampling period, s"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show the launcher's output")
     p.add_argument("--json", dest="json_path", default=None, help="write results here")
-    args = p.parse_args(argv)
-    if args.trials_per_worker < 1 or args.epochs < 1:
-        p.error("--trials-per-worker and --epochs must be at least 1")
-    return args
+    return p.parse_args(argv)
 
 
 def pinned_values(cfg: StudyConfig, given: dict[str, Any]) -> dict[str, Any]:

@@ -43,7 +43,15 @@ import sqlalchemy as sa
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import create_database, drop_database, percentile, pg_version  # noqa: E402
+from common import (  # noqa: E402
+    create_database,
+    drop_database,
+    nonnegative_float,
+    percentile,
+    pg_version,
+    positive_float,
+    positive_int,
+)
 from hpsearch.config import load_config  # noqa: E402
 from hpsearch.storage import StorageSpec, normalize_url  # noqa: E402
 from hpsearch.study import create_or_load, make_pruner, make_sampler, suggest  # noqa: E402
@@ -51,12 +59,12 @@ from hpsearch.study import create_or_load, make_pruner, make_sampler, suggest  #
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--seconds", type=float, default=15.0, help="asking time per run")
-    p.add_argument("--epochs", type=int, default=3, help="reports per trial")
+    p.add_argument("--workers", type=positive_int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--seconds", type=positive_float, default=15.0, help="asking time per run")
+    p.add_argument("--epochs", type=positive_int, default=3, help="reports per trial")
     p.add_argument(
         "--epoch-s",
-        type=float,
+        type=nonnegative_float,
         default=0.0,
         help="seconds of simulated training per epoch (a sleep), so that reads are not\n"
         "served from a cache refreshed a moment before (as with real epochs)",
@@ -345,9 +353,6 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.epoch_s < 0:
-        print(f"--epoch-s: {args.epoch_s}: must be >= 0 (seconds per epoch)", file=sys.stderr)
-        return 2
     os.environ[EPOCH_S_ENV] = str(args.epoch_s)
     if bad := [m for m in args.modes if m not in ("plain", "hpsearch")]:
         print(f"--modes: {bad[0]!r}: must be plain or hpsearch", file=sys.stderr)

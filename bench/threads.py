@@ -35,7 +35,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import classify, database_of, own_processes, parse_stat, process_table
+from common import (
+    classify,
+    database_of,
+    nonnegative_int,
+    own_processes,
+    parse_stat,
+    positive_float,
+    process_table,
+)
 
 PROC = Path("/proc")
 
@@ -121,8 +129,8 @@ def thread_names(raw_path: Path) -> dict[int, str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--interval", type=float, default=0.05, help="seconds between samples")
-    p.add_argument("--top", type=int, default=25, help="threads shown")
+    p.add_argument("--interval", type=positive_float, default=0.05, help="seconds between samples")
+    p.add_argument("--top", type=nonnegative_int, default=25, help="threads shown")
     p.add_argument("--no-names", action="store_true", help="do not run under py-spy")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument(

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import percentile
+from common import nonnegative_float, percentile, positive_int
 from hpsearch.tracking.mlflow_logger import (
     TrialTracker,
     apply_http_policy,
@@ -144,9 +144,9 @@ def run_mode(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--epochs", type=int, default=40)
-    ap.add_argument("--epoch-ms", type=float, default=20.0, help="busy time per epoch")
+    ap.add_argument("--trials", type=positive_int, default=3)
+    ap.add_argument("--epochs", type=positive_int, default=40)
+    ap.add_argument("--epoch-ms", type=nonnegative_float, default=20.0, help="busy time per epoch")
     ap.add_argument("--workdir", type=Path, default=None, help="store (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=Path("bench-tracking.json"))
     args = ap.parse_args(argv)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import torchvision
+from common import nonnegative_int, positive_int
 from hpsearch.config import Hyperparams, validate_config
 from hpsearch.trainer import augment, data
 from hpsearch.trainer.losses import make_loss
@@ -41,10 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--arch", default="resnet18")
-    p.add_argument("--resolution", type=int, default=64, help="train image size, px")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per pipeline")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--resolution", type=positive_int, default=64, help="train image size, px")
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--steps", type=positive_int, default=20, help="timed steps per pipeline")
+    p.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps first")
     p.add_argument("--device", default="auto")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     p.add_argument("--no-channels-last", action="store_true")
@@ -53,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--workers",
-        type=int,
+        type=nonnegative_int,
         default=min(4, os.cpu_count() or 1),
         help="DataLoader workers for the classic pipeline",
     )

@@ -1,0 +1,79 @@
+"""The bench scripts' command lines: bad input is one line on stderr and a non-zero exit,
+found before any work is done."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _bench_module(name: str) -> ModuleType:
+    """`bench/NAME.py` as its script sees it (`bench/` on sys.path, `common` importable),
+    under a name of its own: `trainer` and `tracking` are also test packages here."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    key = f"hpsearch_bench_script_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+def _parser(name: str) -> Callable[[list[str]], object]:
+    module = _bench_module(name)
+    return module.main if name == "tracking" else module.parse_args
+
+
+# Counts and durations that used to be accepted (storage.py --seconds 0 then ran forever in
+# hpsearch mode: a worker's timeout_s=0 is "no limit"; the others ran a row of zeros).
+BAD = [
+    ("storage", ["--seconds", "0"]),
+    ("storage", ["--seconds", "-5"]),
+    ("storage", ["--workers", "0"]),
+    ("storage", ["--workers", "1", "-2"]),
+    ("storage", ["--epochs", "0"]),
+    ("storage", ["--epoch-s", "-1"]),
+    ("packing", ["--launch-timeout", "-5"]),
+    ("packing", ["--launch-timeout", "0"]),
+    ("packing", ["--epochs", "0"]),
+    ("packing", ["--gpu-interval", "0"]),
+    ("study", ["--timeout", "0"]),
+    ("study", ["--grace", "-1"]),
+    ("study", ["--trials", "0"]),
+    ("overhead", ["--workers", "0"]),
+    ("overhead", ["--side-timeout", "nan"]),
+    ("trainer", ["--steps", "0"]),
+    ("trainer", ["--batch", "0"]),
+    ("trainer", ["--resolution", "-1"]),
+    ("trainer", ["--warmup", "-1"]),
+    ("tracking", ["--trials", "0"]),
+    ("tracking", ["--epochs", "0"]),
+    ("threads", ["--interval", "0", "--", "true"]),
+]
+
+
+@pytest.mark.parametrize(("script", "argv"), BAD, ids=[f"{s} {' '.join(a)}" for s, a in BAD])
+def test_bad_counts_and_durations_are_refused_at_parse_time(
+    script: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _parser(script)(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {argv[0]}: {argv[-1] if script != 'threads' else argv[1]!r}" in err
+
+
+def test_good_counts_and_durations_pass() -> None:
+    args = _parser("storage")(["--workers", "1", "8", "--seconds", "0.5", "--epoch-s", "0"])
+    assert args.workers == [1, 8] and args.seconds == 0.5 and args.epoch_s == 0.0
