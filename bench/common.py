@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -44,6 +44,63 @@ PRIVATE_ENV = ("HPSEARCH_STORAGE", "MLFLOW_TRACKING_URI", "HPSEARCH_WORKDIR")
 
 class BenchError(Exception):
     """Bad input or a failed run: one line on stderr, exit code 2."""
+
+
+def run_main(script: str, main: Callable[[], int], stop_on_sigterm: bool = True) -> int:
+    """Run a bench's `main` with the benches' handling of bad input and stops:
+
+    - BenchError or an hpsearch error (a bad study, no such dataset, no GPU): one line
+      "bench/SCRIPT: error: ..." on stderr, exit code 2, no traceback;
+    - Ctrl-C, or SIGTERM (`timeout`) turned into KeyboardInterrupt once (`stop_on_sigterm`),
+      so that the `finally` blocks on the way out (a database dropped, a temp folder removed,
+      children stopped) run: one line, exit code 130. A second SIGTERM is ignored while that
+      clean-up runs; SIGKILL still ends the bench."""
+    from hpsearch.errors import HpsearchError
+
+    previous = signal.getsignal(signal.SIGTERM)
+    if stop_on_sigterm:
+        signal.signal(signal.SIGTERM, _sigterm_once)
+    try:
+        return main()
+    except (BenchError, HpsearchError) as exc:
+        print(f"bench/{script}: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"bench/{script}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if stop_on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (a pydantic or psycopg2 message spans several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+_sigterm_seen = False
+
+
+def _sigterm_once(signum: int, frame: Any) -> None:
+    global _sigterm_seen
+    if not _sigterm_seen:
+        _sigterm_seen = True
+        raise KeyboardInterrupt
+
+
+def check_output_path(value: str | None, option: str = "--json") -> None:
+    """A results file the bench will write at its end: its folder must exist and be
+    writable now, not after minutes of work (BenchError otherwise)."""
+    if value is None:
+        return
+    path = Path(value)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise BenchError(f"{option}: {value}: is a folder (give a file name)")
+    if not folder.is_dir():
+        raise BenchError(f"{option}: {value}: no such folder {str(folder)!r}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise BenchError(f"{option}: {value}: not writable")
 
 
 def default_data_dir() -> str:

@@ -77,3 +77,62 @@ def test_bad_counts_and_durations_are_refused_at_parse_time(
 def test_good_counts_and_durations_pass() -> None:
     args = _parser("storage")(["--workers", "1", "8", "--seconds", "0.5", "--epoch-s", "0"])
     assert args.workers == [1, 8] and args.seconds == 0.5 and args.epoch_s == 0.0
+
+
+def _one_line_error(err: str, script: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"bench/{script}: error: "), lines[0]
+    return lines[0]
+
+
+def test_trainer_refuses_a_batch_larger_than_the_training_split(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before, `fast_batches` looped forever: `range(10 // 16)` is empty inside `while True`."""
+    import numpy as np
+    import torch
+
+    trainer = _bench_module("trainer")
+    common = sys.modules["common"]
+
+    class Dec:
+        images = np.zeros((10, 8, 8, 3), dtype=np.uint8)
+        labels = np.zeros(10, dtype=np.int64)
+        built = False
+
+    monkeypatch.setattr(trainer.data, "get_source", lambda cfg, split: object())
+    monkeypatch.setattr(trainer.data, "load_or_build_cache", lambda *a, **k: Dec())
+    args = trainer.parse_args(["--batch", "16", "--resolution", "8", "--workdir", str(tmp_path)])
+    with pytest.raises(common.BenchError, match=r"--batch: 16: larger than the training split"):
+        next(trainer.fast_batches(args, torch.device("cpu"), {}))
+    args = trainer.parse_args(["--batch", "10", "--resolution", "8", "--workdir", str(tmp_path)])
+    x, y = next(trainer.fast_batches(args, torch.device("cpu"), {}))
+    assert x.shape[0] == 10
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--modes", "fast", "--data-dir", "/nonexistent"], "/nonexistent"),
+        (["--modes", "classic", "--data-dir", "/nonexistent"], "/nonexistent"),
+        (["--modes", "bogus"], "--modes: 'bogus'"),
+        (["--modes", "synthetic", "--json", "/nonexistent/r.json"], "--json: /nonexistent/r.json"),
+    ],
+)
+def test_trainer_bad_input_is_one_line(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trainer = _bench_module("trainer")
+    argv = [*argv, "--device", "cpu", "--workdir", str(tmp_path), "--steps", "1", "--warmup", "0"]
+    assert trainer.main(argv) == 2
+    assert says in _one_line_error(capsys.readouterr().err, "trainer.py")
+
+
+def test_trainer_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert _bench_module("trainer").main(["--device", "cuda", "--modes", "synthetic"]) == 2
+    assert "CUDA" in _one_line_error(capsys.readouterr().err, "trainer.py")
