@@ -107,7 +107,7 @@ def test_trainer_refuses_a_batch_larger_than_the_training_split(
     with pytest.raises(common.BenchError, match=r"--batch: 16: larger than the training split"):
         next(trainer.fast_batches(args, torch.device("cpu"), {}))
     args = trainer.parse_args(["--batch", "10", "--resolution", "8", "--workdir", str(tmp_path)])
-    x, y = next(trainer.fast_batches(args, torch.device("cpu"), {}))
+    x, _ = next(trainer.fast_batches(args, torch.device("cpu"), {}))
     assert x.shape[0] == 10
 
 
