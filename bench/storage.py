@@ -3,7 +3,7 @@
 Each worker process runs trials of a dummy trainer (no training: it reports `--epochs`
 values at once) for `--seconds`, against a fresh database. Two modes, same study, same
 sampler and pruner, same work per trial (ask, suggest the study's params, report + should_prune
-per epoch, tell):
+per epoch but no should_prune at the last, as hpsearch's worker, tell):
 
   plain     a hand-written Optuna ask/tell loop per process on RDBStorage (the baseline)
   hpsearch  hpsearch's worker loop (`run_worker`): exact trial budget, heartbeats, stale-trial
@@ -169,7 +169,7 @@ def _plain_loop(
             value = min(1.0, float(params.get("lr", 0.1)) * epoch)
             t0 = time.perf_counter()
             trial.report(value, epoch)
-            prune = trial.should_prune()
+            prune = not last_epoch(epoch, cfg) and trial.should_prune()
             lat["report"].append(time.perf_counter() - t0)
             if prune:
                 state = optuna.trial.TrialState.PRUNED
@@ -182,6 +182,13 @@ def _plain_loop(
         lat["tell"].append(time.perf_counter() - t0)
         n += 1
     return n
+
+
+def last_epoch(epoch: int, cfg: Any) -> bool:
+    """The last epoch's value is recorded but not judged, as hpsearch's worker does
+    (search/reporting.py `TrialReports`, `last_step`): both modes then prune alike and make
+    the same round trips per trial."""
+    return epoch >= cfg.budget.max_epochs
 
 
 def _hpsearch_worker(
