@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -136,3 +140,52 @@ def test_trainer_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> No
         pytest.skip("a GPU is visible")
     assert _bench_module("trainer").main(["--device", "cuda", "--modes", "synthetic"]) == 2
     assert "CUDA" in _one_line_error(capsys.readouterr().err, "trainer.py")
+
+
+PG = os.environ.get("HPSEARCH_BENCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
+
+
+def _pg_databases(prefix: str) -> list[str] | None:
+    """The databases named PREFIX*, or None when PostgreSQL is not reachable."""
+    try:
+        import psycopg2
+
+        conn = psycopg2.connect(f"{PG}/postgres", connect_timeout=3)
+    except Exception:
+        return None
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT datname FROM pg_database WHERE datname LIKE %s", (prefix + "%",))
+            return [row[0] for row in cur.fetchall()]
+    finally:
+        conn.close()
+
+
+@pytest.mark.skipif(_pg_databases("") is None, reason=f"needs PostgreSQL at {PG}")
+def test_storage_cleans_up_on_sigterm(tmp_path: Path) -> None:
+    """`timeout 10 storage.py ...` left its database and temp folder behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "storage.py"), "--pg", PG, "--workers", "2",
+         "--seconds", "60", "--modes", "hpsearch"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    db = f"hpsearch_bench_storage_{proc.pid}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (_pg_databases(db) and any(tmp.iterdir())):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(2.0)  # the workers running
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
+    assert err.strip() == "bench/storage.py: interrupted"
+    assert _pg_databases(db) == []
+    assert list(tmp.iterdir()) == []
