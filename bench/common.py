@@ -103,6 +103,23 @@ def check_output_path(value: str | None, option: str = "--json") -> None:
         raise BenchError(f"{option}: {value}: not writable")
 
 
+def jsonable(obj: Any) -> Any:
+    """NaN and infinities -> null, so that the file is strict JSON (json.dumps writes NaN,
+    which strict parsers refuse)."""
+    if isinstance(obj, float):
+        return None if math.isnan(obj) or math.isinf(obj) else obj
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+def write_json(path: str | Path, record: Any) -> None:
+    """`record` as strict JSON (see `jsonable`), indented."""
+    Path(path).write_text(json.dumps(jsonable(record), indent=2, default=str))
+
+
 def default_data_dir() -> str:
     return os.environ.get("HPSEARCH_DATA_DIR") or str(REPO.parent / "shared" / "datasets")
 

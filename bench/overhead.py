@@ -63,6 +63,7 @@ from common import (
     create_database,
     database_of,
     drop_database,
+    jsonable,
     percentile,
     pg_version,
     positive_float,
@@ -188,17 +189,6 @@ def pair(s: dict[str, Any] | None, digits: int) -> str:
     if not s or not s["n"]:
         return "n/a"
     return f"{fmt(s['p50'], digits)} / {fmt(s['p99'], digits)}"
-
-
-def jsonable(obj: Any) -> Any:
-    """NaN -> null, so that the file is strict JSON."""
-    if isinstance(obj, float):
-        return None if math.isnan(obj) or math.isinf(obj) else obj
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [jsonable(v) for v in obj]
-    return obj
 
 
 # --------------------------------------------------------------------------- PostgreSQL

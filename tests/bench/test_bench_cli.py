@@ -189,3 +189,36 @@ def test_storage_cleans_up_on_sigterm(tmp_path: Path) -> None:
     assert err.strip() == "bench/storage.py: interrupted"
     assert _pg_databases(db) == []
     assert list(tmp.iterdir()) == []
+
+
+def test_tracking_writes_strict_json_and_only_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its JSON had NaN (the `none` mode has no delivery latencies), which strict parsers
+    refuse; without --json it wrote bench-tracking.json into the current folder unasked."""
+    import json
+
+    tracking = _bench_module("tracking")
+    common = sys.modules["common"]
+    assert tracking.parse_args([]).json is None
+    out = tmp_path / "t.json"
+    common.write_json(out, {"latency": tracking.summary_ms([]), "n": [1.5, float("inf")]})
+
+    def refuse(constant: str) -> None:
+        raise ValueError(constant)
+
+    record = json.loads(out.read_text(), parse_constant=refuse)
+    assert record["latency"]["p50"] is None and record["n"] == [1.5, None]
+    # an unwritable --json is found before the MLflow server starts, not after the run
+    assert tracking.main(["--json", str(tmp_path / "no" / "t.json")]) == 2
+    assert "--json" in _one_line_error(capsys.readouterr().err, "tracking.py")
+
+
+def test_stored_results_are_strict_json() -> None:
+    import json
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    for path in sorted((BENCH / "results").glob("*.json")):
+        json.loads(path.read_text(), parse_constant=refuse)
