@@ -783,10 +783,6 @@ class SharedServer:
     def is_running(self) -> bool:
         return _group_alive(self.pgid)
 
-    @property
-    def port(self) -> int:
-        return int(urlsplit(self.url).port or 0)
-
     def release(self, timeout_s: float = 10.0) -> Leave:
         """Leave the server; the last user to leave stops it."""
         return leave_server(self.workdir, self.pid, self.pgid, timeout_s)
@@ -871,14 +867,13 @@ def join_server(workdir: Path) -> SharedServer | None:
 
 
 def restart_server(
-    dead: LocalServer | SharedServer, give_up: Callable[[], bool] = lambda: False
+    dead: LocalServer, give_up: Callable[[], bool] = lambda: False
 ) -> LocalServer | SharedServer | None:
     """Start a server of this process's that died again, on its port (the URI its users
-    were given), under the store's lock; or one it joined (a killed launch's, whose
-    starter is gone), once its whole process group is gone. Another user may have started
-    one first: it is joined. The dead one's other live users (another launch, `hpsearch
-    ui`, a standalone worker) stay users of the new one, so that whoever leaves last stops
-    it. None when `give_up()` says so once the lock is held (the launch is stopping)."""
+    were given), under the store's lock. Another user may have started one first: it is
+    joined. The dead one's other live users (another launch, `hpsearch ui`, a standalone
+    worker) stay users of the new one, so that whoever leaves last stops it. None when
+    `give_up()` says so once the lock is held (the launch is stopping)."""
     workdir = dead.workdir
     with store_lock(workdir):
         if give_up():
@@ -896,21 +891,17 @@ def restart_server(
                         f"another MLflow server of {workdir} started at {joined.url} while "
                         f"{dead.url}, which this launch's workers log to, was down"
                     )
-                if isinstance(dead, LocalServer):
-                    _LIVE.discard(dead)
+                _LIVE.discard(dead)
                 return joined
         others = (
             [u for u in _live_users(old) if u[0] != os.getpid()]
             if isinstance(old, dict) and old.get("pid") == dead.pid
             else []
         )
-        if isinstance(dead, LocalServer) and dead.group_alive():  # a child may hold the port
+        if dead.group_alive():  # what is left of it (a child may hold the port)
             dead.stop()
-        elif isinstance(dead, SharedServer) and dead.is_running():
-            raise TrackingError(f"the MLflow server of {workdir} at {dead.url} still runs")
         else:  # nothing to signal: its group id may be another process's by now
-            if isinstance(dead, LocalServer):
-                _LIVE.discard(dead)
+            _LIVE.discard(dead)
             _remove_state(workdir, dead.pid)
         server = start_local_server(workdir, port=dead.port)
         if others:  # best effort: the server runs either way, and is this process's to stop
