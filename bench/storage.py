@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import signal
 import sys
 import tempfile
 import time
@@ -44,6 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common import (  # noqa: E402
+    BenchError,
+    check_output_path,
     create_database,
     drop_database,
     nonnegative_float,
@@ -51,6 +54,7 @@ from common import (  # noqa: E402
     pg_version,
     positive_float,
     positive_int,
+    run_main,
 )
 from hpsearch.config import load_config  # noqa: E402
 from hpsearch.storage import StorageSpec, normalize_url  # noqa: E402
@@ -113,9 +117,19 @@ def dummy_train(
 # --- one worker process of each mode ------------------------------------------------------
 
 
+def _leave_stops_to_the_bench() -> None:
+    """A forked worker ignores Ctrl-C (the terminal sends it to the whole group) and takes
+    SIGTERM's default: the bench, which gets them too, kills its workers, then drops the
+    database and the temp folder; a worker's own KeyboardInterrupt would only print a
+    traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _plain_worker(
     url: str, cfg: Any, stream: int, start_at: float, seconds: float, out: Any
 ) -> None:
+    _leave_stops_to_the_bench()
     lat: dict[str, list[float]] = {"ask": [], "report": [], "tell": []}
     began = [time.monotonic()]  # from the start barrier once there, as the hpsearch side
     n = 0
@@ -196,6 +210,7 @@ def _hpsearch_worker(
 ) -> None:
     from hpsearch.worker import STALE, WorkerOptions, run_worker
 
+    _leave_stops_to_the_bench()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     opts = WorkerOptions(
         workdir=Path(workdir),
@@ -256,14 +271,12 @@ def collect(procs: list[Any], out: Any, limit_s: float) -> list[dict[str, Any]]:
 
 
 def run_one(args: argparse.Namespace, mode: str, workers: int) -> dict[str, Any]:
-    cfg = load_config(
-        args.study,
-        overrides=[f"budget.max_epochs={args.epochs}", "budget.n_trials=1000000"],
-    )
+    cfg = study_config(args)
     db = f"hpsearch_bench_storage_{os.getpid()}"
-    url = normalize_url(create_database(args.pg, db))
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
+    engine = None
+    try:  # from the CREATE on: a stop in between still drops the database
+        url = normalize_url(create_database(args.pg, db))
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         create_or_load(cfg, optuna.storages.RDBStorage(url))  # schema + study, untimed
         ctx = mp.get_context("fork")
@@ -312,7 +325,8 @@ def run_one(args: argparse.Namespace, mode: str, workers: int) -> dict[str, Any]
                 ).fetchall()
             )
     finally:
-        engine.dispose()
+        if engine is not None:
+            engine.dispose()
         drop_database(args.pg, db)
     return make_row(mode, workers, results, lat, {str(k): int(v) for k, v in states.items()})
 
@@ -360,10 +374,27 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ[EPOCH_S_ENV] = str(args.epoch_s)
+    # Ctrl-C or SIGTERM (`timeout`): KeyboardInterrupt unwinds run_one, whose `finally`
+    # blocks kill the workers, remove the temp folder and drop the database.
+    return run_main("storage.py", lambda: bench(args))
+
+
+def study_config(args: argparse.Namespace) -> Any:
+    """The study with the bench's budget: every trial `--epochs` reports, no trial cap."""
+    return load_config(
+        args.study, overrides=[f"budget.max_epochs={args.epochs}", "budget.n_trials=1000000"]
+    )
+
+
+def bench(args: argparse.Namespace) -> int:
+    check_output_path(args.json)
     if bad := [m for m in args.modes if m not in ("plain", "hpsearch")]:
-        print(f"--modes: {bad[0]!r}: must be plain or hpsearch", file=sys.stderr)
-        return 2
+        raise BenchError(f"--modes: {bad[0]!r}: must be plain or hpsearch")
+    if not args.pg.startswith(("postgresql://", "postgres://")):
+        raise BenchError(f"--pg: {args.pg!r}: expected postgresql://user@host:port")
+    study_config(args)  # a bad study or override: said before any database is made
+    pg_version(args.pg)  # an unreachable server likewise
+    os.environ[EPOCH_S_ENV] = str(args.epoch_s)
     rows: list[dict[str, Any]] = []
     for workers in args.workers:
         for mode in args.modes:
