@@ -60,6 +60,7 @@ from common import (
     BenchError,
     CpuSampler,
     cache_sizes,
+    check_output_path,
     create_database,
     database_of,
     drop_database,
@@ -68,6 +69,7 @@ from common import (
     pg_version,
     positive_float,
     positive_int,
+    run_main,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -939,6 +941,7 @@ def bench(args: argparse.Namespace) -> int:
         cfg = load_config(study_file, overrides, data_dir=args.data_dir)
     except HpsearchError as exc:
         raise BenchError(str(exc)) from exc
+    check_output_path(args.json_path)
     if not Path(args.data_dir).is_dir():
         raise BenchError(f"--data-dir: {args.data_dir}: no such folder (it holds flowers-102/)")
     pg_version(args.pg)  # fail fast, before anything is started
@@ -1093,33 +1096,14 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-_interrupted = False  # a SIGTERM was turned into KeyboardInterrupt
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM (`timeout ... overhead.py`) as Ctrl-C: KeyboardInterrupt unwinds `bench`, whose
-    handlers stop the launch or plain loops and whose `finally` stops the MLflow server, drops
-    the databases and removes the temp folder. Once only: a second SIGTERM (timeout's) must
-    not cut that clean-up short; SIGKILL still ends the bench."""
-    global _interrupted
-    if not _interrupted:
-        _interrupted = True
-        raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args.child)  # the parent stops its children (their own sessions)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        return bench(args)
-    except BenchError as exc:
-        print(f"bench/overhead.py: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench/overhead.py: interrupted", file=sys.stderr)
-        return 130
+    # SIGTERM (`timeout ... overhead.py`) as Ctrl-C, once (common.run_main): KeyboardInterrupt
+    # unwinds `bench`, whose handlers stop the launch or plain loops and whose `finally` stops
+    # the MLflow server, drops the databases and removes the temp folder.
+    return run_main("overhead.py", lambda: bench(args))
 
 
 if __name__ == "__main__":

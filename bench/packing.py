@@ -59,6 +59,7 @@ from typing import Any
 from common import (
     BenchError,
     GpuWatch,
+    check_output_path,
     default_data_dir,
     environment,
     fmt,
@@ -412,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     # work folder is removed (run_launch's own handler covers only its launch).
     signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     try:
+        check_output_path(args.json_path)  # before the work, not after it
         device = resolve_device(args.device)
         # no enqueued trial of the study's: every trial trains the pinned values
         base_cfg = load_study_config(args.study, ["enqueue_trials=[]", *args.overrides],

@@ -53,6 +53,7 @@ from typing import Any
 from common import (
     BenchError,
     GpuWatch,
+    check_output_path,
     default_data_dir,
     environment,
     fmt,
@@ -253,6 +254,7 @@ def test_accuracy(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_output_path(args.json_path)  # before the work, not after it
         device = resolve_device(args.device)
         cfg = load_study_config(args.study, args.overrides, args.data_dir)
     except (BenchError, HpsearchError) as exc:

@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from common import (
+    BenchError,
+    check_output_path,
     classify,
     database_of,
     nonnegative_int,
@@ -43,6 +45,7 @@ from common import (
     parse_stat,
     positive_float,
     process_table,
+    run_main,
 )
 
 PROC = Path("/proc")
@@ -153,6 +156,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    return run_main("threads.py", lambda: bench(args))
+
+
+def bench(args: argparse.Namespace) -> int:
+    check_output_path(args.json)
     spy = None if args.no_names else shutil.which("py-spy")
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "spy.txt"
@@ -165,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
         sampler = Sampler(args.interval, list(args.pid), databases)
         t0 = time.perf_counter()
-        child = subprocess.Popen(cmd)
+        try:
+            child = subprocess.Popen(cmd)
+        except OSError as exc:  # no such command, not executable
+            raise BenchError(f"{args.command[0]}: cannot run: {exc.strerror}") from None
         sampler.start(child.pid)
         code = child.wait()
         wall = time.perf_counter() - t0

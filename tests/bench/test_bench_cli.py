@@ -222,3 +222,32 @@ def test_stored_results_are_strict_json() -> None:
 
     for path in sorted((BENCH / "results").glob("*.json")):
         json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.mark.parametrize(
+    ("script", "argv"),
+    [
+        ("overhead", ["--study", "tiny", "--device", "cpu"]),
+        ("packing", ["--device", "cpu"]),
+        ("study", ["--device", "cpu"]),
+        ("storage", ["--workers", "1"]),
+        ("trainer", ["--device", "cpu"]),
+        ("threads", ["--no-names"]),
+    ],
+)
+def test_an_unwritable_json_path_is_refused_before_any_work(
+    script: str, argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found only at the end before, as a FileNotFoundError traceback after minutes of work."""
+    bad = str(tmp_path / "missing" / "r.json")
+    full = [*argv, "--json", bad] + (["--", "true"] if script == "threads" else [])
+    assert _bench_module(script).main(full) == 2
+    err = capsys.readouterr().err
+    assert f"--json: {bad}: no such folder" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1
+
+
+def test_threads_with_a_command_that_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _bench_module("threads").main(["--no-names", "--", "/nonexistent/cmd"]) == 2
+    line = _one_line_error(capsys.readouterr().err, "threads.py")
+    assert "/nonexistent/cmd: cannot run: No such file or directory" in line
