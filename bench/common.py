@@ -38,6 +38,11 @@ from optuna.exceptions import ExperimentalWarning
 warnings.filterwarnings("ignore", category=ExperimentalWarning)
 
 REPO = Path(__file__).resolve().parents[1]
+# Seconds a launch gets after the bench's first SIGTERM (Ctrl-C or the bench's own SIGTERM)
+# before the second, which kills its workers: time for a running epoch's checkpoint, the
+# workers' exit and the launch's clean-up (its temp folders, e.g. the worker's
+# $TMPDIR/hpsearch-artifacts-*). 1 s cut that short and left such folders behind.
+STOP_GRACE_S = 8.0
 # Variables that would point a launch at the user's own storage, tracking server or work folder.
 PRIVATE_ENV = ("HPSEARCH_STORAGE", "MLFLOW_TRACKING_URI", "HPSEARCH_WORKDIR")
 
@@ -358,7 +363,8 @@ def run_launch(
     At `hard_stop_s` seconds the bench does what Ctrl-C does: SIGTERM (running trials
     checkpoint at their next epoch and are re-queued), a second SIGTERM `kill_grace_s` later
     (workers killed), then SIGKILL. Ctrl-C or SIGTERM to the bench (`timeout`) stops the
-    launch at once the same way before the bench exits, so that no worker outlives it;
+    launch the same way before the bench exits (the second SIGTERM `STOP_GRACE_S` after the
+    first), so that no worker outlives it;
     then KeyboardInterrupt is raised, or with `keep_on_interrupt` the run is returned marked
     `interrupted`, so that what the study finished can still be read and written.
     """
@@ -384,7 +390,8 @@ def run_launch(
             try:
                 _supervise(proc, log, t0, hard_stop_s, kill_grace_s, stops, echo)
             except KeyboardInterrupt:
-                for grace in (1.0, 10.0, 0.0):  # graceful, kill workers, kill the launcher
+                # graceful, kill workers, kill the launcher
+                for grace in (STOP_GRACE_S, 10.0, 0.0):
                     _signal(proc, stops)
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(timeout=grace)

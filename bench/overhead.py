@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from common import (
+    STOP_GRACE_S,
     BenchError,
     CpuSampler,
     cache_sizes,
@@ -336,9 +337,11 @@ class Proc:
 
     def stop_now(self) -> None:
         """Ctrl-C or SIGTERM to the bench, as common.run_launch stops a launch: SIGTERM to the
-        child's group (graceful), a second one 1 s later (the launcher kills its workers at
-        once), SIGKILL to the group 10 s after that. A plain loop dies at the first."""
-        for sig, grace_s in ((signal.SIGTERM, 1.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        child's group (graceful), a second one `STOP_GRACE_S` later (the launcher kills its
+        workers at once), SIGKILL to the group 10 s after that. A plain loop dies at the
+        first."""
+        steps = ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0))
+        for sig, grace_s in steps:
             if self.popen.poll() is not None:
                 return
             with contextlib.suppress(ProcessLookupError):

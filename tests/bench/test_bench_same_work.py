@@ -108,3 +108,35 @@ def test_overhead_gives_no_verdict_when_the_sides_did_different_work(
     assert overhead.like_for_like([unlike], 2) is not None
     assert overhead.verdict(2.0, None) == "MISSED"
     assert overhead.verdict(2.0, why).startswith("none: not like for like")
+
+
+def test_a_stopped_launch_gets_its_grace_before_the_second_sigterm(tmp_path: Path) -> None:
+    """The bench sent its second SIGTERM 1 s after the first, cutting the launch's graceful
+    stop short (its worker's $TMPDIR/hpsearch-artifacts-* folder was left behind). A child
+    that takes 2 s to stop cleanly now gets one SIGTERM only."""
+    import os
+
+    overhead = _bench_module("overhead")
+    assert overhead.STOP_GRACE_S >= 5.0
+    seen = tmp_path / "seen"
+    child = (
+        "import signal, sys, time\n"
+        "n = 0\n"
+        "def on_term(signum, frame):\n"
+        "    global n\n"
+        "    n += 1\n"
+        f"    open({str(seen)!r}, 'a').write('T')\n"
+        "    if n > 1: sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "print('ready', flush=True)\n"
+        "while n == 0: time.sleep(0.05)\n"
+        "time.sleep(2.0)  # the graceful stop: a checkpoint, the workers' exit, clean-up\n"
+    )
+    proc = overhead.Proc.start([sys.executable, "-c", child], dict(os.environ), tmp_path,
+                               tmp_path / "log")  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not proc.lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.stop_now()
+    assert proc.popen.returncode == 0
+    assert seen.read_text() == "T"
