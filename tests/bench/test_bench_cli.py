@@ -30,7 +30,11 @@ def _bench_module(name: str) -> ModuleType:
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[key] = module
-        spec.loader.exec_module(module)
+        path = list(sys.path)
+        try:
+            spec.loader.exec_module(module)
+        finally:  # storage.py puts the repository first: `tracking` would be its package
+            sys.path[:] = path
     return sys.modules[key]
 
 
