@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import platform
 import re
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -37,12 +38,91 @@ from optuna.exceptions import ExperimentalWarning
 warnings.filterwarnings("ignore", category=ExperimentalWarning)
 
 REPO = Path(__file__).resolve().parents[1]
+# Seconds a launch gets after the bench's first SIGTERM (Ctrl-C or the bench's own SIGTERM)
+# before the second, which kills its workers: time for a running epoch's checkpoint, the
+# workers' exit and the launch's clean-up (its temp folders, e.g. the worker's
+# $TMPDIR/hpsearch-artifacts-*). 1 s cut that short and left such folders behind.
+STOP_GRACE_S = 8.0
 # Variables that would point a launch at the user's own storage, tracking server or work folder.
 PRIVATE_ENV = ("HPSEARCH_STORAGE", "MLFLOW_TRACKING_URI", "HPSEARCH_WORKDIR")
 
 
 class BenchError(Exception):
     """Bad input or a failed run: one line on stderr, exit code 2."""
+
+
+def run_main(script: str, main: Callable[[], int], stop_on_sigterm: bool = True) -> int:
+    """Run a bench's `main` with the benches' handling of bad input and stops:
+
+    - BenchError or an hpsearch error (a bad study, no such dataset, no GPU): one line
+      "bench/SCRIPT: error: ..." on stderr, exit code 2, no traceback;
+    - Ctrl-C, or SIGTERM (`timeout`) turned into KeyboardInterrupt once (`stop_on_sigterm`),
+      so that the `finally` blocks on the way out (a database dropped, a temp folder removed,
+      children stopped) run: one line, exit code 130. A second SIGTERM is ignored while that
+      clean-up runs; SIGKILL still ends the bench."""
+    from hpsearch.errors import HpsearchError
+
+    previous = signal.getsignal(signal.SIGTERM)
+    if stop_on_sigterm:
+        signal.signal(signal.SIGTERM, _sigterm_once)
+    try:
+        return main()
+    except (BenchError, HpsearchError) as exc:
+        print(f"bench/{script}: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"bench/{script}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if stop_on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (a pydantic or psycopg2 message spans several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+_sigterm_seen = False
+
+
+def _sigterm_once(signum: int, frame: Any) -> None:
+    global _sigterm_seen
+    if not _sigterm_seen:
+        _sigterm_seen = True
+        raise KeyboardInterrupt
+
+
+def check_output_path(value: str | None, option: str = "--json") -> None:
+    """A results file the bench will write at its end: its folder must exist and be
+    writable now, not after minutes of work (BenchError otherwise)."""
+    if value is None:
+        return
+    path = Path(value)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise BenchError(f"{option}: {value}: is a folder (give a file name)")
+    if not folder.is_dir():
+        raise BenchError(f"{option}: {value}: no such folder {str(folder)!r}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise BenchError(f"{option}: {value}: not writable")
+
+
+def jsonable(obj: Any) -> Any:
+    """NaN and infinities -> null, so that the file is strict JSON (json.dumps writes NaN,
+    which strict parsers refuse)."""
+    if isinstance(obj, float):
+        return None if math.isnan(obj) or math.isinf(obj) else obj
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+def write_json(path: str | Path, record: Any) -> None:
+    """`record` as strict JSON (see `jsonable`), indented."""
+    Path(path).write_text(json.dumps(jsonable(record), indent=2, default=str))
 
 
 def default_data_dir() -> str:
@@ -55,6 +135,55 @@ def parse_workers(value: str) -> str:
     if text == "auto" or (text.isdigit() and int(text) >= 1):
         return text
     raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= 1 or auto")
+
+
+def positive_int(value: str) -> int:
+    """argparse type of a count: a whole number >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= 1") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 1")
+    return number
+
+
+def nonnegative_int(value: str) -> int:
+    """argparse type of a count that may be 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= 0") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 0")
+    return number
+
+
+def _finite(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a number") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a finite number")
+    return number
+
+
+def positive_float(value: str) -> float:
+    """argparse type of a duration or period: a number > 0 (0 would mean "no limit" to some
+    of what it is passed to, e.g. a worker's timeout_s)."""
+    number = _finite(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be greater than 0")
+    return number
+
+
+def nonnegative_float(value: str) -> float:
+    """argparse type of a duration that may be 0."""
+    number = _finite(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 0")
+    return number
 
 
 def resolve_device(name: str) -> str:
@@ -234,7 +363,8 @@ def run_launch(
     At `hard_stop_s` seconds the bench does what Ctrl-C does: SIGTERM (running trials
     checkpoint at their next epoch and are re-queued), a second SIGTERM `kill_grace_s` later
     (workers killed), then SIGKILL. Ctrl-C or SIGTERM to the bench (`timeout`) stops the
-    launch at once the same way before the bench exits, so that no worker outlives it;
+    launch the same way before the bench exits (the second SIGTERM `STOP_GRACE_S` after the
+    first), so that no worker outlives it;
     then KeyboardInterrupt is raised, or with `keep_on_interrupt` the run is returned marked
     `interrupted`, so that what the study finished can still be read and written.
     """
@@ -260,7 +390,8 @@ def run_launch(
             try:
                 _supervise(proc, log, t0, hard_stop_s, kill_grace_s, stops, echo)
             except KeyboardInterrupt:
-                for grace in (1.0, 10.0, 0.0):  # graceful, kill workers, kill the launcher
+                # graceful, kill workers, kill the launcher
+                for grace in (STOP_GRACE_S, 10.0, 0.0):
                     _signal(proc, stops)
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(timeout=grace)
@@ -521,19 +652,94 @@ def drop_database(base: str, name: str) -> None:
 # --------------------------------------------------------------------------- CPU accounting
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+PROC = Path("/proc")
 
 
-def _proc_cpu(pid: int) -> tuple[float, str] | None:
-    """(user + system CPU seconds, cmdline) of a live process; None once it is gone."""
+@dataclass(frozen=True)
+class ProcInfo:
+    """One process as /proc shows it."""
+
+    ppid: int
+    start: int  # clock ticks after boot: (pid, start) names a process, a pid alone is reused
+    cpu_s: float  # user + system CPU seconds so far
+    cmd: str  # command line, or "(comm)" once it exits (its cmdline then reads empty)
+
+
+def parse_stat(stat: str) -> tuple[int, int, float]:
+    """(ppid, start ticks, user + system CPU s) from a /proc/PID/stat or task/TID/stat line."""
+    fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": field 3 is fields[0]
+    return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def read_process(pid: int, proc: Path = PROC) -> ProcInfo | None:
+    """The process `pid`, or None once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read().decode(errors="replace")
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        stat = (proc / str(pid) / "stat").read_bytes().decode(errors="replace")
+        raw = (proc / str(pid) / "cmdline").read_bytes()
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK, cmd or stat.split()[1]
+    try:
+        ppid, start, cpu = parse_stat(stat)
+    except (IndexError, ValueError):  # torn or not a stat line
+        return None
+    cmd = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    return ProcInfo(ppid, start, cpu, cmd or stat[stat.find("(") : stat.rfind(")") + 1])
+
+
+def process_table(proc: Path = PROC) -> dict[int, ProcInfo]:
+    """Every process now running, by pid."""
+    try:
+        pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+    except OSError:  # no /proc (not Linux): nothing is counted
+        return {}
+    table = {}
+    for pid in pids:
+        info = read_process(pid, proc)
+        if info is not None:
+            table[pid] = info
+    return table
+
+
+def serves_database(cmd: str, databases: Sequence[str]) -> bool:
+    """Whether `cmd` is the process title of a PostgreSQL backend connected to one of
+    `databases`: "postgres: [CLUSTER: ]USER DATABASE HOST(PORT) STATE"."""
+    if not databases or not cmd.startswith("postgres: "):
+        return False
+    words = cmd.split()[1:]
+    if words and words[0].endswith(":"):  # cluster_name (Debian's "15/main:")
+        words = words[1:]
+    return len(words) >= 2 and words[1] in databases
+
+
+def own_processes(
+    table: Mapping[int, ProcInfo], roots: Sequence[int], databases: Sequence[str] = ()
+) -> set[int]:
+    """The pids in `table` that a bench run owns: the descendants of `roots` (not the roots
+    themselves) and the PostgreSQL backends serving its `databases`. Every other process on
+    the machine (a CI, another user's jobs, other databases' backends, PostgreSQL's shared
+    background processes) is left out."""
+    children: dict[int, list[int]] = {}
+    for pid, info in table.items():
+        children.setdefault(info.ppid, []).append(pid)
+    out: set[int] = set()
+    todo = [c for r in roots for c in children.get(r, [])]
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo += children.get(pid, [])
+    out |= {pid for pid, info in table.items() if serves_database(info.cmd, databases)}
+    return out
+
+
+def database_of(url: str) -> str | None:
+    """The database a postgresql:// URL names, if any."""
+    from urllib.parse import urlsplit
+
+    if not url.startswith(("postgresql", "postgres:")):
+        return None
+    name = urlsplit(url).path.strip("/")
+    return name or None
 
 
 def classify(cmd: str) -> str:
@@ -554,41 +760,44 @@ def classify(cmd: str) -> str:
 
 
 class CpuSampler:
-    """CPU seconds by process role (see `classify`) over a span of time: a thread samples
-    /proc every `interval_s`. A process that exits between samples loses at most that much
-    of its CPU; long-lived ones (PostgreSQL, an MLflow server) are counted exactly as the
-    difference across the span. Linux only; elsewhere `totals()` is empty."""
+    """CPU seconds by process role (see `classify`) over a span of time, of the bench's own
+    processes only (`own_processes`: the descendants of this process, so the launcher, its
+    workers and their helpers, the plain loops and the MLflow server the bench started, and
+    the PostgreSQL backends serving `databases`): a thread samples /proc every `interval_s`.
+    A process that exits between samples loses at most that much of its CPU; long-lived ones
+    (an MLflow server, a backend) are counted exactly as the difference across the span. A
+    process once seen as the bench's stays counted when its parent exits (reparented).
+    Linux only; elsewhere `totals()` is empty."""
 
-    def __init__(self, interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        interval_s: float = 0.2,
+        databases: Sequence[str] = (),
+        proc: Path = PROC,
+        root: int | None = None,  # whose descendants count (default: this process)
+    ) -> None:
         self.interval_s = interval_s
-        self._base: dict[int, float] = {}
-        self._last: dict[int, tuple[float, str]] = {}
+        self.databases = tuple(databases)
+        self._proc = proc
+        self._root = os.getpid() if root is None else root
+        self._base: dict[tuple[int, int], float] = {}  # (pid, start) -> CPU s at start()
+        self._last: dict[tuple[int, int], tuple[float, str]] = {}  # the bench's, last seen
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._own = os.getpid()
-
-    def _pids(self) -> list[int]:
-        try:
-            return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-        except OSError:
-            return []
 
     def _sample(self) -> None:
-        for pid in self._pids():
-            if pid == self._own:
-                continue
-            got = _proc_cpu(pid)
-            if got is not None:
-                known = self._last.get(pid)
+        table = process_table(self._proc)
+        mine = own_processes(table, [self._root], self.databases)
+        for pid, info in table.items():
+            key = (pid, info.start)
+            if pid in mine or key in self._last:
+                known = self._last.get(key)
                 # An exiting process's cmdline reads empty: keep the one seen while it ran.
-                cmd = known[1] if known is not None and got[1].startswith("(") else got[1]
-                self._last[pid] = (got[0], cmd)
+                cmd = known[1] if known is not None and info.cmd.startswith("(") else info.cmd
+                self._last[key] = (info.cpu_s, cmd)
 
     def start(self) -> CpuSampler:
-        for pid in self._pids():
-            got = _proc_cpu(pid)
-            if got is not None:
-                self._base[pid] = got[0]
+        self._base = {(pid, i.start): i.cpu_s for pid, i in process_table(self._proc).items()}
 
         def loop() -> None:
             while not self._stop.wait(self.interval_s):
@@ -607,9 +816,9 @@ class CpuSampler:
 
     def totals(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for pid, (cpu, cmd) in self._last.items():
+        for key, (cpu, cmd) in self._last.items():
             role = classify(cmd)
-            spent = cpu - self._base.get(pid, 0.0)
+            spent = cpu - self._base.get(key, 0.0)
             if spent > 0:
                 out[role] = out.get(role, 0.0) + spent
         return {k: round(v, 2) for k, v in sorted(out.items())}

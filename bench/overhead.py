@@ -57,13 +57,20 @@ from pathlib import Path
 from typing import Any
 
 from common import (
+    STOP_GRACE_S,
     BenchError,
     CpuSampler,
     cache_sizes,
+    check_output_path,
     create_database,
+    database_of,
     drop_database,
+    jsonable,
     percentile,
     pg_version,
+    positive_float,
+    positive_int,
+    run_main,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,9 +107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="override a study field, both sides (repeatable)",
     )
-    p.add_argument("--trials", type=int, default=None, help="trials per side (default: study's)")
-    p.add_argument("--epochs", type=int, default=None, help="budget.max_epochs (default: study's)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes per side")
+    p.add_argument(
+        "--trials", type=positive_int, default=None, help="trials per side (default: study's)"
+    )
+    p.add_argument(
+        "--epochs", type=positive_int, default=None, help="budget.max_epochs (default: study's)"
+    )
+    p.add_argument("--workers", type=positive_int, default=1, help="worker processes per side")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
         "--data-dir",
@@ -120,7 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=".hpsearch",
         help="the shared decoded-image cache lives in DIR/cache (built by the warm-up)",
     )
-    p.add_argument("--repeats", type=int, default=1, help="pairs of runs, order alternating")
+    p.add_argument(
+        "--repeats", type=positive_int, default=1, help="pairs of runs, order alternating"
+    )
     p.add_argument("--order", default="plain-first", choices=["plain-first", "hpsearch-first"])
     p.add_argument(
         "--plain-checkpoint",
@@ -128,17 +141,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the plain loop writes the trainer's per-epoch checkpoints too (isolates what "
         "fault tolerance costs from what coordination costs)",
     )
-    p.add_argument("--side-timeout", type=float, default=1800.0, help="seconds per side")
+    p.add_argument("--side-timeout", type=positive_float, default=1800.0, help="seconds per side")
     p.add_argument("--keep", action="store_true", help="keep the temp folder and databases")
     p.add_argument("--json", dest="json_path", default=None, help="write all numbers here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: a subprocess
     args = p.parse_args(argv)
-    for name in ("trials", "epochs", "workers", "repeats"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name}: {value}: must be at least 1")
-    if args.side_timeout <= 0:
-        p.error(f"--side-timeout: {args.side_timeout:g}: must be positive")
     if not args.pg.startswith(("postgresql://", "postgres://")):
         p.error(f"--pg: {args.pg!r}: expected postgresql://user@host:port")
     # The sides run in a scratch folder (cwd): a relative path would name another folder there.
@@ -187,17 +194,6 @@ def pair(s: dict[str, Any] | None, digits: int) -> str:
     return f"{fmt(s['p50'], digits)} / {fmt(s['p99'], digits)}"
 
 
-def jsonable(obj: Any) -> Any:
-    """NaN -> null, so that the file is strict JSON."""
-    if isinstance(obj, float):
-        return None if math.isnan(obj) or math.isinf(obj) else obj
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [jsonable(v) for v in obj]
-    return obj
-
-
 # --------------------------------------------------------------------------- PostgreSQL
 
 
@@ -207,6 +203,12 @@ def driver_url(url: str) -> str:
     from hpsearch.storage import normalize_url
 
     return normalize_url(url)
+
+
+def own_database(url: str) -> list[str]:
+    """The side's database, whose PostgreSQL backends the CPU figures count."""
+    name = database_of(url)
+    return [name] if name else []
 
 
 def init_schema(url: str) -> None:
@@ -335,9 +337,11 @@ class Proc:
 
     def stop_now(self) -> None:
         """Ctrl-C or SIGTERM to the bench, as common.run_launch stops a launch: SIGTERM to the
-        child's group (graceful), a second one 1 s later (the launcher kills its workers at
-        once), SIGKILL to the group 10 s after that. A plain loop dies at the first."""
-        for sig, grace_s in ((signal.SIGTERM, 1.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        child's group (graceful), a second one `STOP_GRACE_S` later (the launcher kills its
+        workers at once), SIGKILL to the group 10 s after that. A plain loop dies at the
+        first."""
+        steps = ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0))
+        for sig, grace_s in steps:
             if self.popen.poll() is not None:
                 return
             with contextlib.suppress(ProcessLookupError):
@@ -479,7 +483,7 @@ def run_hpsearch(
     for item in ctx["overrides"]:
         cmd += ["--set", item]
     spawned_at = time.time()
-    cpu = CpuSampler().start()
+    cpu = CpuSampler(databases=own_database(url)).start()
     proc = Proc.start(cmd, child_env(), root, root / f"hpsearch-{rep}.log")
     try:
         code = proc.wait(time.perf_counter() + args.side_timeout)
@@ -519,7 +523,7 @@ def run_plain(
     env = plain_env(w, ctx["device"])
     procs: list[Proc] = []
     spawned_at = time.time()
-    cpu = CpuSampler().start()
+    cpu = CpuSampler(databases=own_database(url)).start()
     t0 = time.perf_counter()
     try:
         for i, quota in enumerate(quotas):
@@ -629,15 +633,21 @@ def warmup(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def timed_report(trial: Any, sink: list[float]) -> Callable[[int, float], bool]:
-    """The trainer's report callback: trial.report + should_prune, timed into `sink` (ms)."""
+def timed_report(
+    trial: Any, sink: list[float], last_step: int | None = None
+) -> Callable[[int, float], bool]:
+    """The trainer's report callback: trial.report + should_prune, timed into `sink` (ms).
+
+    As hpsearch's worker (search/reporting.py `TrialReports`, `last_step`): the value of the
+    last epoch (budget.max_epochs) is recorded but never judged, so that both sides prune
+    alike: a trial pruned there had paid for every epoch already."""
 
     def report(epoch: int, value: float) -> bool:
         t = time.perf_counter()
         trial.report(value, epoch)
-        prune = bool(trial.should_prune())
+        prune = False if last_step is not None and epoch >= last_step else trial.should_prune()
         sink.append(1000.0 * (time.perf_counter() - t))
-        return prune
+        return bool(prune)
 
     return report
 
@@ -680,7 +690,7 @@ def plain_loop(spec: dict[str, Any]) -> dict[str, Any]:
         params = suggest(trial, cfg)
         t_setup = time.perf_counter()
         report_ms: list[float] = []
-        report = timed_report(trial, report_ms)
+        report = timed_report(trial, report_ms, last_step=cfg.budget.max_epochs)
         ckpt = None
         if spec["checkpoint"] and cfg.trainer.checkpoint:
             ckpt = workdir / "checkpoints" / f"trial-{trial.number:05d}.pt"
@@ -809,7 +819,42 @@ def compare_work(plain: Side, hps: Side) -> dict[str, Any]:
     }
 
 
-def print_table(stats: dict[str, dict[str, Any]], ratio: float | None) -> None:
+def like_for_like(runs: list[dict[str, Any]], workers: int = 1) -> str | None:
+    """None when every repeat's sides did the same work; else why their wall times do not
+    compare. One worker: the same trials in the same states, trial by trial. Several: the
+    order of the trials differs between the sides, so the counts of each state are compared."""
+    for r in runs:
+        plain, hps = r["plain"]["trials"], r["hpsearch"]["trials"]
+        if workers > 1:
+            counts = [
+                {s: sum(t["state"] == s for t in side) for s in ("complete", "pruned", "fail")}
+                for side in (plain, hps)
+            ]
+            if counts[0] != counts[1]:
+                return (
+                    f"repeat {r['repeat'] + 1}: the sides' trial states differ "
+                    f"(plain {counts[0]}, hpsearch {counts[1]})"
+                )
+            continue
+        same = r["same_work"]
+        n = max(len(plain), len(hps))
+        if same["trials_compared"] != n or same["same_state"] != n:
+            return (
+                f"repeat {r['repeat'] + 1}: the sides' trial states differ "
+                f"({same['same_state']}/{n} alike)"
+            )
+    return None
+
+
+def verdict(ratio: float | None, unlike: str | None) -> str:
+    if unlike is not None:
+        return f"none: not like for like, {unlike}"
+    return "n/a" if ratio is None else ("met" if ratio <= TARGET_RATIO else "MISSED")
+
+
+def print_table(
+    stats: dict[str, dict[str, Any]], ratio: float | None, unlike: str | None = None
+) -> None:
     p, h = stats["plain"], stats["hpsearch"]
 
     def row(label: str, pv: str, hv: str, extra: str = "") -> None:
@@ -843,12 +888,13 @@ def print_table(stats: dict[str, dict[str, Any]], ratio: float | None) -> None:
     for role in roles:
         row(f"CPU s: {role}", fmt(p["cpu_s"].get(role)), fmt(h["cpu_s"].get(role)))
     if roles:
-        # "other": processes on the host that are neither side's (the sampler reads all of
-        # /proc): noise, not part of either side's cost
-        tp, th = (sum(v or 0 for k, v in s["cpu_s"].items() if k != "other") for s in (p, h))
+        # every role: the sampler counts only the bench's own processes (common.CpuSampler)
+        tp, th = (sum(v or 0 for v in s["cpu_s"].values()) for s in (p, h))
         row("CPU s: both sides", fmt(tp), fmt(th), f"{th / tp:.3f}x" if tp else "")
-    verdict = "n/a" if ratio is None else ("met" if ratio <= TARGET_RATIO else "MISSED")
-    print(f"wall-time ratio hpsearch/plain: {fmt(ratio, 3)} (target <= {TARGET_RATIO}: {verdict})")
+    print(
+        f"wall-time ratio hpsearch/plain: {fmt(ratio, 3)} "
+        f"(target <= {TARGET_RATIO}: {verdict(ratio, unlike)})"
+    )
 
 
 def host_info(args: argparse.Namespace, warm: dict[str, Any]) -> dict[str, Any]:
@@ -898,6 +944,7 @@ def bench(args: argparse.Namespace) -> int:
         cfg = load_config(study_file, overrides, data_dir=args.data_dir)
     except HpsearchError as exc:
         raise BenchError(str(exc)) from exc
+    check_output_path(args.json_path)
     if not Path(args.data_dir).is_dir():
         raise BenchError(f"--data-dir: {args.data_dir}: no such folder (it holds flowers-102/)")
     pg_version(args.pg)  # fail fast, before anything is started
@@ -999,7 +1046,8 @@ def bench(args: argparse.Namespace) -> int:
         f"{args.repeats} repeat(s) (medians; latencies pooled; the ratio: the median of the "
         "per-repeat ratios)"
     )
-    print_table(stats, ratio)
+    unlike = like_for_like(runs, args.workers)
+    print_table(stats, ratio, unlike)
     if args.repeats > 1:
         print("per-repeat ratios: " + ", ".join(f"{r['ratio']:.3f}" for r in runs))
         print(f"ratio of the sides' median wall times: {fmt(ratio_of_medians, 3)}")
@@ -1040,7 +1088,9 @@ def bench(args: argparse.Namespace) -> int:
             "target_ratio": TARGET_RATIO,
             "ratio": ratio,  # the median of runs[*].ratio
             "ratio_of_medians": ratio_of_medians,
-            "target_met": ratio is not None and ratio <= TARGET_RATIO,
+            # None when the sides did different work: their wall times do not compare
+            "target_met": None if unlike else ratio is not None and ratio <= TARGET_RATIO,
+            "not_like_for_like": unlike,
             "summary": stats,
             "runs": runs,
         }
@@ -1049,33 +1099,14 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-_interrupted = False  # a SIGTERM was turned into KeyboardInterrupt
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM (`timeout ... overhead.py`) as Ctrl-C: KeyboardInterrupt unwinds `bench`, whose
-    handlers stop the launch or plain loops and whose `finally` stops the MLflow server, drops
-    the databases and removes the temp folder. Once only: a second SIGTERM (timeout's) must
-    not cut that clean-up short; SIGKILL still ends the bench."""
-    global _interrupted
-    if not _interrupted:
-        _interrupted = True
-        raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args.child)  # the parent stops its children (their own sessions)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        return bench(args)
-    except BenchError as exc:
-        print(f"bench/overhead.py: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench/overhead.py: interrupted", file=sys.stderr)
-        return 130
+    # SIGTERM (`timeout ... overhead.py`) as Ctrl-C, once (common.run_main): KeyboardInterrupt
+    # unwinds `bench`, whose handlers stop the launch or plain loops and whose `finally` stops
+    # the MLflow server, drops the databases and removes the temp folder.
+    return run_main("overhead.py", lambda: bench(args))
 
 
 if __name__ == "__main__":

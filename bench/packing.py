@@ -13,9 +13,10 @@ the one-time decode. Per W:
                 over W x k trials, so a larger W pays less of it per trial)
   window/h      completed trials / (the last trial's end - the first trial's start) x 3600:
                 the rate while trials run, start-up left out on every side
-  speedup       trials/h over that of the first worker count given (normally W=1)
-  speedup win   window/h over that of the first worker count given (the issue's target is
-                judged on this one: it does not reward spreading start-up over more trials)
+  speedup       trials/h over W=1's ("-" when W=1 was not run)
+  speedup win   window/h over W=1's (the issue's target is judged on this one: it does not
+                reward spreading start-up over more trials); "-" when W=1 has no window
+                (one trial per worker: --trials-per-worker 1)
   img/s e2e     training images of all trials / launch wall time
   img/s steady  W x the median per-epoch training images/s of a trial (epochs after the
                 first): the throughput while all W workers train at once
@@ -59,6 +60,7 @@ from typing import Any
 from common import (
     BenchError,
     GpuWatch,
+    check_output_path,
     default_data_dir,
     environment,
     fmt,
@@ -67,6 +69,8 @@ from common import (
     load_launched_study,
     load_study_config,
     parse_workers,
+    positive_float,
+    positive_int,
     raise_keyboard_interrupt,
     resolve_device,
     run_launch,
@@ -107,8 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--workers", type=parse_workers, nargs="+", default=["1", "2", "4"], help="counts, or auto"
     )
-    p.add_argument("--trials-per-worker", type=int, default=2, help="k: W*k trials per launch")
-    p.add_argument("--epochs", type=int, default=5, help="epochs of every trial")
+    p.add_argument(
+        "--trials-per-worker", type=positive_int, default=2, help="k: W*k trials per launch"
+    )
+    p.add_argument("--epochs", type=positive_int, default=5, help="epochs of every trial")
     p.add_argument(
         "--params",
         default=None,
@@ -126,18 +132,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the work folders")
     p.add_argument(
         "--launch-timeout",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="SEC",
         help="stop a launch that runs longer (its trials count as they stand)",
     )
-    p.add_argument("--gpu-interval", type=float, default=0.5, help="NVML sampling period, s")
+    p.add_argument(
+        "--gpu-interval", type=positive_float, default=0.5, help="NVML sampling period, s"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show the launcher's output")
     p.add_argument("--json", dest="json_path", default=None, help="write results here")
-    args = p.parse_args(argv)
-    if args.trials_per_worker < 1 or args.epochs < 1:
-        p.error("--trials-per-worker and --epochs must be at least 1")
-    return args
+    return p.parse_args(argv)
 
 
 def pinned_values(cfg: StudyConfig, given: dict[str, Any]) -> dict[str, Any]:
@@ -319,11 +324,13 @@ def window_trials_per_hour(rows: list[dict[str, Any]]) -> float | None:
 
 
 def speedups(results: list[dict[str, Any]], key: str) -> None:
-    """`results[i]["speedup" | "speedup_window"]`: `key` over that of the first count whose
-    launch ran (a failed one's 0 would void the rest)."""
+    """`results[i]["speedup" | "speedup_window"]`: `key` over that of the W=1 row. None
+    (shown "-") where W=1 was not run, its launch failed, or it has no such figure (with one
+    trial per worker, W=1 has no window): another row is no baseline, and against itself it
+    showed 1.00."""
     name = "speedup" if key == "trials_per_hour" else "speedup_window"
-    ran = [r for r in results if "complete" in r and r.get(key)]
-    base = ran[0][key] if ran else None
+    one = [r for r in results if r["workers_arg"] == "1" and "complete" in r and r.get(key)]
+    base = one[0][key] if one else None
     for r in results:
         r[name] = r[key] / base if base and "complete" in r and r.get(key) else None
 
@@ -355,8 +362,9 @@ def print_table(cfg: StudyConfig, args: argparse.Namespace, env: dict[str, Any],
         mem = r["gpu"].get("system/gpu_memory_peak_mib")
         print(
             f"{label:>7} {r['complete']:>6} {r['wall_s']:>7.1f} "
-            f"{r['trials_per_hour']:>9.1f} {fmt(r['speedup'], '.2f'):>7} "
-            f"{fmt(r.get('trials_per_hour_window')):>9} {fmt(r.get('speedup_window'), '.2f'):>11} "
+            f"{r['trials_per_hour']:>9.1f} {fmt(r['speedup'], '.2f', '-'):>7} "
+            f"{fmt(r.get('trials_per_hour_window')):>9} "
+            f"{fmt(r.get('speedup_window'), '.2f', '-'):>11} "
             f"{r['images_per_second_e2e']:>10.1f} {fmt(r['images_per_second_steady']):>12} "
             f"{fmt(r['trial_seconds_mean']):>8} {fmt(r['first_trial_start_s']):>11} "
             f"{fmt(r['gpu_utilization_mean']):>10} {fmt(mem, '.0f'):>11}"
@@ -409,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     # work folder is removed (run_launch's own handler covers only its launch).
     signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     try:
+        check_output_path(args.json_path)  # before the work, not after it
         device = resolve_device(args.device)
         # no enqueued trial of the study's: every trial trains the pinned values
         base_cfg = load_study_config(args.study, ["enqueue_trials=[]", *args.overrides],

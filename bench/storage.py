@@ -3,7 +3,7 @@
 Each worker process runs trials of a dummy trainer (no training: it reports `--epochs`
 values at once) for `--seconds`, against a fresh database. Two modes, same study, same
 sampler and pruner, same work per trial (ask, suggest the study's params, report + should_prune
-per epoch, tell):
+per epoch but no should_prune at the last, as hpsearch's worker, tell):
 
   plain     a hand-written Optuna ask/tell loop per process on RDBStorage (the baseline)
   hpsearch  hpsearch's worker loop (`run_worker`): exact trial budget, heartbeats, stale-trial
@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import signal
 import sys
 import tempfile
 import time
@@ -43,7 +44,18 @@ import sqlalchemy as sa
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common import create_database, drop_database, percentile, pg_version  # noqa: E402
+from common import (  # noqa: E402
+    BenchError,
+    check_output_path,
+    create_database,
+    drop_database,
+    nonnegative_float,
+    percentile,
+    pg_version,
+    positive_float,
+    positive_int,
+    run_main,
+)
 from hpsearch.config import load_config  # noqa: E402
 from hpsearch.storage import StorageSpec, normalize_url  # noqa: E402
 from hpsearch.study import create_or_load, make_pruner, make_sampler, suggest  # noqa: E402
@@ -51,12 +63,12 @@ from hpsearch.study import create_or_load, make_pruner, make_sampler, suggest  #
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--seconds", type=float, default=15.0, help="asking time per run")
-    p.add_argument("--epochs", type=int, default=3, help="reports per trial")
+    p.add_argument("--workers", type=positive_int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--seconds", type=positive_float, default=15.0, help="asking time per run")
+    p.add_argument("--epochs", type=positive_int, default=3, help="reports per trial")
     p.add_argument(
         "--epoch-s",
-        type=float,
+        type=nonnegative_float,
         default=0.0,
         help="seconds of simulated training per epoch (a sleep), so that reads are not\n"
         "served from a cache refreshed a moment before (as with real epochs)",
@@ -105,9 +117,19 @@ def dummy_train(
 # --- one worker process of each mode ------------------------------------------------------
 
 
+def _leave_stops_to_the_bench() -> None:
+    """A forked worker ignores Ctrl-C (the terminal sends it to the whole group) and takes
+    SIGTERM's default: the bench, which gets them too, kills its workers, then drops the
+    database and the temp folder; a worker's own KeyboardInterrupt would only print a
+    traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _plain_worker(
     url: str, cfg: Any, stream: int, start_at: float, seconds: float, out: Any
 ) -> None:
+    _leave_stops_to_the_bench()
     lat: dict[str, list[float]] = {"ask": [], "report": [], "tell": []}
     began = [time.monotonic()]  # from the start barrier once there, as the hpsearch side
     n = 0
@@ -161,7 +183,7 @@ def _plain_loop(
             value = min(1.0, float(params.get("lr", 0.1)) * epoch)
             t0 = time.perf_counter()
             trial.report(value, epoch)
-            prune = trial.should_prune()
+            prune = not last_epoch(epoch, cfg) and trial.should_prune()
             lat["report"].append(time.perf_counter() - t0)
             if prune:
                 state = optuna.trial.TrialState.PRUNED
@@ -176,11 +198,19 @@ def _plain_loop(
     return n
 
 
+def last_epoch(epoch: int, cfg: Any) -> bool:
+    """The last epoch's value is recorded but not judged, as hpsearch's worker does
+    (search/reporting.py `TrialReports`, `last_step`): both modes then prune alike and make
+    the same round trips per trial."""
+    return epoch >= cfg.budget.max_epochs
+
+
 def _hpsearch_worker(
     url: str, cfg: Any, stream: int, start_at: float, seconds: float, workdir: str, out: Any
 ) -> None:
     from hpsearch.worker import STALE, WorkerOptions, run_worker
 
+    _leave_stops_to_the_bench()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     opts = WorkerOptions(
         workdir=Path(workdir),
@@ -241,14 +271,12 @@ def collect(procs: list[Any], out: Any, limit_s: float) -> list[dict[str, Any]]:
 
 
 def run_one(args: argparse.Namespace, mode: str, workers: int) -> dict[str, Any]:
-    cfg = load_config(
-        args.study,
-        overrides=[f"budget.max_epochs={args.epochs}", "budget.n_trials=1000000"],
-    )
+    cfg = study_config(args)
     db = f"hpsearch_bench_storage_{os.getpid()}"
-    url = normalize_url(create_database(args.pg, db))
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
+    engine = None
+    try:  # from the CREATE on: a stop in between still drops the database
+        url = normalize_url(create_database(args.pg, db))
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         create_or_load(cfg, optuna.storages.RDBStorage(url))  # schema + study, untimed
         ctx = mp.get_context("fork")
@@ -297,7 +325,8 @@ def run_one(args: argparse.Namespace, mode: str, workers: int) -> dict[str, Any]
                 ).fetchall()
             )
     finally:
-        engine.dispose()
+        if engine is not None:
+            engine.dispose()
         drop_database(args.pg, db)
     return make_row(mode, workers, results, lat, {str(k): int(v) for k, v in states.items()})
 
@@ -345,13 +374,27 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.epoch_s < 0:
-        print(f"--epoch-s: {args.epoch_s}: must be >= 0 (seconds per epoch)", file=sys.stderr)
-        return 2
-    os.environ[EPOCH_S_ENV] = str(args.epoch_s)
+    # Ctrl-C or SIGTERM (`timeout`): KeyboardInterrupt unwinds run_one, whose `finally`
+    # blocks kill the workers, remove the temp folder and drop the database.
+    return run_main("storage.py", lambda: bench(args))
+
+
+def study_config(args: argparse.Namespace) -> Any:
+    """The study with the bench's budget: every trial `--epochs` reports, no trial cap."""
+    return load_config(
+        args.study, overrides=[f"budget.max_epochs={args.epochs}", "budget.n_trials=1000000"]
+    )
+
+
+def bench(args: argparse.Namespace) -> int:
+    check_output_path(args.json)
     if bad := [m for m in args.modes if m not in ("plain", "hpsearch")]:
-        print(f"--modes: {bad[0]!r}: must be plain or hpsearch", file=sys.stderr)
-        return 2
+        raise BenchError(f"--modes: {bad[0]!r}: must be plain or hpsearch")
+    if not args.pg.startswith(("postgresql://", "postgres://")):
+        raise BenchError(f"--pg: {args.pg!r}: expected postgresql://user@host:port")
+    study_config(args)  # a bad study or override: said before any database is made
+    pg_version(args.pg)  # an unreachable server likewise
+    os.environ[EPOCH_S_ENV] = str(args.epoch_s)
     rows: list[dict[str, Any]] = []
     for workers in args.workers:
         for mode in args.modes:

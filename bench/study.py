@@ -53,6 +53,7 @@ from typing import Any
 from common import (
     BenchError,
     GpuWatch,
+    check_output_path,
     default_data_dir,
     environment,
     fmt,
@@ -61,7 +62,10 @@ from common import (
     launched_workers,
     load_launched_study,
     load_study_config,
+    nonnegative_float,
     parse_workers,
+    positive_float,
+    positive_int,
     raise_keyboard_interrupt,
     resolve_device,
     run_launch,
@@ -79,14 +83,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--workers", type=parse_workers, default="1", help="worker processes (one GPU), or auto"
     )
-    p.add_argument("--timeout", type=float, default=200.0, help="launch --timeout, seconds")
+    p.add_argument(
+        "--timeout", type=positive_float, default=200.0, help="launch --timeout, seconds"
+    )
     p.add_argument(
         "--grace",
-        type=float,
+        type=nonnegative_float,
         default=60.0,
         help="seconds after --timeout that running trials may take to finish",
     )
-    p.add_argument("--trials", type=int, default=None, help="launch --trials (else the study's)")
+    p.add_argument(
+        "--trials", type=positive_int, default=None, help="launch --trials (else the study's)"
+    )
     p.add_argument(
         "--target",
         type=float,
@@ -104,15 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="the run goes in a new folder here")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--cold", action="store_true", help="do not build the data cache first")
-    p.add_argument("--gpu-interval", type=float, default=1.0, help="NVML sampling period, s")
+    p.add_argument(
+        "--gpu-interval", type=positive_float, default=1.0, help="NVML sampling period, s"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show the launcher's output")
     p.add_argument("--json", dest="json_path", default=None, help="write results here")
-    args = p.parse_args(argv)
-    if args.timeout <= 0 or args.grace < 0:
-        p.error("--timeout must be > 0 and --grace >= 0")
-    if args.trials is not None and args.trials < 1:
-        p.error(f"--trials: {args.trials}: must be at least 1")
-    return args
+    return p.parse_args(argv)
 
 
 def train_images(cfg: StudyConfig, params: dict[str, Any], epochs: int, n_train: int) -> int:
@@ -249,6 +254,7 @@ def test_accuracy(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_output_path(args.json_path)  # before the work, not after it
         device = resolve_device(args.device)
         cfg = load_study_config(args.study, args.overrides, args.data_dir)
     except (BenchError, HpsearchError) as exc:

@@ -20,7 +20,6 @@ per epoch report on the training thread.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import statistics
@@ -30,7 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import percentile
+from common import (
+    check_output_path,
+    nonnegative_float,
+    percentile,
+    positive_int,
+    run_main,
+    write_json,
+)
 from hpsearch.tracking.mlflow_logger import (
     TrialTracker,
     apply_http_policy,
@@ -142,14 +148,23 @@ def run_mode(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--epochs", type=int, default=40)
-    ap.add_argument("--epoch-ms", type=float, default=20.0, help="busy time per epoch")
+    ap.add_argument("--trials", type=positive_int, default=3)
+    ap.add_argument("--epochs", type=positive_int, default=40)
+    ap.add_argument("--epoch-ms", type=nonnegative_float, default=20.0, help="busy time per epoch")
     ap.add_argument("--workdir", type=Path, default=None, help="store (default: a temp dir)")
-    ap.add_argument("--json", type=Path, default=Path("bench-tracking.json"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--json", default=None, help="write the results here (default: none)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_main("tracking.py", lambda: bench(args))
+
+
+def bench(args: argparse.Namespace) -> int:
+    check_output_path(args.json)  # before the server starts, not after the run
     logging.basicConfig(level=logging.WARNING)
     apply_http_policy()
 
@@ -185,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_training_thread_ms": 50.0,
         "target_met": results[1]["training_thread_ms"]["max"] < 50.0,
     }
-    args.json.write_text(json.dumps(report, indent=2))
+    if args.json:
+        write_json(args.json, report)
 
     print(
         f"mlflow server start: {server_start_s:.1f} s; {args.trials} trials x {args.epochs} "
@@ -208,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"target < 50 ms per epoch report on the training thread: "
-        f"{'met' if report['target_met'] else 'MISSED'}; JSON: {args.json}"
+        f"{'met' if report['target_met'] else 'MISSED'}"
     )
+    if args.json:
+        print(f"JSON: {args.json}")
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import torchvision
+from common import BenchError, check_output_path, nonnegative_int, positive_int, run_main
 from hpsearch.config import Hyperparams, validate_config
 from hpsearch.trainer import augment, data
 from hpsearch.trainer.losses import make_loss
@@ -41,10 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--arch", default="resnet18")
-    p.add_argument("--resolution", type=int, default=64, help="train image size, px")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per pipeline")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--resolution", type=positive_int, default=64, help="train image size, px")
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--steps", type=positive_int, default=20, help="timed steps per pipeline")
+    p.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps first")
     p.add_argument("--device", default="auto")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     p.add_argument("--no-channels-last", action="store_true")
@@ -53,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--workers",
-        type=int,
+        type=nonnegative_int,
         default=min(4, os.cpu_count() or 1),
         help="DataLoader workers for the classic pipeline",
     )
@@ -142,6 +143,7 @@ def fast_batches(
     dec = data.load_or_build_cache(src, size, Path(args.workdir))
     info["cache_seconds"] = time.perf_counter() - t0
     info["cache_built"] = dec.built
+    check_batch(args.batch, len(dec.labels))
     images = torch.from_numpy(dec.images).permute(0, 3, 1, 2).to(device)
     labels = torch.from_numpy(dec.labels).to(device)
     spec = augment.AugmentSpec("crop_flip", 0.5, args.resolution, 102)
@@ -165,7 +167,11 @@ def classic_batches(
             T.Normalize(augment.MEAN, augment.STD),
         ]
     )
-    ds = torchvision.datasets.Flowers102(args.data_dir, split="train", transform=tf)
+    try:
+        ds = torchvision.datasets.Flowers102(args.data_dir, split="train", transform=tf)
+    except RuntimeError as exc:  # torchvision's "Dataset not found or corrupted"
+        raise BenchError(f"--data-dir: {args.data_dir}: {exc}") from None
+    check_batch(args.batch, len(ds))
     loader = torch.utils.data.DataLoader(
         ds,
         batch_size=args.batch,
@@ -180,14 +186,28 @@ def classic_batches(
             yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
+def check_batch(batch: int, n_train: int) -> None:
+    """Both real pipelines take whole batches only (the trainer drops the rest): a batch
+    larger than the training split would yield none, and the step loop would wait forever."""
+    if batch > n_train:
+        raise BenchError(
+            f"--batch: {batch}: larger than the training split ({n_train} images); "
+            f"give at most {n_train}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    torch.manual_seed(0)
+    return run_main("trainer.py", lambda: bench(args))
+
+
+def bench(args: argparse.Namespace) -> int:
+    check_output_path(args.json_path)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := [m for m in modes if m not in ("synthetic", "fast", "classic")]:
-        print(f"unknown mode {unknown[0]!r}", file=sys.stderr)
-        return 2
+        raise BenchError(f"--modes: {unknown[0]!r}: must be synthetic, fast or classic")
+    device = resolve_device(args.device)
+    torch.manual_seed(0)
     results: dict[str, dict[str, Any]] = {}
 
     def pipeline(mode: str, info: dict[str, Any]) -> Pipe:

@@ -163,3 +163,66 @@ def test_an_interrupted_launch_is_stopped_and_returned_when_asked(
         ["pgrep", "-f", f"hpsearch.cli worker.*{work}"], capture_output=True, text=True
     )
     assert workers.stdout.strip() == ""  # none outlived the launch
+
+
+class FakeProc:
+    """A /proc of made-up processes: stat (ppid, start, CPU ticks) and cmdline."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def add(self, pid: int, ppid: int, cmd: str, ticks: int = 0, start: int = 1000) -> None:
+        folder = self.root / str(pid)
+        folder.mkdir(parents=True, exist_ok=True)
+        # fields after "pid (comm) ": state ppid ... utime(12th) stime(13th) ... starttime(20th)
+        rest = ["S", str(ppid)] + ["0"] * 9 + [str(ticks), "0"] + ["0"] * 6 + [str(start)]
+        (folder / "stat").write_text(f"{pid} (x y) " + " ".join(rest) + " 0 0\n")
+        (folder / "cmdline").write_bytes(cmd.replace(" ", "\0").encode())
+
+
+def test_own_processes_are_descendants_and_the_databases_backends(
+    common: ModuleType, tmp_path: Path
+) -> None:
+    """Only the bench's processes count: before, every process on the machine was given a role
+    by its command line, so a CI's worker showed as the plain side's "worker"."""
+    fake = FakeProc(tmp_path)
+    fake.add(100, 1, "python bench/overhead.py")  # the bench
+    fake.add(101, 100, "python -m hpsearch.cli launch --study tiny")
+    fake.add(102, 101, "python -m hpsearch.cli worker --study tiny")
+    fake.add(103, 100, "python -m mlflow server --port 5001")
+    fake.add(200, 1, "python -m hpsearch.cli worker --study ci")  # someone else's
+    fake.add(201, 1, "python -m mlflow server --port 5002")
+    fake.add(50, 1, "/usr/lib/postgresql/15/bin/postgres -D /x")
+    fake.add(300, 50, "postgres: postgres hpsearch_bench_overhead_9_plain0 127.0.0.1(4) idle")
+    fake.add(301, 50, "postgres: 15/main: postgres hpsearch_bench_overhead_9_plain0 [local] idle")
+    fake.add(302, 50, "postgres: postgres ci_db 127.0.0.1(5) idle")
+    fake.add(303, 50, "postgres: 15/main: checkpointer")
+    table = common.process_table(tmp_path)
+    assert set(table) == {100, 101, 102, 103, 200, 201, 50, 300, 301, 302, 303}
+    assert table[102].ppid == 101 and table[102].cmd.startswith("python -m hpsearch.cli worker")
+    mine = common.own_processes(table, [100], ["hpsearch_bench_overhead_9_plain0"])
+    assert mine == {101, 102, 103, 300, 301}
+    assert common.database_of("postgresql://postgres@127.0.0.1:5432/abc") == "abc"
+    assert common.database_of("postgresql://postgres@127.0.0.1:5432") is None
+
+
+def test_cpu_sampler_leaves_other_processes_out(common: ModuleType, tmp_path: Path) -> None:
+    """The plain side of overhead.py starts no launcher or worker: a launcher and a worker of
+    another job on the machine burning CPU meanwhile must not show in its rows."""
+    fake = FakeProc(tmp_path)
+    tck = common._CLK_TCK
+    fake.add(100, 1, "python bench/overhead.py")
+    fake.add(101, 100, "python bench/overhead.py --child spec.json", ticks=0)
+    fake.add(200, 1, "python -m hpsearch.cli launch --study ci", ticks=5 * tck)
+    fake.add(201, 200, "python -m hpsearch.cli worker --study ci", ticks=5 * tck)
+    fake.add(300, 50, "postgres: postgres bench_db 127.0.0.1(4) idle", ticks=tck)
+    fake.add(301, 50, "postgres: postgres ci_db 127.0.0.1(5) idle", ticks=tck)
+    sampler = common.CpuSampler(
+        interval_s=3600, databases=["bench_db"], proc=tmp_path, root=100
+    ).start()
+    fake.add(101, 100, "python bench/overhead.py --child spec.json", ticks=3 * tck)
+    fake.add(200, 1, "python -m hpsearch.cli launch --study ci", ticks=25 * tck)
+    fake.add(201, 200, "python -m hpsearch.cli worker --study ci", ticks=150 * tck)
+    fake.add(300, 50, "postgres: postgres bench_db 127.0.0.1(4) idle", ticks=2 * tck)
+    fake.add(301, 50, "postgres: postgres ci_db 127.0.0.1(5) idle", ticks=9 * tck)
+    assert sampler.stop() == {"plain": 3.0, "postgres": 1.0}

@@ -125,9 +125,9 @@ def test_packing_rate_over_the_trial_window_leaves_start_up_out(packing: ModuleT
     assert packing.window_trials_per_hour(one) == pytest.approx(2 / 20 * 3600)
     assert packing.window_trials_per_hour(four) == pytest.approx(8 / 40 * 3600)
     results = [
-        {"complete": 2, "trials_per_hour": 2 / 32 * 3600,
+        {"workers_arg": "1", "complete": 2, "trials_per_hour": 2 / 32 * 3600,
          "trials_per_hour_window": packing.window_trials_per_hour(one)},
-        {"complete": 8, "trials_per_hour": 8 / 52 * 3600,
+        {"workers_arg": "4", "complete": 8, "trials_per_hour": 8 / 52 * 3600,
          "trials_per_hour_window": packing.window_trials_per_hour(four)},
     ]  # fmt: skip
     packing.speedups(results, "trials_per_hour")
@@ -138,6 +138,26 @@ def test_packing_rate_over_the_trial_window_leaves_start_up_out(packing: ModuleT
     pruned = [_row(0, 5.0, 1.0, "PRUNED"), *one]
     assert packing.window_trials_per_hour(pruned) == pytest.approx(2 / 27 * 3600)
     assert packing.window_trials_per_hour(one[:1]) is None  # one trial: no window
+
+
+def test_packing_speedups_are_against_w1_only(packing: ModuleType) -> None:
+    """With one trial per worker W=1 has no window: the W=2 row showed `speedup win 1.00`
+    against itself, the first row that had one."""
+    results = [
+        {"workers_arg": "1", "complete": 1, "trials_per_hour": 100.0,
+         "trials_per_hour_window": None},
+        {"workers_arg": "2", "complete": 2, "trials_per_hour": 180.0,
+         "trials_per_hour_window": 200.0},
+        {"workers_arg": "4", "complete": 4, "trials_per_hour": 300.0,
+         "trials_per_hour_window": 320.0},
+    ]  # fmt: skip
+    packing.speedups(results, "trials_per_hour")
+    packing.speedups(results, "trials_per_hour_window")
+    assert [r["speedup"] for r in results] == [1.0, 1.8, 3.0]
+    assert [r["speedup_window"] for r in results] == [None, None, None]
+    no_one = results[1:]  # --workers 2 4: no baseline
+    packing.speedups(no_one, "trials_per_hour")
+    assert [r["speedup"] for r in no_one] == [None, None]
 
 
 # --- bench/storage.py ---------------------------------------------------------------------
@@ -330,12 +350,13 @@ def test_worker_deaths_are_read_from_the_launch_log(common: ModuleType, tmp_path
 
 
 def test_overhead_sigterm_becomes_one_keyboard_interrupt(
-    overhead: ModuleType, monkeypatch: pytest.MonkeyPatch
+    common: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(overhead, "_interrupted", False)
+    """overhead.py (and storage, trainer, tracking, threads) run through common.run_main."""
+    monkeypatch.setattr(common, "_sigterm_seen", False)
     with pytest.raises(KeyboardInterrupt):
-        overhead._interrupt(signal.SIGTERM, None)
-    overhead._interrupt(signal.SIGTERM, None)  # a second one lets the clean-up finish
+        common._sigterm_once(signal.SIGTERM, None)
+    common._sigterm_once(signal.SIGTERM, None)  # a second one lets the clean-up finish
 
 
 def test_overhead_stop_now_escalates(overhead: ModuleType, tmp_path: Path) -> None:
@@ -358,4 +379,5 @@ def test_overhead_stop_now_escalates(overhead: ModuleType, tmp_path: Path) -> No
         time.sleep(0.05)
     t0 = time.monotonic()
     proc.stop_now()
-    assert proc.popen.returncode == 7 and time.monotonic() - t0 < 5
+    # the second SIGTERM comes STOP_GRACE_S after the first (the launch's graceful stop)
+    assert proc.popen.returncode == 7 and time.monotonic() - t0 < overhead.STOP_GRACE_S + 5

@@ -32,3 +32,25 @@ def test_a_busy_thread_of_a_watched_process_is_counted(tmp_path: Path) -> None:
     spun = [t for t in mine if t["tid"] != t["pid"]]
     assert len(spun) == 1 and 0.4 <= spun[0]["cpu_s"] <= 1.0
     assert "top threads" in proc.stdout
+
+
+def test_processes_outside_the_command_are_not_counted(tmp_path: Path) -> None:
+    """A busy process on the machine whose command line names hpsearch, but that the command
+    did not start, is left out (before, `threads.py -- sleep 8` showed a CI's launcher and
+    MLflow server)."""
+    busy = "import time  # hpsearch.cli launch\nwhile True: time.process_time()\n"
+    other = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        out = tmp_path / "t.json"
+        proc = subprocess.run(
+            [sys.executable, str(BENCH / "threads.py"), "--no-names", "--json", str(out), "--",
+             sys.executable, "-c", "import time; time.sleep(1.0)"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        other.kill()
+        other.wait()
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert {t["pid"] for t in result["threads"]} == {result["command_pid"]}
+    assert "launcher" not in result["roles"]
