@@ -415,7 +415,7 @@ def run(
     }
     if launch.interrupted:
         result["error"] = "interrupted (Ctrl-C or the bench's time limit): the launch was stopped"
-    elif launch.returncode not in (0, 130):
+    elif launch.returncode not in (0, 130, 143, 129):  # a stop by Ctrl-C, SIGTERM or SIGHUP
         result["error"] = f"launch exit code {launch.returncode}; last lines:\n{launch.tail()}"
 
     def write() -> None:

@@ -596,6 +596,10 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         launch_lock.close()  # the launcher releases it once it runs
         raise
     signals = _on_signals(launcher.stop, "launch")
+    # Each retry's line, between the progress lines, which say the database is away and
+    # how long since their figures were read. For the process: a `catch_warnings` around
+    # the run is undone or kept by other threads' own (it is not thread-safe).
+    warnings.filterwarnings("ignore", r".*database unreachable, retrying in", HpsearchWarning)
     summary = launcher.run()
     c = summary.counts
     best = format_best(summary.best_value, summary.best_trial, summary.pareto)

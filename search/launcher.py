@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,6 @@ from hpsearch.errors import (
     ConfigError,
     DeviceError,
     HpsearchError,
-    HpsearchWarning,
     StorageError,
     TrackingError,
 )
@@ -798,13 +796,7 @@ class Launcher:
                     self._event(f"its worker was gone: {self._requeued_text(orphans)}")
                 if note := spent_note(self.cfg.name, self._counts_at_open, self._budget):
                     self._event(note)
-                with warnings.catch_warnings():
-                    # Each retry's line, between the progress lines, which already say the
-                    # database is away and how long since their figures were read.
-                    warnings.filterwarnings(
-                        "ignore", r".*database unreachable, retrying in", HpsearchWarning
-                    )
-                    supervised = self._supervise(resolved, tracking_uri)
+                supervised = self._supervise(resolved, tracking_uri)
             except Exception:
                 # The launch fails (its MLflow set-up, say), but the workers have trained
                 # meanwhile: they stop as on a Ctrl-C, each handing its trial back, before

@@ -860,7 +860,7 @@ class TrackingSession:
         from hpsearch.tracking.server import health_ok
         from mlflow.exceptions import MlflowException
 
-        self._await_until = deadline = time.monotonic() + limit_s
+        deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and not self._stop.is_set():
             if health_ok(self.uri, timeout_s=1.0):
                 try:
@@ -873,6 +873,7 @@ class TrackingSession:
                 # Down (or still starting) as a trial has ended: its tell waited out the
                 # limit, 240 s of an idle GPU. Its run is kept in the spool folder until
                 # the server answers; until the limit `_connect` opens no study run.
+                self._await_until = deadline
                 return
             self._stop.wait(0.2)
 

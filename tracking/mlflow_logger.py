@@ -1344,6 +1344,7 @@ def replay_spool(
             os.rename(path, claimed)
         except OSError:  # another process took it
             continue
+        record: Any = None
         try:
             record = json.loads(claimed.read_text())
             run_id = _replay_run(client, record, spool_dir)
@@ -1352,9 +1353,10 @@ def replay_spool(
                 with contextlib.suppress(OSError):
                     os.rename(claimed, path)
                 continue
-            if isinstance(exc, ValueError | KeyError | TypeError) or _refused_record(exc):
-                # Unreadable, no such run there, or refused (a run deleted in the UI, to
-                # its trash): set aside, not put back, where it held up every later file.
+            unreadable = isinstance(exc, ValueError | KeyError | TypeError)
+            if unreadable or is_gone(exc) or _run_deleted(client, record, exc):
+                # Unreadable, no such run there, or one deleted in the UI (to its trash):
+                # set aside, not put back, where it held up every later file.
                 with contextlib.suppress(OSError):
                     os.rename(claimed, path.with_name(path.name + ".failed"))
                 run_id = path.name.removesuffix(SPOOL_SUFFIX)  # its files would pin disk
@@ -1376,11 +1378,20 @@ def replay_spool(
     return sent
 
 
-def _refused_record(exc: BaseException) -> bool:
-    """An error of this kept record alone, which no later try changes: MLflow's 4xx (a run
-    that `is_gone`, or not active: deleted to the trash). Not a login's 401/403 (every
-    record fails alike), 408/429 (later) or a proxy's 404 (MLflow behind it is down)."""
-    return is_permanent_error(exc) and _http_status(exc) not in (401, 403)
+def _run_deleted(client: MlflowClient, record: Any, exc: BaseException) -> bool:
+    """Whether a 4xx refusal of kept `record` is that its run was deleted (to MLflow's
+    trash: its writes answer 400), asked of the server. Any other 4xx may be every
+    record's (a proxy's error page, MLflow's 400 for a database error of its own): the
+    record is then kept for a later try, not set aside with its files."""
+    if not is_permanent_error(exc) or _http_status(exc) in (401, 403):
+        return False
+    if not isinstance(record, Mapping) or record.get("create") or "run_id" not in record:
+        return False  # made here, and refused: not a deleted run's refusal
+    try:
+        run = client.get_run(str(record["run_id"]))
+    except Exception as again:  # telemetry: gone for good, or no answer (kept)
+        return is_gone(again)
+    return getattr(getattr(run, "info", None), "lifecycle_stage", "") == "deleted"
 
 
 def _claimer() -> str:

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
@@ -65,6 +66,7 @@ class Source:
     class_names: list[str]
     array: np.ndarray | None = None  # in-memory images (CIFAR: N x 32 x 32 x 3 uint8)
     ident: str = ""  # distinguishes roots in cache keys
+    subset: str = ""  # a part of the split (train_limit): its own family of caches
 
     def __len__(self) -> int:
         return len(self.items)
@@ -130,9 +132,10 @@ def get_source(config: StudyConfig, split: str) -> Source | None:
         labels=src.labels[keep],
         class_names=src.class_names,
         array=src.array,
+        ident=src.ident,
         # Another subset of the same folder: its caches are another family's, which a
         # study on the whole folder's builds do not replace.
-        ident=f"{src.ident}|limit={limit}",
+        subset=f"limit={limit}",
     )
 
 
@@ -412,26 +415,41 @@ def cache_path(src: Source, size: int, workdir: Path) -> Path:
 def _family_prefix(src: Source, size: int, workdir: Path) -> Path:
     """The start of the names of an image folder's caches of this split and size: what
     its files held at each build. A build replaces the others (`_prune_replaced`)."""
-    family = hashlib.sha1(f"{CACHE_VERSION}|{src.ident}".encode()).hexdigest()[:8]
+    family = hashlib.sha1(f"{CACHE_VERSION}|{src.ident}|{src.subset}".encode()).hexdigest()[:8]
     return Path(workdir) / "cache" / f"{src.dataset}-{src.split}-{size}px-r{family}-"
 
 
+# An image folder's cache named before families (`_family_prefix`): never read again.
+_UNFAMILIED = re.compile(r"imagefolder-[a-z]+-\d+px-n\d+-[0-9a-f]{12}\.npz")
+
+
 def _prune_replaced(path: Path, src: Source, size: int, workdir: Path) -> None:
-    """Delete this image folder's caches of the split and size that `path` replaces (its
-    files changed since: each was as large as the new one, and no run reads it again).
-    One that a process is building is left, as is one of an earlier version's name."""
+    """Delete this image folder's caches of the split and size that `path` replaces: built
+    before its newest file changed (each as large as the new one, and read again by no
+    run), and those of names before families. Only while `path` holds the files as they
+    are now (a build that took minutes may be stale itself: a newer one is kept), and
+    not one a process is building. A host of another copy of the files, older, in a
+    shared work folder keeps the cache it builds after this one."""
+    if cache_path(src, size, workdir) != path:
+        return  # the files changed during this build: a later build prunes
+    newest = 0
+    for item in src.items:
+        with contextlib.suppress(OSError):
+            newest = max(newest, os.stat(item).st_mtime_ns)
     prefix = _family_prefix(src, size, workdir)
-    for old in prefix.parent.glob(f"{prefix.name}*.npz"):
-        if old == path:
-            continue
+    olds = [p for p in prefix.parent.glob(f"{prefix.name}*.npz") if p != path]
+    olds += [p for p in prefix.parent.glob("imagefolder-*.npz") if _UNFAMILIED.fullmatch(p.name)]
+    for old in olds:
         lock = old.with_suffix(".lock")
         try:
+            if old.stat().st_mtime_ns >= newest and old.name.startswith(prefix.name):
+                continue  # built from files as new as these: another host's copy, say
             with open(lock, "a+b") as fh:
                 if fcntl is not None:
                     fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 old.unlink(missing_ok=True)
                 lock.unlink(missing_ok=True)
-        except OSError:  # held (being built), or not ours to delete: left
+        except OSError:  # held (being built), gone, or not ours to delete: left
             continue
         log.info("deleted %s: its image folder changed since (%s replaces it)", old, path.name)
 
@@ -518,10 +536,10 @@ def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str =
             built=True,
         )
     path = cache_path(src, size, workdir)
-    if path.is_file():
+    with contextlib.suppress(FileNotFoundError):  # none, or pruned just now: built
         return _checked(_read_cache(path), src, path, on_corrupt)
     with _file_lock(path.with_suffix(".lock")):
-        if path.is_file():  # another process built it while we waited
+        with contextlib.suppress(FileNotFoundError):  # another process built it meanwhile
             return _checked(_read_cache(path), src, path, on_corrupt)
         log.info(
             "decoding %d images of %s/%s at %d px into %s",

@@ -919,6 +919,30 @@ class _DeletedRunClient(_SpoolClient):
         self._refuse(run_id)
         super().set_terminated(run_id, status, end_time)
 
+    def get_run(self, run_id: str) -> Any:
+        from types import SimpleNamespace
+
+        stage = "deleted" if run_id == self.deleted else "active"
+        return SimpleNamespace(info=SimpleNamespace(lifecycle_stage=stage),
+                               data=SimpleNamespace(tags={}))  # fmt: skip
+
+
+class _ProxyError(_SpoolClient):
+    """A proxy in front of MLflow that answers every call with a 400 page."""
+
+    def __init__(self) -> None:
+        super().__init__(RestException({"error_code": "BAD_REQUEST", "message": "<html>"}))
+        self.refuse_files = self.get_fails = self.fail
+
+    def set_tag(self, run_id: str, key: str, value: str) -> None:
+        raise self.fail  # type: ignore[misc]
+
+    def set_terminated(self, run_id: str, status: str, end_time: int | None) -> None:
+        raise self.fail  # type: ignore[misc]
+
+    def log_artifacts(self, run_id: str, path: str, artifact_path: str) -> None:
+        raise self.fail  # type: ignore[misc]
+
 
 def test_a_kept_run_deleted_in_the_ui_is_set_aside_and_those_after_it_are_sent(
     tmp_path: Path,
@@ -941,6 +965,16 @@ def test_a_kept_run_deleted_in_the_ui_is_set_aside_and_those_after_it_are_sent(
     login = _SpoolClient(RestException({"error_code": "UNAUTHENTICATED", "message": "x"}))
     assert replay_spool(login, spool) == 0  # type: ignore[arg-type]
     assert f"r3{SPOOL_SUFFIX}" in {p.name for p in spool.iterdir()}
+    # Review: a 400 of a live run (a proxy's error page; MLflow's own for an error of its
+    # database) set every kept run aside, their models deleted: kept for the next try.
+    from hpsearch.tracking.mlflow_logger import _artifacts_dir, _keep_artifacts
+
+    model = tmp_path / "best.pt"
+    model.write_bytes(b"weights")
+    _keep_artifacts(spool, "r3", [model])
+    assert replay_spool(_ProxyError(), spool) == 0  # type: ignore[arg-type]
+    assert f"r3{SPOOL_SUFFIX}" in {p.name for p in spool.iterdir()}
+    assert (_artifacts_dir(spool, "r3") / "best.pt").read_bytes() == b"weights"
 
 
 def test_a_claim_by_a_reused_pid_is_taken_back(tmp_path: Path) -> None:

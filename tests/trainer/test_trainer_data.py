@@ -353,14 +353,22 @@ def test_an_image_replaced_under_its_name_is_decoded_again(tmp_path: Path) -> No
     data.load_or_build_cache(sub, 16, tmp_path / "w", on_corrupt="fail")
     data.load_or_build_cache(src, 24, tmp_path / "w", on_corrupt="fail")
     assert len(list((tmp_path / "w" / "cache").glob("*.npz"))) == 3
+    before = data.cache_path(src, 16, tmp_path / "w")
+    older = tmp_path / "w" / "cache" / "imagefolder-val-16px-n6-0123456789ab.npz"
+    older.write_bytes(b"a cache named before families: never read again")
     Image.fromarray(good // 2).save(tmp_path / "data" / "train" / "rose" / "broken.jpg", "JPEG")
     src = data.get_source(cfg, "train")
     assert src is not None
     assert data.load_or_build_cache(src, 16, tmp_path / "w", on_corrupt="fail").built
     caches = sorted(p.name for p in (tmp_path / "w" / "cache").iterdir())
     assert len([n for n in caches if n.endswith(".npz")]) == 3, caches
-    assert data.cache_path(src, 16, tmp_path / "w").name in caches
+    assert data.cache_path(src, 16, tmp_path / "w").name in caches and older.name not in caches
     assert len([n for n in caches if n.endswith(".lock")]) == 3, caches  # its lock went too
+    # Review: a build of the files as they were (it began before the change) prunes
+    # nothing, not the cache of the files as they are.
+    before.write_bytes(b"a stale build, written last")
+    data._prune_replaced(before, src, 16, tmp_path / "w")
+    assert data.cache_path(src, 16, tmp_path / "w").is_file()
 
 
 def test_an_image_folders_classes_are_its_visible_folders_with_images(tmp_path: Path) -> None:
