@@ -1020,8 +1020,13 @@ class Launcher:
         if tracking_uri:
             # The study run may still be in the making (_prepare_tracking): wait for it
             # rather than open a second one; as long as an embedded server may take to start.
+            # A worker started once it is made (a restart) waits for none: during an
+            # outage its first trial's tell waited out the limit (QA).
             # The URI itself goes in the environment (worker_env), as the storage URL does.
-            cmd += ["--await-study-run", f"{AWAIT_STUDY_RUN_S:.0f}"]
+            made = self._tracking_error is None and (
+                self._tracking_thread is not None and not self._tracking_thread.is_alive()
+            )
+            cmd += ["--await-study-run", "0" if made else f"{AWAIT_STUDY_RUN_S:.0f}"]
         else:
             cmd += ["--no-tracking"]
         if opts.timeout_s is not None:

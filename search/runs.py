@@ -861,18 +861,21 @@ class TrackingSession:
         from mlflow.exceptions import MlflowException
 
         deadline = time.monotonic() + limit_s
+        answered = False
         while time.monotonic() < deadline and not self._stop.is_set():
             if health_ok(self.uri, timeout_s=1.0):
+                answered = True
                 try:
                     exp = self.client.get_experiment_by_name(self.cfg.name)
                     if exp is not None and find_study_runs(self.client, exp.experiment_id):
                         return
                 except MlflowException as exc:  # the server is starting; ask again
                     logger.debug("study run not there yet: %s", scrub(str(exc)))
-            elif self._trial_ending.is_set():
-                # Down (or still starting) as a trial has ended: its tell waited out the
-                # limit, 240 s of an idle GPU. Its run is kept in the spool folder until
-                # the server answers; until the limit `_connect` opens no study run.
+            elif answered and self._trial_ending.is_set():
+                # Down since it answered (not an embedded server still starting, which
+                # is waited for), and a trial has ended: its tell waited out the limit,
+                # 240 s of an idle GPU. Its run is kept in the spool folder until the
+                # server answers; until the limit `_connect` opens no study run.
                 self._await_until = deadline
                 return
             self._stop.wait(0.2)

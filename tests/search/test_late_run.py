@@ -456,21 +456,38 @@ def test_a_trial_ending_cuts_short_the_wait_for_the_study_run_on_a_server_that_i
     server may still be starting); with the server down, its first trial, trained, sat
     untold that long. Its end now cuts the wait short (its run kept for later), and no
     second study run is opened while the launch's may still come."""
+    import http.server
+
     import hpsearch.runs as runs
     import hpsearch.tracking.mlflow_logger as ml
     from hpsearch.config import load_config
     from hpsearch.storage import StorageSpec
     from hpsearch.tracking.server import free_port
 
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # /health answers; the API has no study run for it
+            ok = self.path == "/health"
+            self.send_response(200 if ok else 404)
+            self.end_headers()
+            self.wfile.write(b"OK" if ok else b"")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
     spec = StorageSpec("journal", str(tmp_path / "j"), "journal")
-    uri = f"http://127.0.0.1:{free_port()}"  # nothing answers there
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_port}"
     session = runs.TrackingSession(load_config("tiny"), spec, uri, "w0",
                                    await_study_run_s=120, background=True)  # fmt: skip
     try:
-        time.sleep(1.5)
-        assert not session.ready()  # waiting, as for a server still starting
+        time.sleep(2.0)
+        session.trial_ending()  # the server answers: the launch's study run is waited for
+        time.sleep(1.0)
+        assert not session.ready()
+        server.shutdown()
+        server.server_close()  # down since it answered: the ended trial waits no longer
         t0 = time.monotonic()
-        session.trial_ending()
         session.wait_ready()
         assert time.monotonic() - t0 < 30 and session.parent_run_id is None
         # The server answers now, without the launch's study run yet: not opened here.

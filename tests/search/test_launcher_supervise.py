@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -329,3 +330,32 @@ def test_a_stop_before_any_worker_started_ends_the_launch_interrupted(tmp_path: 
     launcher.stop()
     summary = launcher.run()
     assert summary.stopped_by == "interrupted" and summary.disk_full is None
+
+
+def test_a_worker_started_once_the_study_run_is_made_waits_for_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QA: a worker restarted during an MLflow outage waited for the study run, made long
+    before, for 240 s before its first trial was told. The first workers wait: the run
+    is still in the making as they start."""
+    launcher = _launcher(tmp_path / "w")
+    commands: list[list[str]] = []
+
+    class Proc:
+        pid = os.getpid()
+
+    def popen(cmd: list[str], **kwargs: Any) -> Proc:
+        commands.append(cmd)
+        return Proc()
+
+    monkeypatch.setattr(launcher_mod.subprocess, "Popen", popen)
+    making = threading.Event()
+    launcher._tracking_thread = threading.Thread(target=making.wait)
+    launcher._tracking_thread.start()
+    resolved = tmp_path / "w" / "run" / "tiny.yaml"
+    launcher._spawn(_Slot(0, None), resolved, "http://127.0.0.1:5000")
+    making.set()
+    launcher._tracking_thread.join()
+    launcher._spawn(_Slot(0, None), resolved, "http://127.0.0.1:5000")
+    waits = [cmd[cmd.index("--await-study-run") + 1] for cmd in commands]
+    assert [float(w) for w in waits] == [launcher_mod.AWAIT_STUDY_RUN_S, 0.0]
