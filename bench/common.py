@@ -137,26 +137,24 @@ def parse_workers(value: str) -> str:
     raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= 1 or auto")
 
 
-def positive_int(value: str) -> int:
-    """argparse type of a count: a whole number >= 1."""
+def _whole(value: str, least: int) -> int:
     try:
         number = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= 1") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 1")
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= {least}") from None
+    if number < least:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be at least {least}")
     return number
+
+
+def positive_int(value: str) -> int:
+    """argparse type of a count: a whole number >= 1."""
+    return _whole(value, 1)
 
 
 def nonnegative_int(value: str) -> int:
     """argparse type of a count that may be 0."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number >= 0") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 0")
-    return number
+    return _whole(value, 0)
 
 
 def _finite(value: str) -> float:

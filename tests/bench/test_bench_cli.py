@@ -3,8 +3,6 @@ found before any work is done."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import signal
 import subprocess
@@ -12,34 +10,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _bench_module(name: str) -> ModuleType:
-    """`bench/NAME.py` as its script sees it (`bench/` on sys.path, `common` importable),
-    under a name of its own: `trainer` and `tracking` are also test packages here."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    key = f"hpsearch_bench_script_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        path = list(sys.path)
-        try:
-            spec.loader.exec_module(module)
-        finally:  # storage.py puts the repository first: `tracking` would be its package
-            sys.path[:] = path
-    return sys.modules[key]
+from bench_helpers import BENCH, bench_module
 
 
 def _parser(name: str) -> Callable[[list[str]], object]:
-    module = _bench_module(name)
+    module = bench_module(name)
     return module.main if name == "tracking" else module.parse_args
 
 
@@ -101,7 +78,7 @@ def test_trainer_refuses_a_batch_larger_than_the_training_split(
     import numpy as np
     import torch
 
-    trainer = _bench_module("trainer")
+    trainer = bench_module("trainer")
     common = sys.modules["common"]
 
     class Dec:
@@ -131,7 +108,7 @@ def test_trainer_refuses_a_batch_larger_than_the_training_split(
 def test_trainer_bad_input_is_one_line(
     argv: list[str], says: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    trainer = _bench_module("trainer")
+    trainer = bench_module("trainer")
     argv = [*argv, "--device", "cpu", "--workdir", str(tmp_path), "--steps", "1", "--warmup", "0"]
     assert trainer.main(argv) == 2
     assert says in _one_line_error(capsys.readouterr().err, "trainer.py")
@@ -142,7 +119,7 @@ def test_trainer_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> No
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    assert _bench_module("trainer").main(["--device", "cuda", "--modes", "synthetic"]) == 2
+    assert bench_module("trainer").main(["--device", "cuda", "--modes", "synthetic"]) == 2
     assert "CUDA" in _one_line_error(capsys.readouterr().err, "trainer.py")
 
 
@@ -202,7 +179,7 @@ def test_tracking_writes_strict_json_and_only_when_asked(
     refuse; without --json it wrote bench-tracking.json into the current folder unasked."""
     import json
 
-    tracking = _bench_module("tracking")
+    tracking = bench_module("tracking")
     common = sys.modules["common"]
     assert tracking.parse_args([]).json is None
     out = tmp_path / "t.json"
@@ -245,13 +222,13 @@ def test_an_unwritable_json_path_is_refused_before_any_work(
     """Found only at the end before, as a FileNotFoundError traceback after minutes of work."""
     bad = str(tmp_path / "missing" / "r.json")
     full = [*argv, "--json", bad] + (["--", "true"] if script == "threads" else [])
-    assert _bench_module(script).main(full) == 2
+    assert bench_module(script).main(full) == 2
     err = capsys.readouterr().err
     assert f"--json: {bad}: no such folder" in err and "Traceback" not in err
     assert len([line for line in err.splitlines() if line.strip()]) == 1
 
 
 def test_threads_with_a_command_that_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _bench_module("threads").main(["--no-names", "--", "/nonexistent/cmd"]) == 2
+    assert bench_module("threads").main(["--no-names", "--", "/nonexistent/cmd"]) == 2
     line = _one_line_error(capsys.readouterr().err, "threads.py")
     assert "/nonexistent/cmd: cannot run: No such file or directory" in line

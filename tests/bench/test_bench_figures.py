@@ -19,6 +19,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+from bench_helpers import ready_child
 from optuna.trial import TrialState
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -372,11 +373,7 @@ def test_overhead_stop_now_escalates(overhead: ModuleType, tmp_path: Path) -> No
         "print('ready', flush=True)\n"
         "while True: time.sleep(0.05)\n"
     )
-    proc = overhead.Proc.start([sys.executable, "-c", child], dict(os.environ), tmp_path,
-                               tmp_path / "child.log")  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not proc.lines and time.monotonic() < deadline:
-        time.sleep(0.05)
+    proc = ready_child(overhead, child, tmp_path)
     t0 = time.monotonic()
     proc.stop_now()
     # the second SIGTERM comes STOP_GRACE_S after the first (the launch's graceful stop)

@@ -3,33 +3,12 @@ worker does (never at the last epoch), and overhead.py gives no verdict when the
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _bench_module(name: str) -> ModuleType:
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    key = f"hpsearch_bench_script_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        path = list(sys.path)
-        try:
-            spec.loader.exec_module(module)
-        finally:  # storage.py puts the repository first: `tracking` would be its package
-            sys.path[:] = path
-    return sys.modules[key]
+from bench_helpers import bench_module, ready_child
 
 
 class FakeTrial:
@@ -46,7 +25,7 @@ class FakeTrial:
 
 
 def test_overhead_plain_report_never_prunes_at_the_last_epoch() -> None:
-    overhead = _bench_module("overhead")
+    overhead = bench_module("overhead")
     trial, sink = FakeTrial(), []
     report = overhead.timed_report(trial, sink, last_step=3)
     assert [report(e, 0.5) for e in (1, 2, 3)] == [True, True, False]
@@ -63,7 +42,7 @@ def test_storage_plain_loop_never_prunes_at_the_last_epoch(
     from hpsearch.config import load_config
     from hpsearch.study import create_or_load
 
-    storage_bench = _bench_module("storage")
+    storage_bench = bench_module("storage")
     monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
     cfg = load_config("tiny", overrides=["budget.max_epochs=2", "budget.n_trials=1000"])
     url = f"sqlite:///{tmp_path / 'o.db'}"
@@ -82,7 +61,7 @@ def test_storage_plain_loop_never_prunes_at_the_last_epoch(
 
 
 def _run(states_plain: list[str], states_hps: list[str]) -> dict[str, Any]:
-    overhead = _bench_module("overhead")
+    overhead = bench_module("overhead")
 
     def side(name: str, states: list[str]) -> Any:
         trials = [{"number": i, "state": s, "params": {"lr": 0.1}, "value": 0.5,
@@ -101,7 +80,7 @@ def _run(states_plain: list[str], states_hps: list[str]) -> dict[str, Any]:
 def test_overhead_gives_no_verdict_when_the_sides_did_different_work(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    overhead = _bench_module("overhead")
+    overhead = bench_module("overhead")
     alike = _run(["complete", "pruned"], ["complete", "pruned"])
     unlike = _run(["complete", "pruned"], ["complete", "complete"])
     assert overhead.like_for_like([alike]) is None
@@ -118,9 +97,8 @@ def test_a_stopped_launch_gets_its_grace_before_the_second_sigterm(tmp_path: Pat
     """The bench sent its second SIGTERM 1 s after the first, cutting the launch's graceful
     stop short (its worker's $TMPDIR/hpsearch-artifacts-* folder was left behind). A child
     that takes 2 s to stop cleanly now gets one SIGTERM only."""
-    import os
 
-    overhead = _bench_module("overhead")
+    overhead = bench_module("overhead")
     assert overhead.STOP_GRACE_S >= 5.0
     seen = tmp_path / "seen"
     child = (
@@ -136,11 +114,7 @@ def test_a_stopped_launch_gets_its_grace_before_the_second_sigterm(tmp_path: Pat
         "while n == 0: time.sleep(0.05)\n"
         "time.sleep(2.0)  # the graceful stop: a checkpoint, the workers' exit, clean-up\n"
     )
-    proc = overhead.Proc.start([sys.executable, "-c", child], dict(os.environ), tmp_path,
-                               tmp_path / "log")  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not proc.lines and time.monotonic() < deadline:
-        time.sleep(0.05)
+    proc = ready_child(overhead, child, tmp_path)
     proc.stop_now()
     assert proc.popen.returncode == 0
     assert seen.read_text() == "T"
