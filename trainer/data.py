@@ -392,7 +392,22 @@ def decoded_nbytes(n: int, size: int) -> int:
     return n * size * size * 3
 
 
-def cache_path(src: Source, size: int, workdir: Path) -> Path:
+def _stamps(src: Source) -> list[tuple[int, int] | None]:
+    """Each file's (size in bytes, mtime in ns); None for one gone since it was listed."""
+    out: list[tuple[int, int] | None] = []
+    for item in src.items:
+        try:
+            st = os.stat(item)
+            out.append((st.st_size, st.st_mtime_ns))
+        except OSError:  # its decode says so
+            out.append(None)
+    return out
+
+
+def cache_path(
+    src: Source, size: int, workdir: Path, stamps: Sequence[tuple[int, int] | None] | None = None
+) -> Path:
+    """`stamps`: an image folder's `_stamps`, when the caller has them (else read here)."""
     # The labels too: they number the classes of train/'s folders, which val/ and test/
     # file lists do not show (a class added to train/ only renumbers the ones after it).
     key = f"{CACHE_VERSION}|{src.ident}|{list(src.items)!r}|{list(src.class_names)!r}".encode()
@@ -402,12 +417,8 @@ def cache_path(src: Source, size: int, workdir: Path) -> Path:
         return Path(workdir) / "cache" / name
     # A user's own files change under the same names (a corrupt image replaced, a photo
     # re-exported): their sizes and times too, or the cache kept the old ones.
-    for item in src.items:
-        try:
-            st = os.stat(item)
-            ident.update(f"{st.st_size}:{st.st_mtime_ns};".encode())
-        except OSError:  # gone since it was listed: its decode says so
-            ident.update(b"?;")
+    for stamp in _stamps(src) if stamps is None else stamps:
+        ident.update(b"?;" if stamp is None else f"{stamp[0]}:{stamp[1]};".encode())
     prefix = _family_prefix(src, size, workdir)
     return prefix.with_name(f"{prefix.name}n{len(src)}-{ident.hexdigest()[:12]}.npz")
 
@@ -430,12 +441,10 @@ def _prune_replaced(path: Path, src: Source, size: int, workdir: Path) -> None:
     are now (a build that took minutes may be stale itself: a newer one is kept), and
     not one a process is building. A host of another copy of the files, older, in a
     shared work folder keeps the cache it builds after this one."""
-    if cache_path(src, size, workdir) != path:
+    stamps = _stamps(src)  # one pass over the files, for both checks
+    if cache_path(src, size, workdir, stamps) != path:
         return  # the files changed during this build: a later build prunes
-    newest = 0
-    for item in src.items:
-        with contextlib.suppress(OSError):
-            newest = max(newest, os.stat(item).st_mtime_ns)
+    newest = max((stamp[1] for stamp in stamps if stamp is not None), default=0)
     prefix = _family_prefix(src, size, workdir)
     olds = [p for p in prefix.parent.glob(f"{prefix.name}*.npz") if p != path]
     olds += [p for p in prefix.parent.glob("imagefolder-*.npz") if _UNFAMILIED.fullmatch(p.name)]
