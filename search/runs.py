@@ -419,6 +419,7 @@ class TrialRun:
         self.ended = True
         ended_ms = int(time.time() * 1000)  # the run's end time: not when the finisher sends it
         self._copy_earlier(None)  # a retry that trained no epoch of its own
+        self.tracker.log_params(effective_params(result))
         summary = {**gpu_summary(self.sampler), **summary_metrics(result)}
         outcome = outcome_for(str(result.stop_reason))
         reason = str(result.message) or None
@@ -582,6 +583,7 @@ class FixedRun:
     def finish(self, result: Any) -> bool:
         """End the run as its training ended, with its plots and best model; True when
         MLflow took all of it."""
+        self.tracker.log_params(effective_params(result))
         summary = {**gpu_summary(self.sampler), **summary_metrics(result)}
         outcome = outcome_for(str(result.stop_reason))
         tmp = Path(tempfile.mkdtemp(prefix="hpsearch-artifacts-"))
@@ -1280,7 +1282,6 @@ def run_params(cfg: StudyConfig, params: Mapping[str, Any], sampled: bool = True
     from hpsearch.tracking.mlflow_logger import trial_params
 
     hp = cfg.resolve_params(params)
-    eff_lr, eff_batch = derived_values(cfg, hp)
     trained, evaluated = cfg.trial_sizes(hp)  # px
     derived_names = ("arch", "image_size")  # logged below with their resolved values
     # The trainer's defaults, but not a searched parameter this trial did not sample
@@ -1297,10 +1298,10 @@ def run_params(cfg: StudyConfig, params: Mapping[str, Any], sampled: bool = True
         and k not in unused
         and v is not None
     }
+    # Not the effective lr and batch size: the trainer's, logged at the run's end
+    # (`effective_params`); a train split smaller than the batch trains on the split.
     return trial_params(
         dict(params),
-        effective_lr=eff_lr,
-        effective_batch_size=eff_batch,
         dataset=cfg.dataset.name,
         arch=hp.arch,
         image_size=trained,
@@ -1323,13 +1324,15 @@ def trial_tags(trial: optuna.Trial, root: int) -> dict[str, str] | None:
     return tags or None
 
 
-def derived_values(cfg: StudyConfig, hp: Any) -> tuple[float, int]:
-    from hpsearch.trainer.optim import scaled_lr
-
-    return (
-        float(scaled_lr(hp.lr, hp.batch_size, cfg.trainer.base_batch_size, hp.lr_scaling)),
-        int(hp.batch_size),
-    )
+def effective_params(result: Any) -> dict[str, Any]:
+    """The lr and batch size a trial's trainer used (its `TrialResult`'s), as run params;
+    none a custom trainer's result lacks."""
+    out: dict[str, Any] = {}
+    for name, kind in (("effective_lr", float), ("effective_batch_size", int)):
+        value = getattr(result, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            out[name] = kind(value)
+    return out
 
 
 # Seconds the launcher's supervising loop waits for one dead trial's MLflow calls. A server

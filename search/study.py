@@ -28,7 +28,7 @@ from hpsearch.config import (
     grid_space,
     load_yaml,
 )
-from hpsearch.errors import ConfigError, StudyNotFoundError
+from hpsearch.errors import ConfigError, HpsearchWarning, StudyNotFoundError
 from hpsearch.storage import refresh_trials_now
 from optuna.distributions import (
     BaseDistribution,
@@ -365,12 +365,35 @@ def create_or_load(
             f"{cfg.source or cfg.name}: objective.direction: {list(cfg.objective.directions)}: "
             f"study {cfg.name!r} already exists with directions {existing}{hint}"
         )
+    # Named by the first launch (below); a study of plain Optuna's has none.
+    named = study.metric_names
+    if named is not None and list(named) != list(cfg.objective.metrics):
+        given = named[0] if len(named) == 1 else list(named)
+        raise ConfigError(
+            f"{cfg.source or cfg.name}: objective.metric: {cfg.objective.metric!r}: study "
+            f"{cfg.name!r} already exists with metric {given!r}, and one study's values are "
+            f"of one metric: add `metric: {given}` to go on with it, or start a study under "
+            "another `name`"
+        )
     trials = study.get_trials(deepcopy=False)
     check_space_fits(cfg, trials)
     attrs = study.user_attrs
     first = CONFIG_ATTR not in attrs
     if owner and not first:
         check_retries_fit(cfg, str(attrs[CONFIG_ATTR]), trials, attrs)
+        changed = [
+            f"{key}: {now!r} (before: {was!r})"
+            for key, now, was in _drift_from(cfg, str(attrs[CONFIG_ATTR]))
+        ]
+        if trials and changed:
+            # Allowed (a study goes on at a longer budget), but said, as a worker says it.
+            shown = "; ".join(changed[:6]) + ("; ..." if len(changed) > 6 else "")
+            warnings.warn(
+                f"study {cfg.name}: this launch's trials train otherwise than its last "
+                f"launch's ({shown}): their values will not compare",
+                HpsearchWarning,
+                stacklevel=2,
+            )
     resolved = config_to_yaml(cfg)
     if (owner or first) and attrs.get(CONFIG_ATTR) != resolved:
         study.set_user_attr(CONFIG_ATTR, resolved)
@@ -410,10 +433,22 @@ def config_drift(cfg: StudyConfig, stored_yaml: str) -> list[str]:
     in what makes their values differ: `field: value (the launch's: other)` per field,
     none of `OPERATIONAL_FIELDS`. The stored config is read as a study's (its missing
     newer fields take their defaults); one that does not load any more counts as none."""
+    return [
+        f"{key}: {now!r} (the launch's: {was!r})" for key, now, was in _drift_from(cfg, stored_yaml)
+    ]
+
+
+def _drift_from(cfg: StudyConfig, stored_yaml: str) -> list[tuple[str, Any, Any]]:
     try:
         stored = config_from_yaml(stored_yaml, "stored")
     except ConfigError:
         return []
+    return drift(cfg, stored)
+
+
+def drift(cfg: StudyConfig, stored: StudyConfig) -> list[tuple[str, Any, Any]]:
+    """(field, value in `cfg`, value in `stored`) for each field, none of
+    `OPERATIONAL_FIELDS`, in which trials of the two configs train otherwise; by name."""
 
     def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
         if isinstance(value, dict) and value:
@@ -423,16 +458,17 @@ def config_drift(cfg: StudyConfig, stored_yaml: str) -> list[str]:
             return out
         return {prefix: value}
 
-    def operational(key: str) -> bool:
-        return any(key == f or key.startswith(f + ".") for f in OPERATIONAL_FIELDS)
-
     a = leaves(load_yaml(config_to_yaml(cfg, trial_only=True)))
     b = leaves(load_yaml(config_to_yaml(stored, trial_only=True)))
     return [
-        f"{key}: {a.get(key)!r} (the launch's: {b.get(key)!r})"
+        (key, a.get(key), b.get(key))
         for key in sorted(set(a) | set(b))
-        if a.get(key) != b.get(key) and not operational(key)
+        if a.get(key) != b.get(key) and not _within(key, OPERATIONAL_FIELDS)
     ]
+
+
+def _within(key: str, fields: Sequence[str]) -> bool:
+    return any(key == f or key.startswith(f + ".") for f in fields)
 
 
 CLASSES_ATTR = "hpsearch.classes"  # study user attribute: the class names trials train on
@@ -737,6 +773,16 @@ def check_retries_fit(
                 f"waits to resume from a checkpoint trained with {getattr(before, name)!r}, "
                 f"which it would refuse: {way}"
             )
+        # A retry keeps its params (`retry_params`): one the space has gained since would
+        # be drawn for it anew, and its checkpoint was trained without it.
+        if (new := undrawn(cfg, t.params)) is not None:
+            raise ConfigError(
+                f"{cfg.source or cfg.name}: search_space.{new}: trial {t.number} waits to "
+                f"resume from a checkpoint trained with {new} {getattr(before, new)!r}; a new "
+                "value would be drawn for it, which that checkpoint would refuse: relaunch "
+                "without the change until it has finished, or start a study under another "
+                "`name`"
+            )
         # Its checkpoint's best val_acc was taken the old way: the new epochs' would be
         # compared with it, and its run would log eval settings its best did not have.
         if evals := _eval_changes(before_cfg, cfg, before, now):
@@ -752,6 +798,55 @@ def check_retries_fit(
                 f"{' and '.join(old for _, old in evals)}, which the new epochs' would be "
                 f"compared with: {way}, or start a study under another `name`"
             )
+        # Anything else that shapes its training (its lr schedule's length and peak, its
+        # images, its model): the trainer would go on from the checkpoint otherwise
+        # mid-way, and the trial's one value would be of neither config.
+        if rest := [d for d in drift(cfg, before_cfg) if not _within(d[0], RESUMABLE_FIELDS)]:
+            key, now_value, was = rest[0]
+            way = (
+                "a worker with --set values of its own trained it: finish it with one given "
+                f"the same (hpsearch worker --study {cfg.name} --set {key}={was})"
+                if own
+                else "relaunch without the change until it has finished"
+            )
+            raise ConfigError(
+                f"{cfg.source or cfg.name}: {key}: {now_value!r}: trial {t.number} waits to "
+                f"resume from a checkpoint trained with {was!r}, and would go on with the new "
+                f"value mid-way: {way}, or start a study under another `name`"
+            )
+
+
+# Fields that a trial waiting to resume may go on under when changed (`check_retries_fit`):
+# a limit or stopping rule, not how an epoch trains; the epoch budget (stopped, then
+# relaunched to train longer: its schedule is stretched from the resumed step on, which
+# the launch says); or ones checked apart (the resolved hyperparameters, the eval
+# settings, the objective).
+RESUMABLE_FIELDS = (
+    "budget.max_epochs", "budget.trial_timeout_s", "trainer.patience", "trainer.eval_every",
+    "trainer.defaults", "trainer.eval_scale", "trainer.eval_flip", "dataset.eval_limit",
+    "objective",
+)  # fmt: skip
+
+
+def undrawn(cfg: StudyConfig, params: Mapping[str, Any]) -> str | None:
+    """The first parameter of `cfg`'s search space that a trial holding `params` would draw
+    anew (absent from them, its `when` holding), walked in file order as `suggest` does."""
+    held: dict[str, Any] = {}
+    for name, spec in cfg.search_space.items():
+        if not _when_holds(spec.when, held):
+            continue
+        if name not in params:
+            return name
+        held[name] = params[name]
+    return None
+
+
+def retry_params(held: Mapping[str, Any], drawn: Mapping[str, Any]) -> dict[str, Any]:
+    """A trial's params for its trainer: those `suggest` gave (`drawn`), and those it held
+    before (a retry's, its failed try's) that the space's walk left out: a name removed from
+    the space since, or whose `when` no longer holds. The retry trains as its try did and as
+    Optuna's params say, not on the trainer's default."""
+    return {**{k: v for k, v in held.items() if k not in drawn}, **drawn}
 
 
 def _eval_changes(
@@ -791,9 +886,7 @@ def suggest(trial: optuna.Trial, cfg: StudyConfig) -> dict[str, Any]:
     """Sample the search space in file order; conditional params only when their `when` holds."""
     params: dict[str, Any] = {}
     for name, spec in cfg.search_space.items():
-        if spec.when and not all(
-            params.get(k) in (v if isinstance(v, list) else [v]) for k, v in spec.when.items()
-        ):
+        if not _when_holds(spec.when, params):
             continue
         if isinstance(spec, FloatParam):
             params[name] = trial.suggest_float(
@@ -806,6 +899,14 @@ def suggest(trial: optuna.Trial, cfg: StudyConfig) -> dict[str, Any]:
         else:
             params[name] = trial.suggest_categorical(name, spec.choices)
     return params
+
+
+def _when_holds(when: Mapping[str, Any] | None, params: Mapping[str, Any]) -> bool:
+    """Whether a conditional parameter applies: each name in its `when` has (one of) the
+    value(s) given, among the params drawn before it."""
+    return not when or all(
+        params.get(k) in (v if isinstance(v, list) else [v]) for k, v in when.items()
+    )
 
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)

@@ -73,6 +73,7 @@ from hpsearch.study import (
     make_sampler,
     may_start_trial,
     objective_values,
+    retry_params,
     study_budget,
     suggest,
     trial_config_id,
@@ -1267,9 +1268,10 @@ def run_trial(
     late: _LateRun | None = None
     try:
         t0 = time.perf_counter()
+        held = dict(trial.params)  # a retry's: its failed try's
         try:
             with deferred_params(trial) as drawn:  # written below, with the attributes
-                params = db(lambda: suggest(trial, cfg), "suggest")
+                params = retry_params(held, db(lambda: suggest(trial, cfg), "suggest"))
         except (SQLAlchemyError, optuna.exceptions.StorageInternalError, StorageError):
             raise
         except Exception as exc:  # the sampler's (TPE samples relative params lazily, here)

@@ -191,8 +191,6 @@ def param_value(value: Any) -> str:
 def trial_params(
     sampled: Mapping[str, Any],
     *,
-    effective_lr: float | None = None,
-    effective_batch_size: int | None = None,
     dataset: str | None = None,
     arch: str | None = None,
     image_size: int | None = None,
@@ -202,8 +200,6 @@ def trial_params(
     (explicit values win over sampled ones of the same name); ``None`` values are left out."""
     out = {str(k): param_value(v) for k, v in sampled.items() if v is not None}
     derived: dict[str, Any] = {
-        "effective_lr": effective_lr,
-        "effective_batch_size": effective_batch_size,
         "dataset": dataset,
         "arch": arch,
         "image_size": image_size,
@@ -609,6 +605,7 @@ class TrialTracker:
         self._pending_system: list[Metric] = []
         self._system_since = 0.0  # monotonic s: when the oldest pending sample came
         self._pending_tags: dict[str, str] = {}
+        self._pending_params: dict[str, str] = {}  # `log_params`
         self._system_step = 0
         self._last_step = 0
         self._outage_since: float | None = None
@@ -712,6 +709,18 @@ class TrialTracker:
                     self.incomplete = True
         except Exception as exc:  # telemetry never kills training
             logger.warning("MLflow: log_system failed: %s", _short(exc))
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Params known only once the run is under way (the trainer's effective batch size:
+        its train split may be smaller than the batch asked for), sent with the next request
+        (the run's end, at the latest). MLflow refuses a param logged again with another
+        value: log a name once. Thread-safe."""
+        if not self.enabled or self.finished:
+            return
+        with self._cond:
+            self._pending_params.update(
+                {str(k): param_value(v) for k, v in params.items() if v is not None}
+            )
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Tags sent with the next request (e.g. ``hpsearch.input_bound=true``). Thread-safe."""
@@ -957,6 +966,9 @@ class TrialTracker:
         if self._pending_tags:
             batch.tags = [RunTag(k, v) for k, v in self._pending_tags.items()]
             self._pending_tags = {}
+        if self._pending_params:
+            batch.params = [Param(k, v) for k, v in self._pending_params.items()]
+            self._pending_params = {}
         return batch
 
     def _push_locked(self, batch: _Batch) -> None:

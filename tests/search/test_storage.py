@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 from cli_util import DUMMY, hpsearch
 from hpsearch.config import StudyConfig, config_to_yaml, load_config
-from hpsearch.errors import ConfigError, StorageError
+from hpsearch.errors import ConfigError, HpsearchWarning, StorageError
 from hpsearch.storage import (
     StorageSpec,
     _lock_key,
@@ -30,7 +30,7 @@ from hpsearch.storage import (
     tell,
     throttle_trial_reads,
 )
-from hpsearch.study import budget_counts, create_or_load, suggest
+from hpsearch.study import budget_counts, create_or_load, retry_params, suggest
 from optuna.storages import BaseStorage
 from pg_util import url_up_later
 from sqlalchemy.engine import make_url
@@ -1105,7 +1105,8 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     with pytest.raises(ConfigError, match=r"warmup_epochs: 3.0: trial 1 waits to resume"):
         create_or_load(changed, storage)
     assert create_or_load(changed, storage, owner=False)  # a worker's --set are its own
-    create_or_load(load_config("tiny", ["budget.max_epochs=9"]), storage)  # it resumes so
+    with pytest.warns(HpsearchWarning, match="budget.max_epochs: 9"):  # it resumes so
+        create_or_load(load_config("tiny", ["budget.max_epochs=9"]), storage)
     # Its best so far was evaluated otherwise: the new epochs' would be compared with it.
     waits = "trial 1 waits to resume from a checkpoint whose best was evaluated"
     for changes, shown in (
@@ -1182,6 +1183,101 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
     assert retry_callback(3).requeue(study, frozen_middle, interrupted=False)
     again = study.get_trials(deepcopy=False)[-1]
     assert again.system_attrs[ATTR_FAILED_HOST] == socket.gethostname()
+
+
+def test_a_relaunch_that_would_retrain_a_waiting_retry_otherwise_is_refused(
+    tmp_path: Path,
+) -> None:
+    """QA: a relaunch that added a searched parameter had the waiting retry draw a new value,
+    which its checkpoint refused (the trial failed for good, its epochs lost); one that
+    changed `trainer.base_batch_size` (its peak lr) or `dataset.train_limit` went on from
+    the checkpoint under the new one, mid-trial, without a word. A longer epoch budget
+    (stop, then relaunch to train longer) goes on, and the launch says so."""
+    cfg = load_config("tiny")
+    storage = open_storage(StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal"))
+    study = create_or_load(cfg, storage)
+    first = study.ask()
+    params = suggest(first, cfg)
+    first.set_user_attr("checkpoint", str(tmp_path / "trial-00000-ab.pt"))
+    study.tell(first, state=optuna.trial.TrialState.FAIL)
+    frozen = study.get_trials(deepcopy=False)[0]
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING, params=params,
+            distributions=frozen.distributions, user_attrs=frozen.user_attrs,
+            system_attrs={"failed_trial": 0, "retry_history": [0]},
+        )
+    )  # fmt: skip
+    waits = "trial 1 waits to resume from a checkpoint trained with"
+    wd = "search_space.weight_decay={type: float, low: 0.00001, high: 0.01, log: true}"
+    for changes, shown in (
+        ([wd], rf"search_space.weight_decay: {waits} weight_decay 0.0005; a new value"),
+        (["trainer.base_batch_size=64"], rf"trainer.base_batch_size: 64: {waits} 256, and"),
+        (["dataset.train_limit=50"], rf"dataset.train_limit: 50: {waits} None, and"),
+        (["trainer.seed=3"], rf"trainer.seed: 3: {waits} 0, and"),
+    ):
+        with pytest.raises(ConfigError, match=shown):
+            create_or_load(load_config("tiny", changes), storage)
+    # A parameter taken out of the space is no change for it: it keeps its value
+    # (`retry_params`), as Optuna's params say. A longer budget is said, not refused.
+    assert retry_params({"lr": 0.03, "batch_size": 32}, {"batch_size": 32}) == {
+        "lr": 0.03, "batch_size": 32}  # fmt: skip
+    assert retry_params({"lr": 0.03}, {"lr": 0.05, "loss": "ce"}) == {"lr": 0.05, "loss": "ce"}
+    space = {k: v for k, v in cfg.search_space.items() if k != "lr"}
+    create_or_load(cfg.model_copy(update={"search_space": space}), storage)
+    with pytest.warns(HpsearchWarning, match=r"budget.max_epochs: 9 \(before: 2\)"):
+        create_or_load(load_config("tiny", ["budget.max_epochs=9"]), storage)
+
+
+def test_a_retry_trains_with_a_parameter_since_taken_out_of_the_space(tmp_path: Path) -> None:
+    """QA: a retry whose `lr` a relaunch took out of the search space trained at the
+    trainer's default (0.1) while Optuna's params, `hpsearch best`, the sampler and
+    `train --trial N` said 0.0303. It trains with the value it drew, as its try did."""
+    from hpsearch.worker import WorkerOptions, run_worker
+
+    cfg = load_config("tiny", ["budget.n_trials=2", "trainer.checkpoint=false"])
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    study = create_or_load(cfg, open_storage(spec))
+    study.enqueue_trial({"lr": 0.0303, "batch_size": 32, "loss": "ce"})
+    first = study.ask()
+    params = suggest(first, cfg)
+    assert params["lr"] == 0.0303
+    study.tell(first, state=optuna.trial.TrialState.FAIL)
+    frozen = study.get_trials(deepcopy=False)[0]
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING, params=params,
+            distributions=frozen.distributions,
+            system_attrs={"failed_trial": 0, "retry_history": [0]},
+        )
+    )  # fmt: skip
+    space = {k: v for k, v in cfg.search_space.items() if k != "lr"}
+    fewer = cfg.model_copy(update={"search_space": space})
+    opts = WorkerOptions(workdir=tmp_path, train_fn=DUMMY, max_trials=1)
+    assert len(run_worker(fewer, spec, opts).trials) == 1
+    retry = create_or_load(fewer, open_storage(spec)).get_trials(deepcopy=False)[1]
+    assert retry.state == optuna.trial.TrialState.COMPLETE, retry.user_attrs
+    assert retry.params["lr"] == 0.0303
+    assert retry.user_attrs["effective_lr"] == 0.0303  # the dummy trains at params["lr"]
+
+
+def test_a_study_keeps_its_objective_metric(tmp_path: Path) -> None:
+    """QA: a relaunch with another `objective.metric` and the same direction went on, and
+    train_seconds values were ranked against val_loss ones in one study."""
+    storage = open_storage(StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal"))
+    create_or_load(load_config("tiny", ["objective.metric=val_loss"]), storage)
+    other = load_config(
+        "tiny", ["objective.metric=train_seconds", "pruner.name=none", "pruner.options={}"]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"objective.metric: 'train_seconds': study 'tiny' "
+        r"already exists with metric 'val_loss'.*add `metric: val_loss`",
+    ):
+        create_or_load(other, storage)
+    with pytest.raises(ConfigError, match="already exists with metric 'val_loss'"):
+        create_or_load(other, storage, owner=False)  # a worker's values would mix alike
+    create_or_load(load_config("tiny", ["objective.metric=val_loss"]), storage)
 
 
 def test_a_journal_write_cut_short_leaves_the_study_readable(tmp_path: Path) -> None:
@@ -1401,7 +1497,10 @@ def test_a_launch_takes_the_budget_another_launch_of_its_study_set(
     from cli_util import popen
     from hpsearch.study import N_TRIALS_ATTR
 
-    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.4"}
+    # The first launch's first trial waits for the second's (a barrier of 2 processes): on a
+    # loaded machine it had finished its 3 trials and ended before the second set 8.
+    env = {**subprocess_env, "HPSEARCH_DUMMY_EPOCH_S": "0.4",
+           "HPSEARCH_DUMMY_BARRIER": f"{tmp_path / 'barrier'}:2"}  # fmt: skip
     common = ["launch", "--study", "tiny", "--workers", "1", "--storage", pg_url,
               "--train-fn", DUMMY, "--no-tracking", "--set", "budget.max_epochs=3",
               "--set", "pruner={name: none}"]  # fmt: skip

@@ -152,8 +152,6 @@ def test_apply_http_policy_keeps_user_values() -> None:
 def test_trial_params_and_param_value() -> None:
     params = trial_params(
         {"lr": 0.1, "batch_size": 64, "optimizer": "sgd", "image_size": None},
-        effective_lr=0.05,
-        effective_batch_size=64,
         dataset="cifar10",
         arch="resnet18",
         image_size=32,
@@ -162,8 +160,6 @@ def test_trial_params_and_param_value() -> None:
         "lr": "0.1",
         "batch_size": "64",
         "optimizer": "sgd",
-        "effective_lr": "0.05",
-        "effective_batch_size": "64",
         "dataset": "cifar10",
         "arch": "resnet18",
         "image_size": "32",
@@ -242,7 +238,7 @@ def make_tracker(
         parent,
         trial_number=number,
         study_name="s",
-        params=trial_params({"lr": 0.1, "batch_size": 32}, effective_lr=0.025, arch="resnet18"),
+        params=trial_params({"lr": 0.1, "batch_size": 32}, arch="resnet18"),
         worker="w0",
         host="node1",
         gpu="0",
@@ -284,6 +280,8 @@ def test_trial_run_layout_metrics_and_batching(
             tracker.log_system({"system/gpu_utilization": 80.0})
     ckpt = tmp_path / "best.pt"
     ckpt.write_bytes(b"weights")
+    # the trainer's, known at its end: ride along with the final request
+    tracker.log_params({"effective_lr": 0.025, "effective_batch_size": 20})
     assert tracker.finish(
         "completed", summary_metrics={"best_val_acc": 0.49, "test_acc": 0.47}, artifacts=[ckpt]
     )
@@ -308,8 +306,9 @@ def test_trial_run_layout_metrics_and_batching(
     assert run.data.params == {
         "lr": "0.1",
         "batch_size": "32",
-        "effective_lr": "0.025",
         "arch": "resnet18",
+        "effective_lr": "0.025",
+        "effective_batch_size": "20",
     }
     for key in EPOCH:
         hist = client.get_metric_history(tracker.run_id, key)
@@ -326,7 +325,8 @@ def test_trial_run_layout_metrics_and_batching(
     epoch_requests = [b for b in mine if b[1] >= len(EPOCH) and b[2] == 0]
     assert len(epoch_requests) == epochs + 0  # summary batch has 2 metrics, not counted
     assert len(mine) == 1 + epochs + 1
-    assert mine[0][2] == 4  # params first
+    assert mine[0][2] == 3  # params first
+    assert mine[-1][2] == 2  # the trainer's effective lr and batch size, with the end
     assert tracker.stats.requests == len(mine)
 
 
@@ -442,7 +442,7 @@ def test_an_offline_run_is_kept_whole_and_made_when_the_server_answers(
     started_ms = int(time.time() * 1000) - 60_000
     tracker = TrialTracker(
         dead, "", "", trial_number=4, study_name=name,
-        params=trial_params({"lr": 0.1}, effective_lr=0.1, arch="resnet18"),
+        params=trial_params({"lr": 0.1}, arch="resnet18"),
         worker="w0", host="node1", gpu="0", start_time_ms=started_ms,
         run_key="k" * 32, spool_dir=spool, offline=True,
     )  # fmt: skip

@@ -28,10 +28,11 @@ def test_a_train_run_is_an_mlflow_run_beside_the_trials_each_time_it_runs(
     args = ["train", "--study", "tiny", "--set", f"name={name}", "--workdir", str(work),
             "--device", "cpu"]  # fmt: skip
     runs = []
-    for lr, epochs in ((0.05, 2), (0.02, 1)):
+    # The second trains on 40 images: a batch of the split, not of 64 (QA: MLflow said 64).
+    for lr, epochs, limit in ((0.05, 2, "null"), (0.02, 1, "40")):
         params = f'{{"lr": {lr}, "batch_size": 64}}'
-        out = hpsearch([*args, "--set", f"budget.max_epochs={epochs}", "--params", params],
-                       subprocess_env)  # fmt: skip
+        out = hpsearch([*args, "--set", f"budget.max_epochs={epochs}", "--params", params,
+                        "--set", f"dataset.train_limit={limit}"], subprocess_env)  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
         made = [ln for ln in out.stdout.splitlines() if ln.startswith("MLflow run ")]
         assert len(made) == 1, out.stdout
@@ -62,7 +63,8 @@ def _check_train_runs(client: MlflowClient, name: str, runs: list[str]) -> None:
         assert "mlflow.parentRunId" not in tags and "optuna.trial_number" not in tags
         params = run.data.params
         assert (params["lr"], params["batch_size"], params["arch"]) == (lr, "64", "resnet18")
-        assert params["image_size"] == "32" and "effective_lr" in params
+        assert params["image_size"] == "32" and params["effective_lr"] == lr
+        assert params["effective_batch_size"] == ("64" if epochs == [1, 2] else "40")
         assert params["loss"] == "ce"  # searched, not given: trained at the default
         assert "focal_gamma" not in params  # unread under the default loss, as in a trial's
         history = client.get_metric_history(run.info.run_id, "val_acc")
