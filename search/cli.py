@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
@@ -1262,7 +1262,7 @@ def ui(workdir: Path, host: str, port: int) -> None:
             f"{given}: {workdir}: no such folder (launch a study there first, or create it)"
         )
     server: LocalServer | SharedServer
-    with store_lock(workdir):
+    with _stop_signals_exit(), store_lock(workdir):
         server = join_server(workdir) or serve_ui(workdir, host, port)
     if server.shared():  # a search's: the last of its users stops it
         server.release()
@@ -1279,7 +1279,7 @@ def ui(workdir: Path, host: str, port: int) -> None:
         return
     click.echo(f"MLflow UI: {server.url} (Ctrl-C to stop)")
     stop = threading.Event()
-    _on_signals(stop.set, "ui", first="stopping")
+    signals = _on_signals(stop.set, "ui", first="stopping")
     try:
         while not stop.wait(1.0):
             if not server.is_running():
@@ -1287,6 +1287,25 @@ def ui(workdir: Path, host: str, port: int) -> None:
     finally:
         if server.release() == "in use":
             click.echo(f"MLflow server at {server.url} left running: a search still uses it")
+    if signals:  # as launch, worker and train: 130, 143 or 129 by the stop's signal
+        sys.exit(128 + signals[0])
+
+
+@contextlib.contextmanager
+def _stop_signals_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the process meanwhile as Ctrl-C does (SystemExit 143 or 129,
+    not the default death): a server being started is stopped on the way out (QA: a `ui`
+    stopped during its 15 s start left its MLflow server running)."""
+
+    def leave(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    before = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 @cli.command()

@@ -712,3 +712,35 @@ def test_ui_on_a_folder_a_search_serves_says_its_port_was_not_used(
         assert server.is_running()  # left to its user
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_ui_stopped_while_its_server_starts_stops_that_server(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: `hpsearch ui` given SIGTERM or SIGHUP during its server's start (15 s on a loaded
+    machine) died at once and left the MLflow server running on its port. Stopped then, or
+    once serving, it stops its server and exits 143, as launch, worker and train do."""
+    import signal
+
+    from cli_util import popen
+
+    log = tmp_path / "ui.log"
+    port = str(srv.free_port())
+    ui = popen(["ui", "--workdir", str(tmp_path), "--port", port], subprocess_env, log)
+    try:
+        state = srv.state_path(tmp_path)
+        deadline = time.monotonic() + 120
+        while not state.exists():  # written as the server is spawned, before it answers
+            assert ui.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        pgid = int(json.loads(state.read_text())["pgid"])
+        ui.send_signal(signal.SIGTERM)
+        assert ui.wait(timeout=60) == 143, log.read_text()
+    finally:
+        if ui.poll() is None:
+            ui.kill()
+    deadline = time.monotonic() + 30
+    while group_alive(pgid):
+        assert time.monotonic() < deadline, f"server group {pgid} left running"
+        time.sleep(0.1)
