@@ -245,7 +245,15 @@ def best_trials(
     with reading_study(name, storage, workdir) as study:
         rows = _top_rows(study, k, _workdir(workdir))
         params = sorted(f"params_{p}" for p in _param_names(study))
-    return pd.DataFrame(rows, columns=[*FIXED_COLUMNS[:3], *params, *FIXED_COLUMNS[3:]])
+    frame = pd.DataFrame(rows, columns=[*FIXED_COLUMNS[:3], *params, *FIXED_COLUMNS[3:]])
+    for col in frame.columns:
+        # pandas 3 makes a text column with a gap its `str` dtype, the gap NaN, which is
+        # true (QA: `if row.checkpoint_uri:` held for a deleted file): None, as pandas 2 had.
+        if pd.api.types.is_string_dtype(frame[col]) and not pd.api.types.is_object_dtype(
+            frame[col]
+        ):
+            frame[col] = frame[col].astype(object).where(frame[col].notna(), None)
+    return frame
 
 
 def _param_names(study: optuna.Study) -> set[str]:

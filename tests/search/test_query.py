@@ -352,6 +352,18 @@ def test_another_hosts_best_model_comes_from_mlflow_before_a_file_at_its_path_he
     assert best_model_file(shared, "http://mlflow", tmp_path, tmp_path) == here_file
 
 
+def test_best_trials_gives_none_for_a_missing_text_value(tmp_path: Path) -> None:
+    """QA: under pandas 3 a text column with a gap (one trial's `mlflow_run_id` or
+    `checkpoint_uri`, and not another's) held NaN there, which is true: `if
+    row.checkpoint_uri:` held for a deleted file. None, as under pandas 2."""
+    study = _journal_study(tmp_path, "s", direction="maximize")
+    for value, attrs in ((0.9, {"mlflow_run_id": "abc"}), (0.5, {})):
+        study.add_trial(create_trial(value=value, user_attrs=attrs))
+    top = best_trials("s", workdir=tmp_path)
+    assert top["mlflow_run_id"].tolist() == ["abc", None]
+    assert top["value"].tolist() == [0.9, 0.5]  # numbers stay numbers
+
+
 def test_the_api_takes_paths_as_strings_and_refuses_storage_objects(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
