@@ -929,10 +929,18 @@ def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> Non
                    f"params {_params_of(st.best)}")  # fmt: skip
     else:
         click.echo("best: - (no completed trial yet)")
+    if st.n_trials is not None:
+        click.echo(f"budget: {_n(st.n_trials, 'trial')} (finished, running and queued count), "
+                   f"room for {st.room} more")  # fmt: skip
     for r in st.running:
         pid = f", pid {r['pid']}" if r["pid"] is not None else ""
+        gone = (
+            " | its worker is gone: failed and retried by a worker's stale check or the next launch"
+            if r["worker_alive"] is False
+            else ""
+        )
         click.echo(f"running: trial {r['number']} on {r['worker'] or '-'} ({r['host'] or '-'}"
-                   f"{pid}), last epoch {_or_dash(r['last_epoch'])}")  # fmt: skip
+                   f"{pid}), last epoch {_or_dash(r['last_epoch'])}{gone}")  # fmt: skip
     if st.startup_s_median is not None:
         click.echo(f"per-trial start-up (ask to first step): median {st.startup_s_median:.2f} s")
 
@@ -1023,29 +1031,43 @@ def best(study: str, storage: str | None, workdir: Path, k: int, as_json: bool) 
     metavar="JSON",
     help='Searched hyperparameters to try, e.g. \'{"lr": 0.1, "batch_size": 64}\'.',
 )
+@click.option(
+    "--trials",
+    "n_trials",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Set the study's budget.n_trials to N first, in the same step (its running "
+    "launches and workers take it up): room for this trial once the budget is spent.",
+)
 @_edge
-def enqueue(study: str, storage: str | None, workdir: Path, params_json: str) -> None:
+def enqueue(
+    study: str, storage: str | None, workdir: Path, params_json: str, n_trials: int | None
+) -> None:
     """Queue a trial of PARAMS in a study, to run before the sampler draws another.
 
     Optuna's enqueue_trial: the study's workers (a running launch's too) take it next. The
     params are checked against the search space the study was launched with; those left
     out are drawn. Params the study already holds are not queued again, and none past its
-    budget.n_trials.
+    budget.n_trials (`--trials N` sets it first).
 
     \b
     Example:
       hpsearch enqueue --study flowers102 --params '{"lr": 0.1, "batch_size": 256}'
+      hpsearch enqueue --study flowers102 --params '{"lr": 0.05}' --trials 41
     """
     from hpsearch.config import params_from_json
     from hpsearch.query import enqueue_trial
 
     params = params_from_json(params_json)
-    study, done = _stored(study, lambda name: enqueue_trial(name, params, storage, workdir))
+    study, done = _stored(
+        study, lambda name: enqueue_trial(name, params, storage, workdir, n_trials=n_trials)
+    )
+    shown = json.dumps(done.params)  # as --params takes them
     if done.queued:
-        click.echo(f"queued trial {done.number} of study {study}: {done.params}")
+        click.echo(f"queued trial {done.number} of study {study}: {shown}")
     else:
         click.echo(f"not queued: trial {done.number} of study {study} ({done.state}) already "
-                   f"has these params: {done.params}")  # fmt: skip
+                   f"has these params: {shown}")  # fmt: skip
 
 
 @cli.command("init-storage")
@@ -1108,7 +1130,7 @@ def studies(storage: str | None, workdir: Path, as_json: bool) -> None:
             if r["pareto_size"]
             else "-"
         )
-        states = ", ".join(f"{n} {state}" for state, n in r["counts"].items())
+        states = ", ".join(f"{n} {state}" for state, n in r["counts"].items() if n)
         click.echo(f"{r['name']}: {_n(r['n_trials'], 'trial')} ({states or 'none yet'}), "
                    f"best {best_v}")  # fmt: skip
 

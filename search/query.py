@@ -30,7 +30,9 @@ from hpsearch.storage import (
 from hpsearch.study import (
     CONFIG_ATTR,
     LATE_RUN_ATTR,
+    N_TRIALS_ATTR,
     budget_room,
+    budget_used,
     holding_trial,
     pareto_front,
     rank_key,
@@ -286,6 +288,11 @@ class StudyStatus:
     # A multi-objective study's Pareto front size (`best` is its member first by the first
     # objective); None for a single objective
     pareto_size: int | None = None
+    # The budget its launches set (`budget.n_trials`: finished, running and queued trials
+    # count), and how many more trials it has room for (`enqueue`); None for a study
+    # hpsearch did not launch
+    n_trials: int | None = None
+    room: int | None = None
 
 
 def study_status(name: str, storage: StorageArg = None, workdir: WorkdirArg = None) -> StudyStatus:
@@ -310,6 +317,8 @@ def _status(study: optuna.Study, spec: StorageSpec, workdir: Path) -> StudyStatu
             # Two launches on one host both name their workers host:w0.
             "pid": t.user_attrs.get("pid"),
             "last_epoch": _last_epoch(t),
+            "started": t.datetime_start,
+            "worker_alive": _worker_alive(t),
         }
         for t in trials
         if t.state == TrialState.RUNNING
@@ -317,7 +326,23 @@ def _status(study: optuna.Study, spec: StorageSpec, workdir: Path) -> StudyStatu
     startups = [float(t.user_attrs["startup_s"]) for t in trials if "startup_s" in t.user_attrs]
     median = statistics.median(startups) if startups else None
     pareto = len(ranked) if len(study.directions) > 1 else None
-    return StudyStatus(name, counts, best, running, spec.display, median, pareto)
+    budget = study.user_attrs.get(N_TRIALS_ATTR)  # set by every launch
+    n_trials = int(budget) if isinstance(budget, int) else None
+    room = budget_room(trials, n_trials) if n_trials is not None else None
+    return StudyStatus(name, counts, best, running, spec.display, median, pareto, n_trials, room)
+
+
+def _worker_alive(t: FrozenTrial) -> bool | None:
+    """Whether the worker process a running trial names still runs, where this host can
+    tell (its own processes); None for another host's. A killed worker's trial stays
+    RUNNING until a stale check or the next launch fails and retries it (QA: `status`
+    showed it as running for good)."""
+    from hpsearch.packing import holder_alive
+
+    pid, start = t.user_attrs.get("pid"), t.user_attrs.get("pid_start")
+    if t.user_attrs.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return None
+    return holder_alive(pid, start if isinstance(start, int) else None)
 
 
 def _last_epoch(t: FrozenTrial) -> int | None:
@@ -377,9 +402,10 @@ def list_studies(storage: StorageArg = None, workdir: WorkdirArg = None) -> list
 
 
 def _state_counts(st: Any, study_ids: Sequence[int]) -> dict[int, dict[str, int]]:
-    """Trials per state of each study, in TrialState's order, states with none left out:
-    in one query on a database (every trial with all its values was read to count them:
-    seconds for studies of long trials), else counted from the trials."""
+    """Trials per state of each study, in TrialState's order, every state (as `status`
+    gives them: a script reading `["fail"]` of a study with none got a KeyError): in one
+    query on a database (every trial with all its values was read to count them: seconds
+    for studies of long trials), else counted from the trials."""
     raw: dict[int, dict[str, int]] = {i: {} for i in study_ids}
     engine = getattr(st, "engine", None)
     if isinstance(engine, sa.engine.Engine):
@@ -393,7 +419,7 @@ def _state_counts(st: Any, study_ids: Sequence[int]) -> dict[int, dict[str, int]
             for t in st.get_all_trials(i, deepcopy=False):
                 raw[i][t.state.name.lower()] = raw[i].get(t.state.name.lower(), 0) + 1
     order = [k.name.lower() for k in TrialState]
-    return {i: {k: c[k] for k in order if c.get(k)} for i, c in raw.items()}
+    return {i: {k: c.get(k, 0) for k in order} for i, c in raw.items()}
 
 
 def _local_best_model(trial: FrozenTrial, workdir: Path) -> Path | None:
@@ -513,15 +539,23 @@ class Enqueued:
 
 
 def enqueue_trial(
-    name: str, params: Mapping[str, Any], storage: StorageArg = None, workdir: WorkdirArg = None
+    name: str,
+    params: Mapping[str, Any],
+    storage: StorageArg = None,
+    workdir: WorkdirArg = None,
+    *,
+    n_trials: int | None = None,
 ) -> Enqueued:
     """Queue a trial of `params` in study `name`, to run before the sampler draws another
     (Optuna's `enqueue_trial`; the study's workers take queued trials first, a running
     launch's too). `params` are searched parameters, checked against the search space the
     study was launched with as its `enqueue_trials` are; the others are drawn. Params the
     study already holds (compared as Optuna's `skip_if_exists`) are not queued again, and
-    none past the study's `budget.n_trials` (HpsearchError). Raises ConfigError for params
-    the study could not run as given, StudyNotFoundError for a study hpsearch did not make."""
+    none past the study's `budget.n_trials` (HpsearchError). `n_trials`: set that budget
+    first, under the same lock (raised from a spent one, a launch then given `--trials N`
+    had its workers fill the room before the trial was queued). Raises ConfigError for
+    params the study could not run as given, StudyNotFoundError for a study hpsearch did
+    not make."""
     from hpsearch.config import check_enqueued, config_from_yaml
 
     study, st = _open(name, storage, workdir)
@@ -536,6 +570,10 @@ def enqueue_trial(
         if not isinstance(params, Mapping):
             raise ConfigError(f"params: {params!r}: must be a mapping of names to values")
         entry = check_enqueued(cfg, params, "params", sep=": ")
+        if n_trials is not None and (
+            isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1
+        ):
+            raise ConfigError(f"n_trials: {n_trials!r}: must be a whole number, at least 1")
 
         def locked() -> Enqueued:
             with study_lock(_spec(storage, workdir), name):
@@ -544,13 +582,19 @@ def enqueue_trial(
                 if (t := holding_trial(entry, trials)) is not None:
                     held = t.system_attrs.get("fixed_params", t.params)
                     return Enqueued(t.number, False, t.state.name.lower(), dict(held))
-                n_trials = study_budget(study, cfg)
-                if budget_room(trials, n_trials) == 0:
+                budget = study_budget(study, cfg) if n_trials is None else n_trials
+                if budget_room(trials, budget) == 0:
                     raise HpsearchError(
-                        f"study {name!r}: budget.n_trials ({n_trials}) has no room for "
+                        f"study {name!r}: budget.n_trials ({budget}) has no room for "
                         "another trial (finished, running and queued ones count): raise it "
-                        "with `hpsearch launch --trials N` (or `hpsearch worker --trials N`)"
+                        "as you queue it (hpsearch enqueue --trials "
+                        f"{budget_used(trials) + 1} ...)"
+                        if n_trials is None
+                        else f"n_trials: {n_trials}: leaves study {name!r} no room for "
+                        "another trial (finished, running and queued ones count)"
                     )
+                if n_trials is not None and study_budget(study, cfg) != n_trials:
+                    study.set_user_attr(N_TRIALS_ATTR, n_trials)
                 study.enqueue_trial(entry)
                 refresh_trials_now(study)
                 for t in reversed(study.get_trials(deepcopy=False)):

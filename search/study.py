@@ -541,9 +541,13 @@ def budget_room(trials: Sequence[FrozenTrial], n_trials: int) -> int:
     """Trials that may still be queued: finished, running and queued ones together stay
     within `n_trials`, as `may_start_trial` keeps drawn ones (a queued trial is always
     taken); failed ones do not count."""
+    return max(n_trials - budget_used(trials), 0)
+
+
+def budget_used(trials: Sequence[FrozenTrial]) -> int:
+    """The trials that count against `budget.n_trials`: finished, running and queued."""
     counts = budget_counts(trials)
-    used = sum(counts.get(k, 0) for k in ("complete", "pruned", "running", "waiting"))
-    return max(n_trials - used, 0)
+    return sum(counts.get(k, 0) for k in ("complete", "pruned", "running", "waiting"))
 
 
 def trials_to_enqueue(

@@ -166,7 +166,9 @@ def test_studies_counts_each_state_as_the_budget_does_not(
         "empty: 0 trials (none yet), best -",
     ]
     rows = list_studies(workdir=tmp_path)
-    assert rows[0]["counts"] == {"complete": 1, "pruned": 1, "fail": 2}
+    # every state, as `status` gives them (QA: `studies --json` left out those with none)
+    assert rows[0]["counts"] == {"running": 0, "waiting": 0, "complete": 1, "pruned": 1,
+                                 "fail": 2}  # fmt: skip
     # A multi-objective study's best is its front (QA: `best -`).
     mo = _journal_study(tmp_path, "mo", directions=["maximize", "minimize"])
     for values in ([0.9, 5.0], [0.8, 1.0], [0.7, 9.0]):  # the third is dominated
@@ -447,10 +449,16 @@ def test_status_tells_two_launches_workers_of_one_name_apart_by_pid(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
     """Two launches on one host both name their first worker host:w0; status showed two
-    running trials "on host:w0 (host)" with nothing to tell which process is which."""
+    running trials "on host:w0 (host)" with nothing to tell which process is which. A
+    worker of this host that is gone (killed) is said to be (QA: running for good)."""
+    import subprocess
+    import sys
+
     study = _journal_study(tmp_path, "s", direction="maximize")
     host = socket.gethostname()
-    for pid in (4242, 4343):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for pid in (os.getpid(), gone.pid):
         trial = study.ask()
         for key, value in {"worker": f"{host}:w0", "host": host, "pid": pid}.items():
             trial.set_user_attr(key, value)
@@ -460,12 +468,16 @@ def test_status_tells_two_launches_workers_of_one_name_apart_by_pid(
     assert out.returncode == 0, out.stderr
     running = [ln for ln in out.stdout.splitlines() if ln.startswith("running:")]
     assert running == [
-        f"running: trial 0 on {host}:w0 ({host}, pid 4242), last epoch 1",
-        f"running: trial 1 on {host}:w0 ({host}, pid 4343), last epoch 1",
+        f"running: trial 0 on {host}:w0 ({host}, pid {os.getpid()}), last epoch 1",
+        f"running: trial 1 on {host}:w0 ({host}, pid {gone.pid}), last epoch 1 | its worker "
+        "is gone: failed and retried by a worker's stale check or the next launch",
         "running: trial 2 on - (-), last epoch -",
     ]
-    rows = hps.study_status("s", workdir=tmp_path).running
-    assert [r["pid"] for r in rows] == [4242, 4343, None]
+    st = hps.study_status("s", workdir=tmp_path)
+    assert [r["pid"] for r in st.running] == [os.getpid(), gone.pid, None]
+    assert [r["worker_alive"] for r in st.running] == [True, False, None]
+    assert all(r["started"] is not None for r in st.running)
+    assert (st.n_trials, st.room) == (None, None)  # not launched by hpsearch: no budget
 
 
 def test_train_trial_n_takes_an_enqueued_trials_params_and_refuses_none(tmp_path: Path) -> None:
@@ -537,7 +549,7 @@ def test_a_trial_queued_by_hand_runs_first_once_and_within_the_budget(
 
     out = hpsearch([*cli, "--params", '{"lr": 0.02}'], subprocess_env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "queued trial 0 of study tiny: {'lr': 0.02}"
+    assert out.stdout.strip() == 'queued trial 0 of study tiny: {"lr": 0.02}'  # as given
     out = hpsearch([*cli, "--params", '{"lr": 0.02}'], subprocess_env)
     assert out.returncode == 0, out.stderr
     assert "not queued: trial 0 of study tiny (waiting) already has these params" in out.stdout
@@ -555,25 +567,40 @@ def test_a_trial_queued_by_hand_runs_first_once_and_within_the_budget(
     assert hps.enqueue_trial("tiny", {"loss": "focal", "focal_gamma": 2}, pg_url).number == 1
     done = hps.enqueue_trial("tiny", {"batch_size": 64}, pg_url)
     assert (done.number, done.queued, done.params) == (2, True, {"batch_size": 64})
-    with pytest.raises(HpsearchError, match=r"budget.n_trials \(3\) has no room"):
+    with pytest.raises(HpsearchError, match=r"budget.n_trials \(3\) has no room.*"
+                       r"\(hpsearch enqueue --trials 4 \.\.\.\)"):  # fmt: skip
         hps.enqueue_trial("tiny", {"batch_size": 32}, pg_url)
+    # A spent budget is raised as the trial is queued, in one step (QA: a launch given
+    # --trials N first had its workers fill the room before the trial was queued); a budget
+    # that leaves no room is refused, and not set.
+    with pytest.raises(HpsearchError, match=r"n_trials: 3: leaves study 'tiny' no room"):
+        hps.enqueue_trial("tiny", {"batch_size": 32}, pg_url, n_trials=3)
+    status = hpsearch(["status", "--study", "tiny", "--storage", pg_url], subprocess_env)
+    assert "budget: 3 trials (finished, running and queued count), room for 0 more" in (
+        status.stdout
+    ), status.stdout
+    out = hpsearch([*cli, "--params", '{"batch_size": 32}', "--trials", "4"], subprocess_env)
+    assert out.stdout.strip() == 'queued trial 3 of study tiny: {"batch_size": 32}', out.stderr
+    st = hps.study_status("tiny", storage=pg_url)
+    assert (st.n_trials, st.room) == (4, 0)
     with pytest.raises(ConfigError, match="params: loss: 'hinge': not among its choices"):
         hps.enqueue_trial("tiny", {"loss": "hinge"}, pg_url)
     with pytest.raises(StudyNotFoundError, match="'nope' not found"):
         hps.enqueue_trial("nope", {"lr": 0.1}, pg_url)
 
     out = hpsearch(
-        ["launch", "--study", "tiny", "--storage", pg_url, "--workers", "1", "--trials", "3",
+        ["launch", "--study", "tiny", "--storage", pg_url, "--workers", "1", "--trials", "4",
          "--no-tracking", "--train-fn", DUMMY, "--workdir", str(tmp_path / "w"),
          "--set", "budget.max_epochs=2"],
         subprocess_env,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     trials = optuna.load_study(study_name="tiny", storage=pg_url).get_trials()
-    assert len(trials) == 3 and all(t.state.is_finished() for t in trials)
+    assert len(trials) == 4 and all(t.state.is_finished() for t in trials)
     assert trials[0].params["lr"] == 0.02
     assert (trials[1].params["loss"], trials[1].params["focal_gamma"]) == ("focal", 2.0)
     assert trials[2].params["batch_size"] == 64
+    assert trials[3].params["batch_size"] == 32
 
 
 def test_status_best_and_enqueue_take_the_study_file_a_launch_took(
