@@ -49,7 +49,12 @@ def run_dashboard(
             transient=transient_connect_error,
         )  # fmt: skip
 
-    # A reader: it creates no schema, nor a journal file.
+    # A reader: it creates no schema, nor a journal file. A file named that is not there is
+    # a typo, said as `status` says it (QA: "holds no Optuna study yet").
+    from hpsearch.query import missing_file
+
+    if (missing := missing_file(spec, storage)) is not None:
+        raise missing
     if not when_up(lambda: has_optuna_tables(spec)):
         raise StorageError(
             f"storage {spec.display}: holds no Optuna study yet; launch one first, or create "

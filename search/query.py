@@ -73,7 +73,7 @@ def _spec(storage: StorageArg, workdir: WorkdirArg) -> StorageSpec:
     )
 
 
-def _missing_file(spec: StorageSpec, storage: StorageArg) -> StorageError | None:
+def missing_file(spec: StorageSpec, storage: StorageArg) -> StorageError | None:
     """A SQLite or journal file named (storage=, HPSEARCH_STORAGE) that is not there: a
     mistyped path, not an empty store (the work folder's own journal is made by its first
     launch)."""
@@ -89,7 +89,7 @@ def _open(name: str, storage: StorageArg, workdir: WorkdirArg) -> tuple[optuna.S
     if not isinstance(name, str) or not name:  # Optuna loads a store's only study for None
         raise StudyNotFoundError(f"study name: {name!r}: must be a non-empty string")
     spec = _spec(storage, workdir)
-    if (missing := _missing_file(spec, storage)) is not None:
+    if (missing := missing_file(spec, storage)) is not None:
         raise missing
     if spec.kind == "journal" and not Path(spec.url).exists():
         raise StudyNotFoundError(f"study {name!r} not found: no journal at {spec.url}")
@@ -357,7 +357,7 @@ def _last_epoch(t: FrozenTrial) -> int | None:
 def list_studies(storage: StorageArg = None, workdir: WorkdirArg = None) -> list[dict[str, Any]]:
     spec = _spec(storage, workdir)
     if not has_optuna_tables(spec):
-        if missing := _missing_file(spec, storage):
+        if missing := missing_file(spec, storage):
             raise missing
         # A mistyped work folder, not one with no study yet.
         folder = Path(spec.url).parent

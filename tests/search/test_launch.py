@@ -797,6 +797,10 @@ def test_a_dashboard_on_no_study_or_that_cannot_listen_is_one_line(
 
     empty = hpsearch(["dashboard", "--workdir", str(tmp_path)], subprocess_env)
     assert empty.returncode == 1 and "holds no Optuna study yet" in empty.stderr, empty.stderr
+    # A journal named that is not there: a typo, said as `status` says it (QA).
+    typo = tmp_path / "none.journal"
+    r = hpsearch(["dashboard", "--storage", str(typo)], subprocess_env)
+    assert r.stderr.strip() == f"Error: storage journal:{typo}: no such file", r.stderr
     assert not list(tmp_path.iterdir())  # a reader: no journal file made
     assert hpsearch(["init-storage", "--workdir", str(tmp_path)], subprocess_env).returncode == 0
     with socket.socket() as s:
