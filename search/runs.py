@@ -1300,8 +1300,11 @@ def run_params(cfg: StudyConfig, params: Mapping[str, Any], sampled: bool = True
     }
     # Not the effective lr and batch size: the trainer's, logged at the run's end
     # (`effective_params`); a train split smaller than the batch trains on the split.
+    # A train run's given value its choices leave unread (`--params` focal_gamma under loss
+    # ce, warned of as not read) is not logged either, as a trial's is never drawn.
+    given = {k: v for k, v in params.items() if sampled or k not in unused}
     return trial_params(
-        dict(params),
+        given,
         dataset=cfg.dataset.name,
         arch=hp.arch,
         image_size=trained,
