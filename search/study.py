@@ -780,12 +780,13 @@ def check_retries_fit(
         # A retry keeps its params (`retry_params`): one the space has gained since would
         # be drawn for it anew, and its checkpoint was trained without it.
         if (new := undrawn(cfg, t.params)) is not None:
+            # (a custom trainer's own name has no default here)
+            was = f"{new} {getattr(before, new)!r}" if new in HPARAM_NAMES else f"no {new}"
             raise ConfigError(
                 f"{cfg.source or cfg.name}: search_space.{new}: trial {t.number} waits to "
-                f"resume from a checkpoint trained with {new} {getattr(before, new)!r}; a new "
-                "value would be drawn for it, which that checkpoint would refuse: relaunch "
-                "without the change until it has finished, or start a study under another "
-                "`name`"
+                f"resume from a checkpoint trained with {was}; a new value would be drawn for "
+                "it, which that checkpoint would refuse: relaunch without the change until it "
+                "has finished, or start a study under another `name`"
             )
         # Its checkpoint's best val_acc was taken the old way: the new epochs' would be
         # compared with it, and its run would log eval settings its best did not have.
