@@ -44,6 +44,8 @@ from hpsearch.worker import (
     ATTR_TEST_ACC,
     ATTR_WORKER,
     dead_outcome,
+    effective_params,
+    record_dict,
 )
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
@@ -486,7 +488,7 @@ class TrialRun:
         from hpsearch.background import trial_plots
 
         try:
-            history = [dict(vars(r)) for r in result.history]
+            history = [record_dict(r) for r in result.history]
             confusion = [list(row) for row in result.confusion or []]
             names = list(result.class_names) or [str(i) for i in range(len(confusion))]
             return self.session.renderer.run(
@@ -612,7 +614,7 @@ class FixedRun:
     def _plots(self, result: Any, tmp: Path) -> list[Path]:
         from hpsearch.tracking.artifacts import trial_artifacts
 
-        history = [dict(vars(r)) for r in result.history]
+        history = [record_dict(r) for r in result.history]
         confusion = [list(row) for row in result.confusion or []]
         names = list(result.class_names) or [str(i) for i in range(len(confusion))]
         return trial_artifacts(history, confusion, names, self.title, tmp)
@@ -1325,17 +1327,6 @@ def trial_tags(trial: optuna.Trial, root: int) -> dict[str, str] | None:
     if isinstance(fixed, dict) and fixed:
         tags["hpsearch.enqueued"] = ",".join(sorted(fixed))
     return tags or None
-
-
-def effective_params(result: Any) -> dict[str, Any]:
-    """The lr and batch size a trial's trainer used (its `TrialResult`'s), as run params;
-    none a custom trainer's result lacks."""
-    out: dict[str, Any] = {}
-    for name, kind in (("effective_lr", float), ("effective_batch_size", int)):
-        value = getattr(result, name, None)
-        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-            out[name] = kind(value)
-    return out
 
 
 # Seconds the launcher's supervising loop waits for one dead trial's MLflow calls. A server

@@ -286,14 +286,53 @@ def load_train_fn(spec: str) -> TrainFn:
 
 
 def check_result(result: object) -> None:
-    """A train function returns a `hpsearch.trainer.TrialResult`; anything else fails its
-    trial with this message rather than the worker."""
+    """A train function returns a `hpsearch.trainer.TrialResult` with a known
+    `stop_reason`; anything else fails its trial with this message rather than the worker
+    (an unknown reason made the trial COMPLETE and its MLflow run FAILED)."""
+    from typing import get_args
+
     from hpsearch.trainer import TrialResult
+    from hpsearch.trainer.types import StopReason
 
     if not isinstance(result, TrialResult):
         raise HpsearchError(
             f"the train function returned {type(result).__name__}, not a TrialResult"
         )
+    if result.stop_reason not in get_args(StopReason):
+        raise HpsearchError(
+            f"the train function's stop_reason: {result.stop_reason!r}: must be one of "
+            f"{', '.join(get_args(StopReason))}"
+        )
+
+
+def effective_params(result: Any) -> dict[str, Any]:
+    """The lr and batch size a trial's trainer used (its `TrialResult`'s), as numbers; none
+    that a custom trainer's result leaves out (None) or gives as no positive number."""
+    out: dict[str, Any] = {}
+    for name, kind in (("effective_lr", float), ("effective_batch_size", int)):
+        value = plain(getattr(result, name, None))
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            out[name] = kind(value)
+    return out
+
+
+def plain(value: Any) -> Any:
+    """`value` as JSON's kinds of Python values: a numpy or torch scalar as its number (a
+    custom trainer's epoch record of tensors failed its trial at the tell, every epoch
+    trained), lists and mappings element-wise, anything else as its text."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return plain(item())
+        except (TypeError, ValueError, RuntimeError):  # an array of several: its text
+            pass
+    return str(value)
 
 
 # s: a checkpoint temp file untouched this long is no live write's (a save takes seconds).
@@ -1368,7 +1407,12 @@ def run_trial(
             # the outcome: the reports' close() waits for their writes.
             with reports, _gpu_reservation(cfg, params, opts, stop) as waited:
                 timing.admission_wait_s = waited
-                result = train_fn(cfg, params, report, options)
+                try:
+                    result = train_fn(cfg, params, report, options)
+                except SystemExit as exc:  # the trial's failure, not its worker's death
+                    raise HpsearchError(
+                        f"the train function called sys.exit({exc.code!r})"
+                    ) from exc
                 returned = time.perf_counter()
                 check_result(result)
         except StorageError:
@@ -1529,9 +1573,8 @@ def _tell(
     reason = str(result.stop_reason)
     attrs: dict[str, Any] = {
         ATTR_OUTCOME: reason,
-        ATTR_HISTORY: [_record_dict(r) for r in result.history],
-        "effective_lr": float(result.effective_lr),
-        "effective_batch_size": int(result.effective_batch_size),
+        ATTR_HISTORY: [record_dict(r) for r in result.history],
+        **effective_params(result),
     }
     if startup_s is not None:  # ask to first training step: the per-trial overhead, seconds
         attrs[ATTR_STARTUP] = round(float(startup_s), 3)
@@ -1703,12 +1746,14 @@ def _release_cached_gpu_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _record_dict(record: Any) -> dict[str, Any]:
+def record_dict(record: Any) -> dict[str, Any]:
+    """An epoch record (an `EpochRecord`, or a custom trainer's dataclass or mapping) as a
+    mapping of JSON-able values (`plain`)."""
     from dataclasses import asdict, is_dataclass
 
     if is_dataclass(record) and not isinstance(record, type):
-        return {k: v for k, v in asdict(record).items()}
-    return dict(record)
+        return {k: plain(v) for k, v in asdict(record).items()}
+    return {str(k): plain(v) for k, v in dict(record).items()}
 
 
 def _new_warm_cache() -> Any:

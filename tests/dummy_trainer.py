@@ -155,6 +155,40 @@ def returns_nan(
     return dataclasses.replace(train(config, params, report, options), best_val_acc=math.nan)
 
 
+def returns_an_unknown_reason(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """A stop_reason of its own (the trial was COMPLETE in Optuna, FAILED in MLflow)."""
+    import dataclasses
+
+    result = train(config, params, report, options)
+    return dataclasses.replace(result, stop_reason="done")  # type: ignore[arg-type]
+
+
+def calls_sys_exit(config: Any, params: Mapping[str, Any], report: Any, options: Any) -> None:
+    """A train function that exits (its worker looked crashed, the trial retried as such)."""
+    raise SystemExit(3)
+
+
+def records_tensors(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """Epoch records of numpy and torch scalars, a list of lrs (a scheduler's), no
+    effective lr: as a PyTorch user's code hands them on (the tell failed: not JSON)."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    result = train(config, params, report, options)
+    history = [
+        dataclasses.replace(r, val_acc=torch.tensor(r.val_acc), train_loss=np.float32(r.train_loss),
+                            lr=[r.lr])  # type: ignore[arg-type]
+        for r in result.history
+    ]  # fmt: skip
+    return dataclasses.replace(result, history=history, effective_lr=None)  # type: ignore[arg-type]
+
+
 _CALLS = [0]
 
 

@@ -549,7 +549,13 @@ def _open_or_error(spec: StorageSpec) -> object:
 
 @pytest.mark.parametrize(
     ("fn", "message"),
-    [("returns_none", "returned NoneType, not a TrialResult"), ("returns_nan", "is not finite")],
+    [
+        ("returns_none", "returned NoneType, not a TrialResult"),
+        ("returns_nan", "is not finite"),
+        # QA: COMPLETE in Optuna, FAILED in MLflow; a crashed worker, retried as such.
+        ("returns_an_unknown_reason", "stop_reason: 'done': must be one of finished,"),
+        ("calls_sys_exit", "the train function called sys.exit(3)"),
+    ],
 )
 def test_a_train_function_returning_no_usable_result_fails_its_trials_and_stops(
     tmp_path: Path, fn: str, message: str
@@ -572,6 +578,24 @@ def test_a_train_function_returning_no_usable_result_fails_its_trials_and_stops(
     # was in the study only), and so does its "repeated errors" stop.
     assert [(n, o) for n, o, _ in seen] == [(0, "error"), (1, "error")]
     assert all(message in m for *_, m in seen) and message in summary.last_error
+
+
+def test_a_train_functions_epochs_of_tensors_are_stored_as_numbers(tmp_path: Path) -> None:
+    """QA: a custom trainer's epoch records of torch and numpy scalars (which `report`
+    takes) trained every epoch, then failed its trial at the tell: "Object of type Tensor
+    is not JSON serializable"; a result without an effective lr failed it likewise."""
+    from hpsearch.worker import ATTR_HISTORY, WorkerOptions, run_worker
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=1", "budget.max_epochs=2"])
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    opts = WorkerOptions(workdir=tmp_path, train_fn="dummy_trainer:records_tensors")
+    assert run_worker(cfg, spec, opts).outcomes == {"finished": 1}
+    (trial,) = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    history = trial.user_attrs[ATTR_HISTORY]
+    assert [type(h["val_acc"]) for h in history] == [float, float]
+    assert type(history[0]["train_loss"]) is float and isinstance(history[0]["lr"], list)
+    assert "effective_lr" not in trial.user_attrs and trial.user_attrs["effective_batch_size"]
 
 
 def test_a_worker_on_a_full_disk_starts_no_trial(
