@@ -929,8 +929,8 @@ def status(study: str, storage: str | None, workdir: Path, as_json: bool) -> Non
                    f"params {_params_of(st.best)}")  # fmt: skip
     else:
         click.echo("best: - (no completed trial yet)")
-    if st.n_trials is not None:
-        click.echo(f"budget: {_n(st.n_trials, 'trial')} (finished, running and queued count), "
+    if st.budget is not None:
+        click.echo(f"budget: {_n(st.budget, 'trial')} (finished, running and queued count), "
                    f"room for {st.room} more")  # fmt: skip
     for r in st.running:
         pid = f", pid {r['pid']}" if r["pid"] is not None else ""

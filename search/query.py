@@ -289,9 +289,9 @@ class StudyStatus:
     # objective); None for a single objective
     pareto_size: int | None = None
     # The budget its launches set (`budget.n_trials`: finished, running and queued trials
-    # count), and how many more trials it has room for (`enqueue`); None for a study
-    # hpsearch did not launch
-    n_trials: int | None = None
+    # count; not `studies`' n_trials, its trials of every state), and how many more trials
+    # it has room for (`enqueue`); None for a study hpsearch did not launch
+    budget: int | None = None
     room: int | None = None
 
 

@@ -498,7 +498,11 @@ class TrialRun:
             logger.warning("trial %s: artifacts failed: %s", self.trial.number, scrub(str(exc)))
             return []
 
-    def finish_failed(self, outcome: str, message: str, tb: str | None) -> None:
+    def finish_failed(self, outcome: str, message: str, tb: str | None, result: Any = None) -> None:
+        """End the run as failed; `result`: the trainer's, where it returned one (a value
+        the study could not take), whose effective lr and batch size the run logs."""
+        if result is not None:
+            self.tracker.log_params(effective_params(result))
         self.ended = True
         ended_ms = int(time.time() * 1000)
         self._copy_earlier(None)  # a retry that trained no epoch of its own
@@ -1596,9 +1600,18 @@ def end_dangling_runs(
 
 def _log_told_summary(client: Any, run: Any, trial: FrozenTrial, metric: str) -> None:
     """A trial run's summary metrics from its trial's record (`summary_from_history`), those
-    it lacks, at its last epoch's step as a worker logs them."""
-    from mlflow.entities import Metric
+    it lacks, at its last epoch's step as a worker logs them; and the effective lr and
+    batch size its tell recorded, which its worker logs at the run's end."""
+    from hpsearch.tracking.mlflow_logger import param_value
+    from mlflow.entities import Metric, Param
 
+    params = [
+        Param(k, param_value(trial.user_attrs[k]))
+        for k in ("effective_lr", "effective_batch_size")  # as `effective_params` wrote them
+        if k in trial.user_attrs and k not in run.data.params
+    ]
+    if params:
+        client.log_batch(run.info.run_id, params=params)
     history = trial.user_attrs.get(ATTR_HISTORY)
     if not isinstance(history, list):
         return

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import yaml
 from hpsearch.config import (
     HPARAM_NAMES,
     FloatParam,
@@ -767,7 +768,7 @@ def check_retries_fit(
             way = (
                 "a worker with --set values of its own trained it: finish it with one "
                 f"(hpsearch worker --study {cfg.name} --set trainer.defaults.{name}="
-                f"{getattr(before, name)}), or start a study under another `name`"
+                f"{set_value(getattr(before, name))}), or start a study under another `name`"
                 if own
                 else "relaunch without the change until it has finished, or start a study "
                 "under another `name`"
@@ -810,7 +811,7 @@ def check_retries_fit(
             key, now_value, was = rest[0]
             way = (
                 "a worker with --set values of its own trained it: finish it with one given "
-                f"the same (hpsearch worker --study {cfg.name} --set {key}={was})"
+                f"the same (hpsearch worker --study {cfg.name} --set {key}={set_value(was)})"
                 if own
                 else "relaunch without the change until it has finished"
             )
@@ -831,6 +832,13 @@ RESUMABLE_FIELDS = (
     "trainer.defaults", "trainer.eval_scale", "trainer.eval_flip", "dataset.eval_limit",
     "objective",
 )  # fmt: skip
+
+
+def set_value(value: Any) -> str:
+    """`value` as a `--set key=value` takes it (YAML: `null`, not Python's `None`; a list or
+    mapping in flow style)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=2**16).strip()
+    return text.removesuffix("...").strip()
 
 
 def undrawn(cfg: StudyConfig, params: Mapping[str, Any]) -> str | None:

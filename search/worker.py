@@ -1484,7 +1484,7 @@ def run_trial(
             raise
         except Exception as exc:  # a result the study cannot take: recorded, not a crash
             _fail(study, trial, "error", f"{type(exc).__name__}: {exc}", run,
-                  traceback.format_exc(), db)  # fmt: skip
+                  traceback.format_exc(), db, result)  # fmt: skip
             return "error"
         timing.tell_ms = (time.perf_counter() - t0) * 1e3
         if outcome != "interrupted":
@@ -1551,12 +1551,15 @@ def _fail(
     run: Any,
     tb: str | None,
     db: Db,
+    result: Any = None,
 ) -> None:
+    """Tell the trial FAIL with its outcome and message, and end its run so; `result`: the
+    trainer's, where it returned one (the run logs its effective lr and batch size)."""
     attrs = {ATTR_OUTCOME: outcome, ATTR_MESSAGE: message[:500]}
     _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
     _safe_tell(db, lambda: tell(study, trial, state=TrialState.FAIL))
     if run is not None:
-        run.finish_failed(outcome, message, tb)
+        run.finish_failed(outcome, message, tb, result)
 
 
 def _tell(
@@ -1615,7 +1618,7 @@ def _tell(
     elif not all(math.isfinite(v) for v in values):
         # Optuna would store a NaN as FAIL, which counts toward no budget: a trainer that
         # always returns one would make trials without end. An inf would be the best.
-        _fail(study, trial, "error", f"objective {values} is not finite", run, None, db)
+        _fail(study, trial, "error", f"objective {values} is not finite", run, None, db, result)
         return "error"
     else:
         told = values if cfg.objective.multi else values[0]

@@ -477,7 +477,7 @@ def test_status_tells_two_launches_workers_of_one_name_apart_by_pid(
     assert [r["pid"] for r in st.running] == [os.getpid(), gone.pid, None]
     assert [r["worker_alive"] for r in st.running] == [True, False, None]
     assert all(r["started"] is not None for r in st.running)
-    assert (st.n_trials, st.room) == (None, None)  # not launched by hpsearch: no budget
+    assert (st.budget, st.room) == (None, None)  # not launched by hpsearch: no budget
 
 
 def test_train_trial_n_takes_an_enqueued_trials_params_and_refuses_none(tmp_path: Path) -> None:
@@ -582,7 +582,7 @@ def test_a_trial_queued_by_hand_runs_first_once_and_within_the_budget(
     out = hpsearch([*cli, "--params", '{"batch_size": 32}', "--trials", "4"], subprocess_env)
     assert out.stdout.strip() == 'queued trial 3 of study tiny: {"batch_size": 32}', out.stderr
     st = hps.study_status("tiny", storage=pg_url)
-    assert (st.n_trials, st.room) == (4, 0)
+    assert (st.budget, st.room) == (4, 0)
     with pytest.raises(ConfigError, match="params: loss: 'hinge': not among its choices"):
         hps.enqueue_trial("tiny", {"loss": "hinge"}, pg_url)
     with pytest.raises(StudyNotFoundError, match="'nope' not found"):

@@ -1249,6 +1249,10 @@ def test_a_relaunch_that_would_retrain_a_waiting_retry_otherwise_is_refused(
     assert retry_params({"lr": 0.03}, {"lr": 0.05, "loss": "ce"}) == {"lr": 0.05, "loss": "ce"}
     space = {k: v for k, v in cfg.search_space.items() if k != "lr"}
     create_or_load(cfg.model_copy(update={"search_space": space}), storage)
+    # The `--set` a refusal suggests takes the old value as YAML (review: `=None`)
+    from hpsearch.study import set_value
+
+    assert [set_value(v) for v in (None, 0.5, [32, 64], "ce")] == ["null", "0.5", "[32, 64]", "ce"]
     with pytest.warns(HpsearchWarning, match=r"budget.max_epochs: 9 \(before: 2\)"):
         create_or_load(load_config("tiny", ["budget.max_epochs=9"]), storage)
 

@@ -61,7 +61,8 @@ def test_a_failed_trial_keeps_no_snapshot_and_claims_no_checkpoint(
     nan_run, best = started()
     assert nan_run.checkpoint_uri(_result(math.nan, best)) is None
     assert snapshots() == []
-    nan_run.finish_failed("error", "objective [nan] is not finite", None)
+    # Its result's effective lr and batch size are logged (review: none on a failed run).
+    nan_run.finish_failed("error", "objective [nan] is not finite", None, _result(math.nan, best))
 
     run, best = started()
     uri = run.checkpoint_uri(_result(0.8, best))
@@ -74,6 +75,8 @@ def test_a_failed_trial_keeps_no_snapshot_and_claims_no_checkpoint(
     for r in (nan_run, run):
         assert client.list_artifacts(r.run_id, "checkpoint") == []
         assert client.get_run(r.run_id).info.status == "FAILED"
+    logged = client.get_run(nan_run.run_id).data.params
+    assert (logged["effective_lr"], logged["effective_batch_size"]) == ("0.1", "32")
 
 
 def test_a_worker_told_to_stop_waits_no_longer_for_the_study_run(
@@ -160,7 +163,8 @@ def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
         run = client.create_run(experiment.experiment_id, tags={ROLE_TAG: "trial"})
         attrs = {"mlflow_run_id": run.info.run_id, "host": socket.gethostname(), "pid": pid}
         if name == "told":  # its epochs and test accuracy, as its worker told them
-            attrs |= {"test_acc": 0.25, "history": [
+            attrs |= {"test_acc": 0.25, "effective_lr": 0.05, "effective_batch_size": 32,
+                      "history": [
                 {"epoch": 1, "val_acc": 0.3, "val_loss": 3.0, "epoch_seconds": 2.0},
                 {"epoch": 2, "val_acc": 0.3, "val_loss": 2.5, "epoch_seconds": 2.5}]}  # fmt: skip
         if name == "died_telling":  # a --train-fn's history of its own: still ended (review)
@@ -226,6 +230,9 @@ def test_runs_left_running_by_gone_workers_are_ended_at_the_launchs_end(
     summary = client.get_run(runs["told"]).data.metrics
     assert summary == {"best_val_acc": 0.3, "best_val_loss": 3.0, "train_seconds": 4.5,
                        "test_acc": 0.25}  # fmt: skip
+    # ... nor the trainer's effective lr and batch size, logged at a run's end (review)
+    params = client.get_run(runs["told"]).data.params
+    assert (params["effective_lr"], params["effective_batch_size"]) == ("0.05", "32")
 
 
 def test_a_run_kept_offline_takes_its_best_model_to_the_run_made_later(
