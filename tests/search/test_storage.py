@@ -1104,12 +1104,11 @@ def test_a_retry_taken_by_another_work_folder_of_this_host_resumes_from_its_chec
     assert not handed_back.exists()  # taken, not left behind
 
 
-def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refused(
+def _waiting_retry(
     tmp_path: Path,
-) -> None:
-    """A relaunch with another trainer default: the retry waiting to resume was refused its
-    checkpoint ("written for other hyperparameters") and failed for good, with no retry
-    left and its epochs lost; the launch had taken the change without a word."""
+) -> tuple[StudyConfig, BaseStorage, optuna.Study, dict, optuna.trial.FrozenTrial]:
+    """A `tiny` study on a journal whose trial 0 failed with a checkpoint, and its retry
+    (trial 1) waiting to resume from it: (config, storage, study, params, failed try)."""
     cfg = load_config("tiny")
     storage = open_storage(StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal"))
     study = create_or_load(cfg, storage)
@@ -1125,6 +1124,16 @@ def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refuse
             system_attrs={"failed_trial": 0, "retry_history": [0]},
         )
     )  # fmt: skip
+    return cfg, storage, study, params, frozen
+
+
+def test_a_relaunch_that_would_change_a_waiting_retrys_hyperparameters_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A relaunch with another trainer default: the retry waiting to resume was refused its
+    checkpoint ("written for other hyperparameters") and failed for good, with no retry
+    left and its epochs lost; the launch had taken the change without a word."""
+    cfg, storage, study, params, frozen = _waiting_retry(tmp_path)
     changed = load_config("tiny", ["trainer.defaults.warmup_epochs=3"])
     with pytest.raises(ConfigError, match=r"warmup_epochs: 3.0: trial 1 waits to resume"):
         create_or_load(changed, storage)
@@ -1217,21 +1226,7 @@ def test_a_relaunch_that_would_retrain_a_waiting_retry_otherwise_is_refused(
     changed `trainer.base_batch_size` (its peak lr) or `dataset.train_limit` went on from
     the checkpoint under the new one, mid-trial, without a word. A longer epoch budget
     (stop, then relaunch to train longer) goes on, and the launch says so."""
-    cfg = load_config("tiny")
-    storage = open_storage(StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal"))
-    study = create_or_load(cfg, storage)
-    first = study.ask()
-    params = suggest(first, cfg)
-    first.set_user_attr("checkpoint", str(tmp_path / "trial-00000-ab.pt"))
-    study.tell(first, state=optuna.trial.TrialState.FAIL)
-    frozen = study.get_trials(deepcopy=False)[0]
-    study.add_trial(
-        optuna.trial.create_trial(
-            state=optuna.trial.TrialState.WAITING, params=params,
-            distributions=frozen.distributions, user_attrs=frozen.user_attrs,
-            system_attrs={"failed_trial": 0, "retry_history": [0]},
-        )
-    )  # fmt: skip
+    cfg, storage, *_ = _waiting_retry(tmp_path)
     waits = "trial 1 waits to resume from a checkpoint trained with"
     wd = "search_space.weight_decay={type: float, low: 0.00001, high: 0.01, log: true}"
     for changes, shown in (
