@@ -313,13 +313,15 @@ def eta_seconds(
     `finished`: a resumed study's earlier trials took none of this launch's time) plus the
     share of `max_epochs` its running trials trained, each given as (last epoch reported,
     the epoch it had reached before this launch ran it; 0 for a fresh start). Without them
-    the ETA showed nothing until a trial ended, then climbed through each long trial."""
+    the ETA showed nothing until a trial ended, then climbed through each long trial. A
+    trial past its last epoch still has its end (the test split's evaluation, its uploads):
+    half an epoch is left of it (the ETA said 0 s through the last trial's end)."""
     here = float(finished if finished_here is None else finished_here)
     left = float(total - finished)
     for last, resumed_from in running:
         last = min(max(last, 0), max_epochs)
         here += max(last - resumed_from, 0) / max_epochs
-        left -= last / max_epochs
+        left -= min(last, max_epochs - 0.5) / max_epochs
     if here <= 0 or finished >= total:
         return None
     return elapsed_s / here * max(left, 0.0)

@@ -111,6 +111,8 @@ def test_eta() -> None:
     # Two running, one a retry that came with 5 epochs of its chain's: 1 + 1 of 10 here.
     assert eta_seconds(1, 4, 60.0, 1, [(1, 0), (6, 5)], 10) == pytest.approx(60.0 / 1.2 * 2.3)
     assert eta_seconds(0, 4, 30.0, 0, [(0, 0)], 10) is None  # no epoch yet: no rate
+    # The last trial past its last epoch: its end (test evaluation, uploads) is left, not 0 s.
+    assert eta_seconds(3, 4, 90.0, 3, [(2, 0)], 2) == pytest.approx(90.0 / 4 * 0.25)
 
 
 def test_running_epochs_count_a_retrys_inherited_reports_as_done_before() -> None:
