@@ -9,9 +9,12 @@ set -euo pipefail
 : "${MLFLOW_DB_USER:?}" "${MLFLOW_DB_PASSWORD:?}" "${MLFLOW_DB_NAME:?}"
 
 # psql variables (:"ident", :'literal') quote names and passwords, so any characters are safe.
+# The password is read from the environment (\getenv, psql 15+), not given on psql's command
+# line, which `ps` shows on the host while the first start runs.
 create() {
-  psql -v ON_ERROR_STOP=1 --no-psqlrc --username "$POSTGRES_USER" --dbname postgres \
-    -v user="$1" -v pass="$2" -v db="$3" <<'SQL'
+  INIT_DB_PASSWORD="$2" psql -v ON_ERROR_STOP=1 --no-psqlrc --username "$POSTGRES_USER" \
+    --dbname postgres -v user="$1" -v db="$3" <<'SQL'
+\getenv pass INIT_DB_PASSWORD
 CREATE ROLE :"user" LOGIN PASSWORD :'pass';
 CREATE DATABASE :"db" OWNER :"user";
 REVOKE ALL ON DATABASE :"db" FROM PUBLIC;
