@@ -1756,7 +1756,8 @@ def record_dict(record: Any) -> dict[str, Any]:
 
     if is_dataclass(record) and not isinstance(record, type):
         return {k: plain(v) for k, v in asdict(record).items()}
-    return {str(k): plain(v) for k, v in dict(record).items()}
+    fields = record if isinstance(record, Mapping) else vars(record)  # (a namespace's)
+    return {str(k): plain(v) for k, v in dict(fields).items()}
 
 
 def _new_warm_cache() -> Any:

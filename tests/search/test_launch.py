@@ -153,10 +153,9 @@ def test_relaunch_resumes_and_independent_worker_joins(
         {
             "name": "tiny",
             "n_trials": 12,
-            "counts": {
-                state.name.lower(): n
+            "counts": {  # every state, as `status --json` gives them
+                state.name.lower(): sum(1 for t in study.get_trials() if t.state == state)
                 for state in TrialState
-                if (n := sum(1 for t in study.get_trials() if t.state == state))
             },
             "directions": ["maximize"],
             "best_value": best_v,

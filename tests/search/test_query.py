@@ -627,7 +627,7 @@ def test_status_best_and_enqueue_take_the_study_file_a_launch_took(
     common = ["--study", str(mine), "--workdir", str(work)]
     out = hpsearch(["enqueue", *common, "--params", '{"lr": 0.02}'], subprocess_env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "queued trial 0 of study flowers-mine: {'lr': 0.02}"
+    assert out.stdout.strip() == 'queued trial 0 of study flowers-mine: {"lr": 0.02}'
     out = hpsearch(["status", *common, "--json"], subprocess_env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["name"] == "flowers-mine"
