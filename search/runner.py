@@ -465,25 +465,30 @@ def run_fixed(
         raise
     finally:
         torch.set_num_threads(own_threads)
-    if earlier and getattr(result, "stop_reason", None) == "interrupted":
-        put_back()
+    try:  # a second Ctrl-C (`train` raises it) as the run ends: the run still gets its end
+        if earlier and getattr(result, "stop_reason", None) == "interrupted":
+            put_back()
 
-        def moved(path: Any) -> Path | None:
-            return None if path is None else Path(path).with_name(Path(path).name + ".failed")
+            def moved(path: Any) -> Path | None:
+                return None if path is None else Path(path).with_name(Path(path).name + ".failed")
 
-        result = dataclasses.replace(
-            result,
-            best_model_path=moved(result.best_model_path),
-            checkpoint_path=moved(result.checkpoint_path),
-        )
-    elif earlier and result.best_val_acc is not None and result.best_model_path is None:
-        # Its best model's write failed (the result's message says so): the earlier run's
-        # files come back, as when a run fails.
-        for f, a in zip(files, aside, strict=True):
-            if a.exists() and not f.exists():
-                a.replace(f)
-    if run is not None:
-        run.finish(result)
+            result = dataclasses.replace(
+                result,
+                best_model_path=moved(result.best_model_path),
+                checkpoint_path=moved(result.checkpoint_path),
+            )
+        elif earlier and result.best_val_acc is not None and result.best_model_path is None:
+            # Its best model's write failed (the result's message says so): the earlier run's
+            # files come back, as when a run fails.
+            for f, a in zip(files, aside, strict=True):
+                if a.exists() and not f.exists():
+                    a.replace(f)
+        if run is not None:
+            run.finish(result)
+    except BaseException as exc:
+        if run is not None:
+            run.fail(exc, None)  # (a no-op once the tracker's end began: that sets it)
+        raise
     for a in aside:
         a.unlink(missing_ok=True)
     return result

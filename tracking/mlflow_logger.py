@@ -777,15 +777,16 @@ class TrialTracker:
             return False
         self.finished = True
         run_id = self.run_id
+        status = OUTCOME_STATUS.get(outcome, "FAILED")
+        now_ms = int(time.time() * 1000)
+        end_ms = end_time_ms if end_time_ms is not None else now_ms
+        ended = False
         try:
             try:
                 status = terminal_status(outcome)
             except ValueError as exc:
                 logger.warning("MLflow: %s; marking the run FAILED", scrub(str(exc)))
-                status = "FAILED"
             tags = terminal_tags(outcome, pruned_at_epoch, reason)
-            now_ms = int(time.time() * 1000)
-            end_ms = end_time_ms if end_time_ms is not None else now_ms
             with self._cond:
                 summary, _ = metric_entities(summary_metrics or {}, self._last_step, now_ms)
                 self._pending_tags.update(tags)
@@ -834,12 +835,13 @@ class TrialTracker:
                     "tag the run incomplete",
                     lambda: self.client.set_tag(run_id, INCOMPLETE_TAG, "true"),
                 )
-            ended = self._best_effort(
+            sent = self._best_effort(
                 f"set status {status}",
                 lambda: self.client.set_terminated(run_id, status=status, end_time=end_ms),
             )
-            if kept(ended, (), None):
+            if kept(sent, (), None):
                 return False  # its status is sent when the server answers
+            ended = True
             if self._run_key and not server_down:
                 self._delete_twins(run_id, self._run_key)
             if self.incomplete:
@@ -854,6 +856,22 @@ class TrialTracker:
         except Exception as exc:  # telemetry never kills training
             logger.warning("MLflow: finishing run %s failed: %s", run_id, _short(exc))
             return False
+        except BaseException:
+            # A second Ctrl-C while the run ended (`hpsearch train` raises it): what was
+            # left of its end is dropped, but the run gets its status, not RUNNING for good
+            # (CI: a train stopped twice stayed RUNNING). One try each; a third Ctrl-C ends
+            # the process at once.
+            if run_id is not None and not ended:
+                self.incomplete = True
+                self._best_effort(
+                    "tag the run incomplete",
+                    lambda: self.client.set_tag(run_id, INCOMPLETE_TAG, "true"),
+                )
+                self._best_effort(
+                    f"set status {status}",
+                    lambda: self.client.set_terminated(run_id, status=status, end_time=end_ms),
+                )
+            raise
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until everything queued so far is delivered (tests, bench). True if it was."""

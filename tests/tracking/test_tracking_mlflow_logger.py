@@ -387,6 +387,34 @@ def test_context_manager_marks_exceptions_failed(
 
 
 @pytest.mark.slow
+def test_a_ctrl_c_while_the_run_ends_still_gives_it_its_status(
+    client: CountingClient, experiment_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI: `train` stopped twice (its second Ctrl-C raises KeyboardInterrupt) while its run
+    ended left the run RUNNING for good. Now it gets its status, marked incomplete, and
+    the interrupt goes on."""
+    parent = open_study_run(client, experiment_id, "s", {}, "")
+    tracker = make_tracker(client, experiment_id, parent, 4)
+    tracker.log_epoch(0, epoch_metrics(0))
+    model = tmp_path / "best.pt"
+    model.write_bytes(b"weights")
+
+    def ctrl_c(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(client, "log_artifact", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        tracker.finish("interrupted", artifacts=[model])
+    assert tracker.run_id is not None
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "KILLED"
+    assert run.data.tags[INCOMPLETE_TAG] == "true"
+    assert run.data.tags["hpsearch.outcome"] == "interrupted"  # the final batch went first
+    assert tracker.finish("failed") is False  # ended once: a later fail changes nothing
+    assert client.get_run(tracker.run_id).info.status == "KILLED"
+
+
+@pytest.mark.slow
 def test_non_numeric_metrics_are_dropped_not_raised(
     client: CountingClient, experiment_id: str, tracking_logs: pytest.LogCaptureFixture
 ) -> None:
