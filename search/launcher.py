@@ -44,7 +44,6 @@ from hpsearch.packing import (
     MemoryModel,
     PackingPlan,
     gpu_env,
-    holder_alive,
     plan_from_probe,
     process_start,
 )
@@ -69,7 +68,6 @@ from hpsearch.study import (
     study_budget,
 )
 from hpsearch.worker import (
-    ATTR_HOST,
     ATTR_MESSAGE,
     ATTR_OUTCOME,
     ATTR_PID,
@@ -81,6 +79,7 @@ from hpsearch.worker import (
     free_disk_bytes,
     retried_trials,
     retry_callback,
+    worker_alive,
 )
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
@@ -555,17 +554,11 @@ def fail_orphans_on_this_host(
     the two, or was an older version's, whose sampler could raise there; a launch would
     otherwise wait for it forever. On PostgreSQL the claim's first heartbeat lets the
     stale check find such a trial."""
-    host = socket.gethostname()
     now = datetime.datetime.now()  # Optuna dates trials in naive local time
     failed = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        pid, start = t.user_attrs.get(ATTR_PID), t.user_attrs.get(ATTR_PID_START)
-        gone = (
-            t.user_attrs.get(ATTR_HOST) == host
-            and isinstance(pid, int)
-            and not holder_alive(pid, start if isinstance(start, int) else None)
-        )
-        reason = f"worker pid {pid} is gone"
+        gone = worker_alive(t.user_attrs) is False
+        reason = f"worker pid {t.user_attrs.get(ATTR_PID)} is gone"
         started = t.datetime_start
         if not gone and spec.kind == "journal" and ATTR_PID not in t.user_attrs:
             age_s = (now - started).total_seconds() if started is not None else float("inf")

@@ -215,19 +215,20 @@ def top_trials(
     name: str, storage: StorageArg = None, k: int = 5, workdir: WorkdirArg = None
 ) -> list[dict[str, Any]]:
     """`best_trials` as rows (`trial_row`), each with only its own trial's parameters."""
-    k = _check_k(k)
+    k = _count(k, "k")
     with reading_study(name, storage, workdir) as study:
         return _top_rows(study, k, _workdir(workdir))
 
 
-def _check_k(k: object) -> int:
-    """`k` as an int (numpy's integers too); a bool, a float or text is refused."""
+def _count(value: object, name: str) -> int:
+    """`value` (the argument `name`) as an int, at least 1 (numpy's integers too); a bool, a
+    float or text is refused."""
     try:
-        n = operator.index(k)  # type: ignore[arg-type]
+        n = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         n = 0
-    if isinstance(k, bool) or n < 1:
-        raise ConfigError(f"k: {k!r}: must be a whole number, at least 1")
+    if isinstance(value, bool) or n < 1:
+        raise ConfigError(f"{name}: {value!r}: must be a whole number, at least 1")
     return n
 
 
@@ -243,7 +244,7 @@ def best_trials(
     per parameter, start and duration, and user attributes including `mlflow_run_id`. Its
     columns are there when no trial has completed yet (an empty frame). A multi-objective
     study gives its Pareto front, ordered by the first objective."""
-    k = _check_k(k)
+    k = _count(k, "k")
     with reading_study(name, storage, workdir) as study:
         rows = _top_rows(study, k, _workdir(workdir))
         params = sorted(f"params_{p}" for p in _param_names(study))
@@ -337,12 +338,9 @@ def _worker_alive(t: FrozenTrial) -> bool | None:
     tell (its own processes); None for another host's. A killed worker's trial stays
     RUNNING until a stale check or the next launch fails and retries it (QA: `status`
     showed it as running for good)."""
-    from hpsearch.packing import holder_alive
+    from hpsearch.worker import worker_alive
 
-    pid, start = t.user_attrs.get("pid"), t.user_attrs.get("pid_start")
-    if t.user_attrs.get("host") != socket.gethostname() or not isinstance(pid, int):
-        return None
-    return holder_alive(pid, start if isinstance(start, int) else None)
+    return worker_alive(t.user_attrs)
 
 
 def _last_epoch(t: FrozenTrial) -> int | None:
@@ -570,10 +568,8 @@ def enqueue_trial(
         if not isinstance(params, Mapping):
             raise ConfigError(f"params: {params!r}: must be a mapping of names to values")
         entry = check_enqueued(cfg, params, "params", sep=": ")
-        if n_trials is not None and (
-            isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1
-        ):
-            raise ConfigError(f"n_trials: {n_trials!r}: must be a whole number, at least 1")
+        if n_trials is not None:
+            n_trials = _count(n_trials, "n_trials")
 
         def locked() -> Enqueued:
             with study_lock(_spec(storage, workdir), name):

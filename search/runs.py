@@ -26,7 +26,7 @@ import optuna
 from hpsearch.background import Renderer, import_in_idle_time, lower_priority
 from hpsearch.config import StudyConfig, config_to_yaml, reported_metric_of, unused_hyperparams
 from hpsearch.errors import HpsearchError, TrackingError, TrackingUnreachable
-from hpsearch.packing import holder_alive, pid_alive
+from hpsearch.packing import pid_alive
 from hpsearch.storage import StorageSpec
 from hpsearch.study import LATE_RUN_ATTR, best_of, dominates, objective_values
 from hpsearch.tracking.server import redact_uri, scrub
@@ -38,7 +38,6 @@ from hpsearch.worker import (
     ATTR_MESSAGE,
     ATTR_OUTCOME,
     ATTR_PID,
-    ATTR_PID_START,
     ATTR_RUN_ID,
     ATTR_RUN_KEY,
     ATTR_TEST_ACC,
@@ -46,6 +45,7 @@ from hpsearch.worker import (
     dead_outcome,
     effective_params,
     record_dict,
+    worker_alive,
 )
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
@@ -1568,16 +1568,13 @@ def end_dangling_runs(
     except Exception as exc:  # best effort: the Optuna state is what counts
         logger.warning("could not end the runs of gone workers: %s", scrub(str(exc)))
         return []
-    host, ended = socket.gethostname(), []
+    ended = []
     if metric is None:
         metric = reported_metric_of(study.metric_names)
     for run in running:
         t = owners.get(run.info.run_id) or keys.get(run.data.tags.get(RUN_KEY_TAG) or "")
-        if t is None or not t.state.is_finished() or t.user_attrs.get(ATTR_HOST) != host:
-            continue
-        pid, start = t.user_attrs.get(ATTR_PID), t.user_attrs.get(ATTR_PID_START)
-        if not isinstance(pid, int) or holder_alive(pid, start if isinstance(start, int) else None):
-            continue  # its worker may still end it
+        if t is None or not t.state.is_finished() or worker_alive(t.user_attrs) is not False:
+            continue  # its worker may still end it (or another host's)
         outcome = dangling_outcome(t)
         reason = str(t.user_attrs.get(ATTR_MESSAGE) or "its worker was gone")
         try:

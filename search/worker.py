@@ -40,7 +40,7 @@ from hpsearch.errors import (
     StorageError,
     TrackingUnreachable,
 )
-from hpsearch.packing import AdmissionStopped, pid_alive, process_start
+from hpsearch.packing import AdmissionStopped, holder_alive, pid_alive, process_start
 from hpsearch.reporting import TrialReports
 from hpsearch.storage import (
     HeartbeatStorage,
@@ -430,6 +430,18 @@ ATTR_INTERRUPTED_TRIES = "hpsearch:interrupted_tries"
 # A try's own attributes, which its retry does not inherit.
 # Its results too: a retry told without them (no test pass, no upload) showed the failed
 # try's test accuracy and checkpoint.
+
+
+def worker_alive(attrs: Mapping[str, Any]) -> bool | None:
+    """Whether the worker process a trial's attributes name (host, pid and its start) still
+    runs; None where this host cannot tell: another host's trial, or one no worker named
+    itself on yet."""
+    pid, start = attrs.get(ATTR_PID), attrs.get(ATTR_PID_START)
+    if attrs.get(ATTR_HOST) != socket.gethostname() or not isinstance(pid, int):
+        return None
+    return holder_alive(pid, start if isinstance(start, int) else None)
+
+
 TRY_ATTRS = frozenset({ATTR_WORKER, ATTR_HOST, ATTR_PID, ATTR_PID_START, ATTR_OUTCOME,
                        ATTR_MESSAGE, ATTR_TEST_ACC, ATTR_HISTORY, ATTR_BEST_MODEL,
                        ATTR_STARTUP, ATTR_CHECKPOINT_URI, ATTR_THREADS})  # fmt: skip

@@ -881,3 +881,23 @@ def test_a_ledger_that_cannot_be_written_after_training_does_not_fail_the_trial(
         ledger.path.with_suffix(".tmp").mkdir()  # its write now fails as a full disk would
     assert trained
     assert "could not release the GPU memory reservation" in caplog.text
+
+
+def test_a_trials_worker_is_alive_only_as_this_host_can_tell() -> None:
+    """`status`, a launch's orphan check and the end of a dead worker's MLflow run all ask
+    this: a live process under the trial's PID that started later is another one."""
+    import socket
+
+    from hpsearch.packing import process_start
+    from hpsearch.worker import worker_alive
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    here, me, started = socket.gethostname(), os.getpid(), process_start(os.getpid())
+    assert started is not None
+    assert worker_alive({"host": here, "pid": me, "pid_start": started}) is True
+    assert worker_alive({"host": here, "pid": me}) is True  # (an older version's trial)
+    assert worker_alive({"host": here, "pid": me, "pid_start": started + 1}) is False
+    assert worker_alive({"host": here, "pid": gone.pid}) is False
+    assert worker_alive({"host": "elsewhere", "pid": gone.pid}) is None
+    assert worker_alive({"host": here}) is None  # no worker named itself on it yet
