@@ -7,6 +7,7 @@ machines) run this same loop against the same storage.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import importlib
 import importlib.machinery
@@ -1685,14 +1686,53 @@ def resumed_from_epoch(trained: list[int], history: list[Any]) -> int:
     return max((int(r.epoch) for r in history), default=0) + 1
 
 
+# s: a failed trial with no retry queued this long after its end gets none (its failure and
+# its retry's queueing are one locked step, done again after an outage): its files may go.
+FAILED_FOR_GOOD_AFTER_S = 600.0
+
+
 def checkpoints_to_delete(
-    trials: list[optuna.trial.FrozenTrial], keep_top_k: int, maximize: bool | None
+    trials: list[optuna.trial.FrozenTrial],
+    keep_top_k: int,
+    maximize: bool | None,
+    now: datetime.datetime | None = None,
 ) -> list[str]:
-    """Files of finished trials that may go: every resume checkpoint (the trial cannot
-    resume any more), and best-model files outside the top k completed trials (none of a
-    multi-objective study, `maximize` None: it has no single ranking)."""
+    """Files of trials whose chain of tries is over, that may go: every resume checkpoint
+    (nothing resumes it any more), a failed try's best model too (it has no value to rank
+    it by), and best-model files outside the top k completed trials (none of a
+    multi-objective study, `maximize` None: it has no single ranking). A chain is over once
+    its last try completed or was pruned, or failed with no retry queued for
+    `FAILED_FOR_GOOD_AFTER_S` (QA: a trial failed for good kept 135 MB for ever). `now`:
+    Optuna's naive local time."""
+    now = now or datetime.datetime.now()
+    last: dict[int, FrozenTrial] = {}  # a try's number -> the last try of its chain so far
+    for t in sorted(trials, key=lambda t: t.number):
+        for n in t.system_attrs.get("retry_history") or []:
+            if isinstance(n, int) and n < t.number:
+                last[n] = t
+
+    def over(t: FrozenTrial) -> bool:
+        end = last.get(t.number, t)
+        if end.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            return True
+        done = end.datetime_complete
+        return (
+            end.state == TrialState.FAIL
+            and done is not None
+            and (now - done).total_seconds() > FAILED_FOR_GOOD_AFTER_S
+        )
+
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    out = [str(t.user_attrs[ATTR_CHECKPOINT]) for t in finished if ATTR_CHECKPOINT in t.user_attrs]
+    ended = [t for t in trials if ATTR_CHECKPOINT in t.user_attrs and t.state.is_finished()]
+    out = [str(t.user_attrs[ATTR_CHECKPOINT]) for t in ended if over(t)]
+    # A failed try's best model, which no attribute names: unless a later try of its chain
+    # (with its checkpoint path) wrote its own there.
+    named = {str(t.user_attrs[ATTR_BEST_MODEL]) for t in trials if ATTR_BEST_MODEL in t.user_attrs}
+    for t in ended:
+        if t.state == TrialState.FAIL and over(t):
+            best = str(best_model_path_for(Path(str(t.user_attrs[ATTR_CHECKPOINT]))))
+            if best not in named:
+                out.append(best)
     if maximize is None:
         return out
     complete = [t for t in finished if t.state == TrialState.COMPLETE and t.value is not None]

@@ -459,6 +459,55 @@ def test_finished_trials_give_up_their_resume_checkpoints_and_lesser_best_models
     assert sorted(checkpoints_to_delete(trials, 1, maximize=None)) == ["t0.pt", "t1.pt", "t2.pt"]
 
 
+def test_a_trial_failed_for_good_gives_up_its_files_once_no_retry_came() -> None:
+    """QA: a trial that failed with no retries left kept its resume checkpoint and best
+    model (135 MB on tiny) for ever. Its chain's files go once its last try has failed with
+    no retry queued for `FAILED_FOR_GOOD_AFTER_S`; a chain a try of which still runs or
+    waits keeps them, and a completed retry's best model at the shared path is ranked."""
+    import datetime
+
+    from hpsearch.worker import (
+        ATTR_BEST_MODEL,
+        ATTR_CHECKPOINT,
+        FAILED_FOR_GOOD_AFTER_S,
+        checkpoints_to_delete,
+    )
+    from optuna.trial import TrialState, create_trial
+
+    def trial(
+        n: int, state: TrialState, ckpt: str, history: list[int] | None = None,
+        best: bool = False, value: float | None = None,
+    ) -> optuna.trial.FrozenTrial:  # fmt: skip
+        attrs = {ATTR_CHECKPOINT: ckpt} | (
+            {ATTR_BEST_MODEL: ckpt[:-3] + ".best.pt"} if best else {}
+        )
+        system = {"retry_history": history} if history else {}
+        t = create_trial(state=state, value=value, user_attrs=attrs, system_attrs=system)
+        t.number = n
+        return t
+
+    trials = [
+        trial(0, TrialState.FAIL, "a.pt"),  # no retry: failed for good
+        trial(1, TrialState.FAIL, "b.pt"),  # its retry (3) still waits
+        trial(2, TrialState.FAIL, "c.pt"),  # its retry (4) completed at the same path
+        trial(3, TrialState.WAITING, "b.pt", [1]),
+        trial(4, TrialState.COMPLETE, "c.pt", [2], best=True, value=0.9),
+        trial(5, TrialState.FAIL, "d.pt", [5]),  # (a cached storage's own number)
+    ]
+    done = trials[0].datetime_complete
+    assert done is not None
+    just_now = done + datetime.timedelta(seconds=FAILED_FOR_GOOD_AFTER_S / 2)
+    later = done + datetime.timedelta(seconds=FAILED_FOR_GOOD_AFTER_S + 1)
+    # Its retry may still be queued (the stale check's, once the database answers again).
+    assert sorted(checkpoints_to_delete(trials, 1, True, now=just_now)) == ["c.pt", "c.pt"]
+    assert sorted(checkpoints_to_delete(trials, 1, True, now=later)) == [
+        "a.best.pt", "a.pt", "c.pt", "c.pt", "d.best.pt", "d.pt"
+    ]  # fmt: skip
+    # The completed retry falls out of the top 1: its best model goes, as any other's.
+    trials.append(trial(6, TrialState.COMPLETE, "e.pt", best=True, value=0.95))
+    assert "c.best.pt" in checkpoints_to_delete(trials, 1, True, now=later)
+
+
 def test_the_best_trial_of_tied_ones_is_the_earliest_everywhere() -> None:
     """Optuna's `best_trial` on PostgreSQL takes any of tied trials: the launch summary and
     the study run's ONNX could name another trial than `hpsearch best` and load_best_model."""
