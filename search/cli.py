@@ -761,6 +761,13 @@ def _isatty(fd: int) -> bool:
     help="Wait up to S seconds for the launcher to open the study's MLflow run.",
 )
 @click.option(
+    "--server-answered",
+    is_flag=True,
+    hidden=True,
+    help="The launcher's MLflow server answered before this worker started: found down, "
+    "it is waited for no longer once a trial ends.",
+)
+@click.option(
     "--packing",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -779,8 +786,8 @@ def _isatty(fd: int) -> bool:
 def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, download: bool | None,
            workdir: Path, device: str, storage: str | None, tracking_uri: str | None,
            no_tracking: bool, worker_id: str, trials: int | None, max_trials: int | None,
-           deadline: float | None, await_study_run: float, packing: Path | None,
-           sampler_stream: int | None, timeout: float | None,
+           deadline: float | None, await_study_run: float, server_answered: bool,
+           packing: Path | None, sampler_stream: int | None, timeout: float | None,
            max_retries: int, heartbeat: int, train_fn: str) -> None:  # fmt: skip
     """Join a study (created with Optuna's tables where missing) from any machine and run
     trials until its budget is spent.
@@ -855,6 +862,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         timeout_s=timeout,
         deadline=deadline,
         await_study_run_s=await_study_run,
+        server_answered=server_answered,
         heartbeat_interval_s=heartbeat,
         max_retries=max_retries,
         train_fn=train_fn,

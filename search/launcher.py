@@ -644,6 +644,9 @@ class Launcher:
         self._prepared = False  # _prepare_finish ran
         self._finalizer: threading.Thread | None = None  # study artifacts, once all finished
         self._tracking_thread: threading.Thread | None = None  # server start + study run
+        # The server answered before any worker started (a --tracking-uri checked, or an
+        # embedded one already serving): a worker that finds it down waits for no start.
+        self._server_answered = False
         self._restarting: threading.Thread | None = None  # the embedded server's restart
         self._server_restarts = 0
         self._server_gone = False  # the embedded server died and was not started again
@@ -928,6 +931,7 @@ class Launcher:
             # Before any worker starts: their first trials train before the study run
             # exists (worker._LateRun), and a launch that cannot log would stop them.
             check_tracking_uri(uri)
+            self._server_answered = True
         else:
             # One writer per SQLite store: the store's server when one runs (another
             # launch's, `hpsearch ui`'s, or one a killed launch left), else one started here.
@@ -940,6 +944,7 @@ class Launcher:
                 if self._server is not None:
                     starting.release()
                     starting, uri = None, self._server.url
+                    self._server_answered = True
                 else:
                     port = free_port()
                     uri = f"http://127.0.0.1:{port}"
@@ -1022,6 +1027,8 @@ class Launcher:
                 self._tracking_thread is not None and not self._tracking_thread.is_alive()
             )
             cmd += ["--await-study-run", "0" if made else f"{AWAIT_STUDY_RUN_S:.0f}"]
+            if self._server_answered and not made:
+                cmd += ["--server-answered"]
         else:
             cmd += ["--no-tracking"]
         if opts.timeout_s is not None:

@@ -759,6 +759,7 @@ class TrackingSession:
         uri: str,
         worker_id: str,
         await_study_run_s: float = 0.0,
+        server_answered: bool = False,
         background: bool = False,
         stop: threading.Event | None = None,
         device: str = "auto",
@@ -769,6 +770,8 @@ class TrackingSession:
         so that a worker's first trial trains meanwhile; `when_ready` runs what needs it.
         `stop` (the worker's) ends the wait for the study run: a worker told to stop (its
         launcher killed) waited up to `await_study_run_s` to tell its finished trials.
+        `server_answered`: the launcher's server answered before this worker started (not
+        an embedded one still starting): found down, it is not waited for past a trial's end.
         `device`: the worker's --device; the GPU telemetry samples the GPU it trains on.
         `spool_dir`: where a trial's run keeps what MLflow, down past the trial's end, did
         not take; sent at a later trial's start and at `close` (`replay_spool`), with
@@ -798,6 +801,7 @@ class TrackingSession:
         # on a server that went down (`_await_study_run`).
         self._trial_ending = threading.Event()
         self._await_until = 0.0  # monotonic s: until then the launcher opens the study run
+        self._server_answered = server_answered
         self._onnx_held: _HeldBest | None = None
         if background:
             self._setup_thread = threading.Thread(
@@ -869,7 +873,9 @@ class TrackingSession:
         from mlflow.exceptions import MlflowException
 
         deadline = time.monotonic() + limit_s
-        answered = False
+        # QA: a server that died in a launch's first seconds, before this worker's first
+        # look (it looks in idle CPU time), was waited for as one still starting: 240 s.
+        answered = self._server_answered
         while time.monotonic() < deadline and not self._stop.is_set():
             if health_ok(self.uri, timeout_s=1.0):
                 answered = True

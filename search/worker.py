@@ -129,6 +129,7 @@ class WorkerOptions:
     timeout_s: float | None = None  # stop asking after this many seconds
     deadline: float | None = None  # or at this time.time(): the launcher's, start-up included
     await_study_run_s: float = 0.0  # launched: wait so long for the launcher's MLflow study run
+    server_answered: bool = False  # launched: its MLflow server answered before this worker
     heartbeat_interval_s: int = 10  # PostgreSQL only; stale after 2x
     max_retries: int = 2  # retries of a trial whose worker died or was interrupted
     max_errors: int = 3  # trials in a row failing with an exception: the worker gives up
@@ -1843,6 +1844,7 @@ def _open_tracking(
     # later trial's does, and takes its uploads from the first checkpoint on.
     return TrackingSession(
         cfg, spec, opts.tracking_uri, opts.resolved_id(), await_study_run_s=opts.await_study_run_s,
+        server_answered=opts.server_answered,
         background=not cfg.tracking.upload_checkpoints, stop=stop, device=opts.device,
         spool_dir=spool_folder(opts.workdir, opts.tracking_uri, embedded=opts.embedded_tracking),
         on_run_made=functools.partial(link_late_run, study._storage),

@@ -503,3 +503,34 @@ def test_a_trial_ending_cuts_short_the_wait_for_the_study_run_on_a_server_that_i
         assert session._connect() is True and session.parent_run_id == "launchs"
     finally:
         session.close()
+
+
+def test_a_server_the_launch_saw_answer_is_not_waited_for_as_one_starting(
+    tmp_path: Path,
+) -> None:
+    """QA: an MLflow server that died in a launch's first seconds, after the launch's own
+    check and before the worker's first look (taken in idle CPU time), was waited for as
+    an embedded server still starting: finished trials sat untold 240 s. The launch now
+    says it answered (`--server-answered`); one still starting is waited for."""
+    import hpsearch.runs as runs
+    from hpsearch.config import load_config
+    from hpsearch.storage import StorageSpec
+    from hpsearch.tracking.server import free_port
+
+    spec = StorageSpec("journal", str(tmp_path / "j"), "journal")
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens: down from the first look
+    told = runs.TrackingSession(load_config("tiny"), spec, uri, "w0", await_study_run_s=120,
+                                server_answered=True, background=True)  # fmt: skip
+    starting = runs.TrackingSession(load_config("tiny"), spec, uri, "w1",
+                                    await_study_run_s=120, background=True)  # fmt: skip
+    try:
+        told.trial_ending()
+        starting.trial_ending()
+        t0 = time.monotonic()
+        told.wait_ready()
+        assert time.monotonic() - t0 < 30 and told.parent_run_id is None
+        time.sleep(3.0)
+        assert not starting.ready()  # an embedded server may take minutes to start
+    finally:
+        told.close()
+        starting.close()
