@@ -834,11 +834,12 @@ def _age_s(start_ticks: object) -> float | None:
         return None
 
 
-def join_server(workdir: Path) -> SharedServer | None:
+def join_server(workdir: Path, *, as_user: bool = True) -> SharedServer | None:
     """Join the live, healthy server of ``workdir``'s store as one of its users (recorded
     in ``server.json``, so that whichever user leaves last stops it), or None when there is
     none. Call it under :func:`store_lock`, which :func:`start_local_server` needs too, so
-    that a server starting meanwhile is joined rather than started twice."""
+    that a server starting meanwhile is joined rather than started twice. ``as_user``
+    False: this process is named a user already (`restart_server`'s)."""
     try:
         state = json.loads(state_path(workdir).read_text())
         url, pid, pgid = str(state["url"]), int(state["pid"]), int(state["pgid"])
@@ -863,7 +864,7 @@ def join_server(workdir: Path) -> SharedServer | None:
                 f"(kill -- -{pgid}) or try again"
             )
         time.sleep(1.0)
-    users = [*_live_users(state), _me()]
+    users = [*_live_users(state), *([_me()] if as_user else [])]
     state.pop("owner", None)  # the version before named only the process that started it
     state.pop("owner_start", None)
     _save_state(workdir, {**state, "users": users})
@@ -888,7 +889,10 @@ def restart_server(
         except (OSError, ValueError):
             old = {}
         if isinstance(old, dict) and old.get("pid") != dead.pid:
-            joined = join_server(workdir)  # started again by another of its users
+            # Started again by another of its users, which kept this process a user of the
+            # new one: joined once more, it counted twice and left it running for good (QA).
+            carried = any(u[0] == os.getpid() for u in _live_users(old))
+            joined = join_server(workdir, as_user=not carried)
             if joined is not None:
                 if joined.url != dead.url:  # another start, elsewhere: not the URI given out
                     joined.release()

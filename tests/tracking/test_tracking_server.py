@@ -660,6 +660,55 @@ def test_a_joined_server_whose_starter_was_killed_is_restarted_by_its_user(
             os.killpg(int(pid), signal.SIGKILL)
 
 
+def test_a_server_restarted_by_one_launch_is_joined_once_by_the_other_and_stops_with_the_last(
+    tmp_path: Path,
+) -> None:
+    """QA: two launches of one work folder, its server dead mid-study: the launch that
+    started it again kept the other as a user, whose own restart then joined it once more.
+    Named twice, that one left it "in use" at its end, and the server ran on with no user."""
+    import os
+    import signal
+
+    from hpsearch.tracking.server import join_server, restart_server
+
+    code = (
+        "import sys; from pathlib import Path; "
+        "from hpsearch.tracking.server import restart_server, start_local_server; "
+        "server = start_local_server(Path(sys.argv[1])); print('up', flush=True); input(); "
+        "again = restart_server(server); print('again', flush=True); input(); "
+        "print(again.release(), flush=True)"
+    )
+    starter = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    assert starter.stdin is not None and starter.stdout is not None
+    try:
+        assert starter.stdout.readline().strip() == "up"
+        joined = join_server(tmp_path)
+        assert joined is not None
+        os.killpg(joined.pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while joined.is_running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        starter.stdin.write("\n")
+        starter.stdin.flush()
+        assert starter.stdout.readline().strip() == "again"
+        again = restart_server(joined)  # its starter's: joined
+        assert again is not None and again.url == joined.url
+        users = json.loads(state_path(tmp_path).read_text())["users"]
+        assert [u[0] for u in users].count(os.getpid()) == 1, users
+        assert again.release() == "in use"  # the starter still uses it
+        starter.stdin.write("\n")
+        starter.stdin.flush()
+        assert starter.stdout.readline().strip() == "stopped"  # the last user to leave
+        assert running_server_url(tmp_path) is None
+    finally:
+        starter.kill()
+        starter.wait(10)
+        with contextlib.suppress(Exception):
+            pid = json.loads(state_path(tmp_path).read_text())["pgid"]
+            os.killpg(int(pid), signal.SIGKILL)
+
+
 def test_a_best_model_in_the_embedded_store_is_read_from_disk_once_its_server_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
