@@ -876,13 +876,19 @@ class Launcher:
         )
         from hpsearch.tracking.mlflow_logger import close_study_run, find_study_runs, replay_spool
 
+        logged: list[str] = []
         if self._finalizer is not None:  # started when the last trial was told
             self._finalizer.join()
             logged = self._finalized
-        elif stopped_by in ENDED_AS_ASKED:  # the study's artifacts of what it has now
+        if stopped_by in ENDED_AS_ASKED and "trials.csv" not in logged:
+            # The study's artifacts of what it has now; again where the server was down at
+            # the last tell (QA: the run ended FINISHED with none, the server back by then).
             logged = finalize_study(self.cfg, self.spec, uri, self.study, self.opts.workdir)
-        else:
-            logged = []
+            if "trials.csv" not in logged:
+                self._messages.append(
+                    "the study run's artifacts (trials.csv, plots, ONNX model) were not "
+                    "logged: MLflow did not take them; launch again to log them"
+                )
         self._messages += [f"logged {item} on the study run" for item in logged]
         try:
             client = _client(uri)

@@ -199,3 +199,55 @@ def test_multi_objective_study_with_mlflow(
         runs = client.search_runs([exp.experiment_id], max_results=10)
         trial_runs = [x for x in runs if x.data.tags.get("hpsearch.role") == "trial"]
         assert [x.info.status for x in trial_runs] == ["FINISHED", "FINISHED"]
+
+
+def test_a_launch_logs_the_study_artifacts_at_its_end_that_the_last_tell_could_not(
+    tmp_path: Path,
+) -> None:
+    """QA: MLflow down when the last trial was told: the study's artifacts (trials.csv,
+    plots, the ONNX model) failed then, and the launch closed the study run FINISHED
+    without them, the server back by its end. They are logged again at its end; where
+    MLflow still takes none, the launch says to launch again."""
+    import threading
+    import types
+
+    import optuna
+    from hpsearch.config import load_config
+    from hpsearch.launcher import Launcher
+    from hpsearch.runs import open_study_run
+    from hpsearch.storage import open_storage, resolve_storage
+    from hpsearch.study import create_or_load
+    from hpsearch.tracking.server import free_port, start_local_server
+    from mlflow.tracking import MlflowClient
+
+    cfg = load_config("tiny", ["budget.n_trials=1", "tracking.onnx=false"])
+    spec = resolve_storage(None, tmp_path)
+    study = create_or_load(cfg, open_storage(spec))
+    study.add_trial(optuna.trial.create_trial(
+        params={"lr": 0.01}, distributions={"lr": optuna.distributions.FloatDistribution(
+            1e-3, 1.0, log=True)}, value=0.5,
+    ))  # fmt: skip
+    told = threading.Thread(target=lambda: None)  # the last tell's finalizer: it logged none
+    told.start()
+    told.join()
+
+    def launch(uri: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            _finalizer=told, _finalized=[], cfg=cfg, spec=spec, study=study, _messages=[],
+            opts=types.SimpleNamespace(workdir=tmp_path, tracking_uri=uri),
+        )  # fmt: skip
+
+    server = start_local_server(tmp_path / "store")
+    try:
+        parent = open_study_run(cfg, spec, server.url)
+        ended = launch(server.url)
+        Launcher._finish_tracking(ended, server.url, "budget")  # type: ignore[arg-type]
+        client = MlflowClient(server.url)
+        assert "trials.csv" in [a.path for a in client.list_artifacts(parent)]
+        assert "logged trials.csv on the study run" in ended._messages
+        assert client.get_run(parent).info.status == "FINISHED"
+    finally:
+        server.release()
+    down = launch(f"http://127.0.0.1:{free_port()}")
+    Launcher._finish_tracking(down, down.opts.tracking_uri, "budget")  # type: ignore[arg-type]
+    assert any("launch again to log them" in m for m in down._messages), down._messages
