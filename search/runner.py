@@ -383,7 +383,7 @@ def run_fixed(
     last one's. `should_interrupt` (polled between epochs) ends it early, `interrupted`:
     its files are kept as a failed run's, the earlier run's put back."""
     from hpsearch.trainer import TrainOptions, train
-    from hpsearch.trainer.trial import best_model_path_for
+    from hpsearch.trainer.trial import ENDED_FOR_GOOD, best_model_path_for
 
     params = fixed_params(cfg, params_json, trial_number, storage, workdir)
     threads = None
@@ -466,6 +466,11 @@ def run_fixed(
     finally:
         torch.set_num_threads(own_threads)
     try:  # a second Ctrl-C (`train` raises it) as the run ends: the run still gets its end
+        if getattr(result, "stop_reason", None) in ENDED_FOR_GOOD and result.checkpoint_path:
+            # Nothing resumes it (each run starts afresh): it held an epoch before the last,
+            # or was not there at all, a write given up at the end (QA: named all the same).
+            Path(result.checkpoint_path).unlink(missing_ok=True)
+            result = dataclasses.replace(result, checkpoint_path=None)
         if earlier and getattr(result, "stop_reason", None) == "interrupted":
             put_back()
 

@@ -776,6 +776,42 @@ def test_a_fixed_run_that_fails_first_keeps_the_earlier_runs_checkpoint(tmp_path
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["fixed.best.pt", "fixed.pt"]
 
 
+def test_a_fixed_run_that_trained_to_its_end_keeps_no_stale_resume_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QA: `train` named `fixed.pt` as its checkpoint after its last epoch: that file held
+    the epoch before (none is written at the end), or was not there at all (a write given
+    up at the end, which this trainer stands for). Nothing resumes it: it goes, and the
+    best model stays."""
+    from hpsearch import trainer
+    from hpsearch.config import load_config
+    from hpsearch.runner import run_fixed
+    from hpsearch.trainer import TrainOptions
+    from hpsearch.trainer.types import TrialResult
+
+    folder = tmp_path / "train" / "tiny"
+
+    def trained(cfg: object, params: object, report: object, options: TrainOptions) -> TrialResult:
+        ckpt = options.checkpoint_path
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        ckpt.write_bytes(b"epoch 1 of 2")  # the last resume checkpoint it wrote
+        ckpt.with_name("fixed.best.pt").write_bytes(b"best")
+        return TrialResult(
+            history=[], best_val_acc=0.5, best_val_loss=1.0, final_val_acc=0.5, test_acc=0.4,
+            stop_reason="finished", epochs_run=2, pruned_at_epoch=None, checkpoint_path=ckpt,
+            best_model_path=ckpt.with_name("fixed.best.pt"), effective_lr=0.05,
+            effective_batch_size=32, micro_batch_size=32, train_seconds=1.0, setup_seconds=0.1,
+            confusion=None, message="", num_classes=102, class_names=[],
+        )  # fmt: skip
+
+    monkeypatch.setattr(trainer, "train", trained)
+    result = run_fixed(load_config("tiny"), '{"lr": 0.05, "batch_size": 32}', None, None,
+                       tmp_path, "cpu", 0)  # fmt: skip
+    assert result.checkpoint_path is None
+    assert sorted(p.name for p in folder.iterdir()) == ["fixed.best.pt"]
+    assert result.best_model_path == folder / "fixed.best.pt"
+
+
 def test_a_work_folder_that_cannot_be_made_is_one_line(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
