@@ -457,10 +457,12 @@ class TrialRun:
         tmp: Path | None = None
         try:
             self._close_uploader()
-            tmp = Path(tempfile.mkdtemp(prefix="hpsearch-artifacts-"))
-            if outcome in TRAINED_TO_END:
+            plots = outcome in TRAINED_TO_END
+            if plots or (best is not None and upload):  # (QA: an empty one left at each exit)
+                tmp = Path(tempfile.mkdtemp(prefix="hpsearch-artifacts-"))
+            if plots and tmp is not None:
                 artifacts += self._plots(result, tmp)
-            if best is not None and upload:
+            if best is not None and upload and tmp is not None:
                 folder = tmp / CHECKPOINT_ARTIFACT
                 folder.mkdir()
                 (folder / "best.pt").symlink_to(best.resolve())
