@@ -1210,7 +1210,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]], s
         if value is None and len(parts) == 2 and parts[0] == "search_space":
             space = raw.get("search_space")
             if not isinstance(space, dict) or parts[1] not in space:
-                raise ConfigError(f"{src}: {key}: not searched here: nothing to leave out")
+                raise ConfigError(  # (always a --set's: a file has no other way to say it)
+                    f"{src}: {key}: not searched here: nothing to leave out (from --set {key}=null)"
+                )
             raw["search_space"] = {k: v for k, v in space.items() if k != parts[1]}
             continue
         node: Any = raw

@@ -944,3 +944,18 @@ def test_an_option_optuna_deprecated_is_one_warning_at_load_naming_the_field(
         "Error: --train-fn: 'no_such_module:train': no module named 'no_such_module' on the "
         "Python path (PYTHONPATH, the current folder)"
     )
+
+
+def test_leaving_out_a_parameter_the_study_does_not_search_names_the_set() -> None:
+    """QA: the README's example left out `momentum`, which neither shipped study searches;
+    its error alone of the --set errors did not say it came from a --set."""
+    from hpsearch.config import load_config
+
+    cfg = load_config("tiny", ["search_space.focal_gamma=null"])  # the README's
+    assert "focal_gamma" not in cfg.search_space
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["search_space.momentum=null"])
+    assert str(err.value).endswith(
+        "tiny.yaml: search_space.momentum: not searched here: nothing to leave out "
+        "(from --set search_space.momentum=null)"
+    )
