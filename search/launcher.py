@@ -503,6 +503,18 @@ def launched_by(attrs: Mapping[str, Any], pids: Mapping[int, int | None] | None)
     return not isinstance(start, int) or ours is None or start == ours
 
 
+def finished_by(trials: Sequence[FrozenTrial], pids: Mapping[int, int | None]) -> int:
+    """How many trials one launch's workers (`pids`, as `launched_by`) completed or pruned:
+    its ETA's rate. Not every trial finished since it opened the study (QA: an idle launch
+    beside another of the study showed that one's rate as its own)."""
+    return sum(
+        t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+        and isinstance(t.user_attrs.get(ATTR_PID), int)
+        and launched_by(t.user_attrs, pids)
+        for t in trials
+    )
+
+
 def requeue_cut_handbacks(
     study: optuna.Study,
     spec: StorageSpec,
@@ -657,7 +669,6 @@ class Launcher:
         self._finalized: list[str] = []
         self._last_trials: list[FrozenTrial] = []
         self._last_best: tuple[float | None, int | None] = (None, None)
-        self._finished_before: int | None = None  # complete + pruned when it opened the study
         self._eta_base: dict[int, int] = {}  # running trial -> epoch reached when first seen
         self._counts_at_open: dict[str, int] = {}
         # A multi-objective study's front, and the completed trials it is of (`_pareto_of`)
@@ -721,10 +732,7 @@ class Launcher:
     def _open_study(self) -> None:
         storage = open_storage(self.spec, pool_size=1)
         study = with_db_retry(lambda: create_or_load(self.cfg, storage), what="create study")
-        # Finished before this launch (its workers, just started, are still importing):
-        # the ETA is at this launch's own rate (`eta_seconds`).
         done = budget_counts(with_db_retry(lambda: study.get_trials(deepcopy=False)))
-        self._finished_before = done["complete"] + done["pruned"]
         self._counts_at_open = done  # (`spent_note`)
         queued = with_db_retry(
             lambda: enqueue_trials(
@@ -1587,8 +1595,7 @@ class Launcher:
         # climbed with each second of the outage, over trials that kept training).
         worked = elapsed if stale_s is None else max(0.0, elapsed - stale_s)
         finished = counts["complete"] + counts["pruned"]
-        # Counted, not dated: workers of other hosts date their trials in their own zone.
-        here = finished - self._finished_before if self._finished_before is not None else 0
+        here = finished_by(trials, self._pids)
         mine = [t for t in trials if launched_by(t.user_attrs, self._pids)]
         epochs = running_epochs(mine, self._eta_base)
         return Progress(

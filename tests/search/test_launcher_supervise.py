@@ -62,6 +62,27 @@ def test_launched_by_tells_a_launchs_workers_by_their_processes() -> None:
     assert launched_by({ATTR_PID: 102}, None)
 
 
+def test_a_launchs_eta_rate_counts_only_the_trials_its_workers_finished() -> None:
+    """QA: an idle launch beside another launch of its study took that one's finished trials
+    for its own rate (`eta 5s`, `36s`, `66s`: the time it had run)."""
+    from hpsearch.launcher import finished_by
+    from optuna.trial import FrozenTrial, create_trial
+
+    def trial(state: TrialState, **attrs: int) -> FrozenTrial:
+        return create_trial(state=state, value=0.5 if state == TrialState.COMPLETE else None,
+                            user_attrs={**attrs})  # fmt: skip
+
+    mine = {100: 7}
+    trials = [
+        trial(TrialState.COMPLETE, pid=100, pid_start=7),
+        trial(TrialState.PRUNED, pid=100, pid_start=7),
+        trial(TrialState.RUNNING, pid=100, pid_start=7),  # not finished yet
+        trial(TrialState.COMPLETE, pid=102, pid_start=7),  # the other launch's
+        trial(TrialState.COMPLETE),  # an older version's, before this launch: no pid
+    ]
+    assert finished_by(trials, mine) == 2
+
+
 def test_a_launch_fails_only_the_trials_of_its_own_workers(tmp_path: Path) -> None:
     """Two launches of one study on one host (other work folders, one storage) both name
     their workers `host:w0`: a worker of one dying (or the launch ending) failed the other
