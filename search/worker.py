@@ -162,6 +162,8 @@ class TrialTiming:
     trial: int
     worker: str
     ask_ms: float  # study lock + budget check + ask
+    # Two studies' workers in one work folder share names (`host:w0`) and so a file (QA).
+    study: str = ""
     suggest_ms: float = 0.0
     startup_s: float = 0.0  # ask start to the first training step (incl. trainer set-up)
     report_ms: list[float] = field(default_factory=list)  # per epoch: report + should_prune
@@ -851,7 +853,9 @@ def run_worker(
                 stop.wait(max(1.0, opts.heartbeat_interval_s / 2))
                 continue
             assert isinstance(trial, optuna.Trial)
-            timing = TrialTiming(trial.number, wid, (time.perf_counter() - asked_at) * 1e3)
+            timing = TrialTiming(
+                trial.number, wid, (time.perf_counter() - asked_at) * 1e3, study=cfg.name
+            )
             outcome = run_trial(
                 study, trial, cfg, opts, train_fn, tracking, warm, stop, timing,
                 lambda: study_lock(spec, cfg.name, lock_engine), cfg_id, classes,
@@ -1309,7 +1313,7 @@ def run_trial(
     `lock` is the study lock, held while an interrupted trial is failed and re-queued;
     `cfg_id` is `trial_config_id(cfg)` (computed here when not given); `classes` the
     study's (`check_classes`), which the trainer's train split must have."""
-    timing = timing or TrialTiming(trial.number, opts.resolved_id(), 0.0)
+    timing = timing or TrialTiming(trial.number, opts.resolved_id(), 0.0, study=cfg.name)
     began = time.perf_counter() - timing.ask_ms / 1e3
     from hpsearch.trainer import TrainOptions
 

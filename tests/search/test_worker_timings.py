@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -14,7 +15,7 @@ from hpsearch.storage import StorageSpec
 from hpsearch.worker import WorkerOptions, run_worker
 
 
-def _timing(workdir: Path) -> dict[str, float]:
+def _timing(workdir: Path) -> dict[str, Any]:
     line = (workdir / "timings" / "w0.jsonl").read_text().splitlines()[0]
     return json.loads(line)  # type: ignore[no-any-return]
 
@@ -32,6 +33,7 @@ def test_timing_split_of_a_known_trainer(tmp_path: Path, monkeypatch: pytest.Mon
     opts = WorkerOptions(workdir=tmp_path, worker_id="w0", train_fn="dummy_trainer:train")
     assert run_worker(cfg, spec, opts).outcomes == {"finished": 1}
     t = _timing(tmp_path)
+    assert (t["study"], t["trial"]) == ("tiny", 0)  # (QA: two studies' workers share a file)
     assert 3.6 <= t["epochs_s"] < 3.6 + 0.9  # the per-epoch work belongs to the epochs
     assert 2.0 <= t["finish_s"] < 2.0 + 0.9
     assert t["setup_s"] == 0.0  # the dummy reports none
