@@ -1294,20 +1294,20 @@ def ui(workdir: Path, host: str, port: int) -> None:
     server: LocalServer | SharedServer
     with _stop_signals_exit(), store_lock(workdir):
         server = join_server(workdir) or serve_ui(workdir, host, port)
+    from urllib.parse import urlsplit
+
+    asked = click.get_current_context().get_parameter_source("port")
+    moved = asked is not click.core.ParameterSource.DEFAULT and urlsplit(server.url).port != port
+    unused = f"; --port {port} not used: one server per work folder's store" if moved else ""
     if server.shared():  # a search's: the last of its users stops it
         server.release()
-        from urllib.parse import urlsplit
-
-        asked = click.get_current_context().get_parameter_source("port")
-        moved = (
-            asked is not click.core.ParameterSource.DEFAULT and urlsplit(server.url).port != port
-        )
         click.echo(
             f"MLflow UI: {server.url} (already served for a running search, worker or train"
-            + (f"; --port {port} not used: one server per work folder's store)" if moved else ")")
+            f"{unused})"
         )
         return
-    click.echo(f"MLflow UI: {server.url} (Ctrl-C to stop)")
+    # (One a search left running, joined: this `ui` stops it. QA: its port went unsaid.)
+    click.echo(f"MLflow UI: {server.url} (Ctrl-C to stop{unused})")
     stop = threading.Event()
     signals = _on_signals(stop.set, "ui", first="stopping")
     try:

@@ -764,6 +764,50 @@ def test_ui_on_a_folder_a_search_serves_says_its_port_was_not_used(
 
 
 @pytest.mark.slow
+def test_ui_that_takes_over_a_server_left_running_says_its_port_was_not_used(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: `ui --port P` on a work folder whose server a killed search left running joins
+    that one, and stops it on Ctrl-C; it said nothing of the port it did not use."""
+    import os
+    import signal
+
+    from cli_util import popen
+
+    code = (
+        "import os, sys; from pathlib import Path; "
+        "from hpsearch.tracking.server import start_local_server; "
+        "start_local_server(Path(sys.argv[1])); os._exit(0)"  # killed: no clean-up
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=240)
+    url = str(json.loads(srv.state_path(tmp_path).read_text())["url"])
+    pgid = int(json.loads(srv.state_path(tmp_path).read_text())["pgid"])
+    other = srv.free_port()
+    log = tmp_path / "ui.log"
+    ui = popen(["ui", "--workdir", str(tmp_path), "--port", str(other)], subprocess_env, log)
+    try:
+        deadline = time.monotonic() + 120
+        while "MLflow UI" not in log.read_text():
+            assert ui.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert log.read_text().strip() == (
+            f"MLflow UI: {url} (Ctrl-C to stop; --port {other} not used: one server per work "
+            "folder's store)"
+        )
+        ui.send_signal(signal.SIGINT)
+        assert ui.wait(timeout=60) == 130, log.read_text()
+        deadline = time.monotonic() + 30
+        while group_alive(pgid):  # its last user, it stopped the server
+            assert time.monotonic() < deadline, f"server group {pgid} left running"
+            time.sleep(0.1)
+    finally:
+        if ui.poll() is None:
+            ui.kill()
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+@pytest.mark.slow
 def test_ui_stopped_while_its_server_starts_stops_that_server(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
