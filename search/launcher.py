@@ -66,6 +66,7 @@ from hpsearch.study import (
     may_start_trial,
     pareto_front,
     study_budget,
+    study_uid,
 )
 from hpsearch.worker import (
     ATTR_MESSAGE,
@@ -659,6 +660,7 @@ class Launcher:
         # The server answered before any worker started (a --tracking-uri checked, or an
         # embedded one already serving): a worker that finds it down waits for no start.
         self._server_answered = False
+        self._uid: str | None = None  # the study's (study_uid): its MLflow runs carry it
         self._restarting: threading.Thread | None = None  # the embedded server's restart
         self._server_restarts = 0
         self._server_gone = False  # the embedded server died and was not started again
@@ -732,6 +734,7 @@ class Launcher:
     def _open_study(self) -> None:
         storage = open_storage(self.spec, pool_size=1)
         study = with_db_retry(lambda: create_or_load(self.cfg, storage), what="create study")
+        self._uid = with_db_retry(lambda: study_uid(study))  # (made by create_or_load)
         done = budget_counts(with_db_retry(lambda: study.get_trials(deepcopy=False)))
         self._counts_at_open = done  # (`spent_note`)
         queued = with_db_retry(
@@ -901,7 +904,7 @@ class Launcher:
         try:
             client = _client(uri)
             exp = client.get_experiment_by_name(self.cfg.name)
-            runs = find_study_runs(client, exp.experiment_id) if exp is not None else []
+            runs = find_study_runs(client, exp.experiment_id, self._uid) if exp else []
         except Exception:  # best effort: the study's results are in Optuna already
             exp, runs = None, []
         for run_id in runs[:1]:
@@ -993,7 +996,7 @@ class Launcher:
             self._study_settled.wait()
             if self._study is None:
                 return  # refused (its direction) or the storage failed: MLflow untouched
-            open_study_run(self.cfg, self.spec, uri)
+            open_study_run(self.cfg, self.spec, uri, self._uid)
         except HpsearchError as exc:  # raised in the supervising loop, which stops the workers
             self._tracking_error = exc
         except Exception as exc:
@@ -1448,7 +1451,7 @@ class Launcher:
             # no attributes.
             try:
                 run_id = record_dead_trial_run_within(
-                    self.cfg, uri, t, reason, interrupted=interrupted
+                    self.cfg, uri, t, reason, interrupted=interrupted, uid=self._uid
                 )
             except TrackingError as exc:  # a server that hangs: not again for the others
                 self._event(f"{exc}; no MLflow runs for the dead workers' other trials")

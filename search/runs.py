@@ -28,7 +28,7 @@ from hpsearch.config import StudyConfig, config_to_yaml, reported_metric_of, unu
 from hpsearch.errors import HpsearchError, TrackingError, TrackingUnreachable
 from hpsearch.packing import pid_alive
 from hpsearch.storage import StorageSpec
-from hpsearch.study import LATE_RUN_ATTR, best_of, dominates, objective_values
+from hpsearch.study import LATE_RUN_ATTR, best_of, dominates, objective_values, study_uid
 from hpsearch.tracking.server import redact_uri, scrub
 from hpsearch.trainer.types import best_model_path_for
 from hpsearch.worker import (
@@ -146,14 +146,16 @@ def study_run_tags(cfg: StudyConfig, spec: StorageSpec) -> dict[str, str]:
     }
 
 
-def open_study_run(cfg: StudyConfig, spec: StorageSpec, uri: str) -> str:
-    """The parent run of the study (created, or reused on relaunch). Raises TrackingError."""
+def open_study_run(cfg: StudyConfig, spec: StorageSpec, uri: str, uid: str | None = None) -> str:
+    """The parent run of the study (created, or reused on relaunch), the Optuna study `uid`
+    names (`study.study_uid`). Raises TrackingError."""
     from hpsearch.tracking.mlflow_logger import ensure_experiment
     from hpsearch.tracking.mlflow_logger import open_study_run as _open
 
     client = _client(uri)
     exp = ensure_experiment(client, cfg.name)
-    return str(_open(client, exp, cfg.name, study_run_tags(cfg, spec), config_to_yaml(cfg)))
+    tags, yaml_text = study_run_tags(cfg, spec), config_to_yaml(cfg)
+    return str(_open(client, exp, cfg.name, tags, yaml_text, uid))
 
 
 INPUT_BOUND_ATTR = "input_bound_gpu_util"  # Optuna user attr: mean GPU % when flagged
@@ -767,6 +769,7 @@ class TrackingSession:
         device: str = "auto",
         spool_dir: Path | None = None,
         on_run_made: Callable[[Mapping[str, Any], str], object] | None = None,
+        study_uid: Callable[[], str | None] | None = None,
     ) -> None:
         """background: set up (import MLflow, wait for the study run, connect) on a thread,
         so that a worker's first trial trains meanwhile; `when_ready` runs what needs it.
@@ -777,7 +780,9 @@ class TrackingSession:
         `device`: the worker's --device; the GPU telemetry samples the GPU it trains on.
         `spool_dir`: where a trial's run keeps what MLflow, down past the trial's end, did
         not take; sent at a later trial's start and at `close` (`replay_spool`), with
-        `on_run_made` told of each run made then for a trial that had ended (`link_late_run`)."""
+        `on_run_made` told of each run made then for a trial that had ended (`link_late_run`).
+        `study_uid` reads the study's uid (`study.study_uid`; its launch gives it one as it
+        opens the study, maybe after this worker started): the study run is the one it tags."""
         self._stop = stop if stop is not None else threading.Event()
         self._on_run_made = on_run_made
         self.device = device
@@ -804,6 +809,8 @@ class TrackingSession:
         self._trial_ending = threading.Event()
         self._await_until = 0.0  # monotonic s: until then the launcher opens the study run
         self._server_answered = server_answered
+        self._read_uid = study_uid
+        self._study_uid: str | None = None
         self._onnx_held: _HeldBest | None = None
         if background:
             self._setup_thread = threading.Thread(
@@ -883,10 +890,14 @@ class TrackingSession:
                 answered = True
                 try:
                     exp = self.client.get_experiment_by_name(self.cfg.name)
-                    if exp is not None and find_study_runs(self.client, exp.experiment_id):
+                    # (No uid yet: the launch has not opened the study, nor so its run.)
+                    uid = self.uid() if exp is not None else None
+                    if uid is not None and find_study_runs(self.client, exp.experiment_id, uid):
                         return
                 except MlflowException as exc:  # the server is starting; ask again
                     logger.debug("study run not there yet: %s", scrub(str(exc)))
+                except Exception as exc:  # the database's: ask again
+                    logger.debug("study uid not read: %s", scrub(str(exc)))
             elif answered and self._trial_ending.is_set():
                 # Down since it answered (not an embedded server still starting, which
                 # is waited for), and a trial has ended: its tell waited out the limit,
@@ -895,6 +906,13 @@ class TrackingSession:
                 self._await_until = deadline
                 return
             self._stop.wait(0.2)
+
+    def uid(self) -> str | None:
+        """The study's uid, once read (it never changes); None while it has none. Raises
+        what the database raises."""
+        if self._study_uid is None and self._read_uid is not None:
+            self._study_uid = self._read_uid()
+        return self._study_uid
 
     def trial_ending(self) -> None:
         """A trial has ended and waits for its run's start (`_LateRun.wait`)."""
@@ -920,13 +938,19 @@ class TrackingSession:
         from mlflow.exceptions import MlflowException
 
         try:
+            try:
+                uid = self.uid()
+            except Exception as exc:  # the database's: a later trial's start tries again
+                raise TrackingUnreachable(f"the study's uid not read: {exc}") from exc
             self.experiment_id = ensure_experiment(self.client, self.cfg.name)
-            runs = find_study_runs(self.client, self.experiment_id)
+            runs = find_study_runs(self.client, self.experiment_id, uid)
             if not runs and time.monotonic() < self._await_until:
                 # A wait for the launcher's study run cut short (a trial ended meanwhile):
                 # the launcher's is still to come, not a second one of ours.
                 raise TrackingUnreachable("the launch's study run is not there yet")
-            self.parent_run_id = runs[0] if runs else open_study_run(self.cfg, self.spec, self.uri)
+            self.parent_run_id = (
+                runs[0] if runs else open_study_run(self.cfg, self.spec, self.uri, uid)
+            )
         except (TrackingError, HpsearchError, MlflowException, OSError) as exc:
             refused = is_permanent_error(exc) or (
                 isinstance(exc, HpsearchError) and not isinstance(exc, TrackingUnreachable)
@@ -999,7 +1023,7 @@ class TrackingSession:
                 worker=self.worker_id,
                 host=socket.gethostname(),
                 gpu=gpu,
-                tags=trial_tags(trial, root),
+                tags=trial_tags(trial, root, self._study_uid),
                 start_time_ms=start_time_ms,
                 run_key=run_key,
                 spool_dir=self.spool_dir,
@@ -1327,11 +1351,14 @@ def run_params(cfg: StudyConfig, params: Mapping[str, Any], sampled: bool = True
     )
 
 
-def trial_tags(trial: optuna.Trial, root: int) -> dict[str, str] | None:
-    """A trial run's own tags: the first try of a retried trial (`hpsearch.root_trial`), and
+def trial_tags(trial: optuna.Trial, root: int, uid: str | None = None) -> dict[str, str] | None:
+    """A trial run's own tags: the first try of a retried trial (`hpsearch.root_trial`),
     `hpsearch.enqueued` (the names given) for a trial whose params were queued
-    (`enqueue_trials`, Optuna's `enqueue_trial`) rather than all drawn."""
-    tags: dict[str, str] = {}
+    (`enqueue_trials`, Optuna's `enqueue_trial`) rather than all drawn, and its study's
+    uid (`hpsearch.study_uid`: a run kept offline is made under that study's run)."""
+    from hpsearch.tracking.mlflow_logger import STUDY_UID_TAG
+
+    tags: dict[str, str] = {STUDY_UID_TAG: uid} if uid else {}
     if root != trial.number:
         tags["hpsearch.root_trial"] = str(root)
     frozen = getattr(trial, "_cached_frozen_trial", None)  # Optuna's view as the trial began
@@ -1363,7 +1390,7 @@ def _bounded(fn: Callable[[threading.Event], Any], timeout_s: float, what: str) 
 
 def record_dead_trial_run_within(
     cfg: StudyConfig, uri: str | None, trial: FrozenTrial, reason: str,
-    timeout_s: float = DEAD_RUN_WAIT_S, *, interrupted: bool = False,
+    timeout_s: float = DEAD_RUN_WAIT_S, *, interrupted: bool = False, uid: str | None = None,
 ) -> str | None:  # fmt: skip
     """`record_dead_trial_run`, given up after `timeout_s` (the launcher's loop waits on
     it) with TrackingError; an abandoned call makes no run, which could no longer be linked
@@ -1371,7 +1398,9 @@ def record_dead_trial_run_within(
     if not uri or trial.user_attrs.get(ATTR_RUN_ID):
         return None
     return _bounded(
-        lambda abandoned: record_dead_trial_run(cfg, uri, trial, reason, abandoned, interrupted),
+        lambda abandoned: record_dead_trial_run(
+            cfg, uri, trial, reason, abandoned, interrupted, uid
+        ),
         timeout_s,
         f"trial {trial.number}: recording its MLflow run",
     )
@@ -1399,6 +1428,7 @@ def record_dead_trial_run(
     reason: str,
     abandoned: threading.Event | None = None,
     interrupted: bool = False,
+    uid: str | None = None,
 ) -> str | None:
     """The MLflow run of a trial whose worker died before it linked the run (Optuna's
     `mlflow_run_id`), ended FAILED (KILLED when stopped: `dead_outcome`); the caller links
@@ -1432,7 +1462,7 @@ def record_dead_trial_run(
         if made is not None:  # died after making its run, before linking it
             _end_run(client, made, outcome, reason)
             return made
-        runs = find_study_runs(client, experiment_id)
+        runs = find_study_runs(client, experiment_id, uid)  # `uid`: its study's (study_uid)
         if not runs or (abandoned is not None and abandoned.is_set()):
             return None  # no study run; or the caller went on: a run made now stays unlinked
         started = trial.datetime_start
@@ -1696,7 +1726,7 @@ def finalize_study(
     logged: list[str] = []
     try:
         client = _client(uri)
-        runs = find_study_runs(client, ensure_experiment(client, cfg.name))
+        runs = find_study_runs(client, ensure_experiment(client, cfg.name), study_uid(study))
         out = Path(tempfile.mkdtemp(prefix="hpsearch-study-"))
     except Exception as exc:  # best effort at the end of a launch
         logger.warning("study artifacts failed: %s", scrub(str(exc)))

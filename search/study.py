@@ -8,6 +8,7 @@ import inspect
 import logging
 import math
 import socket
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -326,6 +327,21 @@ def _rehearse_trials(cfg: StudyConfig, study: optuna.Study, n_trials: int, n_val
 
 
 N_TRIALS_ATTR = "hpsearch.n_trials"  # study user attribute: the budget workers obey
+# Study user attribute: a name for this Optuna study of its own, which its MLflow runs carry
+# (`hpsearch.study_uid`): another study of its name (another storage's, or one deleted and
+# made again) logs to the same experiment, under a study run of its own.
+STUDY_UID_ATTR = "hpsearch.study_uid"
+
+
+def study_uid(study: optuna.Study, mint: bool = False) -> str | None:
+    """The study's uid; None where it has none yet. `mint` (its launch, a worker of its own)
+    gives it one then: the one recorded is read back, where two made one at once."""
+    storage, sid = study._storage, study._study_id
+    uid = storage.get_study_user_attrs(sid).get(STUDY_UID_ATTR)
+    if uid is None and mint:
+        storage.set_study_user_attr(sid, STUDY_UID_ATTR, uuid.uuid4().hex)
+        uid = storage.get_study_user_attrs(sid).get(STUDY_UID_ATTR)
+    return str(uid) if uid else None
 
 
 def study_budget(study: optuna.Study, cfg: StudyConfig) -> int:
@@ -407,6 +423,8 @@ def create_or_load(
         study.set_user_attr(LAUNCH_IDS_ATTR, [*launched, cid])
     if (owner or first or budget) and attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
         study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
+    if owner:
+        study_uid(study, mint=True)
     if first and study.metric_names is None:
         # Named in Optuna's dashboard and plots ("val_acc", "train_seconds"), not as
         # "objective 0", "objective 1".

@@ -76,6 +76,7 @@ from hpsearch.study import (
     objective_values,
     retry_params,
     study_budget,
+    study_uid,
     suggest,
     trial_config_id,
     trials_before,
@@ -739,6 +740,8 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
         lambda: create_or_load(cfg, storage, owner=False, budget=opts.set_budget),
         what="create study",
     )
+    if opts.joined:  # a worker of its own: maybe the study's first (a launch's: the launch's)
+        with_db_retry(lambda: study_uid(study, mint=True), what="study uid")
     launched = study.user_attrs.get(CONFIG_ATTR)
     if opts.joined and launched and (drift := config_drift(cfg, str(launched))):
         # Allowed (a quick check at other settings), but its values will not compare.
@@ -1852,4 +1855,5 @@ def _open_tracking(
         background=not cfg.tracking.upload_checkpoints, stop=stop, device=opts.device,
         spool_dir=spool_folder(opts.workdir, opts.tracking_uri, embedded=opts.embedded_tracking),
         on_run_made=functools.partial(link_late_run, study._storage),
+        study_uid=lambda: study_uid(study),
     )  # fmt: skip

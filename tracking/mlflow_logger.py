@@ -50,6 +50,10 @@ MAX_TAG_VAL_LENGTH = 8000
 ROLE_TAG = "hpsearch.role"
 KIND_TAG, KIND_TRAINING = "mlflow.experimentKind", "custom_model_development"
 STUDY_TAG = "hpsearch.study"
+# The Optuna study a study run (and its trial runs) belongs to (`study.study_uid`): two
+# studies of one name (other storages sharing one server, or one deleted and made again)
+# share an experiment, and their runs were merged under one study run (QA).
+STUDY_UID_TAG = "hpsearch.study_uid"
 INCOMPLETE_TAG = "hpsearch.tracking_incomplete"
 OUTCOME_TAG = "hpsearch.outcome"
 REASON_TAG = "hpsearch.reason"
@@ -386,14 +390,21 @@ def ensure_experiment(client: MlflowClient, study_name: str) -> str:
     return _call(f"get or create experiment {study_name!r}", get_or_create)
 
 
-def find_study_runs(client: MlflowClient, experiment_id: str) -> list[str]:
-    """Run ids tagged ``hpsearch.role=study`` in the experiment, oldest first."""
-    runs = client.search_runs(
-        [experiment_id],
-        filter_string=f"tags.`{ROLE_TAG}` = 'study'",
-        order_by=["attributes.start_time ASC"],
-        max_results=50,
+def find_study_runs(client: MlflowClient, experiment_id: str, uid: str | None = None) -> list[str]:
+    """Run ids tagged ``hpsearch.role=study`` in the experiment, oldest first. With `uid`,
+    the study's own (tagged ``hpsearch.study_uid=uid``), else those no uid tags (made by an
+    earlier version, for a study that had none), which its launch then tags."""
+    runs = list(
+        client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{ROLE_TAG}` = 'study'",
+            order_by=["attributes.start_time ASC"],
+            max_results=50,
+        )
     )
+    if uid is not None:
+        own = [r for r in runs if r.data.tags.get(STUDY_UID_TAG) == uid]
+        runs = own or [r for r in runs if STUDY_UID_TAG not in r.data.tags]
     ids = [(r.info.start_time or 0, r.info.run_id) for r in runs]
     return [rid for _, rid in sorted(ids)]
 
@@ -442,9 +453,11 @@ def open_study_run(
     study_name: str,
     tags: Mapping[str, str],
     resolved_study_yaml: str,
+    uid: str | None = None,
 ) -> str:
     """The study's parent run id: the existing ``hpsearch.role=study`` run of the experiment
-    (relaunch; set back to RUNNING) or a new one. Sets ``tags`` (URLs redacted; git commit and
+    (relaunch; set back to RUNNING), of the Optuna study `uid` names (`find_study_runs`), or
+    a new one. Sets ``tags`` (URLs redacted; git commit and
     hpsearch version added when missing) and uploads the resolved study file as ``study.yaml``.
     Concurrent first launches converge on the oldest run. Raises TrackingError when the server
     cannot be reached."""
@@ -457,9 +470,11 @@ def open_study_run(
             all_tags["hpsearch.git_commit"] = commit
     all_tags[ROLE_TAG] = "study"
     all_tags[STUDY_TAG] = study_name
+    if uid is not None:
+        all_tags[STUDY_UID_TAG] = uid
 
     def open_run() -> str:
-        existing = find_study_runs(client, experiment_id)
+        existing = find_study_runs(client, experiment_id, uid)
         if existing:
             run_id = existing[0]
             run = client.get_run(run_id)
@@ -468,7 +483,7 @@ def open_study_run(
         else:
             run = client.create_run(experiment_id, tags=all_tags, run_name=study_name)
             run_id = run.info.run_id
-            existing = find_study_runs(client, experiment_id)
+            existing = find_study_runs(client, experiment_id, uid)
             if existing and existing[0] != run_id:  # lost a creation race: use the oldest
                 client.delete_run(run_id)
                 run_id = existing[0]
@@ -1497,7 +1512,8 @@ def _made_run(client: MlflowClient, create: Mapping[str, Any]) -> str:
     if key and (made := claim_run_by_key(client, experiment_id, str(key), number)):
         return made
     tags = {str(k): str(v) for k, v in dict(create["tags"]).items()}
-    if PARENT_TAG not in tags and (parents := find_study_runs(client, experiment_id)):
+    uid = tags.get(STUDY_UID_TAG)
+    if PARENT_TAG not in tags and (parents := find_study_runs(client, experiment_id, uid)):
         tags[PARENT_TAG] = parents[0]
     start_ms = create.get("start_ms")
     run = client.create_run(

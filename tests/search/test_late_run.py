@@ -492,14 +492,14 @@ def test_a_trial_ending_cuts_short_the_wait_for_the_study_run_on_a_server_that_i
         assert time.monotonic() - t0 < 30 and session.parent_run_id is None
         # The server answers now, without the launch's study run yet: not opened here.
         monkeypatch.setattr(ml, "ensure_experiment", lambda client, name: "1")
-        monkeypatch.setattr(ml, "find_study_runs", lambda client, exp: [])
+        monkeypatch.setattr(ml, "find_study_runs", lambda client, exp, uid=None: [])
 
         def second(*a: Any) -> str:
             raise AssertionError("a second study run")
 
         monkeypatch.setattr(runs, "open_study_run", second)
         assert session._connect() is False
-        monkeypatch.setattr(ml, "find_study_runs", lambda client, exp: ["launchs"])
+        monkeypatch.setattr(ml, "find_study_runs", lambda client, exp, uid=None: ["launchs"])
         assert session._connect() is True and session.parent_run_id == "launchs"
     finally:
         session.close()

@@ -216,7 +216,7 @@ def test_a_launch_logs_the_study_artifacts_at_its_end_that_the_last_tell_could_n
     from hpsearch.launcher import Launcher
     from hpsearch.runs import open_study_run
     from hpsearch.storage import open_storage, resolve_storage
-    from hpsearch.study import create_or_load
+    from hpsearch.study import create_or_load, study_uid
     from hpsearch.tracking.server import free_port, start_local_server
     from mlflow.tracking import MlflowClient
 
@@ -234,12 +234,12 @@ def test_a_launch_logs_the_study_artifacts_at_its_end_that_the_last_tell_could_n
     def launch(uri: str) -> types.SimpleNamespace:
         return types.SimpleNamespace(
             _finalizer=told, _finalized=[], cfg=cfg, spec=spec, study=study, _messages=[],
-            opts=types.SimpleNamespace(workdir=tmp_path, tracking_uri=uri),
+            opts=types.SimpleNamespace(workdir=tmp_path, tracking_uri=uri), _uid=study_uid(study),
         )  # fmt: skip
 
     server = start_local_server(tmp_path / "store")
     try:
-        parent = open_study_run(cfg, spec, server.url)
+        parent = open_study_run(cfg, spec, server.url, study_uid(study))
         ended = launch(server.url)
         Launcher._finish_tracking(ended, server.url, "budget")  # type: ignore[arg-type]
         client = MlflowClient(server.url)
@@ -251,3 +251,38 @@ def test_a_launch_logs_the_study_artifacts_at_its_end_that_the_last_tell_could_n
     down = launch(f"http://127.0.0.1:{free_port()}")
     Launcher._finish_tracking(down, down.opts.tracking_uri, "budget")  # type: ignore[arg-type]
     assert any("launch again to log them" in m for m in down._messages), down._messages
+
+
+def test_two_studies_of_one_name_on_one_server_keep_their_runs_apart(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: two people's studies of one name (each on the default journal of their own work
+    folder) logging to one team server: the second launch took the first's study run, and
+    both studies' trial runs (two `trial-0`, two `trial-1`) were nested under it. Each
+    Optuna study now has a uid its runs carry, and a study run of its own."""
+    from cli_util import DUMMY
+    from hpsearch.study import STUDY_UID_ATTR
+    from hpsearch.tracking.server import start_local_server
+    from mlflow.tracking import MlflowClient
+
+    with start_local_server(tmp_path / "team") as server:
+        for folder in ("alice", "bob"):
+            out = hpsearch(["launch", "--study", "tiny", "--trials", "2", "--workers", "1",
+                            "--workdir", str(tmp_path / folder), "--train-fn", DUMMY,
+                            "--tracking-uri", server.url], subprocess_env)  # fmt: skip
+            assert out.returncode == 0, out.stdout + out.stderr
+        client = MlflowClient(server.url)
+        exp = client.get_experiment_by_name("tiny")
+        assert exp is not None
+        for folder in ("alice", "bob"):
+            study = hps.load_study("tiny", workdir=tmp_path / folder)
+            uid = study.user_attrs[STUDY_UID_ATTR]
+            (parent,) = client.search_runs(
+                [exp.experiment_id], f"tags.`hpsearch.study_uid` = '{uid}' and "
+                "tags.`hpsearch.role` = 'study'",
+            )  # fmt: skip
+            children = client.search_runs(
+                [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+            )
+            runs = sorted(str(t.user_attrs["mlflow_run_id"]) for t in study.trials)
+            assert sorted(r.info.run_id for r in children) == runs, folder

@@ -217,6 +217,18 @@ def test_ensure_experiment_and_study_run_reused(client: CountingClient, tmp_path
     assert run.data.tags["hpsearch.sampler"] == "gp"
     assert find_study_runs(client, exp) == [run_id]
 
+    # QA: another Optuna study of this name (another storage's, or this one deleted and
+    # made again) had its trials' runs put under this study run. Each study (its uid) has
+    # its own; the run an earlier version made, with no uid, is the first uid's to take.
+    first = open_study_run(client, exp, "study-a", tags, "v3\n", uid="u1")
+    assert first == run_id and client.get_run(run_id).data.tags["hpsearch.study_uid"] == "u1"
+    other = open_study_run(client, exp, "study-a", tags, "v1\n", uid="u2")
+    assert other != run_id and client.get_run(other).data.tags["hpsearch.study_uid"] == "u2"
+    assert find_study_runs(client, exp, "u1") == [run_id]
+    assert find_study_runs(client, exp, "u2") == [other]
+    assert find_study_runs(client, exp, "u3") == []  # none left without a uid
+    assert open_study_run(client, exp, "study-a", tags, "v1\n", uid="u2") == other
+
 
 def test_study_level_errors_are_tracking_errors() -> None:
     dead = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")
