@@ -7,7 +7,6 @@ machines) run this same loop against the same storage.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import importlib
 import importlib.machinery
@@ -1694,25 +1693,36 @@ def resumed_from_epoch(trained: list[int], history: list[Any]) -> int:
     return max((int(r.epoch) for r in history), default=0) + 1
 
 
-# s: a failed trial with no retry queued this long after its end gets none (its failure and
-# its retry's queueing are one locked step, done again after an outage): its files may go.
+# s: a failed trial this process has seen with no retry queued for so long gets none (its
+# failure and its retry's queueing are one locked step, done again after an outage): its
+# files may go. Timed by this process's clock: the FAIL's date is another host's maybe,
+# in its own zone.
 FAILED_FOR_GOOD_AFTER_S = 600.0
+
+
+def unretried_failures(trials: Sequence[FrozenTrial]) -> set[int]:
+    """The failed trials no retry was queued for (yet): each the last try of its chain."""
+    retried = {
+        n
+        for t in trials
+        for n in (t.system_attrs.get("retry_history") or [])
+        if isinstance(n, int) and n < t.number
+    }
+    return {t.number for t in trials if t.state == TrialState.FAIL and t.number not in retried}
 
 
 def checkpoints_to_delete(
     trials: list[optuna.trial.FrozenTrial],
     keep_top_k: int,
     maximize: bool | None,
-    now: datetime.datetime | None = None,
+    failed_for_good: Collection[int] = (),
 ) -> list[str]:
     """Files of trials whose chain of tries is over, that may go: every resume checkpoint
     (nothing resumes it any more), a failed try's best model too (it has no value to rank
     it by), and best-model files outside the top k completed trials (none of a
     multi-objective study, `maximize` None: it has no single ranking). A chain is over once
-    its last try completed or was pruned, or failed with no retry queued for
-    `FAILED_FOR_GOOD_AFTER_S` (QA: a trial failed for good kept 135 MB for ever). `now`:
-    Optuna's naive local time."""
-    now = now or datetime.datetime.now()
+    its last try completed or was pruned, or is one of `failed_for_good` (failed, with no
+    retry queued for `FAILED_FOR_GOOD_AFTER_S`; QA: such a trial kept 135 MB for ever)."""
     last: dict[int, FrozenTrial] = {}  # a try's number -> the last try of its chain so far
     for t in sorted(trials, key=lambda t: t.number):
         for n in t.system_attrs.get("retry_history") or []:
@@ -1721,21 +1731,20 @@ def checkpoints_to_delete(
 
     def over(t: FrozenTrial) -> bool:
         end = last.get(t.number, t)
-        if end.state in (TrialState.COMPLETE, TrialState.PRUNED):
-            return True
-        done = end.datetime_complete
-        return (
-            end.state == TrialState.FAIL
-            and done is not None
-            and (now - done).total_seconds() > FAILED_FOR_GOOD_AFTER_S
+        return end.state in (TrialState.COMPLETE, TrialState.PRUNED) or (
+            end.state == TrialState.FAIL and end.number in failed_for_good
         )
 
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     ended = [t for t in trials if ATTR_CHECKPOINT in t.user_attrs and t.state.is_finished()]
     out = [str(t.user_attrs[ATTR_CHECKPOINT]) for t in ended if over(t)]
-    # A failed try's best model, which no attribute names: unless a later try of its chain
-    # (with its checkpoint path) wrote its own there.
-    named = {str(t.user_attrs[ATTR_BEST_MODEL]) for t in trials if ATTR_BEST_MODEL in t.user_attrs}
+    # A failed try's best model (a handed-back try names it; a crashed one does not): unless
+    # a completed or pruned try of its chain (at its checkpoint path) named its own there.
+    named = {
+        str(t.user_attrs[ATTR_BEST_MODEL])
+        for t in trials
+        if ATTR_BEST_MODEL in t.user_attrs and t.state != TrialState.FAIL
+    }
     for t in ended:
         if t.state == TrialState.FAIL and over(t):
             best = str(best_model_path_for(Path(str(t.user_attrs[ATTR_CHECKPOINT]))))
@@ -1754,19 +1763,41 @@ def checkpoints_to_delete(
     return out
 
 
+# (study name, trial number) -> when this process first saw that trial failed with no retry
+# (time.monotonic() s): `FAILED_FOR_GOOD_AFTER_S` is timed by it. Dropped once a retry came,
+# and all of it when the study could not be read (an outage: retries come after it).
+_UNRETRIED_SINCE: dict[tuple[str, int], float] = {}
+
+
 def _prune_checkpoints(study: optuna.Study, cfg: StudyConfig, workdir: Path) -> None:
     """Bound disk use: only this machine's files under the work folder are touched."""
     try:
         if not any(p.is_file() for p in (workdir / "checkpoints").rglob("*")):
             return  # nothing to delete: spare the read of every trial
-        trials = study.get_trials(deepcopy=False)
+        try:
+            trials = study.get_trials(deepcopy=False)
+        except Exception:
+            _UNRETRIED_SINCE.clear()
+            raise
+        now = time.monotonic()
+        unretried = unretried_failures(trials)
+        for key in [k for k in _UNRETRIED_SINCE if k[0] == cfg.name and k[1] not in unretried]:
+            del _UNRETRIED_SINCE[key]
+        for n in unretried:
+            _UNRETRIED_SINCE.setdefault((cfg.name, n), now)
+        failed_for_good = {
+            n for (name, n), seen in _UNRETRIED_SINCE.items()
+            if name == cfg.name and now - seen >= FAILED_FOR_GOOD_AFTER_S
+        }  # fmt: skip
         maximize = (
             None
             if len(study.directions) > 1
             else study.direction == optuna.study.StudyDirection.MAXIMIZE
         )
         root = (workdir / "checkpoints").resolve()
-        for name in checkpoints_to_delete(trials, cfg.tracking.keep_top_k, maximize):
+        for name in checkpoints_to_delete(
+            trials, cfg.tracking.keep_top_k, maximize, failed_for_good
+        ):
             path = Path(name).resolve()
             if root in path.parents:
                 path.unlink(missing_ok=True)  # another worker of this host may prune it too

@@ -462,15 +462,14 @@ def test_finished_trials_give_up_their_resume_checkpoints_and_lesser_best_models
 def test_a_trial_failed_for_good_gives_up_its_files_once_no_retry_came() -> None:
     """QA: a trial that failed with no retries left kept its resume checkpoint and best
     model (135 MB on tiny) for ever. Its chain's files go once its last try has failed with
-    no retry queued for `FAILED_FOR_GOOD_AFTER_S`; a chain a try of which still runs or
-    waits keeps them, and a completed retry's best model at the shared path is ranked."""
-    import datetime
-
+    no retry queued (for `FAILED_FOR_GOOD_AFTER_S`, timed by the worker); a chain a try of
+    which still runs or waits keeps them, and a completed retry's best model at the shared
+    path is ranked. A handed-back try names its best model: that one goes too (review)."""
     from hpsearch.worker import (
         ATTR_BEST_MODEL,
         ATTR_CHECKPOINT,
-        FAILED_FOR_GOOD_AFTER_S,
         checkpoints_to_delete,
+        unretried_failures,
     )
     from optuna.trial import TrialState, create_trial
 
@@ -488,24 +487,24 @@ def test_a_trial_failed_for_good_gives_up_its_files_once_no_retry_came() -> None
 
     trials = [
         trial(0, TrialState.FAIL, "a.pt"),  # no retry: failed for good
-        trial(1, TrialState.FAIL, "b.pt"),  # its retry (3) still waits
+        trial(1, TrialState.FAIL, "b.pt", best=True),  # handed back; its retry (3) waits
         trial(2, TrialState.FAIL, "c.pt"),  # its retry (4) completed at the same path
         trial(3, TrialState.WAITING, "b.pt", [1]),
         trial(4, TrialState.COMPLETE, "c.pt", [2], best=True, value=0.9),
-        trial(5, TrialState.FAIL, "d.pt", [5]),  # (a cached storage's own number)
+        trial(5, TrialState.FAIL, "d.pt", [5], best=True),  # (a cached storage's own number)
+        trial(6, TrialState.FAIL, "e.pt", best=True),  # handed back, its retry (7) crashed
+        trial(7, TrialState.FAIL, "e.pt", [6]),
     ]
-    done = trials[0].datetime_complete
-    assert done is not None
-    just_now = done + datetime.timedelta(seconds=FAILED_FOR_GOOD_AFTER_S / 2)
-    later = done + datetime.timedelta(seconds=FAILED_FOR_GOOD_AFTER_S + 1)
-    # Its retry may still be queued (the stale check's, once the database answers again).
-    assert sorted(checkpoints_to_delete(trials, 1, True, now=just_now)) == ["c.pt", "c.pt"]
-    assert sorted(checkpoints_to_delete(trials, 1, True, now=later)) == [
-        "a.best.pt", "a.pt", "c.pt", "c.pt", "d.best.pt", "d.pt"
+    assert unretried_failures(trials) == {0, 5, 7}
+    # Not yet seen so long: its retry may still be queued (the stale check's, after an outage).
+    assert sorted(checkpoints_to_delete(trials, 1, True)) == ["c.pt", "c.pt"]
+    assert sorted(checkpoints_to_delete(trials, 1, True, {0, 5, 7})) == [
+        "a.best.pt", "a.pt", "c.pt", "c.pt", "d.best.pt", "d.pt",
+        "e.best.pt", "e.best.pt", "e.pt", "e.pt",
     ]  # fmt: skip
     # The completed retry falls out of the top 1: its best model goes, as any other's.
-    trials.append(trial(6, TrialState.COMPLETE, "e.pt", best=True, value=0.95))
-    assert "c.best.pt" in checkpoints_to_delete(trials, 1, True, now=later)
+    trials.append(trial(8, TrialState.COMPLETE, "f.pt", best=True, value=0.95))
+    assert "c.best.pt" in checkpoints_to_delete(trials, 1, True, {0, 5, 7})
 
 
 def test_the_best_trial_of_tied_ones_is_the_earliest_everywhere() -> None:
