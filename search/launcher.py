@@ -661,6 +661,7 @@ class Launcher:
         # embedded one already serving): a worker that finds it down waits for no start.
         self._server_answered = False
         self._uid: str | None = None  # the study's (study_uid): its MLflow runs carry it
+        self._adopt_legacy = False  # (`open_study_run`'s)
         self._restarting: threading.Thread | None = None  # the embedded server's restart
         self._server_restarts = 0
         self._server_gone = False  # the embedded server died and was not started again
@@ -734,8 +735,13 @@ class Launcher:
     def _open_study(self) -> None:
         storage = open_storage(self.spec, pool_size=1)
         study = with_db_retry(lambda: create_or_load(self.cfg, storage), what="create study")
-        self._uid = with_db_retry(lambda: study_uid(study))  # (made by create_or_load)
         done = budget_counts(with_db_retry(lambda: study.get_trials(deepcopy=False)))
+        self._uid = with_db_retry(lambda: study_uid(study))
+        if self._uid is None:  # its first launch by this version: it gets one
+            # A study an earlier version ran (trials already) takes that version's study
+            # run, which no uid tags; a new one never does: it is another study's (review).
+            self._adopt_legacy = sum(done.values()) > 0
+            self._uid = with_db_retry(lambda: study_uid(study, mint=True))
         self._counts_at_open = done  # (`spent_note`)
         queued = with_db_retry(
             lambda: enqueue_trials(
@@ -996,7 +1002,10 @@ class Launcher:
             self._study_settled.wait()
             if self._study is None:
                 return  # refused (its direction) or the storage failed: MLflow untouched
-            open_study_run(self.cfg, self.spec, uri, self._uid)
+            # Again: the one recorded, where another first launch made one at once.
+            with contextlib.suppress(SQLAlchemyError, optuna.exceptions.StorageInternalError):
+                self._uid = study_uid(self.study) or self._uid
+            open_study_run(self.cfg, self.spec, uri, self._uid, self._adopt_legacy)
         except HpsearchError as exc:  # raised in the supervising loop, which stops the workers
             self._tracking_error = exc
         except Exception as exc:

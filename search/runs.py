@@ -146,16 +146,20 @@ def study_run_tags(cfg: StudyConfig, spec: StorageSpec) -> dict[str, str]:
     }
 
 
-def open_study_run(cfg: StudyConfig, spec: StorageSpec, uri: str, uid: str | None = None) -> str:
+def open_study_run(
+    cfg: StudyConfig, spec: StorageSpec, uri: str, uid: str | None = None,
+    adopt_legacy: bool = False,
+) -> str:  # fmt: skip
     """The parent run of the study (created, or reused on relaunch), the Optuna study `uid`
-    names (`study.study_uid`). Raises TrackingError."""
+    names (`study.study_uid`); `adopt_legacy`: a study an earlier version launched takes
+    the run that version made. Raises TrackingError."""
     from hpsearch.tracking.mlflow_logger import ensure_experiment
     from hpsearch.tracking.mlflow_logger import open_study_run as _open
 
     client = _client(uri)
     exp = ensure_experiment(client, cfg.name)
     tags, yaml_text = study_run_tags(cfg, spec), config_to_yaml(cfg)
-    return str(_open(client, exp, cfg.name, tags, yaml_text, uid))
+    return str(_open(client, exp, cfg.name, tags, yaml_text, uid, adopt_legacy))
 
 
 INPUT_BOUND_ATTR = "input_bound_gpu_util"  # Optuna user attr: mean GPU % when flagged
@@ -942,6 +946,10 @@ class TrackingSession:
                 uid = self.uid()
             except Exception as exc:  # the database's: a later trial's start tries again
                 raise TrackingUnreachable(f"the study's uid not read: {exc}") from exc
+            if uid is None and self._read_uid is not None:
+                # Its launch has not opened the study yet: any study run found now may be
+                # another study's of its name (review). Its runs wait in the spool.
+                raise TrackingUnreachable("the study has no uid yet (its launch gives it one)")
             self.experiment_id = ensure_experiment(self.client, self.cfg.name)
             runs = find_study_runs(self.client, self.experiment_id, uid)
             if not runs and time.monotonic() < self._await_until:
@@ -1440,6 +1448,7 @@ def record_dead_trial_run(
     if not uri or trial.user_attrs.get(ATTR_RUN_ID):
         return None
     from hpsearch.tracking.mlflow_logger import (
+        STUDY_UID_TAG,
         TrialTracker,
         claim_run_by_key,
         ensure_experiment,
@@ -1479,6 +1488,7 @@ def record_dead_trial_run(
             start_time_ms=int(started.timestamp() * 1000) if started is not None else None,
             run_key=str(key) if key else None,
             start_timeout_s=5.0,  # on the launcher's supervising loop
+            tags={STUDY_UID_TAG: uid} if uid else None,
         )
         if not tracker.enabled:
             return None

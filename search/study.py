@@ -335,10 +335,12 @@ STUDY_UID_ATTR = "hpsearch.study_uid"
 
 def study_uid(study: optuna.Study, mint: bool = False) -> str | None:
     """The study's uid; None where it has none yet. `mint` (its launch, a worker of its own)
-    gives it one then: the one recorded is read back, where two made one at once."""
+    gives it one then: the one recorded is read back, where two made one at once (no
+    compare-and-set in Optuna's storages: two first launches in the same instant may
+    each keep their own; the launch reads it again before it opens the study run)."""
     storage, sid = study._storage, study._study_id
     uid = storage.get_study_user_attrs(sid).get(STUDY_UID_ATTR)
-    if uid is None and mint:
+    if not uid and mint:
         storage.set_study_user_attr(sid, STUDY_UID_ATTR, uuid.uuid4().hex)
         uid = storage.get_study_user_attrs(sid).get(STUDY_UID_ATTR)
     return str(uid) if uid else None
@@ -423,8 +425,6 @@ def create_or_load(
         study.set_user_attr(LAUNCH_IDS_ATTR, [*launched, cid])
     if (owner or first or budget) and attrs.get(N_TRIALS_ATTR) != cfg.budget.n_trials:
         study.set_user_attr(N_TRIALS_ATTR, cfg.budget.n_trials)
-    if owner:
-        study_uid(study, mint=True)
     if first and study.metric_names is None:
         # Named in Optuna's dashboard and plots ("val_acc", "train_seconds"), not as
         # "objective 0", "objective 1".

@@ -390,21 +390,28 @@ def ensure_experiment(client: MlflowClient, study_name: str) -> str:
     return _call(f"get or create experiment {study_name!r}", get_or_create)
 
 
-def find_study_runs(client: MlflowClient, experiment_id: str, uid: str | None = None) -> list[str]:
-    """Run ids tagged ``hpsearch.role=study`` in the experiment, oldest first. With `uid`,
-    the study's own (tagged ``hpsearch.study_uid=uid``), else those no uid tags (made by an
-    earlier version, for a study that had none), which its launch then tags."""
+def find_study_runs(
+    client: MlflowClient, experiment_id: str, uid: str | None = None, *, legacy: bool = False
+) -> list[str]:
+    """Run ids tagged ``hpsearch.role=study`` in the experiment, oldest first: with `uid`,
+    the Optuna study's (tagged ``hpsearch.study_uid=uid``; asked of the server, as one
+    experiment holds a study run per study of its name); `legacy`, those no uid tags (made
+    by an earlier version)."""
+    where = f"tags.`{ROLE_TAG}` = 'study'"
+    if uid is not None and not legacy:
+        if not uid.isalnum():  # a uuid4 hex: nothing to quote in the filter
+            raise ValueError(f"study uid {uid!r}: letters and digits only")
+        where += f" and tags.`{STUDY_UID_TAG}` = '{uid}'"
     runs = list(
         client.search_runs(
             [experiment_id],
-            filter_string=f"tags.`{ROLE_TAG}` = 'study'",
+            filter_string=where,
             order_by=["attributes.start_time ASC"],
-            max_results=50,
+            max_results=1000 if legacy else 50,
         )
     )
-    if uid is not None:
-        own = [r for r in runs if r.data.tags.get(STUDY_UID_TAG) == uid]
-        runs = own or [r for r in runs if STUDY_UID_TAG not in r.data.tags]
+    if legacy:
+        runs = [r for r in runs if STUDY_UID_TAG not in r.data.tags]
     ids = [(r.info.start_time or 0, r.info.run_id) for r in runs]
     return [rid for _, rid in sorted(ids)]
 
@@ -454,11 +461,14 @@ def open_study_run(
     tags: Mapping[str, str],
     resolved_study_yaml: str,
     uid: str | None = None,
+    adopt_legacy: bool = False,
 ) -> str:
     """The study's parent run id: the existing ``hpsearch.role=study`` run of the experiment
     (relaunch; set back to RUNNING), of the Optuna study `uid` names (`find_study_runs`), or
-    a new one. Sets ``tags`` (URLs redacted; git commit and
-    hpsearch version added when missing) and uploads the resolved study file as ``study.yaml``.
+    a new one. `adopt_legacy`: a study an earlier version launched takes the oldest run no
+    uid tags, its own from then on (never a new study: that run is another's). Sets ``tags``
+    (URLs redacted; git commit and hpsearch version added when missing) and uploads the
+    resolved study file as ``study.yaml``.
     Concurrent first launches converge on the oldest run. Raises TrackingError when the server
     cannot be reached."""
     apply_http_policy()
@@ -475,6 +485,8 @@ def open_study_run(
 
     def open_run() -> str:
         existing = find_study_runs(client, experiment_id, uid)
+        if not existing and uid is not None and adopt_legacy:
+            existing = find_study_runs(client, experiment_id, uid, legacy=True)
         if existing:
             run_id = existing[0]
             run = client.get_run(run_id)

@@ -239,7 +239,7 @@ def test_a_launch_logs_the_study_artifacts_at_its_end_that_the_last_tell_could_n
 
     server = start_local_server(tmp_path / "store")
     try:
-        parent = open_study_run(cfg, spec, server.url, study_uid(study))
+        parent = open_study_run(cfg, spec, server.url, study_uid(study, mint=True))
         ended = launch(server.url)
         Launcher._finish_tracking(ended, server.url, "budget")  # type: ignore[arg-type]
         client = MlflowClient(server.url)
@@ -259,30 +259,46 @@ def test_two_studies_of_one_name_on_one_server_keep_their_runs_apart(
     """QA: two people's studies of one name (each on the default journal of their own work
     folder) logging to one team server: the second launch took the first's study run, and
     both studies' trial runs (two `trial-0`, two `trial-1`) were nested under it. Each
-    Optuna study now has a uid its runs carry, and a study run of its own."""
+    Optuna study now has a uid its runs carry, and a study run of its own. A study an
+    earlier version ran takes that version's run, which no uid tags; a new study of its
+    name does not (review: it did)."""
     from cli_util import DUMMY
     from hpsearch.study import STUDY_UID_ATTR
     from hpsearch.tracking.server import start_local_server
     from mlflow.tracking import MlflowClient
 
     with start_local_server(tmp_path / "team") as server:
-        for folder in ("alice", "bob"):
-            out = hpsearch(["launch", "--study", "tiny", "--trials", "2", "--workers", "1",
-                            "--workdir", str(tmp_path / folder), "--train-fn", DUMMY,
+
+        def launch(folder: str, trials: int) -> None:
+            out = hpsearch(["launch", "--study", "tiny", "--trials", str(trials), "--workers",
+                            "1", "--workdir", str(tmp_path / folder), "--train-fn", DUMMY,
                             "--tracking-uri", server.url], subprocess_env)  # fmt: skip
             assert out.returncode == 0, out.stdout + out.stderr
-        client = MlflowClient(server.url)
-        exp = client.get_experiment_by_name("tiny")
-        assert exp is not None
-        for folder in ("alice", "bob"):
+
+        def study_run(folder: str) -> str:
             study = hps.load_study("tiny", workdir=tmp_path / folder)
             uid = study.user_attrs[STUDY_UID_ATTR]
             (parent,) = client.search_runs(
-                [exp.experiment_id], f"tags.`hpsearch.study_uid` = '{uid}' and "
-                "tags.`hpsearch.role` = 'study'",
-            )  # fmt: skip
+                [exp_id], f"tags.`hpsearch.study_uid` = '{uid}' and tags.`hpsearch.role` = 'study'"
+            )
             children = client.search_runs(
-                [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+                [exp_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
             )
             runs = sorted(str(t.user_attrs["mlflow_run_id"]) for t in study.trials)
             assert sorted(r.info.run_id for r in children) == runs, folder
+            return str(parent.info.run_id)
+
+        client = MlflowClient(server.url)
+        launch("alice", 2)
+        exp = client.get_experiment_by_name("tiny")
+        assert exp is not None
+        exp_id = exp.experiment_id
+        alices = study_run("alice")
+        # As an earlier version left it: no uid on the study or on its study run.
+        hps.load_study("tiny", workdir=tmp_path / "alice").set_user_attr(STUDY_UID_ATTR, "")
+        client.delete_tag(alices, "hpsearch.study_uid")
+        launch("bob", 2)
+        assert study_run("bob") != alices
+        assert "hpsearch.study_uid" not in client.get_run(alices).data.tags  # not bob's
+        launch("alice", 3)  # her next launch takes it: her third trial's run nested there
+        assert study_run("alice") == alices

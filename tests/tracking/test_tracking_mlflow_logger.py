@@ -219,14 +219,24 @@ def test_ensure_experiment_and_study_run_reused(client: CountingClient, tmp_path
 
     # QA: another Optuna study of this name (another storage's, or this one deleted and
     # made again) had its trials' runs put under this study run. Each study (its uid) has
-    # its own; the run an earlier version made, with no uid, is the first uid's to take.
-    first = open_study_run(client, exp, "study-a", tags, "v3\n", uid="u1")
+    # its own. The run an earlier version made, with no uid, is taken by the study that
+    # version ran (`adopt_legacy`), never by a new one (review: it took another's).
+    new = open_study_run(client, exp, "study-a", tags, "v1\n", uid="u0")
+    assert new != run_id and "hpsearch.study_uid" not in client.get_run(run_id).data.tags
+    first = open_study_run(client, exp, "study-a", tags, "v3\n", uid="u1", adopt_legacy=True)
     assert first == run_id and client.get_run(run_id).data.tags["hpsearch.study_uid"] == "u1"
-    other = open_study_run(client, exp, "study-a", tags, "v1\n", uid="u2")
+    other = open_study_run(client, exp, "study-a", tags, "v1\n", uid="u2", adopt_legacy=True)
     assert other != run_id and client.get_run(other).data.tags["hpsearch.study_uid"] == "u2"
     assert find_study_runs(client, exp, "u1") == [run_id]
     assert find_study_runs(client, exp, "u2") == [other]
-    assert find_study_runs(client, exp, "u3") == []  # none left without a uid
+    assert find_study_runs(client, exp, "u3") == []
+    assert find_study_runs(client, exp, "u0") == [new]
+    # Asked of the server: past MLflow's page of 50 study runs, a study finds its own.
+    for i in range(50):
+        open_study_run(client, exp, "study-a", tags, "", uid=f"many{i}")
+    late = open_study_run(client, exp, "study-a", tags, "", uid="late")
+    assert find_study_runs(client, exp, "late") == [late]
+    assert open_study_run(client, exp, "study-a", tags, "", uid="late") == late
     assert open_study_run(client, exp, "study-a", tags, "v1\n", uid="u2") == other
 
 
