@@ -904,7 +904,7 @@ class Launcher:
             if "trials.csv" not in logged:
                 self._messages.append(
                     "the study run's artifacts (trials.csv, plots, ONNX model) were not "
-                    "logged: MLflow did not take them; launch again to log them"
+                    "logged (see the warnings above); launch again to log them"
                 )
         self._messages += [f"logged {item} on the study run" for item in logged]
         try:
