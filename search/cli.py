@@ -871,6 +871,7 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         packing=packing,
         sampler_stream=sampler_stream,
         joined=os.environ.get(LAUNCHED_ENV) != "1",
+        launched=os.environ.get(LAUNCHED_ENV) == "1",
     )
     stop = threading.Event()
     signals = _on_signals(stop.set, "worker", die_on_second=True)

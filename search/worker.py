@@ -139,6 +139,7 @@ class WorkerOptions:
     packing: Path | None = None  # --workers auto plan: reserve GPU memory before each trial
     sampler_stream: int | None = None  # study.sampler_seed's stream; None: one of its own
     joined: bool = False  # a worker of its own, not a launch's: told when it trains otherwise
+    launched: bool = False  # a launch's worker: its launch gives the study its uid
 
     def resolved_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -739,7 +740,7 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
         lambda: create_or_load(cfg, storage, owner=False, budget=opts.set_budget),
         what="create study",
     )
-    if opts.joined:  # a worker of its own: maybe the study's first (a launch's: the launch's)
+    if not opts.launched:  # maybe the study's first worker (a launch's: the launch gives it)
         with_db_retry(lambda: study_uid(study, mint=True), what="study uid")
     launched = study.user_attrs.get(CONFIG_ATTR)
     if opts.joined and launched and (drift := config_drift(cfg, str(launched))):

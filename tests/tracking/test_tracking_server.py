@@ -620,9 +620,7 @@ def test_a_server_restarted_after_it_died_keeps_its_other_users(tmp_path: Path) 
     finally:
         other.kill()
         other.wait(10)
-        with contextlib.suppress(Exception):
-            pid = json.loads(state_path(tmp_path).read_text())["pgid"]
-            os.killpg(int(pid), signal.SIGKILL)
+        _kill_store_server(tmp_path)
 
 
 def test_a_joined_server_whose_starter_was_killed_is_restarted_by_its_user(
@@ -655,9 +653,7 @@ def test_a_joined_server_whose_starter_was_killed_is_restarted_by_its_user(
         assert srv.health_ok(again.url)
         assert again.release() == "stopped"
     finally:
-        with contextlib.suppress(Exception):
-            pid = json.loads(state_path(tmp_path).read_text())["pgid"]
-            os.killpg(int(pid), signal.SIGKILL)
+        _kill_store_server(tmp_path)
 
 
 def test_a_server_restarted_by_one_launch_is_joined_once_by_the_other_and_stops_with_the_last(
@@ -704,9 +700,7 @@ def test_a_server_restarted_by_one_launch_is_joined_once_by_the_other_and_stops_
     finally:
         starter.kill()
         starter.wait(10)
-        with contextlib.suppress(Exception):
-            pid = json.loads(state_path(tmp_path).read_text())["pgid"]
-            os.killpg(int(pid), signal.SIGKILL)
+        _kill_store_server(tmp_path)
 
 
 def test_a_best_model_in_the_embedded_store_is_read_from_disk_once_its_server_stopped(
@@ -837,3 +831,12 @@ def test_ui_stopped_while_its_server_starts_stops_that_server(
     while group_alive(pgid):
         assert time.monotonic() < deadline, f"server group {pgid} left running"
         time.sleep(0.1)
+
+
+def _kill_store_server(workdir: Path) -> None:
+    """Clean-up: SIGKILL the process group of the server `server.json` names, if any."""
+    import os
+    import signal
+
+    with contextlib.suppress(Exception):
+        os.killpg(int(json.loads(state_path(workdir).read_text())["pgid"]), signal.SIGKILL)
