@@ -398,7 +398,7 @@ def find_study_runs(
     experiment holds a study run per study of its name); `legacy`, those no uid tags (made
     by an earlier version)."""
     where = f"tags.`{ROLE_TAG}` = 'study'"
-    if uid is not None and not legacy:
+    if uid is not None and not legacy:  # (`legacy` asks for no uid)
         if not uid.isalnum():  # a uuid4 hex: nothing to quote in the filter
             raise ValueError(f"study uid {uid!r}: letters and digits only")
         where += f" and tags.`{STUDY_UID_TAG}` = '{uid}'"
@@ -486,7 +486,7 @@ def open_study_run(
     def open_run() -> str:
         existing = find_study_runs(client, experiment_id, uid)
         if not existing and uid is not None and adopt_legacy:
-            existing = find_study_runs(client, experiment_id, uid, legacy=True)
+            existing = find_study_runs(client, experiment_id, legacy=True)
         if existing:
             run_id = existing[0]
             run = client.get_run(run_id)
