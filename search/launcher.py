@@ -56,6 +56,8 @@ from hpsearch.storage import (
     with_db_retry,
 )
 from hpsearch.study import (
+    CONFIG_ID_ATTR,
+    CONFIG_OF_ATTR,
     best_of,
     budget_counts,
     budget_done,
@@ -64,9 +66,12 @@ from hpsearch.study import (
     enqueue_trials,
     enqueued_text,
     may_start_trial,
+    other_configs,
+    others_drift_note,
     pareto_front,
     study_budget,
     study_uid,
+    trial_config_id,
 )
 from hpsearch.worker import (
     ATTR_MESSAGE,
@@ -682,6 +687,7 @@ class Launcher:
         # The study's n_trials as last read (`_budget_now`): another launch of the study,
         # or a worker given --trials, may set it while this one runs.
         self._budget = cfg.budget.n_trials
+        self._configs_seen: set[str] = set()  # (`_drift_now`), filled as the study opens
         self._study: optuna.Study | None = None  # opened in run(), after the workers start
         self._early_events: list[str] = []  # progress events from before that
         # Dead workers' trials without an MLflow run, failed once the tracking set-up is over:
@@ -735,14 +741,22 @@ class Launcher:
     def _open_study(self) -> None:
         storage = open_storage(self.spec, pool_size=1)
         study = with_db_retry(lambda: create_or_load(self.cfg, storage), what="create study")
-        done = budget_counts(with_db_retry(lambda: study.get_trials(deepcopy=False)))
+        trials = with_db_retry(lambda: study.get_trials(deepcopy=False))
+        done = budget_counts(trials)
         self._uid = with_db_retry(lambda: study_uid(study))
         if self._uid is None:  # its first launch by this version: it gets one
             # A study an earlier version ran (trials already) takes that version's study
             # run, which no uid tags; a new one never does: it is another study's (review).
             self._adopt_legacy = sum(done.values()) > 0
-            self._uid = with_db_retry(lambda: study_uid(study, mint=True))
+            self._uid = with_db_retry(
+                lambda: study_uid(
+                    study, mint=True, lock=lambda: study_lock(self.spec, self.cfg.name)
+                )
+            )
         self._counts_at_open = done  # (`spent_note`)
+        # Configs the study's trials ran with so far: the last launch's drift was said
+        # (create_or_load); one first seen later is another's, said once (`_drift_now`).
+        self._configs_seen = {trial_config_id(self.cfg), *other_configs(trials, ())}
         queued = with_db_retry(
             lambda: enqueue_trials(
                 study, self.cfg, lambda: study_lock(self.spec, self.cfg.name), owner=True
@@ -1565,13 +1579,41 @@ class Launcher:
         self._messages.append(note)
         return note
 
+    def _drift_now(self, trials: Sequence[FrozenTrial]) -> str:
+        """Lines for the configs first seen in `trials` since the study opened, of other
+        launches or workers, whose trials train otherwise than this launch's; each said once
+        (and kept for the summary), '' for none. A config read fails: tried next time."""
+        seen = self._configs_seen
+        mine = (
+            t.user_attrs.get(CONFIG_ID_ATTR)
+            for t in trials
+            if launched_by(t.user_attrs, self._pids)
+        )
+        seen.update(c for c in mine if isinstance(c, str))
+        new = other_configs(trials, seen)
+        if not new:
+            return ""
+        try:
+            attrs = self.study.user_attrs
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
+            return ""
+        notes = []
+        for cid, number in new.items():
+            seen.add(cid)
+            text = attrs.get(CONFIG_OF_ATTR + cid)
+            if isinstance(text, str) and (note := others_drift_note(self.cfg, number, text)):
+                notes.append(f"study {self.cfg.name}: {note}")
+        self._messages += notes
+        return "; ".join(notes)
+
     def _progress(self, message: str = "") -> Progress:
         stale_s: float | None = None
         never_read = False
         try:
             trials, (best_value, best_trial) = self._read_progress()
-            if note := self._budget_now():
-                message = f"{message}; {note}" if message else note
+            for note in (self._budget_now(), self._drift_now(trials)):
+                if note:
+                    message = f"{message}; {note}" if message else note
             self._read_at = time.monotonic()
         except (SQLAlchemyError, optuna.exceptions.StorageInternalError):
             # The database may be restarting: progress is cosmetic, show the last figures

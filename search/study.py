@@ -10,7 +10,7 @@ import math
 import socket
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -333,16 +333,23 @@ N_TRIALS_ATTR = "hpsearch.n_trials"  # study user attribute: the budget workers 
 STUDY_UID_ATTR = "hpsearch.study_uid"
 
 
-def study_uid(study: optuna.Study, mint: bool = False) -> str | None:
+def study_uid(
+    study: optuna.Study,
+    mint: bool = False,
+    lock: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+) -> str | None:
     """The study's uid; None where it has none yet. `mint` (its launch, a worker of its own)
-    gives it one then: the one recorded is read back, where two made one at once (no
-    compare-and-set in Optuna's storages: two first launches in the same instant may
-    each keep their own; the launch reads it again before it opens the study run)."""
+    gives it one then, under `lock` (`study_lock`): of two first launches or workers at
+    once, the second reads the first's. Without a lock (Optuna's storages have no
+    compare-and-set) both may write theirs: the one recorded is returned."""
     storage, sid = study._storage, study._study_id
     uid = storage.get_study_user_attrs(sid).get(STUDY_UID_ATTR)
     if not uid and mint:
-        storage.set_study_user_attr(sid, STUDY_UID_ATTR, uuid.uuid4().hex)
-        uid = storage.get_study_user_attrs(sid).get(STUDY_UID_ATTR)
+        with lock() if lock is not None else contextlib.nullcontext():
+            uid = storage.get_study_user_attrs(sid).get(STUDY_UID_ATTR)
+            if not uid:
+                storage.set_study_user_attr(sid, STUDY_UID_ATTR, uuid.uuid4().hex)
+                uid = storage.get_study_user_attrs(sid).get(STUDY_UID_ATTR)
     return str(uid) if uid else None
 
 
@@ -455,6 +462,31 @@ def config_drift(cfg: StudyConfig, stored_yaml: str) -> list[str]:
     return [
         f"{key}: {now!r} (the launch's: {was!r})" for key, now, was in _drift_from(cfg, stored_yaml)
     ]
+
+
+def other_configs(trials: Sequence[FrozenTrial], known: Collection[str]) -> dict[str, int]:
+    """The config ids (CONFIG_ID_ATTR) of `trials` that are not in `known`, each with its
+    first trial's number."""
+    found: dict[str, int] = {}
+    for t in sorted(trials, key=lambda t: t.number):
+        cid = t.user_attrs.get(CONFIG_ID_ATTR)
+        if isinstance(cid, str) and cid not in known and cid not in found:
+            found[cid] = t.number
+    return found
+
+
+def others_drift_note(cfg: StudyConfig, number: int, stored_yaml: str) -> str:
+    """A launch's line for trial `number`, run with another config (another launch's of the
+    study, or a worker's own --set values) whose trials train otherwise than `cfg`'s; ''
+    where they train alike (only `OPERATIONAL_FIELDS` differ) or it does not load."""
+    changed = _drift_from(cfg, stored_yaml)
+    if not changed:
+        return ""
+    shown = "; ".join(f"{key}: {was!r} (here: {now!r})" for key, now, was in changed[:6])
+    return (
+        f"trial {number}, of another launch or worker, trains otherwise than this launch's "
+        f"({shown}{'; ...' if len(changed) > 6 else ''}): their values will not compare"
+    )
 
 
 def _drift_from(cfg: StudyConfig, stored_yaml: str) -> list[tuple[str, Any, Any]]:

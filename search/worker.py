@@ -741,7 +741,10 @@ def connect(cfg: StudyConfig, spec: StorageSpec, opts: WorkerOptions) -> optuna.
         what="create study",
     )
     if not opts.launched:  # maybe the study's first worker (a launch's: the launch gives it)
-        with_db_retry(lambda: study_uid(study, mint=True), what="study uid")
+        with_db_retry(
+            lambda: study_uid(study, mint=True, lock=lambda: study_lock(spec, cfg.name)),
+            what="study uid",
+        )
     launched = study.user_attrs.get(CONFIG_ATTR)
     if opts.joined and launched and (drift := config_drift(cfg, str(launched))):
         # Allowed (a quick check at other settings), but its values will not compare.

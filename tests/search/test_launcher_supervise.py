@@ -19,7 +19,7 @@ import pytest
 from cli_util import DUMMY
 from hpsearch import launcher as launcher_mod
 from hpsearch.config import load_config
-from hpsearch.errors import TrackingError
+from hpsearch.errors import HpsearchWarning, TrackingError
 from hpsearch.launcher import Launcher, LaunchOptions, _Slot, launched_by
 from hpsearch.packing import process_start
 from hpsearch.storage import resolve_storage
@@ -380,3 +380,46 @@ def test_a_worker_started_once_the_study_run_is_made_waits_for_none(
     launcher._spawn(_Slot(0, None), resolved, "http://127.0.0.1:5000")
     waits = [cmd[cmd.index("--await-study-run") + 1] for cmd in commands]
     assert [float(w) for w in waits] == [launcher_mod.AWAIT_STUDY_RUN_S, 0.0]
+
+
+def test_a_launch_says_once_when_another_launch_or_worker_trains_its_study_otherwise(
+    tmp_path: Path,
+) -> None:
+    """QA: two launches of one study with other configs at once mixed their trials, and only
+    the second launch said so (at its start). The first now says it when the other's first
+    trial shows, once; a config that differs only in how it runs (its loaders) is not said,
+    nor is one whose trials were there when the launch opened (its start said that)."""
+    from hpsearch.storage import open_storage
+    from hpsearch.study import CONFIG_ID_ATTR, create_or_load, trial_config_id
+
+    launcher = _launcher(tmp_path / "w")
+    storage = open_storage(launcher.spec)
+    earlier = load_config("tiny", ["budget.max_epochs=1", "trainer.defaults.augment=none"])
+    create_or_load(earlier, storage, owner=False)
+    before = launcher_mod.optuna.load_study(study_name="tiny", storage=storage).ask()
+    before.set_user_attr(CONFIG_ID_ATTR, trial_config_id(earlier))
+    with pytest.warns(HpsearchWarning, match="augment: 'flip' \\(before: 'none'\\)"):
+        launcher._open_study()  # its start says how it differs from the earlier launch
+    study = launcher.study
+    assert launcher._progress().message == ""
+
+    def other_trial(cfg: Any) -> int:
+        create_or_load(cfg, storage, owner=False)  # records its config, as a worker's start
+        t = study.ask()
+        t.set_user_attr(CONFIG_ID_ATTR, trial_config_id(cfg))
+        t.set_user_attr(ATTR_PID, os.getpid())  # not this launch's worker
+        return t.number
+
+    other_trial(load_config("tiny", ["budget.max_epochs=1", "trainer.num_workers=1"]))
+    assert launcher._progress().message == ""  # runs otherwise, trains alike
+    n = other_trial(
+        load_config("tiny", ["budget.max_epochs=1", "trainer.defaults.schedule=cosine"])
+    )
+    other_trial(load_config("tiny", ["budget.max_epochs=1", "trainer.defaults.schedule=cosine"]))
+    said = launcher._progress().message
+    assert said == (
+        f"study tiny: trial {n}, of another launch or worker, trains otherwise than this "
+        "launch's (trainer.defaults.schedule: 'cosine' (here: 'onecycle')): their values will "
+        "not compare"
+    )
+    assert launcher._progress().message == "" and said in launcher._messages

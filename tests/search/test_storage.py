@@ -1581,3 +1581,45 @@ def test_a_study_names_its_metrics_for_optunas_dashboard_and_plots(pg_url: str) 
     study = create_or_load(load_config("tiny", sets), pg_url)
     assert study.metric_names == ["val_acc", "train_seconds"]
     assert create_or_load(load_config("tiny", sets), pg_url).metric_names == study.metric_names
+
+
+@pytest.mark.parametrize("kind", ["postgres", "journal"])
+def test_two_first_launches_at_once_give_their_study_one_uid(
+    kind: str, pg_url: str, tmp_path: Path
+) -> None:
+    """Each may find the study without a uid; the second to mint waits for the first's
+    under the study lock and takes it. Here B has read "none" under the lock and is about to
+    write when A mints: without the lock A wrote its own, returned it, and B then wrote and
+    returned another (two study runs on MLflow for one study)."""
+    from hpsearch.study import STUDY_UID_ATTR, study_uid
+
+    spec = resolve_storage(pg_url if kind == "postgres" else str(tmp_path / "j.log"), tmp_path)
+    cfg = load_config("tiny")
+    study_a = create_or_load(cfg, open_storage(spec))
+    study_b = create_or_load(cfg, open_storage(spec), owner=False)
+    read = study_b._storage.get_study_user_attrs
+    calls: list[int] = []
+    b_about_to_write, a_done = threading.Event(), threading.Event()
+
+    def read_then_pause(study_id: int) -> dict[str, object]:
+        attrs = read(study_id)
+        calls.append(study_id)
+        if len(calls) == 2:  # B's read under the lock: A comes now
+            b_about_to_write.set()
+            a_done.wait(1.5)  # A's whole mint, were it not kept out
+        return attrs
+
+    study_b._storage.get_study_user_attrs = read_then_pause  # type: ignore[method-assign]
+
+    def lock() -> contextlib.AbstractContextManager[object]:
+        return study_lock(spec, cfg.name)
+
+    got_b: list[str | None] = []
+    t = threading.Thread(target=lambda: got_b.append(study_uid(study_b, mint=True, lock=lock)))
+    t.start()
+    assert b_about_to_write.wait(10)
+    got_a = study_uid(study_a, mint=True, lock=lock)
+    a_done.set()
+    t.join(10)
+    assert got_b == [got_a] and got_a
+    assert open_storage(spec).get_study_user_attrs(study_a._study_id)[STUDY_UID_ATTR] == got_a
