@@ -315,6 +315,19 @@ def trial_threads(
     return threads if isinstance(threads, int) and threads > 0 else None
 
 
+def trial_study_uid(
+    cfg: StudyConfig, trial_number: int, storage: str | None, workdir: Path
+) -> str | None:
+    """The uid (`study.study_uid`) of the study trial N is of, which `train --trial N`'s run
+    carries as that study's runs do; None for a study that has none yet."""
+    from hpsearch.query import reading_study
+    from hpsearch.study import study_uid
+
+    with reading_study(cfg.name, storage, workdir) as study:
+        _trial(study, trial_number)
+        return study_uid(study)
+
+
 def trial_params(trial: FrozenTrial, cfg: StudyConfig) -> dict[str, Any]:
     """The parameters trial N trained with, or will: those it drew, over those fixed for it
     (`study.enqueue_trial`, a retry's: Optuna keeps them in system_attrs until the trial
@@ -391,12 +404,13 @@ def run_fixed(
         if seed is None:
             seed = trial_seed(cfg, trial_number, storage, workdir)
         threads = trial_threads(cfg, trial_number, storage, workdir)
+    uid = trial_study_uid(cfg, trial_number, storage, workdir) if trial_number is not None else None
     label = f"trial-{trial_number}" if trial_number is not None else "fixed"
     run = None
     if tracking_uri is not None:
         from hpsearch.runs import FixedRun
 
-        run = FixedRun.start(cfg, tracking_uri, params, label, trial_number, device)
+        run = FixedRun.start(cfg, tracking_uri, params, label, trial_number, device, uid)
         if on_run is not None:
             on_run(run.run_id)
     ckpt = workdir / "train" / cfg.name / f"{label}.pt"

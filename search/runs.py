@@ -547,16 +547,24 @@ class FixedRun:
     @classmethod
     def start(
         cls, cfg: StudyConfig, uri: str, params: Mapping[str, Any], label: str,
-        trial_number: int | None, device: str,
+        trial_number: int | None, device: str, uid: str | None = None,
     ) -> FixedRun:  # fmt: skip
+        """`uid`: the study's whose trial it reproduces (`study_uid`), tagged as its runs."""
         from hpsearch.tracking.gpu import sampler_for_tracker, trial_gpu_index
-        from hpsearch.tracking.mlflow_logger import ROLE_TAG, TrialTracker, ensure_experiment
+        from hpsearch.tracking.mlflow_logger import (
+            ROLE_TAG,
+            STUDY_UID_TAG,
+            TrialTracker,
+            ensure_experiment,
+        )
 
         client = _client(uri)
         experiment_id = ensure_experiment(client, cfg.name)  # TrackingError: one line
         tags = {ROLE_TAG: "train"}
         if trial_number is not None:
             tags["hpsearch.reproduces_trial"] = str(trial_number)
+        if uid:
+            tags[STUDY_UID_TAG] = uid
         cuda = False
         if device != "cpu":
             import torch

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from cli_util import hpsearch
+from hpsearch import load_study
 from hpsearch.tracking.server import LocalServer, running_server_url, start_local_server
 from mlflow.tracking import MlflowClient
 
@@ -131,7 +132,7 @@ def test_a_train_run_stopped_by_a_hang_up_ends_killed_and_stops_its_server(
     """Review: SIGTERM or a closed terminal (SIGHUP, which comes twice: the kernel's and the
     shell's) left the server `train` started running with no live user, and its run
     RUNNING for good. Now the epoch ends and the run with it, KILLED, as on Ctrl-C. A run
-    of `--trial N` says which trial it reproduces. A missing dataset starts no server and
+    of `--trial N` says which trial it reproduces, and of which study (its uid). A missing dataset starts no server and
     makes no run."""
     import signal
 
@@ -172,6 +173,9 @@ def test_a_train_run_stopped_by_a_hang_up_ends_killed_and_stops_its_server(
         run = client.get_run(hung_up)
         assert run.info.status == "KILLED" and run.info.run_name == "train-trial-0"
         assert run.data.tags["hpsearch.reproduces_trial"] == "0"
+        # Of which study of the name: its uid, as the study's own runs carry it.
+        uid = load_study("tiny", workdir=work).user_attrs["hpsearch.study_uid"]
+        assert run.data.tags["hpsearch.study_uid"] == uid and uid
         assert run.data.tags["hpsearch.outcome"] == "interrupted"
         steps = [m.step for m in client.get_metric_history(hung_up, "val_acc")]
         assert steps in ([1], [1, 2]), steps  # the epoch it was in when the signal came
