@@ -875,6 +875,9 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     )
     stop = threading.Event()
     signals = _on_signals(stop.set, "worker", die_on_second=True)
+    # Every trial carries the memory constraint (GP refuses a study whose trials differ in
+    # theirs); CMA-ES reads none, and said so at every tell. For the process, as above.
+    warnings.filterwarnings("ignore", "Constraints have been set, but CmaEsSampler", UserWarning)
 
     def show(number: int, outcome: str, message: str) -> None:
         click.echo(f"trial {number}: {outcome}" + (f": {message}" if message else ""))

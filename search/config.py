@@ -518,7 +518,7 @@ def _check_space(cfg: StudyConfig, src: str, stored: bool = False) -> None:
             f"{src}: pruner.name: {cfg.pruner.name!r}: Optuna cannot prune multi-objective "
             "studies; use 'none'"
         )
-    if cfg.objective.multi and cfg.sampler.name in ("cmaes", "gp"):
+    if cfg.objective.multi and cfg.sampler.name == "cmaes":
         raise ConfigError(
             f"{src}: sampler.name: {cfg.sampler.name!r}: does not support multi-objective studies"
         )

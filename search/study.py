@@ -58,7 +58,6 @@ LATE_RUN_ATTR = "mlflow_run_id.{number}"
 # Optuna constraint set on every trial: > 0 (infeasible) for out-of-memory trials, so that
 # constrained samplers (TPE, NSGA-II, GP) learn the memory boundary.
 MEMORY_CONSTRAINT = "memory"
-CONSTRAINED_SAMPLERS = frozenset({"tpe", "nsga2", "gp"})  # those that read it
 
 
 _PLAIN_TYPES: dict[str, Callable[[Any], bool]] = {
@@ -358,6 +357,28 @@ def study_budget(study: optuna.Study, cfg: StudyConfig) -> int:
     return int(study.user_attrs.get(N_TRIALS_ATTR, cfg.budget.n_trials))
 
 
+def check_sampler_fits(cfg: StudyConfig, trials: Sequence[FrozenTrial]) -> None:
+    """Refuse Optuna's GP sampler on a study with completed trials that carry no memory
+    constraint (plain Optuna's, or an earlier version's of a sampler other than TPE,
+    NSGA-II or GP): it refuses trials that differ in their constraints, and every trial
+    from now on carries one (ConfigError)."""
+    if cfg.sampler.name != "gp":
+        return
+    bare = [
+        t.number
+        for t in trials
+        if t.state == TrialState.COMPLETE and MEMORY_CONSTRAINT not in t.constraints
+    ]
+    if bare:
+        shown = ", ".join(map(str, bare[:5])) + (", ..." if len(bare) > 5 else "")
+        raise ConfigError(
+            f"{cfg.source or cfg.name}: sampler.name: 'gp': completed trials {shown} of study "
+            f"{cfg.name!r} carry no {MEMORY_CONSTRAINT!r} constraint (made by plain Optuna or "
+            "an earlier hpsearch), and Optuna's GP sampler needs every completed trial to "
+            "carry the same: search this study with 'tpe', or start one under another `name`"
+        )
+
+
 def create_or_load(
     cfg: StudyConfig, storage: BaseStorage | str, owner: bool = True, budget: bool = False
 ) -> optuna.Study:
@@ -376,7 +397,19 @@ def create_or_load(
     else:
         kwargs["direction"] = cfg.objective.directions[0]
     study = optuna.create_study(**kwargs)
-    # Checked before anything is recorded: a refused launch leaves the study as it was.
+    # Checked before anything is recorded: a refused launch leaves the study as it was;
+    # the metric first, as another metric's directions differ too (QA: the direction's
+    # hint then led to a study of val_loss maximized).
+    # Named by the first launch (below); a study of plain Optuna's has none.
+    named = study.metric_names
+    if named is not None and list(named) != list(cfg.objective.metrics):
+        given = named[0] if len(named) == 1 else list(named)
+        raise ConfigError(
+            f"{cfg.source or cfg.name}: objective.metric: {cfg.objective.metric!r}: study "
+            f"{cfg.name!r} already exists with metric {given!r}, and one study's values are "
+            f"of one metric: add `metric: {given}` to go on with it, or start a study under "
+            "another `name`"
+        )
     existing = [d.name.lower() for d in study.directions]
     if existing != [d.lower() for d in cfg.objective.directions]:
         # A file with no direction takes each metric's own (val_loss minimizes); a study
@@ -391,18 +424,9 @@ def create_or_load(
             f"{cfg.source or cfg.name}: objective.direction: {list(cfg.objective.directions)}: "
             f"study {cfg.name!r} already exists with directions {existing}{hint}"
         )
-    # Named by the first launch (below); a study of plain Optuna's has none.
-    named = study.metric_names
-    if named is not None and list(named) != list(cfg.objective.metrics):
-        given = named[0] if len(named) == 1 else list(named)
-        raise ConfigError(
-            f"{cfg.source or cfg.name}: objective.metric: {cfg.objective.metric!r}: study "
-            f"{cfg.name!r} already exists with metric {given!r}, and one study's values are "
-            f"of one metric: add `metric: {given}` to go on with it, or start a study under "
-            "another `name`"
-        )
     trials = study.get_trials(deepcopy=False)
     check_space_fits(cfg, trials)
+    check_sampler_fits(cfg, trials)
     attrs = study.user_attrs
     first = CONFIG_ATTR not in attrs
     if owner and not first:

@@ -62,7 +62,6 @@ from hpsearch.study import (
     ATTR_UNFIT,
     CONFIG_ATTR,
     CONFIG_ID_ATTR,
-    CONSTRAINED_SAMPLERS,
     LATE_RUN_ATTR,
     MEMORY_CONSTRAINT,
     budget_counts,
@@ -73,6 +72,7 @@ from hpsearch.study import (
     make_sampler,
     may_start_trial,
     objective_values,
+    pareto_front,
     retry_params,
     study_budget,
     study_uid,
@@ -1625,9 +1625,10 @@ def _tell(
             run.finish_result(result)
         return reason
     infeasible = 1.0 if reason == "out_of_memory" else 0.0
-    # Only for the samplers that read it: CMA-ES warned on every trial that it does not.
-    learns = cfg.sampler.name in CONSTRAINED_SAMPLERS
-    constraint = {MEMORY_CONSTRAINT: infeasible} if learns else {}
+    # On every trial, whatever the sampler: Optuna's GP sampler refuses a study whose
+    # completed trials differ in their constraints (QA: a study searched with random, then
+    # gp, lost every later ask). CMA-ES's warning that it reads none is silenced (`worker`).
+    constraint = {MEMORY_CONSTRAINT: infeasible}
     _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs, constraint))
     values = objective_values(cfg, result.best_val_acc, result.best_val_loss, result.train_seconds)
     unvalued = values is None  # trained to its end with no value: told PRUNED
@@ -1718,13 +1719,14 @@ def unretried_failures(trials: Sequence[FrozenTrial]) -> set[int]:
 def checkpoints_to_delete(
     trials: list[optuna.trial.FrozenTrial],
     keep_top_k: int,
-    maximize: bool | None,
+    directions: Sequence[str],
     failed_for_good: Collection[int] = (),
 ) -> list[str]:
     """Files of trials whose chain of tries is over, that may go: every resume checkpoint
     (nothing resumes it any more), a failed try's best model too (it has no value to rank
-    it by), and best-model files outside the top k completed trials (none of a
-    multi-objective study, `maximize` None: it has no single ranking). A chain is over once
+    it by), and best-model files outside the top k completed trials (`directions`, one
+    "maximize" or "minimize" per objective: a multi-objective study has no single ranking,
+    and keeps its Pareto front's, whatever k is; none with k = 0). A chain is over once
     its last try completed or was pruned, or is one of `failed_for_good` (failed, with no
     retry queued for `FAILED_FOR_GOOD_AFTER_S`; QA: such a trial kept 135 MB for ever)."""
     last: dict[int, FrozenTrial] = {}  # a try's number -> the last try of its chain so far
@@ -1754,11 +1756,14 @@ def checkpoints_to_delete(
             best = str(best_model_path_for(Path(str(t.user_attrs[ATTR_CHECKPOINT]))))
             if best not in named:
                 out.append(best)
-    if maximize is None:
-        return out
-    complete = [t for t in finished if t.state == TrialState.COMPLETE and t.value is not None]
-    ranked = sorted(complete, key=lambda t: t.value or 0.0, reverse=maximize)
-    keep = {t.number for t in ranked[:keep_top_k]}
+    if len(directions) > 1:
+        # Dominated once, dominated for good: later trials only shrink the front.
+        keep = {t.number for t in pareto_front(trials, directions)} if keep_top_k else set()
+    else:
+        maximize = directions[0] == "maximize"
+        complete = [t for t in finished if t.state == TrialState.COMPLETE and t.value is not None]
+        ranked = sorted(complete, key=lambda t: t.value or 0.0, reverse=maximize)
+        keep = {t.number for t in ranked[:keep_top_k]}
     out += [
         str(t.user_attrs[ATTR_BEST_MODEL])
         for t in finished
@@ -1793,14 +1798,10 @@ def _prune_checkpoints(study: optuna.Study, cfg: StudyConfig, workdir: Path) -> 
             n for (name, n), seen in _UNRETRIED_SINCE.items()
             if name == cfg.name and now - seen >= FAILED_FOR_GOOD_AFTER_S
         }  # fmt: skip
-        maximize = (
-            None
-            if len(study.directions) > 1
-            else study.direction == optuna.study.StudyDirection.MAXIMIZE
-        )
+        directions = [d.name.lower() for d in study.directions]
         root = (workdir / "checkpoints").resolve()
         for name in checkpoints_to_delete(
-            trials, cfg.tracking.keep_top_k, maximize, failed_for_good
+            trials, cfg.tracking.keep_top_k, directions, failed_for_good
         ):
             path = Path(name).resolve()
             if root in path.parents:

@@ -451,12 +451,36 @@ def test_finished_trials_give_up_their_resume_checkpoints_and_lesser_best_models
         trial(2, TrialState.PRUNED, None),
         trial(3, TrialState.RUNNING, None),  # may still resume: nothing of it goes
     ]
-    assert sorted(checkpoints_to_delete(trials, 1, maximize=True)) == [
+    assert sorted(checkpoints_to_delete(trials, 1, ["maximize"])) == [
         "t0.best.pt", "t0.pt", "t1.pt", "t2.best.pt", "t2.pt"
     ]  # fmt: skip
-    # Multi-objective: no ranking to keep the best models by; the resume checkpoints went
-    # never (disk use grew with every trial).
-    assert sorted(checkpoints_to_delete(trials, 1, maximize=None)) == ["t0.pt", "t1.pt", "t2.pt"]
+
+
+def test_a_multi_objective_study_keeps_its_pareto_fronts_best_models() -> None:
+    """QA: a multi-objective study kept every trial's best model (45 MB each on tiny) for
+    ever: no single ranking. Its front's are kept, whatever keep_top_k is (none with 0): a
+    trial off the front never comes back on it. Before that, its resume checkpoints went
+    never (disk use grew with every trial)."""
+    from hpsearch.worker import ATTR_BEST_MODEL, ATTR_CHECKPOINT, checkpoints_to_delete
+    from optuna.trial import TrialState, create_trial
+
+    def trial(n: int, state: TrialState, values: list[float] | None) -> optuna.trial.FrozenTrial:
+        attrs = {ATTR_CHECKPOINT: f"t{n}.pt", ATTR_BEST_MODEL: f"t{n}.best.pt"}
+        t = create_trial(state=state, values=values, user_attrs=attrs)
+        t.number = n
+        return t
+
+    trials = [  # (val_acc, train_seconds)
+        trial(0, TrialState.COMPLETE, [0.5, 10.0]),  # on the front: the fastest
+        trial(1, TrialState.COMPLETE, [0.9, 30.0]),  # on the front: the most accurate
+        trial(2, TrialState.COMPLETE, [0.4, 20.0]),  # dominated by 0
+        trial(3, TrialState.COMPLETE, [0.7, 20.0]),  # on the front
+        trial(4, TrialState.PRUNED, None),
+        trial(5, TrialState.RUNNING, None),
+    ]
+    gone = sorted(checkpoints_to_delete(trials, 1, ["maximize", "minimize"]))
+    assert gone == ["t0.pt", "t1.pt", "t2.best.pt", "t2.pt", "t3.pt", "t4.best.pt", "t4.pt"]
+    assert "t1.best.pt" in checkpoints_to_delete(trials, 0, ["maximize", "minimize"])
 
 
 def test_a_trial_failed_for_good_gives_up_its_files_once_no_retry_came() -> None:
@@ -497,14 +521,14 @@ def test_a_trial_failed_for_good_gives_up_its_files_once_no_retry_came() -> None
     ]
     assert unretried_failures(trials) == {0, 5, 7}
     # Not yet seen so long: its retry may still be queued (the stale check's, after an outage).
-    assert sorted(checkpoints_to_delete(trials, 1, True)) == ["c.pt", "c.pt"]
-    assert sorted(checkpoints_to_delete(trials, 1, True, {0, 5, 7})) == [
+    assert sorted(checkpoints_to_delete(trials, 1, ["maximize"])) == ["c.pt", "c.pt"]
+    assert sorted(checkpoints_to_delete(trials, 1, ["maximize"], {0, 5, 7})) == [
         "a.best.pt", "a.pt", "c.pt", "c.pt", "d.best.pt", "d.pt",
         "e.best.pt", "e.best.pt", "e.pt", "e.pt",
     ]  # fmt: skip
     # The completed retry falls out of the top 1: its best model goes, as any other's.
     trials.append(trial(8, TrialState.COMPLETE, "f.pt", best=True, value=0.95))
-    assert "c.best.pt" in checkpoints_to_delete(trials, 1, True, {0, 5, 7})
+    assert "c.best.pt" in checkpoints_to_delete(trials, 1, ["maximize"], {0, 5, 7})
 
 
 def test_the_best_trial_of_tied_ones_is_the_earliest_everywhere() -> None:

@@ -1303,6 +1303,24 @@ def test_a_study_keeps_its_objective_metric(tmp_path: Path) -> None:
     create_or_load(load_config("tiny", ["objective.metric=val_loss"]), storage)
 
 
+def test_a_relaunch_with_other_metrics_is_told_of_the_metric_not_the_direction(
+    tmp_path: Path,
+) -> None:
+    """QA: another metric also differs in direction (val_loss minimizes), and the direction
+    was checked first: its hint (`add direction: [maximize, minimize]`) led to val_loss
+    maximized, then to the metric's refusal all the same."""
+    storage = open_storage(StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal"))
+    mo = ["pruner.name=none", "pruner.options={}", "sampler.name=nsga2", "sampler.options={}"]
+    create_or_load(load_config("tiny", [*mo, "objective={metric: [val_acc, train_seconds]}"]),
+                   storage)  # fmt: skip
+    other = load_config("tiny", [*mo, "objective={metric: [val_loss, train_seconds]}"])
+    with pytest.raises(ConfigError, match=(
+        r"objective.metric: \['val_loss', 'train_seconds'\]: study 'tiny' already exists with "
+        r"metric \['val_acc', 'train_seconds'\]"
+    )):  # fmt: skip
+        create_or_load(other, storage)
+
+
 def test_a_journal_write_cut_short_leaves_the_study_readable(tmp_path: Path) -> None:
     """A full disk cut a journal record short, and the next launch's record was written onto
     it: one line that is not JSON, and every later read of the study failed (all its trials
@@ -1623,3 +1641,53 @@ def test_two_first_launches_at_once_give_their_study_one_uid(
     t.join(10)
     assert got_b == [got_a] and got_a
     assert open_storage(spec).get_study_user_attrs(study_a._study_id)[STUDY_UID_ATTR] == got_a
+
+
+def test_a_study_searched_with_random_then_gp_goes_on(tmp_path: Path) -> None:
+    """QA: the sampler may change between launches, but a study's random-sampled trials
+    carried no memory constraint and GP's did: Optuna's GP sampler then refused every ask
+    ("The constraint names must be the same for all trials"), four trials failed and the
+    workers crashed. Every trial carries it now, whatever the sampler; a study an earlier
+    version left so is refused for GP in one line."""
+    from hpsearch.study import MEMORY_CONSTRAINT
+    from hpsearch.worker import WorkerOptions, run_worker
+
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    opts = WorkerOptions(workdir=tmp_path, train_fn=DUMMY)
+    base = ["budget.max_epochs=1", "pruner.name=none", "pruner.options={}"]
+    random = load_config("tiny", [*base, "budget.n_trials=2", "sampler.name=random",
+                                  "sampler.options={}"])  # fmt: skip
+    assert run_worker(random, spec, opts).outcomes == {"finished": 2}
+    gp = load_config("tiny", [*base, "budget.n_trials=5", "sampler.name=gp",
+                              "sampler.options={n_startup_trials: 1}"])  # fmt: skip
+    more = WorkerOptions(workdir=tmp_path, train_fn=DUMMY, set_budget=True)
+    assert run_worker(gp, spec, more).outcomes == {"finished": 3}
+    trials = create_or_load(gp, open_storage(spec)).get_trials(deepcopy=False)
+    assert [t.constraints for t in trials] == [{MEMORY_CONSTRAINT: 0.0}] * 5
+
+    # An earlier version's random trial, with no constraint: refused before any ask.
+    study = create_or_load(random, open_storage(spec))
+    bare = study.ask()
+    bare.suggest_float("lr", 1e-3, 0.5, log=True)
+    study.tell(bare, 0.1)
+    with pytest.raises(ConfigError, match=(
+        r"sampler.name: 'gp': completed trials 5 of study 'tiny' carry no 'memory' "
+        r"constraint .*search this study with 'tpe'"
+    )):  # fmt: skip
+        create_or_load(gp, open_storage(spec))
+
+
+def test_a_multi_objective_study_may_search_with_gp(tmp_path: Path) -> None:
+    """QA: GP was refused for a multi-objective study, which Optuna's GP sampler searches
+    (log EHVI, with the memory constraint too); CMA-ES cannot."""
+    from hpsearch.worker import WorkerOptions, run_worker
+
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    base = ["budget.max_epochs=1", "pruner.name=none", "pruner.options={}",
+            "objective={metric: [val_acc, train_seconds]}"]  # fmt: skip
+    gp = load_config("tiny", [*base, "budget.n_trials=3", "sampler.name=gp",
+                              "sampler.options={n_startup_trials: 1}"])  # fmt: skip
+    opts = WorkerOptions(workdir=tmp_path, train_fn=DUMMY)
+    assert run_worker(gp, spec, opts).outcomes == {"finished": 3}
+    with pytest.raises(ConfigError, match="'cmaes': does not support multi-objective"):
+        load_config("tiny", [*base, "sampler.name=cmaes", "sampler.options={}"])
