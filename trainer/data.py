@@ -16,6 +16,7 @@ Both paths share `decode_image`, so they see the same pixels.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -562,20 +563,43 @@ def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str =
         meta = json.dumps(
             {"class_names": dec.class_names, "items": len(src), "skipped": dec.skipped}
         )
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         try:
-            with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, images=dec.images, labels=dec.labels, meta=np.asarray(meta))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            _write_cache(path, dec, meta)
+        except OSError as exc:
+            if exc.errno not in _DISK_ERRNOS:
+                raise
+            # The cache only spares the next process its decode: training goes on (QA: a
+            # cache larger than the free space failed every trial, a dozen of them).
+            warnings.warn(
+                f"dataset {src.dataset}: its decoded {src.split} split "
+                f"({dec.images.nbytes / 2**20:.0f} MiB) not cached at {path}: "
+                f"{exc.strerror or exc}; kept in memory, each worker process decodes it",
+                HpsearchWarning,
+                stacklevel=2,
+            )
+            return dec
     if src.dataset == "imagefolder":
         _prune_replaced(path, src, size, workdir)
     return dec
+
+
+# A cache write that fails on these leaves training as it was: no room, or none allowed.
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def _write_cache(path: Path, dec: Decoded, meta: str) -> None:
+    """Whole or not at all: a temp file beside `path`, replaced onto it once synced."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, images=dec.images, labels=dec.labels, meta=np.asarray(meta))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _checked(dec: Decoded, src: Source, path: Path, on_corrupt: str) -> Decoded:

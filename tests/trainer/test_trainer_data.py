@@ -123,6 +123,29 @@ def test_cache_built_once_under_concurrency(flowers_root: Path, tmp_path: Path) 
     np.testing.assert_array_equal(dec.images[7], data.open_and_decode(src, 7, 40))
 
 
+def test_a_cache_the_disk_has_no_room_for_is_kept_in_memory(
+    flowers_root: Path, tmp_path: Path
+) -> None:
+    """QA: a decoded cache larger than the free space (more than the 64 MiB a worker checks
+    for) failed each trial with `No space left on device`: twelve trials and three worker
+    restarts. The cache only spares the next process its decode: training goes on, with one
+    warning, and no temp file is left. The full disk here is a file size limit (EFBIG)."""
+    code = CHILD.replace(
+        "from hpsearch.trainer import data\n",
+        "from hpsearch.trainer import data\nimport resource, signal\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))\n",
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(flowers_root), str(tmp_path)],
+                       capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "built=True n=200 shape=(200, 40, 40, 3)"
+    warned = [ln for ln in r.stderr.splitlines() if "HpsearchWarning" in ln]
+    assert len(warned) == 1 and "not cached at" in warned[0], r.stderr
+    assert "File too large; kept in memory, each worker process decodes it" in warned[0]
+    assert [f.suffix for f in (tmp_path / "cache").iterdir()] == [".lock"]
+
+
 def _imagefolder(root: Path, corrupt: bool) -> None:
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
