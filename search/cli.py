@@ -612,7 +612,9 @@ def launch(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
         hint = f" (hpsearch ui --workdir {shlex.quote(str(workdir))})" if embedded else ""
         click.echo(f"MLflow: {redact_uri(summary.tracking_uri)}{hint}")
     if summary.stopped_by == "workers_failed" and summary.disk_full:
-        raise click.ClickException(f"every worker stopped: {summary.disk_full}")
+        err = click.ClickException(f"every worker stopped: {summary.disk_full}")
+        err.exit_code = EXIT_DISK_FULL  # as each worker's, and as README says
+        raise err
     if summary.stopped_by == "workers_failed" and summary.data_error:
         from hpsearch.errors import DatasetError  # exit 65, as a dataset refused up front
 

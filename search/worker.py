@@ -215,6 +215,23 @@ def free_disk_bytes(folder: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+def disk_stop(workdir: Path) -> str | None:
+    """Why no trial should start with the work folder's checkpoints where they are, or None:
+    their disk read-only, or with under `MIN_FREE_BYTES` free (`disk_full`)."""
+    folder = workdir / "checkpoints"
+    folder = folder if folder.is_dir() else workdir
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:  # QA: trials trained for minutes each, then failed on their first save
+        return (
+            f"work folder {folder}: its disk is read-only; make it writable and launch again "
+            "(queued trials resume)"
+        )
+    return disk_full(folder, free_disk_bytes(folder))
+
+
 def disk_full(folder: Path, free: int | None, min_free: int = MIN_FREE_BYTES) -> str | None:
     """Why no trial should start with `free` bytes left where `folder` is, or None."""
     if free is None or free >= min_free:
@@ -836,9 +853,7 @@ def run_worker(
             if deadline is not None and time.time() > deadline:
                 summary.stopped_by = "timeout"
                 break
-            if cfg.trainer.checkpoint and (
-                full := disk_full(opts.workdir, free_disk_bytes(opts.workdir))
-            ):
+            if cfg.trainer.checkpoint and (full := disk_stop(opts.workdir)):
                 # Before asking: on a full disk every trial failed fast (its checkpoints,
                 # its data cache), and the restarted workers failed a dozen more.
                 raise DiskFullError(full)
@@ -1452,6 +1467,19 @@ def run_trial(
             if run is not None:
                 run.finish_failed("interrupted", message, None)
             return "interrupted"
+        except DiskFullError as exc:
+            # No room for its checkpoint (a disk full or read-only): no fault of the trial's.
+            # Handed back to resume from its last checkpoint, and the worker stops (exit 74)
+            # until there is room; each trial after it would fail the same way (QA: failed for
+            # good, its epochs lost, and the next trial trained 100 s to fail alike).
+            run = late.wait(after_stop_s=0.0) if late is not None else None
+            message = str(exc)
+            attrs = {ATTR_OUTCOME: "interrupted", ATTR_MESSAGE: message[:500]}
+            _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
+            _fail_and_requeue(study, trial, db, opts.max_retries, lock)
+            if run is not None:
+                run.finish_failed("interrupted", message, None)
+            raise
         except DatasetError as exc:  # the data's, not the trial's: the worker stops (run_worker)
             run = late.wait() if late is not None else None
             _fail(study, trial, "error", str(exc), run, traceback.format_exc(), db)

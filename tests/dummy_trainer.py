@@ -283,3 +283,15 @@ def tells_its_own_study_twice(
 ) -> TrialResult:
     """A train_fn's own bug whose error reads like a trial finished elsewhere."""
     raise ValueError("Cannot tell a COMPLETE trial.")
+
+
+def disk_full_after_an_epoch(
+    config: Any, params: Mapping[str, Any], report: Any, options: TrainOptions | None = None
+) -> TrialResult:
+    """Reports epoch 1, then its checkpoint finds no room (as the real trainer's atomic_save
+    raises it): the trial is no fault of its own."""
+    from hpsearch.errors import DiskFullError
+
+    report(1, 0.1)
+    raise DiskFullError("checkpoint /w/t.pt: not written: no space left on device (3 MiB free, "
+                        "45 MiB to write); none was there before")  # fmt: skip

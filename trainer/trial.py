@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import gc
 import logging
 import math
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 import torchvision
 from hpsearch.background import lower_priority
 from hpsearch.config import Hyperparams, StudyConfig
-from hpsearch.errors import DataError, DatasetError, DeviceError, HpsearchWarning
+from hpsearch.errors import DataError, DatasetError, DeviceError, DiskFullError, HpsearchWarning
 from hpsearch.trainer import augment, data
 from hpsearch.trainer.losses import make_loss
 from hpsearch.trainer.models import build_model
@@ -434,11 +435,59 @@ def atomic_save(obj: Any, path: Path, drop: threading.Event | None = None) -> bo
         # writer ("enforce fail at inline_container.cc ... unexpected pos").
         if isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and _write_failed(exc)):
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            kept = "the previous one is intact" if path.exists() else "none was there before"
+            if (no_room := _no_room(exc, path.parent, obj)) is not None:
+                # DiskFullError: the worker hands its trial back and stops until there is room.
+                raise DiskFullError(f"checkpoint {path}: not written: {no_room}; {kept}") from exc
             raise CheckpointError(
-                f"checkpoint {path}: write failed ({' '.join(reason.split())[:200]}); the "
-                "previous checkpoint is intact"
+                f"checkpoint {path}: write failed ({' '.join(reason.split())[:200]}); {kept}"
             ) from exc
         raise
+
+
+_NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def _no_room(exc: BaseException, folder: Path, obj: Any) -> str | None:
+    """Why a failed write failed for want of room (a full or read-only disk), in words, or
+    None. torch's writer says only "unexpected pos": the free space is compared with the
+    tensors' bytes (the QA's message named no disk, nor that it was full)."""
+    if isinstance(exc, OSError):
+        if exc.errno == errno.EROFS:
+            return "its disk is read-only"
+        if exc.errno in _NO_ROOM_ERRNOS:
+            return f"{exc.strerror or 'no space left on device'} ({_free_mib(folder)} MiB free)"
+        return None
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return "its disk is read-only"
+    free = st.f_bavail * st.f_frsize
+    need = _tensor_bytes(obj)
+    if free < need + (1 << 20):
+        return f"no space left on device ({free >> 20} MiB free, {need >> 20} MiB to write)"
+    return None
+
+
+def _free_mib(folder: Path) -> str:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return "?"
+    return str((st.f_bavail * st.f_frsize) >> 20)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in a (nested) state dict: about what torch.save writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def _write_failed(exc: RuntimeError) -> bool:
@@ -610,7 +659,10 @@ def train(
         # resumes from that pair); one of a trial that ended is an earlier epoch's, not the
         # best one, and is not kept.
         failed = writer.failed_path
-        reason = write_error.__cause__ or write_error
+        # A full disk's in words (torch's writer says only "unexpected pos"), others' cause.
+        full = isinstance(write_error, DiskFullError)
+        reason = str(write_error).split(": not written: ")[-1] if full else None
+        reason = reason or write_error.__cause__ or write_error
         note = f"not saved: {failed.name if failed else 'a checkpoint'} ({reason})"
         if (
             failed is not None

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from cli_util import DUMMY
 from hpsearch import launcher as launcher_mod
+from hpsearch import worker as worker_mod
 from hpsearch.config import load_config
 from hpsearch.errors import HpsearchWarning, TrackingError
 from hpsearch.launcher import Launcher, LaunchOptions, _Slot, launched_by
@@ -321,12 +322,12 @@ def test_a_worker_stopped_by_a_full_disk_restarts_once_the_disk_has_room(
     resolved = tmp_path / "w" / "run" / "tiny.yaml"
     full, room = _Slot(0, None), _Slot(1, None)
     launcher._slots += [full, room]
-    monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 10 << 20)
+    monkeypatch.setattr(worker_mod, "free_disk_bytes", lambda folder: 10 << 20)
     launcher._on_exit(full, EXIT_DISK_FULL, resolved, None)
     assert started == [] and full.state == "crashed" and full.restarts == 0
     assert full.disk_full is not None and "10 MiB free on its disk" in full.disk_full
     assert "its work folder's disk is full" in launcher._messages[-1]
-    monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 1 << 30)
+    monkeypatch.setattr(worker_mod, "free_disk_bytes", lambda folder: 1 << 30)
     launcher._on_exit(room, EXIT_DISK_FULL, resolved, None)
     assert started == [1] and room.restarts == 1 and room.disk_full is None
     # The one still stopped starts again once the disk has room, while others train; not
@@ -337,9 +338,9 @@ def test_a_worker_stopped_by_a_full_disk_restarts_once_the_disk_has_room(
     assert full.restarts == 1 and full.disk_full is None
     assert "disk has room again; restarting it (1/3)" in launcher._messages[-1]
     full.state, full.disk_full = "crashed", "work folder w: 10 MiB free"
-    monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 10 << 20)
+    monkeypatch.setattr(worker_mod, "free_disk_bytes", lambda folder: 10 << 20)
     assert launcher._restart_disk_stopped(left, resolved, None) == 0 and full.disk_full
-    monkeypatch.setattr(launcher_mod, "free_disk_bytes", lambda folder: 1 << 30)
+    monkeypatch.setattr(worker_mod, "free_disk_bytes", lambda folder: 1 << 30)
     full.restarts = 3
     assert launcher._restart_disk_stopped(left, resolved, None) == 0 and started == [1, 0]
 

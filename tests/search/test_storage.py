@@ -624,6 +624,54 @@ def test_a_worker_on_a_full_disk_starts_no_trial(
     assert (W.free_disk_bytes(tmp_path) or 0) > 0
 
 
+def test_a_worker_starts_no_trial_where_its_checkpoints_disk_is_read_only(
+    tmp_path: Path,
+) -> None:
+    """QA: with the checkpoints' disk remounted read-only mid-launch, the worker went on
+    starting trials that trained for minutes, then failed at their first save. A real
+    tmpfs (mounted as root, as CI runs)."""
+    import hpsearch.worker as W
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128M,ro", "tmpfs", str(folder)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs mount here: {mounted.stderr.strip()}")
+    try:
+        stop = W.disk_stop(tmp_path)
+        assert stop == (
+            f"work folder {folder}: its disk is read-only; make it writable and launch again "
+            "(queued trials resume)"
+        )
+        subprocess.run(["mount", "-o", "remount,rw", str(folder)], check=True)
+        assert W.disk_stop(tmp_path) is None  # 128 MiB free: room for a trial
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_trial_whose_checkpoint_finds_no_room_is_handed_back_and_the_worker_stops(
+    tmp_path: Path,
+) -> None:
+    """QA: a trial whose resume checkpoint met a full disk (or a read-only one) failed for
+    good, its epochs lost, and the worker went on to train the next trial, which failed
+    alike. It is queued to resume now (no fault of its own), and the worker stops with the
+    disk's error (exit 74), which the launch restarts once the disk has room."""
+    import hpsearch.worker as W
+    from hpsearch.errors import DiskFullError
+
+    cfg = load_config("tiny", overrides=["budget.n_trials=4", "budget.max_epochs=2"])
+    spec = StorageSpec("journal", str(tmp_path / "optuna.journal"), "journal")
+    opts = W.WorkerOptions(workdir=tmp_path, train_fn="dummy_trainer:disk_full_after_an_epoch")
+    with pytest.raises(DiskFullError, match="no space left on device"):
+        W.run_worker(cfg, spec, opts)
+    first, retry = create_or_load(cfg, open_storage(spec)).get_trials(deepcopy=False)
+    assert first.state == optuna.trial.TrialState.FAIL
+    assert first.user_attrs[W.ATTR_OUTCOME] == "interrupted"
+    assert "no space left on device (3 MiB free" in first.user_attrs[W.ATTR_MESSAGE]
+    assert retry.state == optuna.trial.TrialState.WAITING and retry.params == first.params
+
+
 def test_a_trial_handed_back_from_the_gpu_memory_line_says_so_and_is_found_if_cut(
     tmp_path: Path,
 ) -> None:

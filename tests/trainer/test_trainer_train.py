@@ -638,6 +638,39 @@ except CheckpointError as exc:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_checkpoint_on_a_full_or_read_only_disk_says_so_in_words(tmp_path: Path) -> None:
+    """QA: torch's writer reports a full disk as "[enforce fail at inline_container.cc:672]
+    . unexpected pos 25917312 vs 25917208", which the worker log, the MLflow reason and
+    `train`'s error showed as it came, with "the previous checkpoint is intact" where there
+    was none. A real 8 MiB tmpfs here (mounted as root, as CI runs)."""
+    import subprocess
+
+    from hpsearch.errors import DiskFullError
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(disk)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs mount here: {mounted.stderr.strip()}")
+    try:
+        big = {"w": torch.zeros(3_000_000)}  # 12 MB of float32
+        with pytest.raises(DiskFullError, match=(
+            r"t.pt: not written: no space left on device \(\d MiB free, 11 MiB to write\); "
+            r"none was there before$"
+        )):  # fmt: skip
+            train_module.atomic_save(big, disk / "t.pt")
+        assert list(disk.iterdir()) == []  # no temp file keeps the disk full
+        train_module.atomic_save({"w": torch.zeros(10)}, disk / "t.pt")
+        with pytest.raises(DiskFullError, match=r"no space left on .*the previous one is intact$"):
+            train_module.atomic_save(big, disk / "t.pt")
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        with pytest.raises(DiskFullError, match=r"t.pt: not written: its disk is read-only"):
+            train_module.atomic_save({"w": torch.zeros(10)}, disk / "t.pt")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def test_a_dropped_resume_checkpoint_keeps_the_previous_one_and_the_best_model(
     tmp_path: Path,
 ) -> None:
