@@ -206,13 +206,15 @@ class WholeLineJournal(JournalFileBackend):
                         view = view[os.write(fd, view) :]
                     written = True
                     os.fsync(fd)
-                except OSError:
+                except OSError as exc:
                     # Only a part-line is cut: whole lines (an fsync that failed after them,
                     # on NFS say) may have been read by other processes, whose offsets
                     # would then point into later records.
                     if not written:
                         with contextlib.suppress(OSError):
                             os.ftruncate(fd, end)
+                    if exc.filename is None:  # os.write's: the commands name the file full
+                        exc.filename = str(self._file_path)
                     raise
             finally:
                 os.close(fd)

@@ -1395,10 +1395,11 @@ resource.setrlimit(resource.RLIMIT_FSIZE, ({len(whole) + 30}, resource.RLIM_INFI
 try:
     study.tell({trial.number}, 0.7)
 except OSError as exc:
-    print("failed:", exc.errno)
+    print("failed:", exc.errno, exc.filename)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "failed: 27" in r.stdout, r.stdout + r.stderr  # EFBIG
+    # EFBIG, naming the file (QA: `enqueue` said "Error: No space left on device" alone)
+    assert f"failed: 27 {path}" in r.stdout, r.stdout + r.stderr
     assert path.read_bytes() == whole  # cut back to whole lines (30 bytes were left)
 
     with path.open("ab") as fh:  # a writer killed mid-record (or an earlier version's)
