@@ -999,7 +999,7 @@ class Launcher:
 
     def _prepare_tracking(self, uri: str, port: int | None, starting: StoreLock | None) -> None:
         from hpsearch.runs import open_study_run
-        from hpsearch.tracking.server import redact_uri, start_local_server
+        from hpsearch.tracking.server import last_server_error, redact_uri, start_local_server
 
         try:
             if starting is not None:  # under the store's lock, taken by _start_tracking
@@ -1021,6 +1021,10 @@ class Launcher:
             open_study_run(self.cfg, self.spec, uri, self._uid, self._adopt_legacy)
         except HpsearchError as exc:  # raised in the supervising loop, which stops the workers
             self._tracking_error = exc
+            if not self.opts.tracking_uri and (cause := last_server_error(self.opts.workdir)):
+                # The work folder's server answered 5xx: why is in its log alone (QA: a full
+                # disk, `database or disk is full`, showed as "too many 503 error responses").
+                self._tracking_error = TrackingError(f"{exc}; its server's log says: {cause}")
         except Exception as exc:
             from mlflow.exceptions import MlflowException
 

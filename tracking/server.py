@@ -487,6 +487,20 @@ def _read_tail(path: Path, max_bytes: int = 8192) -> str:
         return ""
 
 
+_ERROR_LINE = re.compile(r"\b\w+(?:Error|Exception): \S")
+
+
+def last_server_error(workdir: Path) -> str | None:
+    """The last error line in the log of `workdir`'s MLflow server (what its store raised
+    behind a 5xx answer: `sqlite3.OperationalError: database or disk is full`), or None."""
+    text = _read_tail(store_paths(workdir)[2], 65536)
+    text = text[text.rfind(START_MARKER) + 1 :] if START_MARKER in text else text  # this start's
+    for line in reversed(text.splitlines()):
+        if _ERROR_LINE.search(line):
+            return one_line(line.strip(), 300)
+    return None
+
+
 # --------------------------------------------------------------------------- the server
 
 

@@ -840,3 +840,22 @@ def _kill_store_server(workdir: Path) -> None:
 
     with contextlib.suppress(Exception):
         os.killpg(int(json.loads(state_path(workdir).read_text())["pgid"]), signal.SIGKILL)
+
+
+def test_the_servers_last_error_is_read_from_this_starts_part_of_its_log(tmp_path: Path) -> None:
+    """QA: the work folder's server on a full disk answered 503, and the launch said only
+    "too many 503 error responses": why (`database or disk is full`) was in its log."""
+    from hpsearch.tracking.server import START_MARKER, last_server_error, store_paths
+
+    log = store_paths(tmp_path)[2]
+    assert last_server_error(tmp_path) is None  # no log yet
+    log.parent.mkdir(parents=True)
+    log.write_text(
+        f"{START_MARKER} 1\nsqlite3.OperationalError: unable to open database file\n"
+        f"{START_MARKER} 2\nINFO serving\nTraceback (most recent call last):\n"
+        '  File "x.py", line 1\nsqlite3.OperationalError: database or disk is full\n'
+        "[SQL: INSERT INTO runs]\nINFO 127.0.0.1 POST 503\n"
+    )
+    assert last_server_error(tmp_path) == "sqlite3.OperationalError: database or disk is full"
+    log.write_text(f"{log.read_text()}{START_MARKER} 3\nINFO serving\n")
+    assert last_server_error(tmp_path) is None  # an earlier start's
