@@ -74,6 +74,8 @@ from hpsearch.study import (
     trial_config_id,
 )
 from hpsearch.worker import (
+    ATTR_BEST_MODEL,
+    ATTR_CHECKPOINT_URI,
     ATTR_MESSAGE,
     ATTR_OUTCOME,
     ATTR_PID,
@@ -597,6 +599,21 @@ def _best(
     return (best.value, best.number) if best is not None else (None, None)
 
 
+def lost_model_note(trial: FrozenTrial) -> str:
+    """A line for the study's best trial when its best-model file was not written (its last
+    write found the disk full: the value stands, `not saved: ...` in its message), else ''.
+    QA: the launch ended `done`, and only `load_best_model` said there was no model."""
+    attrs = trial.user_attrs
+    message = str(attrs.get(ATTR_MESSAGE, ""))
+    if ATTR_BEST_MODEL in attrs or ATTR_CHECKPOINT_URI in attrs or "not saved: " not in message:
+        return ""
+    why = message[message.index("not saved: ") :]
+    return (
+        f"trial {trial.number}, the study's best, kept no model ({why}): "
+        f"`hpsearch train --trial {trial.number}` trains it again"
+    )
+
+
 def spent_note(name: str, counts: Mapping[str, int], budget: int) -> str:
     """A relaunch whose budget its study's trials (`counts`, as it opened the study)
     already spent (a file's n_trials below a `--trials` given before): it ran none, said
@@ -871,6 +888,9 @@ class Launcher:
         trials = with_db_retry(lambda: self.study.get_trials(deepcopy=False))
         counts = budget_counts(trials)
         best_value, best_trial = _best(self.study, trials)
+        best = next((t for t in trials if t.number == best_trial), None)
+        if best is not None and (note := lost_model_note(best)):
+            self._event(note)
         return LaunchSummary(
             counts,
             best_value,

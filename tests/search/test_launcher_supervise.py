@@ -424,3 +424,27 @@ def test_a_launch_says_once_when_another_launch_or_worker_trains_its_study_other
         "not compare"
     )
     assert launcher._progress().message == "" and said in launcher._messages
+
+
+def test_a_best_trial_whose_model_found_no_room_is_said_at_the_launchs_end() -> None:
+    """QA: the study's best trial's best-model write met a full disk; the value stood, and
+    the launch ended `done (budget)` with nothing said: `load_best_model` found no model."""
+    from hpsearch.launcher import lost_model_note
+    from hpsearch.worker import ATTR_BEST_MODEL, ATTR_CHECKPOINT_URI, ATTR_MESSAGE
+    from optuna.trial import create_trial
+
+    lost = (
+        "finished 2 epochs; not saved: t.best.pt (no space left on device (3 MiB free, "
+        "45 MiB to write)); no best-model file is kept"
+    )
+    trial = create_trial(value=0.5, user_attrs={ATTR_MESSAGE: lost})
+    trial.number = 1
+    assert lost_model_note(trial) == (
+        "trial 1, the study's best, kept no model (not saved: t.best.pt (no space left on "
+        "device (3 MiB free, 45 MiB to write)); no best-model file is kept): `hpsearch train "
+        "--trial 1` trains it again"
+    )
+    for attrs in ({ATTR_MESSAGE: "finished 2 epochs"},
+                  {ATTR_MESSAGE: lost, ATTR_BEST_MODEL: "/w/t.best.pt"},
+                  {ATTR_MESSAGE: lost, ATTR_CHECKPOINT_URI: "runs:/x/checkpoint"}):  # fmt: skip
+        assert lost_model_note(create_trial(value=0.5, user_attrs=attrs)) == ""
