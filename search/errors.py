@@ -54,7 +54,12 @@ class CheckpointError(HpsearchError):
 
 class DiskFullError(CheckpointError):
     """The work folder's disk has no room for a trial's checkpoints: a worker stops before it
-    asks for one, and a restart would stop the same way until room is made."""
+    asks for one, and a restart would stop the same way until room is made. `need_bytes`:
+    the size of the file a trial could not write, where known."""
+
+    def __init__(self, message: str, need_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.need_bytes = need_bytes
 
 
 # The exit code of a worker stopped by DiskFullError (sysexits' EX_IOERR); the launcher

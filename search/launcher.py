@@ -1186,7 +1186,7 @@ class Launcher:
                    and s.restarts < self.opts.max_restarts]  # fmt: skip
         if not waiting or not may_start_trial(counts, self._budget):
             return 0
-        if disk_stop(self.opts.workdir):
+        if disk_stop(self.opts.workdir, self.cfg.name):
             return 0
         started = 0
         for slot in waiting:
@@ -1345,7 +1345,7 @@ class Launcher:
         still_held = [t for t in running if t._trial_id in held_ids]  # not failed elsewhere
         counts = counts_once_requeued(budget_counts(trials), len(still_held))
         budget_left = may_start_trial(counts, self._budget)
-        full = disk_stop(self.opts.workdir) if code == EXIT_DISK_FULL else None
+        full = disk_stop(self.opts.workdir, self.cfg.name) if code == EXIT_DISK_FULL else None
         if should_restart(code, slot.restarts, self.opts.max_restarts, budget_left, bool(full)):
             slot.restarts += 1
             if not self._start_unless_stopping(slot, resolved, tracking_uri):

@@ -215,9 +215,34 @@ def free_disk_bytes(folder: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def disk_stop(workdir: Path) -> str | None:
-    """Why no trial should start with the work folder's checkpoints where they are, or None:
-    their disk read-only, or with under `MIN_FREE_BYTES` free (`disk_full`)."""
+def _disk_need_path(workdir: Path, study: str) -> Path:
+    return workdir / "run" / f"{study}.disk-need"
+
+
+def _record_disk_need(workdir: Path, study: str, need: int | None) -> None:
+    """Best effort: the largest file a trial of the study found no room for (bytes), which
+    `disk_stop` asks room for twice over (a checkpoint and a best model) from then on."""
+    if not need:
+        return
+    path = _disk_need_path(workdir, study)
+    try:
+        known = int(path.read_text() or 0)
+    except (OSError, ValueError):
+        known = 0
+    with contextlib.suppress(OSError):  # the disk may have no room for these bytes either
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(max(need, known)))
+
+
+def disk_stop(workdir: Path, study: str) -> str | None:
+    """Why no trial of `study` should start with the work folder's checkpoints where they
+    are, or None: their disk read-only, or with under `MIN_FREE_BYTES` free, or under twice
+    the largest file a trial of the study found no room for there (QA: restarted at 71 MiB
+    free for 85 MiB checkpoints, the worker trained and failed the same trial each time)."""
+    try:
+        need = 2 * int(_disk_need_path(workdir, study).read_text() or 0)
+    except (OSError, ValueError):
+        need = 0
     folder = workdir / "checkpoints"
     folder = folder if folder.is_dir() else workdir
     try:
@@ -229,7 +254,7 @@ def disk_stop(workdir: Path) -> str | None:
             f"work folder {folder}: its disk is read-only; make it writable and launch again "
             "(queued trials resume)"
         )
-    return disk_full(folder, free_disk_bytes(folder))
+    return disk_full(folder, free_disk_bytes(folder), max(MIN_FREE_BYTES, need))
 
 
 def disk_full(folder: Path, free: int | None, min_free: int = MIN_FREE_BYTES) -> str | None:
@@ -853,7 +878,7 @@ def run_worker(
             if deadline is not None and time.time() > deadline:
                 summary.stopped_by = "timeout"
                 break
-            if cfg.trainer.checkpoint and (full := disk_stop(opts.workdir)):
+            if cfg.trainer.checkpoint and (full := disk_stop(opts.workdir, cfg.name)):
                 # Before asking: on a full disk every trial failed fast (its checkpoints,
                 # its data cache), and the restarted workers failed a dozen more.
                 raise DiskFullError(full)
@@ -1476,9 +1501,12 @@ def run_trial(
             message = str(exc)
             attrs = {ATTR_OUTCOME: "interrupted", ATTR_MESSAGE: message[:500]}
             _safe_tell(db, functools.partial(set_trial_attrs, trial, attrs))
+            if run is not None:  # its last checkpoint uploaded before its retry is queued
+                run.flush_uploads()  # (as `_tell`'s hand-back: another host fetches it)
             _fail_and_requeue(study, trial, db, opts.max_retries, lock)
             if run is not None:
                 run.finish_failed("interrupted", message, None)
+            _record_disk_need(opts.workdir, cfg.name, exc.need_bytes)
             raise
         except DatasetError as exc:  # the data's, not the trial's: the worker stops (run_worker)
             run = late.wait() if late is not None else None

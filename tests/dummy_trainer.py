@@ -294,4 +294,4 @@ def disk_full_after_an_epoch(
 
     report(1, 0.1)
     raise DiskFullError("checkpoint /w/t.pt: not written: no space left on device (3 MiB free, "
-                        "45 MiB to write); none was there before")  # fmt: skip
+                        "45 MiB to write); none was there before", 45 << 20)  # fmt: skip

@@ -514,8 +514,16 @@ def check_decodable(labels: np.ndarray, src: Source, skipped: Sequence[str]) -> 
 
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as fh:
+    try:
+        fh = open(path, "a+b")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        if exc.errno not in _DISK_ERRNOS:
+            raise
+        # A full disk (no inode left): the write will fail and say so; the decode goes on
+        # unlocked (two processes may both decode: no harm).
+        yield
+        return
+    with fh:
         if fcntl is not None:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # blocks until the other builder is done
         try:
@@ -548,6 +556,12 @@ def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str =
     path = cache_path(src, size, workdir)
     with contextlib.suppress(FileNotFoundError):  # none, or pruned just now: built
         return _checked(_read_cache(path), src, path, on_corrupt)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if exc.errno not in _DISK_ERRNOS:
+            raise
+        return _kept_in_memory(src, decode_all(src, size, on_corrupt), path, exc)
     with _file_lock(path.with_suffix(".lock")):
         with contextlib.suppress(FileNotFoundError):  # another process built it meanwhile
             return _checked(_read_cache(path), src, path, on_corrupt)
@@ -568,16 +582,7 @@ def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str =
         except OSError as exc:
             if exc.errno not in _DISK_ERRNOS:
                 raise
-            # The cache only spares the next process its decode: training goes on (QA: a
-            # cache larger than the free space failed every trial, a dozen of them).
-            warnings.warn(
-                f"dataset {src.dataset}: its decoded {src.split} split "
-                f"({dec.images.nbytes / 2**20:.0f} MiB) not cached at {path}: "
-                f"{exc.strerror or exc}; kept in memory, each worker process decodes it",
-                HpsearchWarning,
-                stacklevel=2,
-            )
-            return dec
+            return _kept_in_memory(src, dec, path, exc)
     if src.dataset == "imagefolder":
         _prune_replaced(path, src, size, workdir)
     return dec
@@ -585,6 +590,19 @@ def load_or_build_cache(src: Source, size: int, workdir: Path, on_corrupt: str =
 
 # A cache write that fails on these leaves training as it was: no room, or none allowed.
 _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def _kept_in_memory(src: Source, dec: Decoded, path: Path, exc: OSError) -> Decoded:
+    """The cache only spares the next process its decode: training goes on without it (QA:
+    a cache larger than the free space failed every trial, a dozen of them), said once."""
+    warnings.warn(
+        f"dataset {src.dataset}: its decoded {src.split} split ({dec.images.nbytes / 2**20:.1f}"
+        f" MiB) not cached at {path}: {exc.strerror or exc}; kept in memory, each worker "
+        "process decodes it",
+        HpsearchWarning,
+        stacklevel=3,
+    )
+    return dec
 
 
 def _write_cache(path: Path, dec: Decoded, meta: str) -> None:

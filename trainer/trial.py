@@ -438,7 +438,9 @@ def atomic_save(obj: Any, path: Path, drop: threading.Event | None = None) -> bo
             kept = "the previous one is intact" if path.exists() else "none was there before"
             if (no_room := _no_room(exc, path.parent, obj)) is not None:
                 # DiskFullError: the worker hands its trial back and stops until there is room.
-                raise DiskFullError(f"checkpoint {path}: not written: {no_room}; {kept}") from exc
+                raise DiskFullError(
+                    f"checkpoint {path}: not written: {no_room}; {kept}", _tensor_bytes(obj)
+                ) from exc
             raise CheckpointError(
                 f"checkpoint {path}: write failed ({' '.join(reason.split())[:200]}); {kept}"
             ) from exc
@@ -1127,7 +1129,16 @@ def _train(
                 run.checkpoint_path = ckpt_path
                 last_saved, saved_through = time.perf_counter(), epoch
             if files:
-                writer.submit(files, done, droppable=ckpt_path)
+                try:
+                    writer.submit(files, done, droppable=ckpt_path)
+                except CheckpointError:
+                    if not ending:
+                        raise
+                    # An earlier resume checkpoint's write failed (a full disk): the trial
+                    # ends here all the same, nothing resumes it, and its value stands as
+                    # where its last epoch found no better one (review). Its own last
+                    # writes are tried now.
+                    writer.submit(files, done, droppable=ckpt_path)
         if options.on_epoch is not None:
             options.on_epoch(record)
         if run.stop_reason != "finished":

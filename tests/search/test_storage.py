@@ -639,13 +639,13 @@ def test_a_worker_starts_no_trial_where_its_checkpoints_disk_is_read_only(
     if mounted.returncode != 0:
         pytest.skip(f"no tmpfs mount here: {mounted.stderr.strip()}")
     try:
-        stop = W.disk_stop(tmp_path)
+        stop = W.disk_stop(tmp_path, "tiny")
         assert stop == (
             f"work folder {folder}: its disk is read-only; make it writable and launch again "
             "(queued trials resume)"
         )
         subprocess.run(["mount", "-o", "remount,rw", str(folder)], check=True)
-        assert W.disk_stop(tmp_path) is None  # 128 MiB free: room for a trial
+        assert W.disk_stop(tmp_path, "tiny") is None  # 128 MiB free: room for a trial
     finally:
         subprocess.run(["umount", str(folder)], check=True)
 
@@ -670,6 +670,17 @@ def test_a_trial_whose_checkpoint_finds_no_room_is_handed_back_and_the_worker_st
     assert first.user_attrs[W.ATTR_OUTCOME] == "interrupted"
     assert "no space left on device (3 MiB free" in first.user_attrs[W.ATTR_MESSAGE]
     assert retry.state == optuna.trial.TrialState.WAITING and retry.params == first.params
+    # Until the disk has room for twice what the trial could not write (a checkpoint and a
+    # best model), no trial starts there (QA: restarted at 71 MiB free for 85 MiB, each
+    # restart trained the trial again and failed it alike).
+    assert W._disk_need_path(tmp_path, "tiny").read_text() == str(45 << 20)  # the worker's
+    free = (W.free_disk_bytes(tmp_path) or 0) >> 20
+    assert free > 90 and W.disk_stop(tmp_path, "tiny") is None
+    W._record_disk_need(tmp_path, "tiny", free << 20)
+    assert f"under the {2 * free} MiB a trial's checkpoints need" in (
+        W.disk_stop(tmp_path, "tiny") or ""
+    )
+    assert W.disk_stop(tmp_path, "other") is None
 
 
 def test_a_trial_handed_back_from_the_gpu_memory_line_says_so_and_is_found_if_cut(

@@ -146,6 +146,27 @@ def test_a_cache_the_disk_has_no_room_for_is_kept_in_memory(
     assert [f.suffix for f in (tmp_path / "cache").iterdir()] == [".lock"]
 
 
+def test_a_cache_on_a_read_only_disk_is_kept_in_memory(flowers_root: Path, tmp_path: Path) -> None:
+    """Review: the cache's lock file was opened before the write, and a read-only disk
+    failed the trial there, before the in-memory fallback. A real read-only tmpfs here
+    (mounted as root, as CI runs)."""
+    work = tmp_path / "ro"
+    work.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M,ro", "tmpfs", str(work)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs mount here: {mounted.stderr.strip()}")
+    try:
+        cfg = make_config({"name": "flowers102", "root": str(flowers_root), "train_limit": 50})
+        src = data.get_source(cfg, "train")
+        assert src is not None
+        with pytest.warns(UserWarning, match=r"not cached at .*Read-only file system; kept in"):
+            dec = data.load_or_build_cache(src, 24, work)
+        assert dec.built and dec.images.shape == (50, 24, 24, 3)
+    finally:
+        subprocess.run(["umount", str(work)], check=True)
+
+
 def _imagefolder(root: Path, corrupt: bool) -> None:
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
