@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import errno
 import functools
+import io
 import json
 import math
 import os
@@ -811,6 +812,11 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     )
     from hpsearch.worker import WorkerOptions, run_worker
 
+    if os.environ.get(LAUNCHED_ENV) == "1":
+        # A launch's worker writes to its log in the work folder: on a full disk its notes
+        # and errors are dropped, not its work (QA: a failed `note:` line ended it, exit 1,
+        # with an empty log, where its disk check says 74 and the launch waits for room).
+        sys.stdout, sys.stderr = _BestEffort(sys.stdout), _BestEffort(sys.stderr)
     _check_tracking(tracking_uri, no_tracking)
     if train_fn:
         from hpsearch.worker import load_train_fn
@@ -882,7 +888,10 @@ def worker(study: str, overrides: tuple[str, ...], data_dir: str | None, downloa
     warnings.filterwarnings("ignore", "Constraints have been set, but CmaEsSampler", UserWarning)
 
     def show(number: int, outcome: str, message: str) -> None:
-        click.echo(f"trial {number}: {outcome}" + (f": {message}" if message else ""))
+        # Its log (a launch's worker's) may be on the full disk the trials stop for: the
+        # study holds the outcome, and the worker goes on to its disk check (exit 74).
+        with contextlib.suppress(OSError):
+            click.echo(f"trial {number}: {outcome}" + (f": {message}" if message else ""))
 
     try:
         summary = run_worker(cfg, spec, opts, stop=stop, on_trial=show)
@@ -1412,6 +1421,32 @@ def _or_dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+class _BestEffort(io.TextIOBase):
+    """A text stream whose writes and flushes a full (or gone) disk refuses are dropped."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError):
+            return self._stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._stream.encoding
+
+
 def main() -> None:
     """Console entry point: every error, click's own included, is one line and a non-zero exit."""
     # MLflow draws a progress bar for each artifact download (the launcher copies the best
@@ -1430,7 +1465,14 @@ def main() -> None:
         msg = exc.format_message()
         if isinstance(exc, click.UsageError) and exc.ctx is not None:
             msg = f"{exc.ctx.command_path}: {msg}"
-        click.echo(f"Error: {' '.join(msg.split())}", err=True)
+        try:
+            click.echo(f"Error: {' '.join(msg.split())}", err=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:
+            # Output to a full disk (a launch's worker's log): the exit code still says why
+            # (74), where the interpreter's own exit would fail its flush and give 120 (QA).
+            os._exit(exc.exit_code)
         sys.exit(exc.exit_code)
     except SystemExit:
         raise

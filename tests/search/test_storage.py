@@ -1751,3 +1751,31 @@ def test_a_multi_objective_study_may_search_with_gp(tmp_path: Path) -> None:
     assert run_worker(gp, spec, opts).outcomes == {"finished": 3}
     with pytest.raises(ConfigError, match="'cmaes': does not support multi-objective"):
         load_config("tiny", [*base, "sampler.name=cmaes", "sampler.options={}"])
+
+
+def test_a_worker_whose_log_disk_is_full_still_exits_74(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: a launch's worker logs to the work folder's disk; full, the worker's `Error:`
+    line failed, and so did the interpreter's flush at exit: exit 1 (or 120), not 74, and
+    the launch said "every worker crashed" with an empty log. /dev/full here: every write
+    to it fails with ENOSPC."""
+    import sys
+
+    import hpsearch.worker as W
+
+    W._record_disk_need(tmp_path, "tiny", 1 << 50)  # no disk has room for that twice over
+    launched = {**subprocess_env, "HPSEARCH_LAUNCHED": "1"}  # (LAUNCHED_ENV) its log: the disk
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "hpsearch.cli", "worker", "--study", "tiny", "--workdir",
+             str(tmp_path), "--train-fn", DUMMY],
+            env=launched, stdout=full, stderr=full, timeout=120,
+        )  # fmt: skip
+    assert r.returncode == 74
+    out = subprocess.run(
+        [sys.executable, "-m", "hpsearch.cli", "worker", "--study", "tiny", "--workdir",
+         str(tmp_path), "--train-fn", DUMMY],
+        env=subprocess_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 74 and "a trial's checkpoints need; free some" in out.stderr
