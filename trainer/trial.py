@@ -398,15 +398,21 @@ class _Dropped(Exception):
 
 
 class _DroppableFile:
-    """The file torch.save writes to, in pieces: a write after `drop` is set raises."""
+    """The file torch.save writes to, in pieces: a write after `drop` is set raises, and a
+    write's OSError is kept (`error`): torch's writer hands it on as "unexpected pos"."""
 
-    def __init__(self, fh: Any, drop: threading.Event) -> None:
+    def __init__(self, fh: Any, drop: threading.Event | None) -> None:
         self._fh, self._drop = fh, drop
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
-        if self._drop.is_set():
+        if self._drop is not None and self._drop.is_set():
             raise _Dropped
-        return int(self._fh.write(data))
+        try:
+            return int(self._fh.write(data))
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self._fh.flush()
@@ -417,10 +423,12 @@ def atomic_save(obj: Any, path: Path, drop: threading.Event | None = None) -> bo
     file or the new one, never half of one. Any OSError -> CheckpointError, old file kept.
     With `drop`, the write is given up once it is set (False; the old file is kept)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    out: _DroppableFile | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:
-            torch.save(obj, fh if drop is None else cast(IO[bytes], _DroppableFile(fh, drop)))
+            out = _DroppableFile(fh, drop)
+            torch.save(obj, cast(IO[bytes], out))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -432,7 +440,11 @@ def atomic_save(obj: Any, path: Path, drop: threading.Event | None = None) -> bo
         if drop is not None and drop.is_set():
             return False  # torch.save may hand our _Dropped back wrapped (C++ writer)
         # torch.save reports a failed write (a full disk) as a RuntimeError from its C++
-        # writer ("enforce fail at inline_container.cc ... unexpected pos").
+        # writer ("enforce fail at inline_container.cc ... unexpected pos"): the write's own
+        # OSError, kept, says why (QA: judged by the free space after, another process's
+        # writes made a full disk look like none).
+        if isinstance(exc, RuntimeError) and out is not None and out.error is not None:
+            exc = out.error
         if isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and _write_failed(exc)):
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             kept = "the previous one is intact" if path.exists() else "none was there before"
@@ -447,38 +459,34 @@ def atomic_save(obj: Any, path: Path, drop: threading.Event | None = None) -> bo
         raise
 
 
-_NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# Not EFBIG: a file-size limit (FAT32's 4 GiB) is no room that freeing space would make.
+_NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def _no_room(exc: BaseException, folder: Path, obj: Any) -> str | None:
     """Why a failed write failed for want of room (a full or read-only disk), in words, or
     None. torch's writer says only "unexpected pos": the free space is compared with the
     tensors' bytes (the QA's message named no disk, nor that it was full)."""
+    need = _tensor_bytes(obj)
+    try:
+        st = os.statvfs(folder)
+        free, read_only = st.f_bavail * st.f_frsize, bool(st.f_flag & os.ST_RDONLY)
+    except OSError:
+        free, read_only = None, False
     if isinstance(exc, OSError):
         if exc.errno == errno.EROFS:
             return "its disk is read-only"
-        if exc.errno in _NO_ROOM_ERRNOS:
-            return f"{exc.strerror or 'no space left on device'} ({_free_mib(folder)} MiB free)"
-        return None
-    try:
-        st = os.statvfs(folder)
-    except OSError:
-        return None
-    if st.f_flag & os.ST_RDONLY:
+        if exc.errno not in _NO_ROOM_ERRNOS:
+            return None
+        what = "disk quota exceeded" if exc.errno == errno.EDQUOT else "no space left on device"
+    elif read_only:
         return "its disk is read-only"
-    free = st.f_bavail * st.f_frsize
-    need = _tensor_bytes(obj)
-    if free < need + (1 << 20):
-        return f"no space left on device ({free >> 20} MiB free, {need >> 20} MiB to write)"
-    return None
-
-
-def _free_mib(folder: Path) -> str:
-    try:
-        st = os.statvfs(folder)
-    except OSError:
-        return "?"
-    return str((st.f_bavail * st.f_frsize) >> 20)
+    elif free is not None and free < need + (1 << 20):
+        what = "no space left on device"
+    else:
+        return None
+    shown = "?" if free is None else str(free >> 20)
+    return f"{what} ({shown} MiB free, {need >> 20} MiB to write)"
 
 
 def _tensor_bytes(obj: Any) -> int:
