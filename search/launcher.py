@@ -1359,7 +1359,10 @@ class Launcher:
             tail = self._log_tail(slot)
             why = "no restarts left" if budget_left else "no trial of the budget left to start"
             if full and budget_left:
-                why = "its work folder's disk is full: a restart would stop the same way"
+                why = (
+                    "its work folder's disk has no room (or is read-only): a restart would "
+                    "stop the same way"
+                )
                 slot.disk_full = full
             if code == EXIT_DATA_ERROR:
                 why = "its data failed: every trial and restart would fail the same way"

@@ -1731,7 +1731,7 @@ def test_a_launch_whose_work_folder_disk_is_full_says_so_in_one_line(
                     env, timeout=180)  # fmt: skip
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
-    assert out.count("died (exit code 74); not restarted (its work folder's disk is full") == 2
+    assert out.count("died (exit code 74); not restarted (its work folder's disk has no room") == 2
     last = out.strip().splitlines()[-1]
     assert last.startswith("Error: every worker stopped: work folder ") and "10 MiB free" in last
     assert hps.load_study("tiny", workdir=work).get_trials(deepcopy=False) == []

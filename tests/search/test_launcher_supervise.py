@@ -326,7 +326,7 @@ def test_a_worker_stopped_by_a_full_disk_restarts_once_the_disk_has_room(
     launcher._on_exit(full, EXIT_DISK_FULL, resolved, None)
     assert started == [] and full.state == "crashed" and full.restarts == 0
     assert full.disk_full is not None and "10 MiB free on its disk" in full.disk_full
-    assert "its work folder's disk is full" in launcher._messages[-1]
+    assert "its work folder's disk has no room" in launcher._messages[-1]
     monkeypatch.setattr(worker_mod, "free_disk_bytes", lambda folder: 1 << 30)
     launcher._on_exit(room, EXIT_DISK_FULL, resolved, None)
     assert started == [1] and room.restarts == 1 and room.disk_full is None

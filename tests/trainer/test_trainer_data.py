@@ -163,6 +163,12 @@ def test_a_cache_on_a_read_only_disk_is_kept_in_memory(flowers_root: Path, tmp_p
         with pytest.warns(UserWarning, match=r"not cached at .*Read-only file system; kept in"):
             dec = data.load_or_build_cache(src, 24, work)
         assert dec.built and dec.images.shape == (50, 24, 24, 3)
+        # QA: a cache that fit left the disk no room for any trial's checkpoints; with 8 MiB
+        # free it is not written, as under the 512 MiB it leaves.
+        subprocess.run(["mount", "-o", "remount,rw", str(work)], check=True)
+        with pytest.warns(UserWarning, match=r"it would leave under 512 MiB free for checkpoi"):
+            assert data.load_or_build_cache(src, 24, work).built
+        assert not any(work.rglob("*.npz"))
     finally:
         subprocess.run(["umount", str(work)], check=True)
 

@@ -600,7 +600,9 @@ def test_failed_checkpoint_write_keeps_previous(
         real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(CheckpointError, match=r"no space left on device.*the previous one is intact"):
+    with pytest.raises(
+        CheckpointError, match=r"no space left on device.*the previous one is intact"
+    ):
         train(  # 4 epochs: epoch 3's save waits for epoch 2's (one that ends the trial won't)
             synthetic(budget={"max_epochs": 4}),
             TINY,
