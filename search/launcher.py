@@ -58,6 +58,7 @@ from hpsearch.storage import (
 from hpsearch.study import (
     CONFIG_ID_ATTR,
     CONFIG_OF_ATTR,
+    LAUNCH_IDS_ATTR,
     best_of,
     budget_counts,
     budget_done,
@@ -770,9 +771,11 @@ class Launcher:
                 )
             )
         self._counts_at_open = done  # (`spent_note`)
-        # Configs the study's trials ran with so far: the last launch's drift was said
-        # (create_or_load); one first seen later is another's, said once (`_drift_now`).
-        self._configs_seen = {trial_config_id(self.cfg), *other_configs(trials, ())}
+        # This launch's config and earlier launches' (the last one's drift was said as the
+        # study opened); any other, a worker's own, is said once as its trials show, those
+        # already there included (`_drift_now`; review: a worker trained on, unsaid).
+        launches = with_db_retry(lambda: study.user_attrs.get(LAUNCH_IDS_ATTR)) or []
+        self._configs_seen = {trial_config_id(self.cfg), *map(str, launches)}
         queued = with_db_retry(
             lambda: enqueue_trials(
                 study, self.cfg, lambda: study_lock(self.spec, self.cfg.name), owner=True
@@ -1606,10 +1609,11 @@ class Launcher:
         launches or workers, whose trials train otherwise than this launch's; each said once
         (and kept for the summary), '' for none. A config read fails: tried next time."""
         seen = self._configs_seen
+        # Its own workers' (a trial with no pid yet, a queued retry, may be anyone's).
         mine = (
             t.user_attrs.get(CONFIG_ID_ATTR)
             for t in trials
-            if launched_by(t.user_attrs, self._pids)
+            if ATTR_PID in t.user_attrs and launched_by(t.user_attrs, self._pids)
         )
         seen.update(c for c in mine if isinstance(c, str))
         new = other_configs(trials, seen)

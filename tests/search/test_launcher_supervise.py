@@ -389,19 +389,31 @@ def test_a_launch_says_once_when_another_launch_or_worker_trains_its_study_other
     """QA: two launches of one study with other configs at once mixed their trials, and only
     the second launch said so (at its start). The first now says it when the other's first
     trial shows, once; a config that differs only in how it runs (its loaders) is not said,
-    nor is one whose trials were there when the launch opened (its start said that)."""
+    nor an earlier launch's (its start said that). Review: a worker's own config whose
+    trials were there at the launch's start was never said, nor one a queued retry (no pid
+    yet) showed first."""
     from hpsearch.storage import open_storage
     from hpsearch.study import CONFIG_ID_ATTR, create_or_load, trial_config_id
 
     launcher = _launcher(tmp_path / "w")
     storage = open_storage(launcher.spec)
     earlier = load_config("tiny", ["budget.max_epochs=1", "trainer.defaults.augment=none"])
-    create_or_load(earlier, storage, owner=False)
+    create_or_load(earlier, storage, owner=False)  # the study's first: its launch config
     before = launcher_mod.optuna.load_study(study_name="tiny", storage=storage).ask()
     before.set_user_attr(CONFIG_ID_ATTR, trial_config_id(earlier))
+    own = load_config("tiny", ["budget.max_epochs=1", "trainer.defaults.augment=none",
+                               "trainer.defaults.warmup_epochs=0"])  # fmt: skip
+    create_or_load(own, storage, owner=False)  # a worker's own --set, running before
+    waiting = launcher_mod.optuna.load_study(study_name="tiny", storage=storage).ask()
+    waiting.set_user_attr(CONFIG_ID_ATTR, trial_config_id(own))  # (no pid)
     with pytest.warns(HpsearchWarning, match="augment: 'flip' \\(before: 'none'\\)"):
         launcher._open_study()  # its start says how it differs from the earlier launch
     study = launcher.study
+    assert launcher._progress().message == (
+        f"study tiny: trial {waiting.number}, of another launch or worker, trains otherwise "
+        "than this launch's (trainer.defaults.augment: 'none' (here: 'flip'); "
+        "trainer.defaults.warmup_epochs: 0.0 (here: 0.5)): their values will not compare"
+    )
     assert launcher._progress().message == ""
 
     def other_trial(cfg: Any) -> int:
