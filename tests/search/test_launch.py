@@ -1105,11 +1105,13 @@ def test_a_train_fn_whose_function_does_not_load_stops_its_worker_without_restar
     assert "'dummy_trainer:trian': cannot import: AttributeError" in r.stdout, r.stdout
 
 
-def test_the_memory_constraint_goes_only_to_samplers_that_read_it(
+def test_every_trial_carries_the_memory_constraint_and_cmaes_says_nothing_of_it(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
     """QA: every CMA-ES trial logged Optuna's "Constraints have been set, but CmaEsSampler
-    will not use them": hpsearch's own out-of-memory constraint, on every trial."""
+    will not use them": hpsearch's own out-of-memory constraint, on every trial. It went to
+    the samplers that read it only, and a study that changed to GP then failed every ask
+    (QA): it goes on every trial, and the worker silences CMA-ES's warning."""
     from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
 
     for sampler in ("cmaes", "tpe"):
@@ -1122,7 +1124,36 @@ def test_the_memory_constraint_goes_only_to_samplers_that_read_it(
         assert "Constraints have been set" not in log, log
         trials = hps.load_study("tiny", workdir=work).get_trials()
         constrained = [t for t in trials if f"{_CONSTRAINTS_KEY}:memory" in t.system_attrs]
-        assert len(constrained) == (4 if sampler == "tpe" else 0), sampler
+        assert len(constrained) == 4, sampler
+
+
+def test_a_train_run_whose_best_model_finds_no_room_exits_74(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """QA: `hpsearch train` on a full disk trained, could not write its best model, and
+    exited 0 with no model anywhere. A real 24 MiB tmpfs (mounted as root, as CI runs): a
+    ResNet-18's best model is 43 MiB."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24M", "tmpfs", str(disk)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs mount here: {mounted.stderr.strip()}")
+    try:
+        r = hpsearch(["train", "--study", "tiny", "--params", '{"lr": 0.05}', "--workdir",
+                      str(disk), "--no-tracking", "--device", "cpu", "--set",
+                      "budget.max_epochs=1", "--set", "dataset.train_limit=64"],
+                     subprocess_env)  # fmt: skip
+        assert r.returncode == 74, r.stdout + r.stderr
+        assert (
+            "Error: the run trained, and kept no model: not saved: fixed.best.pt (no space "
+            "left on device (" in r.stderr
+        ), r.stderr
+        assert "not cached at" in r.stderr  # its data cache, kept in memory
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_a_weights_file_of_another_model_is_refused_before_any_worker(
