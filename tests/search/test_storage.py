@@ -480,7 +480,7 @@ def test_a_launch_refused_for_its_direction_leaves_the_study_as_it_was(tmp_path:
     assert after[CONFIG_ATTR] == before[CONFIG_ATTR]
     # A file with no direction now takes its metric's (val_loss minimizes); a study begun
     # when every metric maximized says how to go on with it.
-    legacy = load_config("tiny", overrides=["objective={metric: val_acc, direction: maximize}",
+    legacy = load_config("tiny", overrides=["objective={metric: val_loss, direction: maximize}",
                                             "name=legacy_loss"])  # fmt: skip
     create_or_load(legacy, open_storage(spec))
     now = load_config("tiny", overrides=["objective={metric: val_loss}", "name=legacy_loss"])
