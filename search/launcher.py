@@ -610,8 +610,8 @@ def lost_model_note(trial: FrozenTrial) -> str:
         return ""
     why = message[message.index("not saved: ") :]
     return (
-        f"trial {trial.number}, the study's best, kept no model ({why}): "
-        f"`hpsearch train --trial {trial.number}` trains it again"
+        f"trial {trial.number}, the study's best, kept no model ({why}): with room on the "
+        f"disk, `hpsearch train --trial {trial.number}` trains it again"
     )
 
 

@@ -404,7 +404,11 @@ def run_fixed(
         if seed is None:
             seed = trial_seed(cfg, trial_number, storage, workdir)
         threads = trial_threads(cfg, trial_number, storage, workdir)
-    uid = trial_study_uid(cfg, trial_number, storage, workdir) if trial_number is not None else None
+    uid = (
+        trial_study_uid(cfg, trial_number, storage, workdir)
+        if trial_number is not None and tracking_uri is not None
+        else None
+    )
     label = f"trial-{trial_number}" if trial_number is not None else "fixed"
     run = None
     if tracking_uri is not None:

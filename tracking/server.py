@@ -650,9 +650,12 @@ def _save_state(workdir: Path, state: dict[str, Any]) -> None:
     """Write ``server.json`` whole (rename into place: a reader never sees half of it)."""
     path = state_path(workdir)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(OSError):
+    try:
         tmp.write_text(json.dumps(state))
         os.replace(tmp, path)
+    except OSError:  # a full disk: no half file is left behind (QA: an empty one was)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def _remove_state(workdir: Path, pid: int) -> None:

@@ -453,8 +453,8 @@ def test_a_best_trial_whose_model_found_no_room_is_said_at_the_launchs_end() -> 
     trial.number = 1
     assert lost_model_note(trial) == (
         "trial 1, the study's best, kept no model (not saved: t.best.pt (no space left on "
-        "device (3 MiB free, 45 MiB to write)); no best-model file is kept): `hpsearch train "
-        "--trial 1` trains it again"
+        "device (3 MiB free, 45 MiB to write)); no best-model file is kept): with room on the "
+        "disk, `hpsearch train --trial 1` trains it again"
     )
     for attrs in ({ATTR_MESSAGE: "finished 2 epochs"},
                   {ATTR_MESSAGE: lost, ATTR_BEST_MODEL: "/w/t.best.pt"},
