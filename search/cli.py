@@ -1280,7 +1280,7 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
         # Trained, its best model's write failed (a full disk): no model to use (QA: exit 0).
         note = result.message[result.message.index("not saved: ") :]
         err = click.ClickException(f"the run trained, and kept no model: {note}")
-        if "no space left on device" in note or "read-only" in note:
+        if any(w in note for w in ("no space left on device", "disk quota exceeded", "read-only")):
             err.exit_code = EXIT_DISK_FULL
         raise err
 
@@ -1484,6 +1484,8 @@ def main() -> None:
         except OSError:
             # Output to a full disk (a launch's worker's log): the exit code still says why
             # (74), where the interpreter's own exit would fail its flush and give 120 (QA).
+            with contextlib.suppress(Exception):
+                atexit._run_exitfuncs()  # as a normal exit: logging's, MLflow's, servers' own
             os._exit(exc.exit_code)
         sys.exit(exc.exit_code)
     except SystemExit:

@@ -234,6 +234,11 @@ def _record_disk_need(workdir: Path, study: str, need: int | None) -> None:
         path.write_text(str(max(need, known)))
 
 
+def _clear_disk_need(workdir: Path, study: str) -> None:
+    with contextlib.suppress(OSError):
+        _disk_need_path(workdir, study).unlink(missing_ok=True)
+
+
 def disk_stop(workdir: Path, study: str) -> str | None:
     """Why no trial of `study` should start with the work folder's checkpoints where they
     are, or None: their disk read-only, or with under `MIN_FREE_BYTES` free, or under twice
@@ -254,7 +259,13 @@ def disk_stop(workdir: Path, study: str) -> str | None:
             f"work folder {folder}: its disk is read-only; make it writable and launch again "
             "(queued trials resume)"
         )
-    return disk_full(folder, free_disk_bytes(folder), max(MIN_FREE_BYTES, need))
+    full = disk_full(folder, free_disk_bytes(folder), max(MIN_FREE_BYTES, need))
+    if full and need > MIN_FREE_BYTES:
+        full += (
+            f"; twice the file a trial could not write there, as {_disk_need_path(workdir, study)}"
+            " says until a trial of the study ends with room"
+        )
+    return full
 
 
 def disk_full(folder: Path, free: int | None, min_free: int = MIN_FREE_BYTES) -> str | None:
@@ -911,6 +922,8 @@ def run_worker(
             summary.trials.append(trial.number)
             summary.outcomes[outcome] = summary.outcomes.get(outcome, 0) + 1
             failed = outcome in ("error", "data_error")
+            if not failed and outcome != "interrupted":  # its writes found room (review: a
+                _clear_disk_need(opts.workdir, cfg.name)  # need kept for ever held all back)
             message = _error_message(study, trial) if failed else ""
             summary.last_error = message or summary.last_error
             if on_trial is not None:

@@ -961,7 +961,15 @@ def _train(
 
     def save_best() -> None:  # a trial stopped by its time limit keeps its best model
         if files := best_files():
-            writer.submit(files)
+            submit_last(files)
+
+    def submit_last(files: list[tuple[dict[str, Any], Path]], *args: Any, **kwargs: Any) -> None:
+        """The trial's last writes: an earlier resume checkpoint's failed write (a full disk)
+        does not fail a trial that ends here (nothing resumes it; review): they are tried."""
+        try:
+            writer.submit(files, *args, **kwargs)
+        except CheckpointError:
+            writer.submit(files, *args, **kwargs)
 
     for epoch in range(first_epoch, config.budget.max_epochs + 1):
         if options.should_interrupt is not None and options.should_interrupt():
@@ -1137,16 +1145,7 @@ def _train(
                 run.checkpoint_path = ckpt_path
                 last_saved, saved_through = time.perf_counter(), epoch
             if files:
-                try:
-                    writer.submit(files, done, droppable=ckpt_path)
-                except CheckpointError:
-                    if not ending:
-                        raise
-                    # An earlier resume checkpoint's write failed (a full disk): the trial
-                    # ends here all the same, nothing resumes it, and its value stands as
-                    # where its last epoch found no better one (review). Its own last
-                    # writes are tried now.
-                    writer.submit(files, done, droppable=ckpt_path)
+                (submit_last if ending else writer.submit)(files, done, droppable=ckpt_path)
         if options.on_epoch is not None:
             options.on_epoch(record)
         if run.stop_reason != "finished":

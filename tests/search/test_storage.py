@@ -674,6 +674,11 @@ def test_a_trial_whose_checkpoint_finds_no_room_is_handed_back_and_the_worker_st
     # best model), no trial starts there (QA: restarted at 71 MiB free for 85 MiB, each
     # restart trained the trial again and failed it alike).
     assert W._disk_need_path(tmp_path, "tiny").read_text() == str(45 << 20)  # the worker's
+    # A trial that ends with room clears it (review: kept for ever, one large model's need
+    # held back every trial of the study).
+    ok = W.WorkerOptions(workdir=tmp_path, train_fn=DUMMY, max_trials=1)
+    assert W.run_worker(cfg, spec, ok).outcomes == {"finished": 1}
+    assert not W._disk_need_path(tmp_path, "tiny").exists()
     free = (W.free_disk_bytes(tmp_path) or 0) >> 20
     assert free > 90 and W.disk_stop(tmp_path, "tiny") is None
     W._record_disk_need(tmp_path, "tiny", free << 20)

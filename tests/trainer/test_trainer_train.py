@@ -584,6 +584,32 @@ def test_checkpoint_interval_saves_at_the_end_and_when_a_stop_is_asked(
     assert torch.load(ckpt3, weights_only=False)["epoch"] == 2
 
 
+def test_a_trial_that_ends_after_a_failed_resume_checkpoint_keeps_its_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: epoch 1's writes found the disk full; epoch 2, the last, was the best, and
+    its best-model write raised that earlier error: a trial trained to its end was handed
+    back as if cut off. Its last writes go on; its value stands. (Epoch 1's best-model
+    write fails here: a resume checkpoint still being written is given up at the end.)"""
+    real_save = torch.save
+    failed: list[int] = []
+
+    def disk_full_once(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(obj, dict) and "optimizer" not in obj and not failed:
+            failed.append(obj["epoch"])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_once)
+    _scripted_evaluate(monkeypatch, [0.3, 0.6])
+    ckpt = tmp_path / "t.pt"
+    result = train(synthetic(budget={"max_epochs": 2}), TINY,
+                   options=TrainOptions(device="cpu", workdir=tmp_path, checkpoint_path=ckpt))  # fmt: skip
+    assert failed == [1] and result.stop_reason == "finished" and result.best_val_acc == 0.6
+    assert result.best_model_path is not None
+    assert torch.load(result.best_model_path, weights_only=False)["epoch"] == 2
+
+
 def test_failed_checkpoint_write_keeps_previous(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
