@@ -17,6 +17,7 @@ from pathlib import Path
 import hpsearch as hps
 import pytest
 from cli_util import DUMMY, group_alive, hpsearch, popen
+from disk_util import tmpfs
 from optuna.trial import TrialState
 from pg_util import terminate_backends, url_up_later
 
@@ -1133,15 +1134,8 @@ def test_a_train_run_whose_best_model_finds_no_room_exits_74(
     """QA: `hpsearch train` on a full disk trained, could not write its best model, and
     exited 0 with no model anywhere. A real 24 MiB tmpfs (mounted as root, as CI runs): a
     ResNet-18's best model is 43 MiB."""
-    import subprocess
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24M", "tmpfs", str(disk)],
-                             capture_output=True, text=True)  # fmt: skip
-    if mounted.returncode != 0:
-        pytest.skip(f"no tmpfs mount here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "24M") as disk:
         r = hpsearch(["train", "--study", "tiny", "--params", '{"lr": 0.05}', "--workdir",
                       str(disk), "--no-tracking", "--device", "cpu", "--set",
                       "budget.max_epochs=1", "--set", "dataset.train_limit=64"],
@@ -1152,8 +1146,6 @@ def test_a_train_run_whose_best_model_finds_no_room_exits_74(
             "left on device (" in r.stderr
         ), r.stderr
         assert "not cached at" in r.stderr  # its data cache, kept in memory
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_a_weights_file_of_another_model_is_refused_before_any_worker(

@@ -15,6 +15,7 @@ import optuna
 import pytest
 import sqlalchemy as sa
 from cli_util import DUMMY, hpsearch
+from disk_util import remount, tmpfs
 from hpsearch.config import StudyConfig, config_to_yaml, load_config
 from hpsearch.errors import ConfigError, HpsearchWarning, StorageError
 from hpsearch.storage import (
@@ -632,22 +633,14 @@ def test_a_worker_starts_no_trial_where_its_checkpoints_disk_is_read_only(
     tmpfs (mounted as root, as CI runs)."""
     import hpsearch.worker as W
 
-    folder = tmp_path / "checkpoints"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128M,ro", "tmpfs", str(folder)],
-                             capture_output=True, text=True)  # fmt: skip
-    if mounted.returncode != 0:
-        pytest.skip(f"no tmpfs mount here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "checkpoints", "128M", read_only=True) as folder:
         stop = W.disk_stop(tmp_path, "tiny")
         assert stop == (
             f"work folder {folder}: its disk is read-only; make it writable and launch again "
             "(queued trials resume)"
         )
-        subprocess.run(["mount", "-o", "remount,rw", str(folder)], check=True)
+        remount(folder, "rw")
         assert W.disk_stop(tmp_path, "tiny") is None  # 128 MiB free: room for a trial
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_a_trial_whose_checkpoint_finds_no_room_is_handed_back_and_the_worker_stops(

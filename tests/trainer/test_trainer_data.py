@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from disk_util import remount, tmpfs
 from hpsearch.errors import DataError
 from hpsearch.trainer import data
 from hpsearch.trainer.trial import eval_batches, load_split
@@ -150,13 +151,7 @@ def test_a_cache_on_a_read_only_disk_is_kept_in_memory(flowers_root: Path, tmp_p
     """Review: the cache's lock file was opened before the write, and a read-only disk
     failed the trial there, before the in-memory fallback. A real read-only tmpfs here
     (mounted as root, as CI runs)."""
-    work = tmp_path / "ro"
-    work.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M,ro", "tmpfs", str(work)],
-                             capture_output=True, text=True)  # fmt: skip
-    if mounted.returncode != 0:
-        pytest.skip(f"no tmpfs mount here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "ro", "8M", read_only=True) as work:
         cfg = make_config({"name": "flowers102", "root": str(flowers_root), "train_limit": 50})
         src = data.get_source(cfg, "train")
         assert src is not None
@@ -165,12 +160,10 @@ def test_a_cache_on_a_read_only_disk_is_kept_in_memory(flowers_root: Path, tmp_p
         assert dec.built and dec.images.shape == (50, 24, 24, 3)
         # QA: a cache that fit left the disk no room for any trial's checkpoints; with 8 MiB
         # free it is not written, as under the 512 MiB it leaves.
-        subprocess.run(["mount", "-o", "remount,rw", str(work)], check=True)
+        remount(work, "rw")
         with pytest.warns(UserWarning, match=r"it would leave under 512 MiB free for checkpoi"):
             assert data.load_or_build_cache(src, 24, work).built
         assert not any(work.rglob("*.npz"))
-    finally:
-        subprocess.run(["umount", str(work)], check=True)
 
 
 def _imagefolder(root: Path, corrupt: bool) -> None:

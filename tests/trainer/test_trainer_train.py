@@ -14,6 +14,7 @@ from typing import Any
 import hpsearch.trainer.trial as train_module
 import pytest
 import torch
+from disk_util import remount, tmpfs
 from hpsearch.errors import DeviceError
 from hpsearch.trainer import (
     CheckpointError,
@@ -671,17 +672,10 @@ def test_a_checkpoint_on_a_full_or_read_only_disk_says_so_in_words(tmp_path: Pat
     . unexpected pos 25917312 vs 25917208", which the worker log, the MLflow reason and
     `train`'s error showed as it came, with "the previous checkpoint is intact" where there
     was none. A real 8 MiB tmpfs here (mounted as root, as CI runs)."""
-    import subprocess
 
     from hpsearch.errors import DiskFullError
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(disk)],
-                             capture_output=True, text=True)  # fmt: skip
-    if mounted.returncode != 0:
-        pytest.skip(f"no tmpfs mount here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "8M") as disk:
         big = {"w": torch.zeros(3_000_000)}  # 12 MB of float32
         with pytest.raises(DiskFullError, match=(
             r"t.pt: not written: no space left on device \(\d MiB free, 11 MiB to write\); "
@@ -692,11 +686,9 @@ def test_a_checkpoint_on_a_full_or_read_only_disk_says_so_in_words(tmp_path: Pat
         train_module.atomic_save({"w": torch.zeros(10)}, disk / "t.pt")
         with pytest.raises(DiskFullError, match=r"no space left on .*the previous one is intact$"):
             train_module.atomic_save(big, disk / "t.pt")
-        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        remount(disk, "ro")
         with pytest.raises(DiskFullError, match=r"t.pt: not written: its disk is read-only"):
             train_module.atomic_save({"w": torch.zeros(10)}, disk / "t.pt")
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_a_dropped_resume_checkpoint_keeps_the_previous_one_and_the_best_model(
