@@ -290,42 +290,46 @@ def outside_space(cfg: StudyConfig, name: str, value: Any) -> str | None:
 
 
 def trial_seed(cfg: StudyConfig, trial_number: int, storage: str | None, workdir: Path) -> int:
-    """The seed trial N trained with: `trainer.seed` plus its retry chain's first trial's
-    number, as its worker gave it (`train --trial N` with the study's seed was another
-    run: its values differed from the trial's from the first epoch on)."""
-    from hpsearch.query import reading_study
-    from hpsearch.worker import root_trial_number
-
-    with reading_study(cfg.name, storage, workdir) as study:
-        trial = _trial(study, trial_number)
-    return int(cfg.trainer.seed) + root_trial_number(trial)
+    """The seed trial N trained with (`_seed_of`)."""
+    return _seed_of(cfg, _stored_trial(cfg, trial_number, storage, workdir)[0])
 
 
 def trial_threads(
     cfg: StudyConfig, trial_number: int, storage: str | None, workdir: Path
 ) -> int | None:
-    """The CPU threads trial N trained with (its worker's share of the cores, which a launch
-    sets), or None where its worker recorded none: on a CPU, `train --trial N` with all
-    the cores summed in another order and its values differed from epoch 1 on (QA)."""
-    from hpsearch.query import reading_study
-    from hpsearch.worker import ATTR_THREADS
-
-    with reading_study(cfg.name, storage, workdir) as study:
-        threads = _trial(study, trial_number).user_attrs.get(ATTR_THREADS)
-    return threads if isinstance(threads, int) and threads > 0 else None
+    """The CPU threads trial N trained with (`_threads_of`)."""
+    return _threads_of(_stored_trial(cfg, trial_number, storage, workdir)[0])
 
 
-def trial_study_uid(
+def _stored_trial(
     cfg: StudyConfig, trial_number: int, storage: str | None, workdir: Path
-) -> str | None:
-    """The uid (`study.study_uid`) of the study trial N is of, which `train --trial N`'s run
-    carries as that study's runs do; None for a study that has none yet."""
+) -> tuple[FrozenTrial, str | None]:
+    """Trial N of the study, and the study's uid (`study.study_uid`; None before it has
+    one), in one read."""
     from hpsearch.query import reading_study
     from hpsearch.study import study_uid
 
     with reading_study(cfg.name, storage, workdir) as study:
-        _trial(study, trial_number)
-        return study_uid(study)
+        return _trial(study, trial_number), study_uid(study)
+
+
+def _seed_of(cfg: StudyConfig, trial: FrozenTrial) -> int:
+    """`trainer.seed` plus the trial's retry chain's first trial's number, as its worker
+    gave it (`train --trial N` with the study's seed was another run: its values differed
+    from the trial's from the first epoch on)."""
+    from hpsearch.worker import root_trial_number
+
+    return int(cfg.trainer.seed) + root_trial_number(trial)
+
+
+def _threads_of(trial: FrozenTrial) -> int | None:
+    """The CPU threads the trial trained with (its worker's share of the cores, which a
+    launch sets), or None where its worker recorded none: on a CPU, `train --trial N` with
+    all the cores summed in another order and its values differed from epoch 1 on (QA)."""
+    from hpsearch.worker import ATTR_THREADS
+
+    threads = trial.user_attrs.get(ATTR_THREADS)
+    return threads if isinstance(threads, int) and threads > 0 else None
 
 
 def trial_params(trial: FrozenTrial, cfg: StudyConfig) -> dict[str, Any]:
@@ -398,17 +402,15 @@ def run_fixed(
     from hpsearch.trainer import TrainOptions, train
     from hpsearch.trainer.trial import ENDED_FOR_GOOD, best_model_path_for
 
-    params = fixed_params(cfg, params_json, trial_number, storage, workdir)
-    threads = None
+    threads, uid = None, None
     if trial_number is not None and params_json is None:
-        if seed is None:
-            seed = trial_seed(cfg, trial_number, storage, workdir)
-        threads = trial_threads(cfg, trial_number, storage, workdir)
-    uid = (
-        trial_study_uid(cfg, trial_number, storage, workdir)
-        if trial_number is not None and tracking_uri is not None
-        else None
-    )
+        # Its params, seed, threads and study uid in one read of the study (was four).
+        trial, uid = _stored_trial(cfg, trial_number, storage, workdir)
+        params = trial_params(trial, cfg)
+        seed = _seed_of(cfg, trial) if seed is None else seed
+        threads = _threads_of(trial)
+    else:
+        params = fixed_params(cfg, params_json, trial_number, storage, workdir)
     label = f"trial-{trial_number}" if trial_number is not None else "fixed"
     run = None
     if tracking_uri is not None:
