@@ -1271,16 +1271,13 @@ def train(study: str, overrides: tuple[str, ...], data_dir: str | None, download
         # No model to use: a script took exit 0 for a trained one (QA). (In a study, such
         # a trial is told PRUNED and the search goes on.)
         raise click.ClickException(f"the run {result.stop_reason}: {result.message or 'no model'}")
-    if (
-        result is not None
-        and result.best_model_path is None
-        and cfg.trainer.checkpoint
-        and "not saved: " in (result.message or "")
-    ):
+    from hpsearch.trainer.types import NO_ROOM, unsaved_note
+
+    note = unsaved_note(result.message) if result is not None else None
+    if result is not None and result.best_model_path is None and note is not None:
         # Trained, its best model's write failed (a full disk): no model to use (QA: exit 0).
-        note = result.message[result.message.index("not saved: ") :]
         err = click.ClickException(f"the run trained, and kept no model: {note}")
-        if any(w in note for w in ("no space left on device", "disk quota exceeded", "read-only")):
+        if any(words in note for words in NO_ROOM):
             err.exit_code = EXIT_DISK_FULL
         raise err
 

@@ -604,11 +604,12 @@ def lost_model_note(trial: FrozenTrial) -> str:
     """A line for the study's best trial when its best-model file was not written (its last
     write found the disk full: the value stands, `not saved: ...` in its message), else ''.
     QA: the launch ended `done`, and only `load_best_model` said there was no model."""
+    from hpsearch.trainer.types import unsaved_note
+
     attrs = trial.user_attrs
-    message = str(attrs.get(ATTR_MESSAGE, ""))
-    if ATTR_BEST_MODEL in attrs or ATTR_CHECKPOINT_URI in attrs or "not saved: " not in message:
+    why = unsaved_note(str(attrs.get(ATTR_MESSAGE, "")))
+    if ATTR_BEST_MODEL in attrs or ATTR_CHECKPOINT_URI in attrs or why is None:
         return ""
-    why = message[message.index("not saved: ") :]
     return (
         f"trial {trial.number}, the study's best, kept no model ({why}): with room on the "
         f"disk, `hpsearch train --trial {trial.number}` trains it again"

@@ -489,10 +489,10 @@ def config_drift(cfg: StudyConfig, stored_yaml: str) -> list[str]:
 
 
 def other_configs(trials: Sequence[FrozenTrial], known: Collection[str]) -> dict[str, int]:
-    """The config ids (CONFIG_ID_ATTR) of `trials` that are not in `known`, each with its
-    first trial's number."""
+    """The config ids (CONFIG_ID_ATTR) of `trials` (in number order, as Optuna gives them)
+    that are not in `known`, each with its first trial's number."""
     found: dict[str, int] = {}
-    for t in sorted(trials, key=lambda t: t.number):
+    for t in trials:
         cid = t.user_attrs.get(CONFIG_ID_ATTR)
         if isinstance(cid, str) and cid not in known and cid not in found:
             found[cid] = t.number

@@ -519,6 +519,8 @@ def _file_lock(path: Path) -> Iterator[None]:
     except OSError as exc:
         if exc.errno not in _DISK_ERRNOS:
             raise
+        fh = None
+    if fh is None:
         # A full disk (no inode left): the write will fail and say so; the decode goes on
         # unlocked (two processes may both decode: no harm).
         yield

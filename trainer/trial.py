@@ -46,6 +46,8 @@ from hpsearch.trainer.optim import (
     warmup_steps,
 )
 from hpsearch.trainer.types import (
+    NO_ROOM,
+    NOT_SAVED,
     CheckpointError,
     EpochRecord,
     Report,
@@ -475,14 +477,14 @@ def _no_room(exc: BaseException, folder: Path, obj: Any) -> str | None:
         free, read_only = None, False
     if isinstance(exc, OSError):
         if exc.errno == errno.EROFS:
-            return "its disk is read-only"
+            return NO_ROOM[2]
         if exc.errno not in _NO_ROOM_ERRNOS:
             return None
-        what = "disk quota exceeded" if exc.errno == errno.EDQUOT else "no space left on device"
+        what = NO_ROOM[1] if exc.errno == errno.EDQUOT else NO_ROOM[0]
     elif read_only:
-        return "its disk is read-only"
+        return NO_ROOM[2]
     elif free is not None and free < need + (1 << 20):
-        what = "no space left on device"
+        what = NO_ROOM[0]
     else:
         return None
     shown = "?" if free is None else str(free >> 20)
@@ -673,7 +675,7 @@ def train(
         full = isinstance(write_error, DiskFullError)
         reason = str(write_error).split(": not written: ")[-1] if full else None
         reason = reason or write_error.__cause__ or write_error
-        note = f"not saved: {failed.name if failed else 'a checkpoint'} ({reason})"
+        note = f"{NOT_SAVED}{failed.name if failed else 'a checkpoint'} ({reason})"
         if (
             failed is not None
             and failed == run.best_model_path

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "NOT_SAVED",
+    "NO_ROOM",
     "RESOURCE_ERROR_MARKERS",
     "CheckpointError",
     "EpochRecord",
@@ -24,7 +26,21 @@ __all__ = [
     "WarmCache",
     "is_resource_error",
     "resource_error_cause",
+    "unsaved_note",
 ]
+
+# A trial's message says so of a write of its end that failed (its result stands, without
+# that file): `not saved: <file> (<why>)`.
+NOT_SAVED = "not saved: "
+# The words `atomic_save` gives a write that found no room: a full disk, a quota, read-only.
+NO_ROOM = ("no space left on device", "disk quota exceeded", "its disk is read-only")
+
+
+def unsaved_note(message: str | None) -> str | None:
+    """The `not saved: ...` part of a trial's message, or None."""
+    at = (message or "").find(NOT_SAVED)
+    return None if at < 0 or message is None else message[at:]
+
 
 # What CUDA and its libraries raise, as RuntimeError, when a batch needs more memory or
 # workspace than the device has: out of memory in the allocator or a library's own
